@@ -1,0 +1,82 @@
+"""The handler contract shared by every backend.
+
+A handler is created once per worker process, after fork, and then called once per
+job with the original's bytes. It returns one `DerivedVariant` per configured variant,
+in the configured order, or raises an outcome from `supervisor.outcomes`:
+`UnsupportedContent`, `CorruptContent`, `ResourceLimit` (permanent) or `Transient`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Protocol
+
+from supervisor.outcomes import (  # re-exported for third-party handlers
+    CorruptContent,
+    Permanent,
+    ResourceLimit,
+    Transient,
+    UnsupportedContent,
+)
+
+__all__ = [
+    "CorruptContent",
+    "DeriveSpec",
+    "DerivedVariant",
+    "Handler",
+    "Permanent",
+    "ResourceLimit",
+    "Transient",
+    "UnsupportedContent",
+    "VariantSpec",
+]
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """One output: `name` (a key segment, e.g. `thumb`) and its long edge in pixels."""
+
+    name: str
+    long_edge: int
+
+
+@dataclass(frozen=True)
+class DeriveSpec:
+    """Everything a handler needs from `[derive]`, already validated."""
+
+    variants: tuple[VariantSpec, ...]
+    quality: int = 80
+    effort: int = 4
+    max_input_bytes: int = 50 * 1024 * 1024
+    max_pixels: int = 100_000_000
+    max_frames: int = 100
+    concurrency: int = 1
+
+
+@dataclass(frozen=True)
+class DerivedVariant:
+    name: str
+    data: bytes
+    width: int
+    height: int
+    sha256: str
+    content_type: str = "image/webp"
+
+    @classmethod
+    def of(cls, name: str, data: bytes, width: int, height: int) -> DerivedVariant:
+        return cls(name, data, width, height, hashlib.sha256(data).hexdigest())
+
+
+class Handler(Protocol):
+    """What the worker calls. `name` is the registry name (`vips`, `pillow`, ...)."""
+
+    name: str
+
+    def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]: ...
+
+
+def target_size(width: int, height: int, long_edge: int) -> tuple[int, int]:
+    """Fit (width, height) into a box of `long_edge`, never upscaling; both sides >= 1."""
+    scale = min(1.0, long_edge / max(width, height))
+    return max(1, round(width * scale)), max(1, round(height * scale))

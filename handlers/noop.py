@@ -1,0 +1,15 @@
+"""`noop`: derives nothing and lets the job commit `ready`; it measures the queue itself."""
+
+from __future__ import annotations
+
+from handlers.base import DerivedVariant, DeriveSpec
+
+
+class NoopHandler:
+    name = "noop"
+
+    def __init__(self, spec: DeriveSpec | None = None) -> None:
+        self.spec = spec
+
+    def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
+        return []

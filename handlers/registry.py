@@ -1,0 +1,59 @@
+"""Find a handler by name: built-ins first, then the `derivd.handlers` entry points.
+
+Built-ins are imported lazily so that nothing image-related (libvips above all) is
+loaded before the supervisor forks.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+from handlers.base import DeriveSpec, Handler
+
+ENTRY_POINT_GROUP = "derivd.handlers"
+
+BUILTIN: dict[str, str] = {
+    "vips": "handlers.vips:VipsHandler",
+    "pillow": "handlers.pillow:PillowHandler",
+    "noop": "handlers.noop:NoopHandler",
+}
+
+
+class UnknownHandler(LookupError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown handler {name!r}; known: {', '.join(known_handlers())}")
+        self.name = name
+
+
+def known_handlers() -> list[str]:
+    plugins = [ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)]
+    return sorted(set(BUILTIN) | set(plugins))
+
+
+def _load_target(target: str) -> Callable[..., Any]:
+    module_name, _, attr = target.partition(":")
+    obj: Callable[..., Any] = getattr(importlib.import_module(module_name), attr)
+    return obj
+
+
+def handler_factory(name: str) -> Callable[..., Any]:
+    """The class (or factory) registered under `name`, without instantiating it."""
+    if name in BUILTIN:
+        return _load_target(BUILTIN[name])
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            factory: Callable[..., Any] = ep.load()
+            return factory
+    raise UnknownHandler(name)
+
+
+def create_handler(name: str, spec: DeriveSpec) -> Handler:
+    """Instantiate the handler `name` for `spec`. Call only in a worker, after fork.
+
+    A factory receives the `DeriveSpec` once, to set up per-process state (libvips
+    concurrency and cache, Pillow limits); `derive` receives it again on every job.
+    """
+    handler: Handler = handler_factory(name)(spec)
+    return handler
