@@ -1,0 +1,311 @@
+-- Every query derivd runs. Blocks start with `-- name: <name>`; the comment lines that
+-- follow say what the query is for. Parameters are psycopg named placeholders. Only
+-- supervisor/queue.py executes these; nothing else in derivd builds SQL.
+
+-- name: migrations_lock
+-- Serialise `derivd migrate` across hosts: a transaction-scoped advisory lock.
+SELECT pg_advisory_xact_lock(hashtext('derivd.migrate'));
+
+-- name: migrations_table
+-- The ledger of applied migrations.
+CREATE TABLE IF NOT EXISTS derivd_migrations (
+    name       text PRIMARY KEY,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: migrations_applied
+SELECT name FROM derivd_migrations ORDER BY name;
+
+-- name: migrations_record
+INSERT INTO derivd_migrations (name) VALUES (%(name)s);
+
+-- name: enqueue
+-- Queue confirmed originals (key and version already stored). Returns the new ids in order.
+INSERT INTO archive_files (status, original_key, original_version)
+SELECT 'queued', k, v
+  FROM unnest(%(keys)s::text[], %(versions)s::text[]) WITH ORDINALITY AS t(k, v, n)
+ ORDER BY n
+RETURNING id;
+
+-- name: claim
+-- Lease one claimable row: an expired lease still under the attempt cap first (its worker
+-- died), else the oldest queued row that is due. One statement, committed before any
+-- work starts; times are the database's; a fresh token fences out every older attempt.
+-- wait_s is how long the row had been claimable (queue wait).
+WITH expired AS (
+    SELECT id, lease_until AS claimable_since
+      FROM archive_files
+     WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
+     ORDER BY lease_until
+     LIMIT 1
+       FOR UPDATE SKIP LOCKED
+), due AS (
+    -- Only looked at (and locked) when no expired lease was found.
+    SELECT id, available_at AS claimable_since
+      FROM archive_files
+     WHERE status = 'queued' AND available_at <= now()
+       AND NOT EXISTS (SELECT 1 FROM expired)
+     ORDER BY available_at, id
+     LIMIT 1
+       FOR UPDATE SKIP LOCKED
+), candidate AS (
+    SELECT id, claimable_since FROM expired
+    UNION ALL
+    SELECT id, claimable_since FROM due
+)
+UPDATE archive_files AS f
+   SET status = 'processing',
+       lease_token = gen_random_uuid(),
+       lease_until = now() + make_interval(secs => %(lease_s)s),
+       attempts = f.attempts + 1,
+       claimed_at = now(),
+       updated_at = now()
+  FROM candidate AS c
+ WHERE f.id = c.id
+RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
+          extract(epoch FROM now() - c.claimable_since)::float8 AS wait_s;
+
+-- name: register_pending
+-- Write-ahead: the keys an attempt is about to PUT, so a crash leaves a trail to sweep.
+INSERT INTO pending_objects (key, file_id, lease_token)
+SELECT k, %(id)s, %(token)s FROM unnest(%(keys)s::text[]) AS k
+ON CONFLICT (key) DO NOTHING;
+
+-- name: commit
+-- The fenced commit: id + token + status. Records the variants, clears the attempt's
+-- write-ahead entries and appends the event in the same transaction. When the fence
+-- fails, nothing changes but a `lease_lost` event. Returns committed = 0 or 1.
+WITH done AS (
+    UPDATE archive_files
+       SET status = 'ready',
+           derived_key = %(derived_key)s,
+           derived_version = %(derived_version)s,
+           sha256 = %(sha256)s,
+           width = %(width)s,
+           height = %(height)s,
+           error_code = NULL,
+           lease_token = NULL,
+           lease_until = NULL,
+           finished_at = now(),
+           updated_at = now()
+     WHERE id = %(id)s AND lease_token = %(token)s AND status = 'processing'
+    RETURNING id, attempts
+), variants AS (
+    INSERT INTO archive_variants (file_id, name, key, version, sha256, width, height, lease_token)
+    SELECT d.id, v.name, v.key, v.version, v.sha256, v.width, v.height, %(token)s
+      FROM done AS d,
+           jsonb_to_recordset(%(variants)s::jsonb)
+               AS v(name text, key text, version text, sha256 text, width int, height int)
+    ON CONFLICT (file_id, name) DO UPDATE
+       SET key = EXCLUDED.key, version = EXCLUDED.version, sha256 = EXCLUDED.sha256,
+           width = EXCLUDED.width, height = EXCLUDED.height,
+           lease_token = EXCLUDED.lease_token, created_at = now()
+    RETURNING 1
+), registered AS (
+    DELETE FROM pending_objects
+     WHERE lease_token = %(token)s AND EXISTS (SELECT 1 FROM done)
+    RETURNING 1
+), ready_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+    SELECT id, 'ready', attempts, %(token)s FROM done
+    RETURNING 1
+), lost_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+    SELECT %(id)s, 'lease_lost', %(attempt)s, %(token)s
+     WHERE NOT EXISTS (SELECT 1 FROM done)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM done)::int AS committed;
+
+-- name: fail
+-- The fenced failure. retry = true: back to `queued` after delay_s unless the attempts
+-- are used up; retry = false (content errors): `rejected` at once. `code` is the final
+-- error code if the row is rejected now. `extra_event` (e.g. 'timeout') is appended too.
+-- Returns the new status, or no row when the fence failed (a `lease_lost` event is
+-- appended instead).
+WITH done AS (
+    UPDATE archive_files
+       SET status = CASE WHEN %(retry)s AND attempts < %(max_attempts)s
+                         THEN 'queued' ELSE 'rejected' END,
+           error_code = CASE WHEN %(retry)s AND attempts < %(max_attempts)s
+                             THEN NULL ELSE %(code)s END,
+           available_at = CASE WHEN %(retry)s AND attempts < %(max_attempts)s
+                               THEN now() + make_interval(secs => %(delay_s)s)
+                               ELSE available_at END,
+           finished_at = CASE WHEN %(retry)s AND attempts < %(max_attempts)s
+                              THEN NULL ELSE now() END,
+           lease_token = NULL,
+           lease_until = NULL,
+           updated_at = now()
+     WHERE id = %(id)s AND lease_token = %(token)s AND status = 'processing'
+    RETURNING id, attempts, status, error_code
+), outcome_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+    SELECT id, CASE status WHEN 'queued' THEN 'retry' ELSE 'rejected' END,
+           attempts, %(token)s, coalesce(error_code, %(code)s)
+      FROM done
+    RETURNING 1
+), extra_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+    SELECT id, %(extra_event)s, attempts, %(token)s, %(code)s
+      FROM done
+     WHERE %(extra_event)s::text IS NOT NULL
+    RETURNING 1
+), lost_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+    SELECT %(id)s, 'lease_lost', %(attempt)s, %(token)s
+     WHERE NOT EXISTS (SELECT 1 FROM done)
+    RETURNING 1
+)
+SELECT status, error_code FROM done;
+
+-- name: release
+-- Give a job back during shutdown without burning its attempt (fenced).
+WITH done AS (
+    UPDATE archive_files
+       SET status = 'queued',
+           attempts = greatest(attempts - 1, 0),
+           available_at = now(),
+           lease_token = NULL,
+           lease_until = NULL,
+           updated_at = now()
+     WHERE id = %(id)s AND lease_token = %(token)s AND status = 'processing'
+    RETURNING id, attempts
+), released_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+    SELECT id, 'released', attempts + 1, %(token)s FROM done
+    RETURNING 1
+)
+SELECT count(*)::int AS released FROM done;
+
+-- name: reject_exhausted
+-- Rows whose worker died on their last allowed attempt: reject instead of reclaiming, so
+-- a file that crashes its worker every time stops after max_attempts runs.
+WITH expired AS (
+    SELECT id, lease_token
+      FROM archive_files
+     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
+     ORDER BY lease_until
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), done AS (
+    UPDATE archive_files AS f
+       SET status = 'rejected',
+           error_code = 'attempts_exhausted',
+           lease_token = NULL,
+           lease_until = NULL,
+           finished_at = now(),
+           updated_at = now()
+      FROM expired AS e
+     WHERE f.id = e.id
+    RETURNING f.id, f.attempts, e.lease_token
+), exhausted_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+    SELECT id, 'exhausted', attempts, lease_token, 'attempts_exhausted' FROM done
+    RETURNING 1
+)
+SELECT id FROM done;
+
+-- name: orphans_due
+-- Objects written by attempts that never committed, older than the guard, and whose
+-- attempt can no longer commit (its token is not a live lease).
+SELECT p.key
+  FROM pending_objects AS p
+ WHERE p.created_at < now() - make_interval(secs => %(guard_s)s)
+   AND NOT EXISTS (SELECT 1 FROM archive_files AS f
+                    WHERE f.lease_token = p.lease_token AND f.status = 'processing')
+ ORDER BY p.created_at
+ LIMIT %(limit)s;
+
+-- name: forget_orphans
+DELETE FROM pending_objects WHERE key = ANY(%(keys)s::text[]);
+
+-- name: request_delete
+-- Deletion revokes the lease: a running attempt can no longer commit or fail the row.
+WITH done AS (
+    UPDATE archive_files
+       SET status = 'deleting', lease_token = NULL, lease_until = NULL, updated_at = now()
+     WHERE id = ANY(%(ids)s::bigint[]) AND status NOT IN ('deleting', 'deleted')
+    RETURNING id, attempts
+), requested_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, actor)
+    SELECT id, 'delete_requested', attempts, %(actor)s FROM done
+    RETURNING 1
+)
+SELECT id FROM done ORDER BY id;
+
+-- name: deletions_due
+-- Rows in `deleting` for longer than the guard, with the keys the cleaner must remove.
+SELECT id, original_key
+  FROM archive_files
+ WHERE status = 'deleting' AND updated_at < now() - make_interval(secs => %(guard_s)s)
+ ORDER BY updated_at
+ LIMIT %(limit)s;
+
+-- name: mark_deleted
+WITH done AS (
+    UPDATE archive_files
+       SET status = 'deleted', finished_at = now(), updated_at = now(),
+           derived_key = NULL, derived_version = NULL
+     WHERE id = %(id)s AND status = 'deleting'
+    RETURNING id, attempts
+), gone AS (
+    DELETE FROM archive_variants WHERE file_id = %(id)s AND EXISTS (SELECT 1 FROM done)
+    RETURNING 1
+), forgotten AS (
+    DELETE FROM pending_objects WHERE file_id = %(id)s AND EXISTS (SELECT 1 FROM done)
+    RETURNING 1
+), deleted_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt) SELECT id, 'deleted', attempts FROM done
+    RETURNING 1
+)
+SELECT count(*)::int AS deleted FROM done;
+
+-- name: operator_retry
+-- Operator's retry: rejected rows (by id, or all, optionally of one code) go back to
+-- `queued` with their attempts reset; who did it goes to the events.
+WITH done AS (
+    UPDATE archive_files
+       SET status = 'queued', attempts = 0, error_code = NULL, available_at = now(),
+           finished_at = NULL, updated_at = now()
+     WHERE status = 'rejected'
+       AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+       AND (%(code)s::text IS NULL OR error_code = %(code)s::text)
+    RETURNING id
+), retry_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, actor)
+    SELECT id, 'operator_retry', 0, %(actor)s FROM done
+    RETURNING 1
+)
+SELECT id FROM done ORDER BY id;
+
+-- name: queue_stats
+-- Queue health in one round trip. Counts per status read the whole table once; the
+-- other signals use the partial claim indexes.
+SELECT
+    (SELECT coalesce(jsonb_object_agg(status, n), '{}'::jsonb)
+       FROM (SELECT status, count(*) AS n FROM archive_files GROUP BY status) AS s
+    ) AS counts,
+    (SELECT extract(epoch FROM now() - min(available_at))::float8
+       FROM archive_files WHERE status = 'queued' AND available_at <= now()
+    ) AS oldest_claimable_age_s,
+    (SELECT count(*) FROM archive_files
+      WHERE status = 'processing' AND lease_until < now()
+    )::int AS expired_leases;
+
+-- name: event_counts
+-- How many events of each kind (lease_lost, timeout, ...) since the given time.
+SELECT kind, count(*)::int AS n
+  FROM archive_events
+ WHERE at >= %(since)s
+ GROUP BY kind;
+
+-- name: file_row
+SELECT id, status, attempts, available_at, lease_token, lease_until, original_key,
+       original_version, derived_key, derived_version, sha256, width, height, error_code,
+       created_at, claimed_at, finished_at
+  FROM archive_files WHERE id = %(id)s;
+
+-- name: file_variants
+SELECT name, key, version, sha256, width, height
+  FROM archive_variants WHERE file_id = %(id)s ORDER BY name;

@@ -1,0 +1,267 @@
+"""The queue protocol: the only module that runs SQL (every query lives in `sql/`).
+
+Claim, fenced commit, fenced failure and fenced release, plus the maintenance and
+operator queries. Each method is one statement in autocommit mode, so a claim is
+committed before any work starts and no transaction is ever held across work.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, LiteralString
+
+import psycopg
+from psycopg.rows import dict_row
+
+from supervisor.outcomes import ErrorCode, Transient
+from supervisor.sqlfiles import migrations, queries
+
+
+class DatabaseUnavailable(Transient):
+    """The database could not be reached or dropped the connection: retry later."""
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    token: uuid.UUID
+    attempt: int
+    original_key: str
+    original_version: str | None
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class StoredVariant:
+    name: str
+    key: str
+    version: str
+    sha256: str
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    counts: dict[str, int]
+    oldest_claimable_age_s: float | None
+    expired_leases: int
+
+    @property
+    def rejected_ratio(self) -> float:
+        finished = sum(self.counts.get(s, 0) for s in ("ready", "rejected"))
+        return self.counts.get("rejected", 0) / finished if finished else 0.0
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of a driver error: enough to act on, no multi-line dumps."""
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def connect(dsn: str, *, application_name: str = "derivd") -> psycopg.Connection[Any]:
+    """Open an autocommit connection, or raise DatabaseUnavailable with one line."""
+    try:
+        return psycopg.connect(
+            dsn,
+            autocommit=True,
+            application_name=application_name,
+            connect_timeout=10,
+        )
+    except psycopg.OperationalError as error:
+        raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
+
+
+def _q(name: str) -> LiteralString:
+    # The queries come from our own package data, never from input: they are literal.
+    query: LiteralString = queries()[name]  # type: ignore[assignment]
+    return query
+
+
+def migrate(dsn: str) -> list[str]:
+    """Apply pending migrations in order, in one transaction, under an advisory lock.
+
+    Safe to run from two hosts at once: the second waits for the lock, then finds
+    nothing left to do. Returns the names it applied.
+    """
+    applied: list[str] = []
+    with connect(dsn, application_name="derivd-migrate") as conn:
+        conn.autocommit = False
+        with conn.transaction():
+            conn.execute(_q("migrations_lock"))
+            conn.execute(_q("migrations_table"))
+            done = {row[0] for row in conn.execute(_q("migrations_applied"))}
+            for migration in migrations():
+                if migration.name in done:
+                    continue
+                conn.execute(migration.sql)  # type: ignore[arg-type]  # package data
+                conn.execute(_q("migrations_record"), {"name": migration.name})
+                applied.append(migration.name)
+    return applied
+
+
+class QueueDB:
+    """One worker's (or one command's) handle on the queue tables."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+
+    @classmethod
+    def open(cls, dsn: str, *, role: str = "derivd") -> QueueDB:
+        return cls(connect(dsn, application_name=f"{role}@{socket.gethostname()}"))
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> QueueDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _cursor(self) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
+        try:
+            with self.conn.cursor(row_factory=dict_row) as cur:
+                yield cur
+        except psycopg.OperationalError as error:
+            raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
+
+    def _all(self, name: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        with self._cursor() as cur:
+            cur.execute(_q(name), params or {})
+            return cur.fetchall() if cur.description else []
+
+    def _one(self, name: str, params: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        rows = self._all(name, params)
+        return rows[0] if rows else None
+
+    # -- the lease protocol ------------------------------------------------------------
+
+    def claim(self, *, lease_s: float, max_attempts: int) -> Job | None:
+        row = self._one("claim", {"lease_s": lease_s, "max_attempts": max_attempts})
+        if row is None:
+            return None
+        return Job(
+            id=row["id"],
+            token=row["lease_token"],
+            attempt=row["attempts"],
+            original_key=row["original_key"],
+            original_version=row["original_version"],
+            wait_s=max(0.0, row["wait_s"] or 0.0),
+        )
+
+    def register_pending(self, job: Job, keys: Sequence[str]) -> None:
+        self._all("register_pending", {"id": job.id, "token": job.token, "keys": list(keys)})
+
+    def commit(self, job: Job, variants: Sequence[StoredVariant]) -> bool:
+        """Make the attempt's result official. False means the lease was lost."""
+        primary = variants[0] if variants else None
+        row = self._one(
+            "commit",
+            {
+                "id": job.id,
+                "token": job.token,
+                "attempt": job.attempt,
+                "derived_key": primary.key if primary else None,
+                "derived_version": primary.version if primary else None,
+                "sha256": primary.sha256 if primary else None,
+                "width": primary.width if primary else None,
+                "height": primary.height if primary else None,
+                "variants": json.dumps([v.__dict__ for v in variants]),
+            },
+        )
+        return bool(row and row["committed"])
+
+    def fail(
+        self,
+        job: Job,
+        *,
+        retry: bool,
+        code: ErrorCode,
+        max_attempts: int,
+        delay_s: float = 0.0,
+        extra_event: str | None = None,
+    ) -> str | None:
+        """Fenced failure. Returns the row's new status, or None when the lease was lost."""
+        row = self._one(
+            "fail",
+            {
+                "id": job.id,
+                "token": job.token,
+                "attempt": job.attempt,
+                "retry": retry,
+                "code": code,
+                "max_attempts": max_attempts,
+                "delay_s": delay_s,
+                "extra_event": extra_event,
+            },
+        )
+        return None if row is None else str(row["status"])
+
+    def release(self, job: Job) -> bool:
+        """Give the job back without burning its attempt. False: the lease was lost."""
+        row = self._one("release", {"id": job.id, "token": job.token})
+        return bool(row and row["released"])
+
+    # -- maintenance -------------------------------------------------------------------
+
+    def reject_exhausted(self, *, max_attempts: int, limit: int = 100) -> list[int]:
+        rows = self._all("reject_exhausted", {"max_attempts": max_attempts, "limit": limit})
+        return [r["id"] for r in rows]
+
+    def orphans_due(self, *, guard_s: float, limit: int = 500) -> list[str]:
+        return [r["key"] for r in self._all("orphans_due", {"guard_s": guard_s, "limit": limit})]
+
+    def forget_orphans(self, keys: Sequence[str]) -> None:
+        self._all("forget_orphans", {"keys": list(keys)})
+
+    def deletions_due(self, *, guard_s: float, limit: int = 100) -> list[tuple[int, str]]:
+        rows = self._all("deletions_due", {"guard_s": guard_s, "limit": limit})
+        return [(r["id"], r["original_key"]) for r in rows]
+
+    def mark_deleted(self, file_id: int) -> bool:
+        row = self._one("mark_deleted", {"id": file_id})
+        return bool(row and row["deleted"])
+
+    # -- producers and operators -------------------------------------------------------
+
+    def enqueue(self, originals: Sequence[tuple[str, str | None]]) -> list[int]:
+        """Queue stored originals given as (key, version id). Returns the new ids."""
+        if not originals:
+            return []
+        keys = [key for key, _ in originals]
+        versions = [version for _, version in originals]
+        return [r["id"] for r in self._all("enqueue", {"keys": keys, "versions": versions})]
+
+    def request_delete(self, ids: Sequence[int], *, actor: str) -> list[int]:
+        return [r["id"] for r in self._all("request_delete", {"ids": list(ids), "actor": actor})]
+
+    def operator_retry(
+        self, *, ids: Sequence[int] | None, code: str | None, actor: str
+    ) -> list[int]:
+        params = {"ids": list(ids) if ids is not None else None, "code": code, "actor": actor}
+        return [r["id"] for r in self._all("operator_retry", params)]
+
+    def queue_stats(self) -> QueueStats:
+        row = self._one("queue_stats") or {}
+        return QueueStats(
+            counts={str(k): int(v) for k, v in (row.get("counts") or {}).items()},
+            oldest_claimable_age_s=row.get("oldest_claimable_age_s"),
+            expired_leases=int(row.get("expired_leases") or 0),
+        )
+
+    def event_counts(self, since: datetime) -> dict[str, int]:
+        return {r["kind"]: r["n"] for r in self._all("event_counts", {"since": since})}
+
+    def file_row(self, file_id: int) -> dict[str, Any] | None:
+        return self._one("file_row", {"id": file_id})
+
+    def file_variants(self, file_id: int) -> list[StoredVariant]:
+        return [StoredVariant(**r) for r in self._all("file_variants", {"id": file_id})]

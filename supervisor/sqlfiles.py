@@ -1,0 +1,41 @@
+"""Load the named query blocks of `sql/queries.sql` and the ordered migrations."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from importlib.resources import files
+
+_NAME = re.compile(r"^--\s*name:\s*([a-z0-9_]+)\s*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Migration:
+    name: str
+    sql: str
+
+
+def parse_blocks(text: str) -> dict[str, str]:
+    """Split `-- name: x` blocks; the text between two headers is the query."""
+    parts = _NAME.split(text)
+    blocks: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        if name in blocks:
+            raise ValueError(f"duplicate query name {name!r} in sql/queries.sql")
+        blocks[name] = body.strip()
+    return blocks
+
+
+@cache
+def queries() -> dict[str, str]:
+    return parse_blocks(files("sql").joinpath("queries.sql").read_text(encoding="utf-8"))
+
+
+def migrations() -> list[Migration]:
+    folder = files("sql").joinpath("migrations")
+    found = [entry for entry in folder.iterdir() if entry.name.endswith(".sql")]
+    return [
+        Migration(entry.name.removesuffix(".sql"), entry.read_text(encoding="utf-8"))
+        for entry in sorted(found, key=lambda e: e.name)
+    ]
