@@ -1,0 +1,578 @@
+"""The embedded PostgreSQL cluster: a private server under the state directory.
+
+Used by the product when `[database] dsn` is empty and by the test suite. Layout, with
+`data_dir = <state>/pgdata`::
+
+    <state>/pgdata          the cluster (owned by the user that runs the server)
+    <state>/sock            private 0700 Unix socket directory
+    <state>/postgres.log    server log (initdb output is appended there too)
+    <state>/pgcluster.lock  flock(2) held while starting or stopping
+
+PostgreSQL refuses to run as root, so when derivd runs as root every server binary runs
+as the `postgres` system user instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import pwd
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Final, Literal
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+SUPERUSER: Final = "derivd"
+DEFAULT_DB: Final = "derivd"
+# Search locations, module-level so tests can point them elsewhere.
+PG_CONFIG: Final = "pg_config"
+SERVER_GLOB_ROOT = Path("/usr/lib/postgresql")
+INSTALL_HINT: Final = (
+    "PostgreSQL server binaries not found (looked in pg_config, PATH, "
+    "/usr/lib/postgresql/*/bin); install them: apt-get install postgresql"
+)
+# sun_path is 108 bytes including the terminating NUL.
+_MAX_SOCKET_PATH: Final = 107
+_SOCKET_NAME_MAX: Final = len("/.s.PGSQL.65535")
+_NO_TCP_PORT: Final = 5432  # only names the socket file when TCP is off
+_START_TIMEOUT_S: Final = 60
+_LOCK_TIMEOUT_S: Final = 120.0
+_CONF_NAME: Final = "derivd.conf"
+
+StopMode = Literal["smart", "fast", "immediate"]
+
+
+class PostgresNotFound(RuntimeError):
+    """No PostgreSQL server binaries on this machine."""
+
+
+class EmbeddedClusterError(RuntimeError):
+    """initdb, pg_ctl or the cluster's set-up failed; the message is one line for humans."""
+
+
+# --------------------------------------------------------------------------- binaries
+
+
+def _has_server(bindir: Path) -> bool:
+    return all(os.access(bindir / name, os.X_OK) for name in ("initdb", "pg_ctl", "postgres"))
+
+
+def _version_key(path: Path) -> tuple[int, ...]:
+    # /usr/lib/postgresql/<version>/bin: "15" or "9.6"; unparsable names sort first.
+    parts = re.findall(r"\d+", path.parent.name)
+    return tuple(int(p) for p in parts) if parts else (-1,)
+
+
+def find_server_bindir() -> Path:
+    """Return the directory holding initdb, pg_ctl and postgres.
+
+    Looks at `pg_config --bindir`, then `initdb` on PATH (symlinks resolved, since
+    /usr/local/bin often holds only a couple of them), then the highest
+    /usr/lib/postgresql/*/bin.
+    """
+    pg_config = shutil.which(PG_CONFIG)
+    if pg_config is not None:
+        try:
+            out = subprocess.run(
+                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        if out and _has_server(Path(out)):
+            return Path(out)
+    initdb = shutil.which("initdb")
+    if initdb is not None:
+        bindir = Path(initdb).resolve().parent
+        if _has_server(bindir):
+            return bindir
+    candidates = sorted(
+        (p for p in SERVER_GLOB_ROOT.glob("*/bin") if _has_server(p)), key=_version_key
+    )
+    if candidates:
+        return candidates[-1]
+    raise PostgresNotFound(INSTALL_HINT)
+
+
+# --------------------------------------------------------------------------- identity
+
+
+@dataclass(frozen=True)
+class _RunAs:
+    """Who runs the server binaries: ourselves, or `postgres` when we are root."""
+
+    uid: int
+    gid: int
+    name: str
+    groups: tuple[int, ...]
+    home: str
+
+    @property
+    def switch(self) -> bool:
+        return self.uid != os.geteuid()
+
+    @classmethod
+    def detect(cls) -> _RunAs:
+        if os.geteuid() != 0:
+            pw = pwd.getpwuid(os.geteuid())
+            return cls(os.geteuid(), os.getegid(), pw.pw_name, tuple(os.getgroups()), pw.pw_dir)
+        try:
+            pw = pwd.getpwnam("postgres")
+        except KeyError:
+            raise EmbeddedClusterError(
+                "running as root, but PostgreSQL refuses root and there is no 'postgres' "
+                "system user to run it as (apt-get install postgresql creates one)"
+            ) from None
+        groups = tuple(sorted(set(os.getgrouplist(pw.pw_name, pw.pw_gid))))
+        return cls(pw.pw_uid, pw.pw_gid, pw.pw_name, groups, pw.pw_dir)
+
+    def can_traverse(self, directory: Path) -> bool:
+        st = directory.stat()
+        if self.uid == 0:
+            return True
+        if st.st_uid == self.uid:
+            return bool(st.st_mode & stat.S_IXUSR)
+        if st.st_gid in self.groups or st.st_gid == self.gid:
+            return bool(st.st_mode & stat.S_IXGRP)
+        return bool(st.st_mode & stat.S_IXOTH)
+
+    def chown(self, path: Path) -> None:
+        if self.switch:
+            os.chown(path, self.uid, self.gid, follow_symlinks=False)
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+def _pick_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _quote_conf(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class EmbeddedCluster:
+    """A private PostgreSQL cluster in `data_dir`, reachable only by its owner.
+
+    `fast=True` trades durability for speed (tests only): no fsync at initdb or at run
+    time, no synchronous commit, no full page writes.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        port: int | None = None,
+        listen_tcp: bool = False,
+        log_file: Path | None = None,
+        fast: bool = False,
+        settings: Mapping[str, str] | None = None,
+        bindir: Path | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir).absolute()
+        self.state_dir = self.data_dir.parent
+        self.listen_tcp = listen_tcp
+        self.log_file = Path(log_file).absolute() if log_file else self.state_dir / "postgres.log"
+        self.fast = fast
+        self.settings = dict(settings or {})
+        self._bindir = bindir
+        self._port_requested = port
+        self._port: int | None = port
+        self._socket_dir = self._choose_socket_dir()
+        self._started_here = False
+        self._run_as: _RunAs | None = None
+
+    # -- public API
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise EmbeddedClusterError(f"cluster in {self.data_dir} has not been started")
+        return self._port
+
+    @property
+    def socket_dir(self) -> Path:
+        return self._socket_dir
+
+    @property
+    def bindir(self) -> Path:
+        if self._bindir is None:
+            self._bindir = find_server_bindir()
+        return self._bindir
+
+    def start(self) -> None:
+        """initdb on first use, start the server (or adopt a running one), create `derivd`."""
+        run_as = self._identity()
+        with self._locked():
+            self._prepare_dirs(run_as)
+            if not (self.data_dir / "PG_VERSION").exists():
+                self._initdb(run_as)
+            if not self._adopt_running():
+                self._start_server(run_as)
+                self._started_here = True
+        self._ensure_database(DEFAULT_DB)
+
+    def stop(self, mode: StopMode = "fast") -> None:
+        """Stop the server if it runs; a no-op otherwise."""
+        if mode not in ("smart", "fast", "immediate"):
+            raise ValueError(f"unknown stop mode {mode!r}")
+        run_as = self._identity()
+        with self._locked():
+            if not self.is_running():
+                return
+            self._run(
+                run_as,
+                [
+                    str(self.bindir / "pg_ctl"),
+                    "stop",
+                    "-D",
+                    str(self.data_dir),
+                    "-m",
+                    mode,
+                    "-w",
+                    "-t",
+                    str(_START_TIMEOUT_S),
+                ],
+                what="pg_ctl stop",
+            )
+        self._started_here = False
+
+    def restart(self) -> None:
+        """Stop and start again on the same port and socket (connections are cut)."""
+        self.stop()
+        self.start()
+
+    def is_running(self) -> bool:
+        fields = self._read_pidfile()
+        return fields is not None and _pid_alive(int(fields[0]))
+
+    def dsn(self, dbname: str = DEFAULT_DB) -> str:
+        host = "127.0.0.1" if self.listen_tcp else str(self._socket_dir)
+        return make_conninfo(host=host, port=str(self.port), user=SUPERUSER, dbname=dbname)
+
+    def create_database(self, name: str, template: str | None = None) -> None:
+        query = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+        if template is not None:
+            query = sql.SQL("{} TEMPLATE {}").format(query, sql.Identifier(template))
+        with self._admin() as conn:
+            conn.execute(query)
+
+    def drop_database(self, name: str) -> None:
+        with self._admin() as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+    def __enter__(self) -> EmbeddedCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # A cluster adopted from another process is left running for its owner.
+        if self._started_here:
+            self.stop()
+
+    def __repr__(self) -> str:
+        return f"EmbeddedCluster({str(self.data_dir)!r}, port={self._port})"
+
+    # -- set-up
+
+    def _identity(self) -> _RunAs:
+        if self._run_as is None:
+            self._run_as = _RunAs.detect()
+        return self._run_as
+
+    def _choose_socket_dir(self) -> Path:
+        preferred = self.state_dir / "sock"
+        if len(os.fsencode(str(preferred))) + _SOCKET_NAME_MAX <= _MAX_SOCKET_PATH:
+            return preferred
+        # Too long for sun_path: a short directory under /tmp, stable per data dir so that
+        # a restart (or another derivd process) finds the same socket.
+        digest = hashlib.sha256(os.fsencode(str(self.data_dir))).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"derivd-pg-{os.geteuid()}-{digest}"
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        # Two derivd processes on one state dir must not both initdb or both start.
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        lock = self.state_dir / "pgcluster.lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            deadline = time.monotonic() + _LOCK_TIMEOUT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                    if time.monotonic() > deadline:
+                        raise EmbeddedClusterError(
+                            f"timed out waiting for {lock} "
+                            "(another derivd is starting or stopping this cluster)"
+                        ) from None
+                    time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)
+
+    def _prepare_dirs(self, run_as: _RunAs) -> None:
+        self._check_traversable(run_as, self.state_dir)
+        self._check_traversable(run_as, self.log_file.parent)
+        self._check_traversable(run_as, self._socket_dir.parent)
+        if not self.data_dir.exists():
+            self.data_dir.mkdir(mode=0o700)
+            run_as.chown(self.data_dir)
+        elif run_as.switch and not (self.data_dir / "PG_VERSION").exists():
+            run_as.chown(self.data_dir)  # an empty dir made by root: hand it over
+        self._prepare_socket_dir(run_as)
+        # The server (not us) appends to the log, and may not be allowed to create it.
+        fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+        run_as.chown(self.log_file)
+
+    def _check_traversable(self, run_as: _RunAs, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        for d in reversed([directory, *directory.parents]):
+            if not run_as.can_traverse(d):
+                raise EmbeddedClusterError(
+                    f"user {run_as.name!r} cannot traverse {d} (needed to reach "
+                    f"{self.data_dir}); chmod o+x {d} or choose another state directory"
+                )
+
+    def _prepare_socket_dir(self, run_as: _RunAs) -> None:
+        # Trust authentication is safe only because nobody but the server's owner (and
+        # root) can enter this directory, hence reach the socket in it. TCP (listen_tcp,
+        # tests only) is open to every local user: never enable it in production.
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self._socket_dir, 0o700)
+            run_as.chown(self._socket_dir)
+        st = os.lstat(self._socket_dir)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != run_as.uid:
+            raise EmbeddedClusterError(
+                f"socket directory {self._socket_dir} is not a directory owned by "
+                f"{run_as.name!r}; remove it and start again"
+            )
+        if st.st_mode & 0o077:
+            os.chmod(self._socket_dir, 0o700)
+
+    def _initdb(self, run_as: _RunAs) -> None:
+        argv = [
+            str(self.bindir / "initdb"),
+            "-D",
+            str(self.data_dir),
+            "--auth=trust",
+            "-U",
+            SUPERUSER,
+            "--encoding=UTF8",
+            "--no-locale",
+        ]
+        if self.fast:
+            argv.append("--no-sync")
+        self._run(run_as, argv, what="initdb", log_output=True)
+        conf = self.data_dir / "postgresql.conf"
+        with conf.open("a", encoding="utf-8") as f:
+            f.write(
+                f"\n# derivd's settings, rewritten at every start\ninclude_if_exists = "
+                f"{_quote_conf(_CONF_NAME)}\n"
+            )
+
+    def _write_conf(self, run_as: _RunAs) -> None:
+        conf: dict[str, str] = {
+            "listen_addresses": _quote_conf("127.0.0.1" if self.listen_tcp else ""),
+            "port": str(self.port),
+            "unix_socket_directories": _quote_conf(str(self._socket_dir)),
+            "unix_socket_permissions": "0700",
+        }
+        if self.fast:
+            conf.update(fsync="off", synchronous_commit="off", full_page_writes="off")
+        conf.update(self.settings)
+        path = self.data_dir / _CONF_NAME
+        path.write_text("".join(f"{k} = {v}\n" for k, v in conf.items()), encoding="utf-8")
+        run_as.chown(path)
+
+    def _read_pidfile(self) -> list[str] | None:
+        try:
+            lines = (self.data_dir / "postmaster.pid").read_text().splitlines()
+        except (FileNotFoundError, PermissionError):
+            return None
+        if len(lines) < 6 or not lines[0].strip().isdigit():
+            return None
+        return lines
+
+    def _adopt_running(self) -> bool:
+        fields = self._read_pidfile()
+        if fields is None or not _pid_alive(int(fields[0])):
+            return False
+        port, sockdir, listen = int(fields[3]), fields[4].strip(), fields[5].strip()
+        if self.listen_tcp and not listen:
+            raise EmbeddedClusterError(
+                f"PostgreSQL already runs in {self.data_dir} without TCP; stop it first"
+            )
+        if self._port_requested is not None and port != self._port_requested:
+            raise EmbeddedClusterError(
+                f"PostgreSQL already runs in {self.data_dir} on port {port}, "
+                f"not {self._port_requested}; stop it first"
+            )
+        self._port = port
+        if sockdir:
+            self._socket_dir = Path(sockdir)
+        return True
+
+    def _start_server(self, run_as: _RunAs) -> None:
+        attempts = 3 if self._port_requested is None and self.listen_tcp else 1
+        for attempt in range(attempts):
+            if self._port is None:
+                self._port = _pick_free_port() if self.listen_tcp else _NO_TCP_PORT
+            self._write_conf(run_as)
+            log_size = self.log_file.stat().st_size
+            try:
+                self._run(
+                    run_as,
+                    [
+                        str(self.bindir / "pg_ctl"),
+                        "start",
+                        "-D",
+                        str(self.data_dir),
+                        "-l",
+                        str(self.log_file),
+                        "-w",
+                        "-t",
+                        str(_START_TIMEOUT_S),
+                    ],
+                    what="pg_ctl start",
+                    new_session=True,  # the terminal's ^C is for derivd, which stops us
+                )
+                return
+            except EmbeddedClusterError:
+                # A port picked by us may have been taken since: pick another.
+                if attempt + 1 < attempts and "already in use" in self._log_since(log_size):
+                    self._port = None
+                    continue
+                raise
+
+    def _ensure_database(self, name: str) -> None:
+        with self._admin() as conn:
+            found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+            if found is None:
+                with contextlib.suppress(psycopg.errors.DuplicateDatabase):
+                    conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+
+    def _admin(self) -> psycopg.Connection[tuple[object, ...]]:
+        return psycopg.connect(self.dsn("postgres"), autocommit=True, connect_timeout=10)
+
+    # -- subprocesses
+
+    def _run(
+        self,
+        run_as: _RunAs,
+        argv: list[str],
+        *,
+        what: str,
+        log_output: bool = False,
+        new_session: bool = False,
+    ) -> None:
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "LC_ALL": "C",
+            "LANG": "C",
+            "HOME": run_as.home,
+            "USER": run_as.name,
+            "LOGNAME": run_as.name,
+        }
+        log_size = self.log_file.stat().st_size if self.log_file.exists() else 0
+        try:
+            proc = subprocess.run(
+                argv,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd="/",
+                timeout=_START_TIMEOUT_S + 30,
+                start_new_session=new_session,
+                check=False,
+                # subprocess drops privileges after fork: setgroups, setgid, setuid.
+                user=run_as.uid if run_as.switch else None,
+                group=run_as.gid if run_as.switch else None,
+                extra_groups=list(run_as.groups) if run_as.switch else None,
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            raise EmbeddedClusterError(f"{what} could not run: {e}; see {self.log_file}") from None
+        if log_output or proc.returncode != 0:
+            with self.log_file.open("a", encoding="utf-8") as f:
+                _append(f, f"--- {what} (exit {proc.returncode})", proc.stdout, proc.stderr)
+        if proc.returncode != 0:
+            reason = (
+                _last_problem(self._log_since(log_size))
+                or _last_problem(proc.stderr)
+                or _last_line(proc.stderr)
+                or _last_line(proc.stdout)
+                or "no output"
+            )
+            raise EmbeddedClusterError(
+                f"{what} failed for {self.data_dir} (exit {proc.returncode}): {reason}; "
+                f"see {self.log_file}"
+            )
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with self.log_file.open("rb") as f:
+                f.seek(offset)
+                return f.read(64 * 1024).decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+
+def _append(f: IO[str], header: str, *chunks: str) -> None:
+    f.write(header + "\n")
+    for chunk in chunks:
+        if chunk:
+            f.write(chunk if chunk.endswith("\n") else chunk + "\n")
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _last_problem(text: str) -> str:
+    lines = [
+        line.strip()
+        for line in text.splitlines()
+        if re.search(r"\b(FATAL|PANIC|ERROR|error)\b|initdb: error", line)
+    ]
+    return lines[-1] if lines else ""
