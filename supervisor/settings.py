@@ -1,0 +1,464 @@
+"""Every setting, declared once: section, name, type, default, validation, one-line doc.
+
+The INI parser, `derivd config check|show` and the example `etc/derivd.ini` all come from
+these declarations. Any setting can also come from the environment as
+`DERIVD_<SECTION>_<KEY>` (e.g. `DERIVD_DATABASE_DSN`), which is how secrets stay out of
+the file.
+"""
+
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from handlers.base import DeriveSpec, VariantSpec
+
+DEFAULT_CONFIG = Path("etc/derivd.ini")
+Check = Callable[[Any], str | None]  # returns a problem, or None when the value is fine
+
+
+def setting(default: Any, doc: str, *, check: Check | None = None, secret: bool = False) -> Any:
+    return field(default=default, metadata={"doc": doc, "check": check, "secret": secret})
+
+
+def positive(value: float) -> str | None:
+    return None if value > 0 else "must be greater than 0"
+
+
+def non_negative(value: float) -> str | None:
+    return None if value >= 0 else "must be 0 or more"
+
+
+def one_of(*choices: str) -> Check:
+    def check(value: str) -> str | None:
+        return None if value in choices else f"must be one of: {', '.join(choices)}"
+
+    return check
+
+
+def in_range(low: int, high: int) -> Check:
+    def check(value: int) -> str | None:
+        return None if low <= value <= high else f"must be between {low} and {high}"
+
+    return check
+
+
+def host_port(value: str) -> str | None:
+    if not value:
+        return None
+    _host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return "must be host:port (e.g. 127.0.0.1:9464), or empty for off"
+    return None
+
+
+def check_handler(value: str) -> str | None:
+    from handlers.registry import known_handlers  # reads entry points, imports no backend
+
+    known = known_handlers()
+    return None if value in known else f"unknown backend {value!r}; known: {', '.join(known)}"
+
+
+_VARIANT = re.compile(r"^([a-z0-9][a-z0-9_-]{0,31}):([0-9]{1,5})$")
+
+
+def parse_variants(text: str) -> tuple[VariantSpec, ...]:
+    """`preview:1600, thumb:320` -> variants in order; names are key segments."""
+    variants: list[VariantSpec] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        match = _VARIANT.match(item)
+        if not match:
+            raise ValueError(f"{item!r} is not name:long_edge (e.g. thumb:320)")
+        name, edge = match.group(1), int(match.group(2))
+        if edge < 1:
+            raise ValueError(f"{item!r}: the long edge must be at least 1 px")
+        if any(v.name == name for v in variants):
+            raise ValueError(f"variant {name!r} is listed twice")
+        variants.append(VariantSpec(name, edge))
+    return tuple(variants)
+
+
+def check_variants(value: str) -> str | None:
+    try:
+        parse_variants(value)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@dataclass(frozen=True)
+class DatabaseSettings:
+    dsn: str = setting(
+        "",
+        "libpq connection string or URL; empty: a private PostgreSQL cluster under state_dir",
+        secret=True,
+    )
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    backend: str = setting(
+        "fs", "where originals and derivatives live: fs or s3", check=one_of("fs", "s3")
+    )
+    root: str = setting("", "fs: the store's directory; empty: <state_dir>/objects")
+    bucket: str = setting("", "s3: bucket name (versioning must be enabled)")
+    endpoint_url: str = setting("", "s3: endpoint for MinIO/Ceph/other S3 APIs; empty: AWS")
+    region: str = setting("", "s3: region; empty: from the AWS environment/profile")
+    prefix: str = setting("", "s3: key prefix inside the bucket, e.g. derivd/")
+
+
+@dataclass(frozen=True)
+class SupervisorSettings:
+    workers: int = setting(0, "worker processes; 0: one per CPU", check=non_negative)
+    job_timeout: float = setting(
+        60.0,
+        "seconds one job may run before its worker is killed (well below the lease)",
+        check=positive,
+    )
+    kill_grace: float = setting(
+        3.0, "seconds between SIGTERM and SIGKILL for a worker past its deadline", check=positive
+    )
+    shutdown_grace: float = setting(
+        30.0,
+        "seconds running jobs get to finish on SIGTERM before they are released",
+        check=non_negative,
+    )
+    max_jobs_per_worker: int = setting(
+        1000, "recycle a worker after this many jobs (with jitter); 0: never", check=non_negative
+    )
+    max_worker_rss_mb: int = setting(
+        1024, "recycle a worker whose RSS exceeds this after a job; 0: never", check=non_negative
+    )
+    pidfile: str = setting("", "write the supervisor's pid here; empty: no pidfile")
+    state_dir: str = setting(
+        "var", "directory for the embedded database, the fs store and runtime files"
+    )
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    lease: float = setting(120.0, "seconds a claim stays valid (database time)", check=positive)
+    max_attempts: int = setting(
+        3, "attempts per file, crashes and timeouts included", check=in_range(1, 100)
+    )
+    retry_base: float = setting(
+        5.0, "first retry delay in seconds; doubles per attempt", check=non_negative
+    )
+    retry_max: float = setting(300.0, "longest retry delay in seconds", check=non_negative)
+    retry_jitter: bool = setting(True, "full jitter: wait a random 0..delay (yes/no)")
+    poll_interval: float = setting(
+        1.0, "seconds between polls when idle (a fallback when listen = yes)", check=positive
+    )
+    listen: bool = setting(True, "wake idle workers with LISTEN/NOTIFY (yes/no)")
+
+
+@dataclass(frozen=True)
+class DeriveSettings:
+    backend: str = setting(
+        "vips", "image backend: vips, pillow, noop or a plugin's name", check=check_handler
+    )
+    variants: str = setting(
+        "preview:1600, thumb:320",
+        "name:long_edge in px, comma-separated; never upscaled",
+        check=check_variants,
+    )
+    quality: int = setting(80, "WebP quality, 1-100", check=in_range(1, 100))
+    effort: int = setting(4, "WebP effort (CPU spent on compression), 0-6", check=in_range(0, 6))
+    max_input_mb: float = setting(50.0, "largest original accepted, in MiB", check=positive)
+    max_pixels: int = setting(
+        100_000_000, "largest width x height x frames decoded", check=positive
+    )
+    max_frames: int = setting(100, "most frames (pages) an original may declare", check=positive)
+    concurrency: int = setting(1, "libvips threads per worker", check=in_range(1, 64))
+
+    def spec(self) -> DeriveSpec:
+        return DeriveSpec(
+            variants=parse_variants(self.variants),
+            quality=self.quality,
+            effort=self.effort,
+            max_input_bytes=int(self.max_input_mb * 1024 * 1024),
+            max_pixels=self.max_pixels,
+            max_frames=self.max_frames,
+            concurrency=self.concurrency,
+        )
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    orphan_guard: float = setting(
+        3600.0,
+        "seconds before an uncommitted object is deleted (must exceed the lease)",
+        check=positive,
+    )
+    delete_guard: float = setting(
+        300.0, "seconds a deleted file's objects are kept before removal", check=non_negative
+    )
+    interval: float = setting(
+        60.0, "seconds between the supervisor's sweeps; 0: off", check=non_negative
+    )
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    listen: str = setting("", "host:port for Prometheus metrics; empty: off", check=host_port)
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    level: str = setting(
+        "info", "debug, info, warning or error", check=one_of("debug", "info", "warning", "error")
+    )
+    format: str = setting(
+        "text", "text or json (one object per line)", check=one_of("text", "json")
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    database: DatabaseSettings = field(default_factory=DatabaseSettings)
+    storage: StorageSettings = field(default_factory=StorageSettings)
+    supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
+    queue: QueueSettings = field(default_factory=QueueSettings)
+    derive: DeriveSettings = field(default_factory=DeriveSettings)
+    sweep: SweepSettings = field(default_factory=SweepSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+    source: str = "(defaults)"
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.supervisor.state_dir).resolve()
+
+    @property
+    def fs_root(self) -> Path:
+        return (
+            Path(self.storage.root).resolve() if self.storage.root else self.state_dir / "objects"
+        )
+
+    @property
+    def worker_count(self) -> int:
+        return self.supervisor.workers or os.cpu_count() or 1
+
+    def replace(self, section: str, **values: Any) -> Config:
+        """A copy with some settings of one section changed (tests, `demo`)."""
+        current = getattr(self, section)
+        return dataclasses.replace(self, **{section: dataclasses.replace(current, **values)})
+
+
+SECTIONS: dict[str, type[Any]] = {
+    f.name: f.default_factory  # type: ignore[misc]
+    for f in fields(Config)
+    if f.name != "source"
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    where: str
+    section: str
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: [{self.section}] {self.key}: {self.message}"
+
+
+class ConfigError(Exception):
+    """One or more bad settings; str() gives one line per problem."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        super().__init__("\n".join(str(p) for p in problems))
+        self.problems = problems
+
+
+_TRUE = {"1", "yes", "true", "on"}
+_FALSE = {"0", "no", "false", "off"}
+
+
+def _convert(kind: type[Any], raw: str) -> Any:
+    text = raw.strip()
+    if kind is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError(f"{raw!r} is not yes/no")
+    if kind is int:
+        try:
+            return int(text.replace("_", ""))
+        except ValueError:
+            raise ValueError(f"{raw!r} is not a whole number") from None
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{raw!r} is not a number") from None
+    return text
+
+
+def _env_name(section: str, key: str) -> str:
+    return f"DERIVD_{section.upper()}_{key.upper()}"
+
+
+def _read_ini(path: Path, problems: list[Problem]) -> dict[str, dict[str, str]]:
+    parser = configparser.ConfigParser(interpolation=None, strict=True)
+    try:
+        with path.open(encoding="utf-8") as handle:
+            parser.read_file(handle)
+    except configparser.Error as error:
+        line = getattr(error, "lineno", None)
+        where = f"{path}:{line}" if line else str(path)
+        problems.append(Problem(where, "-", "-", str(error).splitlines()[0]))
+        return {}
+    return {name: dict(parser.items(name)) for name in parser.sections()}
+
+
+def _section_values(
+    name: str,
+    raw: Mapping[str, str],
+    env: Mapping[str, str],
+    where: str,
+    problems: list[Problem],
+) -> Any:
+    cls = SECTIONS[name]
+    hints = get_type_hints(cls)
+    declared = {f.name: f for f in fields(cls)}
+    for key in raw:
+        if key not in declared:
+            problems.append(
+                Problem(where, name, key, f"unknown setting; known: {', '.join(declared)}")
+            )
+    values: dict[str, Any] = {}
+    for key, spec in declared.items():
+        env_key = _env_name(name, key)
+        source, text = (
+            (f"environment {env_key}", env[env_key]) if env_key in env else (where, raw.get(key))
+        )
+        if text is None:
+            continue
+        try:
+            value = _convert(hints[key], text)
+        except ValueError as error:
+            problems.append(Problem(source, name, key, str(error)))
+            continue
+        check: Check | None = spec.metadata.get("check")
+        problem = check(value) if check else None
+        if problem:
+            problems.append(Problem(source, name, key, problem))
+            continue
+        values[key] = value
+    return cls(**values)
+
+
+def _cross_checks(config: Config, where: str) -> list[Problem]:
+    problems: list[Problem] = []
+    sup, queue = config.supervisor, config.queue
+    # The supervisor must be able to kill a job and record its failure while the lease
+    # is still ours; otherwise a second worker could reclaim a job that is still running.
+    if sup.job_timeout + sup.kill_grace > 0.8 * queue.lease:
+        problems.append(
+            Problem(
+                where,
+                "supervisor",
+                "job_timeout",
+                f"job_timeout + kill_grace ({sup.job_timeout + sup.kill_grace:g}s) must be at most "
+                f"80% of [queue] lease ({0.8 * queue.lease:g}s)",
+            )
+        )
+    if config.sweep.orphan_guard <= queue.lease:
+        problems.append(
+            Problem(
+                where,
+                "sweep",
+                "orphan_guard",
+                f"must exceed [queue] lease ({queue.lease:g}s): live attempts keep their objects",
+            )
+        )
+    if queue.retry_max < queue.retry_base:
+        problems.append(Problem(where, "queue", "retry_max", "must be at least retry_base"))
+    if config.storage.backend == "s3" and not config.storage.bucket:
+        problems.append(Problem(where, "storage", "bucket", "required when backend = s3"))
+    return problems
+
+
+def load_config(
+    path: Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    required: bool = False,
+) -> Config:
+    """Read `path` (default `etc/derivd.ini`) plus `DERIVD_*` overrides and validate all.
+
+    A missing default file means built-in defaults; a missing explicit file is an error.
+    Raises ConfigError listing every problem with file, section and key.
+    """
+    env = os.environ if env is None else env
+    path = path or DEFAULT_CONFIG
+    problems: list[Problem] = []
+    raw: dict[str, dict[str, str]] = {}
+    where = str(path)
+    if path.exists():
+        raw = _read_ini(path, problems)
+    elif required:
+        raise ConfigError([Problem(where, "-", "-", "no such file")])
+    else:
+        where = "(defaults)"
+    for name in raw:
+        if name not in SECTIONS:
+            problems.append(
+                Problem(where, name, "-", f"unknown section; known: {', '.join(SECTIONS)}")
+            )
+    sections = {
+        name: _section_values(name, raw.get(name, {}), env, where, problems) for name in SECTIONS
+    }
+    if problems:
+        raise ConfigError(problems)
+    config = Config(**sections, source=where)
+    problems = _cross_checks(config, where)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _ini_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def render_ini(config: Config | None = None, *, mask_secrets: bool = False) -> str:
+    """The documented INI text of `config` (defaults when None): every setting, its doc."""
+    config = config or Config()
+    lines = [
+        "# derivd configuration. Every setting is shown with its default; durations are",
+        "# seconds. Any setting may instead come from the environment as",
+        "# DERIVD_<SECTION>_<KEY>, e.g. DERIVD_DATABASE_DSN (keep secrets there).",
+        "# Relative paths are relative to the directory derivd is started from.",
+    ]
+    for name in SECTIONS:
+        section = getattr(config, name)
+        lines += ["", f"[{name}]"]
+        for spec in fields(section):
+            value = _ini_value(getattr(section, spec.name))
+            if mask_secrets and spec.metadata.get("secret"):
+                value = mask_dsn(value)
+            lines.append(f"# {spec.metadata['doc']}")
+            lines.append(f"{spec.name} = {value}".rstrip())
+    return "\n".join(lines) + "\n"
+
+
+_PASSWORD_KV = re.compile(r"(password\s*=\s*)(\S+)", re.IGNORECASE)
+_PASSWORD_URL = re.compile(r"(://[^:/@]+:)([^@]+)(@)")
+
+
+def mask_dsn(dsn: str) -> str:
+    """Hide the password of a conninfo string or URL (for logs and `config show`)."""
+    return _PASSWORD_URL.sub(r"\1***\3", _PASSWORD_KV.sub(r"\1***", dsn))
