@@ -7,8 +7,9 @@ loaded before the supervisor forks.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Any
 
 from handlers.base import DeriveSpec, Handler
 

@@ -1,0 +1,44 @@
+"""Format magic shared by the backends, so they classify damaged input the same way.
+
+A library that cannot identify its own format (a TIFF whose IFD was cut off, a PNG with a
+broken IHDR) reports the same thing as for a text file. We tell the two apart from the
+magic number: bytes that start like an accepted format but cannot be read are
+`corrupt_content`; anything else is `unsupported_content`.
+"""
+
+from __future__ import annotations
+
+import struct
+
+_MAGIC: tuple[tuple[bytes, str], ...] = (
+    (b"\xff\xd8\xff", "jpeg"),
+    (b"\x89PNG\r\n\x1a\n", "png"),
+    (b"GIF87a", "gif"),
+    (b"GIF89a", "gif"),
+    (b"II*\x00", "tiff"),
+    (b"MM\x00*", "tiff"),
+)
+# ISO-BMFF brands of the HEIF family (HEIC, AVIF) in the `ftyp` box at offset 4.
+_HEIF_BRANDS = frozenset(
+    {b"heic", b"heix", b"hevc", b"heim", b"heis", b"mif1", b"msf1", b"avif", b"avis"}
+)
+
+
+def accepted_format(data: bytes) -> str | None:
+    """`jpeg`, `png`, `gif`, `webp`, `tiff` or `heif` when the magic matches, else None."""
+    for magic, name in _MAGIC:
+        if data.startswith(magic):
+            return name
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    if data[4:8] == b"ftyp" and data[8:12] in _HEIF_BRANDS:
+        return "heif"
+    return None
+
+
+def gif_screen(data: bytes) -> tuple[int, int] | None:
+    """The GIF logical screen size, which Pillow allocates and libvips may not report."""
+    if accepted_format(data) != "gif" or len(data) < 10:
+        return None
+    width, height = struct.unpack("<HH", data[6:10])
+    return width, height

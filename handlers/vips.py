@@ -1,0 +1,203 @@
+"""`vips`: the libvips backend (pyvips), the default for production.
+
+This is the only module that imports pyvips, and the registry imports it lazily, so libvips
+(its thread pool, its caches) is first touched in a worker after fork.
+
+Per job: sniff the loader from the first bytes (allowlist), read the header only, check the
+limits, then one `thumbnail_buffer` per variant. Thumbnail does shrink-on-load (JPEG DCT
+scaling, WebP/HEIF scaled decode), EXIF autorotation, colour management to sRGB (embedded
+profile, or libvips' built-in CMYK profile for unprofiled CMYK) and 16-bit to 8-bit, and
+streams, so memory stays near one output-sized buffer plus a few scanlines of input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyvips
+
+from handlers.base import (
+    CorruptContent,
+    DerivedVariant,
+    DeriveSpec,
+    ResourceLimit,
+    UnsupportedContent,
+    target_size,
+)
+from handlers.sniff import accepted_format, gif_screen
+
+# The loaders we accept, by nickname (what find_load_buffer reports), and the loader class
+# families to leave unblocked. Everything else libvips could read (svg, matrix, csv, vips,
+# raw, fits, ...) is refused twice: by the allowlist, and by blocking its operation class.
+ALLOWED_LOADERS = frozenset(
+    {
+        "jpegload_buffer",
+        "uhdrload_buffer",  # UltraHDR: a JPEG with a gain map; we keep its SDR base image
+        "pngload_buffer",
+        "gifload_buffer",
+        "webpload_buffer",
+        "tiffload_buffer",
+        "heifload_buffer",  # HEIC and AVIF
+    }
+)
+_ALLOWED_FAMILIES = (
+    "VipsForeignLoadJpeg",
+    "VipsForeignLoadUhdr",
+    "VipsForeignLoadPng",
+    "VipsForeignLoadNsgif",
+    "VipsForeignLoadWebp",
+    "VipsForeignLoadTiff",
+    "VipsForeignLoadHeif",
+)
+
+# EXIF orientations that turn the stored image sideways.
+_SIDEWAYS = frozenset({5, 6, 7, 8})
+
+_CACHE_MAX_MEM = 0  # a worker handles one image at a time: nothing worth caching
+
+
+def configure(concurrency: int) -> None:
+    """Tune libvips for a long-lived worker that derives one image at a time."""
+    # The operation cache would keep decoded originals alive between unrelated jobs.
+    pyvips.cache_set_max(0)
+    pyvips.cache_set_max_mem(_CACHE_MAX_MEM)
+    pyvips.cache_set_max_files(0)
+    pyvips.concurrency_set(max(1, concurrency))
+    # Defence in depth behind the allowlist: no loader outside it can even run.
+    pyvips.block_untrusted_set(True)
+    pyvips.operation_block_set("VipsForeignLoad", True)
+    for family in _ALLOWED_FAMILIES:
+        pyvips.operation_block_set(family, False)
+
+
+def sniff_loader(original: bytes) -> str:
+    """The nickname of the libvips loader for these bytes, or UnsupportedContent.
+
+    `vips_foreign_find_load_buffer` only runs each loader's magic-number test; nothing is
+    parsed beyond the first bytes.
+    """
+    if not original:
+        raise UnsupportedContent("empty input")
+    found = pyvips.vips_lib.vips_foreign_find_load_buffer(original, len(original))
+    if found == pyvips.ffi.NULL:
+        pyvips.vips_lib.vips_error_clear()
+        if accepted_format(original):
+            raise CorruptContent("accepted format by its magic, but unreadable")
+        raise UnsupportedContent("not a recognised image format")
+    class_name = pyvips.ffi.string(found).decode()
+    nickname: str = pyvips.nickname_find(pyvips.type_from_name(class_name))
+    if nickname not in ALLOWED_LOADERS:
+        raise UnsupportedContent(f"format not accepted ({nickname})")
+    return nickname
+
+
+class Header:
+    """What the limits need, read without decoding pixels."""
+
+    def __init__(self, image: Any, original: bytes) -> None:
+        self.width: int = image.width
+        self.height: int = image.height
+        # libnsgif may report the first frame's size for an absurd logical screen; count
+        # the screen, as Pillow (which allocates it) does, so both backends agree.
+        screen = gif_screen(original)
+        if screen is not None:
+            self.width, self.height = max(self.width, screen[0]), max(self.height, screen[1])
+        self.frames: int = _int_field(image, "n-pages", 1)
+        orientation = _int_field(image, "orientation", 1)
+        self.orientation = orientation if 1 <= orientation <= 8 else 1
+
+    @property
+    def upright(self) -> tuple[int, int]:
+        """(width, height) once EXIF orientation is applied."""
+        if self.orientation in _SIDEWAYS:
+            return self.height, self.width
+        return self.width, self.height
+
+
+def _int_field(image: Any, name: str, default: int) -> int:
+    if image.get_typeof(name) == 0:
+        return default
+    value = image.get(name)
+    return value if isinstance(value, int) else default
+
+
+def read_header(original: bytes, loader: str) -> Header:
+    try:
+        # Loaders are lazy: this parses the header and allocates no pixel memory.
+        image = pyvips.Operation.call(loader, original, access="sequential", fail_on="error")
+    except pyvips.Error as e:
+        raise CorruptContent(f"unreadable header: {_first_line(e)}") from None
+    return Header(image, original)
+
+
+def check_limits(header: Header, spec: DeriveSpec) -> None:
+    if header.frames > spec.max_frames:
+        raise ResourceLimit(f"{header.frames} frames > max_frames {spec.max_frames}")
+    pixels = header.width * header.height * header.frames
+    if pixels > spec.max_pixels:
+        raise ResourceLimit(
+            f"{header.width}x{header.height}x{header.frames} = {pixels} px"
+            f" > max_pixels {spec.max_pixels}"
+        )
+
+
+def check_size(original: bytes, spec: DeriveSpec) -> None:
+    if len(original) > spec.max_input_bytes:
+        raise ResourceLimit(f"{len(original)} bytes > max_input_bytes {spec.max_input_bytes}")
+
+
+def render(original: bytes, width: int, height: int, spec: DeriveSpec) -> bytes:
+    """Decode (shrunk on load), orient, convert to sRGB, resize to exactly width x height, encode.
+
+    `size="force"` with the box computed by `target_size` pins the output to the same
+    dimensions the Pillow backend produces; libvips' own fit may round the short edge the
+    other way. The box never exceeds the upright original, so nothing is upscaled.
+    """
+    image = pyvips.Image.thumbnail_buffer(
+        original,
+        width,
+        height=height,
+        size="force",
+        # The loader must get fail_on through option_string: thumbnail_buffer's own
+        # `fail_on` argument does not reach it (libvips 8.18), and truncated JPEG/PNG
+        # would then come out half grey. tests/test_handlers.py holds both cases.
+        option_string="fail_on=error",
+        fail_on="error",
+        output_profile="srgb",
+        intent="relative",
+    )
+    if image.width != width or image.height != height:  # cannot happen with size="force"
+        raise CorruptContent(f"thumbnail gave {image.width}x{image.height}")
+    data: bytes = image.webpsave_buffer(Q=spec.quality, effort=spec.effort, keep="none")
+    return data
+
+
+class VipsHandler:
+    name = "vips"
+
+    def __init__(self, spec: DeriveSpec) -> None:
+        self.spec = spec
+        configure(spec.concurrency)
+
+    def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
+        check_size(original, spec)
+        loader = sniff_loader(original)
+        header = read_header(original, loader)
+        check_limits(header, spec)
+        upright_w, upright_h = header.upright
+        out = []
+        for variant in spec.variants:
+            width, height = target_size(upright_w, upright_h, variant.long_edge)
+            try:
+                data = render(original, width, height, spec)
+            except pyvips.Error as e:
+                # Truncated or corrupt pixel data (fail_on="error"): never publish a
+                # half-decoded image. The message is for the log only.
+                raise CorruptContent(f"decode failed: {_first_line(e)}") from None
+            out.append(DerivedVariant.of(variant.name, data, width, height))
+        return out
+
+
+def _first_line(error: pyvips.Error) -> str:
+    detail = (getattr(error, "detail", "") or str(error)).strip()
+    return detail.splitlines()[0][:200] if detail else "libvips error"

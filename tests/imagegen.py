@@ -1,0 +1,494 @@
+"""Test inputs generated in memory: every mode and format the handlers accept, and hostile ones.
+
+Everything is built from code (Pillow, plus pyvips for the few things Pillow cannot write),
+so no binary fixtures live in the repository and any test (handler level, the whole
+pipeline, the chaos suite) can reuse the same table:
+
+    for name, make, expected in CASES:
+        data = make()        # bytes
+        # expected is "ready" or an error code from supervisor.outcomes
+
+`DISPLAY_SIZE[name]` is the upright (EXIF-applied) size of every "ready" case, from which the
+variant sizes follow through `handlers.base.target_size`.
+
+The content is smooth (gradients, flat shapes) and asymmetric: smooth so that two resamplers
+agree closely, asymmetric so that a missing or wrong EXIF rotation is visible.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from functools import cache
+
+from PIL import Image, ImageCms, ImageDraw
+
+Factory = Callable[[], bytes]
+
+# Odd sizes on purpose: rounding of the long-edge fit differs between resamplers if anyone
+# lets the library pick the size, and these sizes make that visible.
+W, H = 637, 401
+
+
+# --- content -------------------------------------------------------------------------------
+
+
+def scene(width: int = W, height: int = H) -> Image.Image:
+    """An RGB image: red falls left to right, green grows top to bottom, plus flat shapes."""
+    red = Image.linear_gradient("L").rotate(-90).resize((width, height))
+    green = Image.linear_gradient("L").resize((width, height))  # 0 at top
+    blue = Image.radial_gradient("L").resize((width, height))
+    im = Image.merge("RGB", (red, green, blue))
+    draw = ImageDraw.Draw(im)
+    # A dark block in the top-left quadrant only: any flip or rotation moves it.
+    draw.rectangle((width // 10, height // 10, width // 3, height // 3), fill=(20, 20, 140))
+    draw.ellipse((width // 2, height // 2, width * 9 // 10, height * 9 // 10), fill=(240, 200, 40))
+    return im
+
+
+def _save(im: Image.Image, fmt: str, **params: object) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, fmt, **params)
+    return buf.getvalue()
+
+
+def with_alpha(im: Image.Image) -> Image.Image:
+    """RGBA with a horizontal alpha ramp and a fully transparent corner."""
+    alpha = Image.linear_gradient("L").rotate(-90).resize(im.size)
+    ImageDraw.Draw(alpha).rectangle((0, 0, im.width // 5, im.height // 5), fill=0)
+    out = im.convert("RGBA")
+    out.putalpha(alpha)
+    return out
+
+
+# --- JPEG ----------------------------------------------------------------------------------
+
+
+def jpeg(width: int = W, height: int = H, quality: int = 90, progressive: bool = False) -> bytes:
+    return _save(scene(width, height), "JPEG", quality=quality, progressive=progressive)
+
+
+def jpeg_progressive() -> bytes:
+    return jpeg(progressive=True)
+
+
+def jpeg_grey() -> bytes:
+    return _save(scene().convert("L"), "JPEG", quality=90)
+
+
+def jpeg_cmyk() -> bytes:
+    """CMYK JPEG without an embedded profile (Pillow's naive RGB -> CMYK)."""
+    return _save(scene().convert("CMYK"), "JPEG", quality=90)
+
+
+@cache
+def _cmyk_profile() -> bytes:
+    """A real CMYK profile ("Chemical proof", public domain) taken from libvips' built-ins."""
+    import pyvips
+
+    image = pyvips.Image.black(2, 2, bands=3).copy(interpretation="srgb").icc_transform("cmyk")
+    data: bytes = image.get("icc-profile-data")
+    return data
+
+
+def jpeg_cmyk_icc() -> bytes:
+    """CMYK JPEG with an embedded CMYK ICC profile, colour-managed from the sRGB scene."""
+    srgb = ImageCms.createProfile("sRGB")
+    cmyk = ImageCms.ImageCmsProfile(io.BytesIO(_cmyk_profile()))
+    im = ImageCms.profileToProfile(scene(), srgb, cmyk, outputMode="CMYK")
+    assert im is not None
+    return _save(im, "JPEG", quality=90, icc_profile=_cmyk_profile())
+
+
+# Pillow's Image.Transpose that *undoes* EXIF orientation n, i.e. what exif_transpose applies.
+_APPLY = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+# ...and its inverse, to store pixels so that applying orientation n gives back the scene.
+_INVERSE = {**_APPLY, 6: Image.Transpose.ROTATE_90, 8: Image.Transpose.ROTATE_270}
+
+
+def jpeg_orientation(n: int) -> bytes:
+    """A JPEG whose upright rendering (EXIF orientation `n` applied) is `scene()`."""
+    stored = scene() if n == 1 else scene().transpose(_INVERSE[n])
+    exif = Image.Exif()
+    exif[0x0112] = n
+    return _save(stored, "JPEG", quality=92, exif=exif.tobytes())
+
+
+def jpeg_bad_exif() -> bytes:
+    """APP1 'Exif' whose TIFF header points past the end: metadata junk, pixels fine."""
+    junk = b"Exif\x00\x00II*\x00\xff\xff\xff\x7f" + b"\xa5" * 40
+    return _save(scene(), "JPEG", quality=90, exif=junk)
+
+
+def jpeg_orientation_out_of_range() -> bytes:
+    """Orientation 9 does not exist: both backends must treat it as 1 (upright)."""
+    exif = Image.Exif()
+    exif[0x0112] = 9
+    return _save(scene(), "JPEG", quality=90, exif=exif.tobytes())
+
+
+# --- PNG -----------------------------------------------------------------------------------
+
+
+def png_rgb() -> bytes:
+    return _save(scene(), "PNG")
+
+
+def png_rgba() -> bytes:
+    return _save(with_alpha(scene()), "PNG")
+
+
+def png_palette_transparent() -> bytes:
+    """Mode P with a tRNS entry: index 0 fully transparent."""
+    im = scene().quantize(64)
+    ImageDraw.Draw(im).rectangle((0, 0, W // 4, H // 4), fill=0)
+    return _save(im, "PNG", transparency=0)
+
+
+def png_grey() -> bytes:
+    return _save(scene().convert("L"), "PNG")
+
+
+def png_grey_alpha() -> bytes:
+    return _save(with_alpha(scene()).convert("LA"), "PNG")
+
+
+def png_grey16() -> bytes:
+    """16-bit greyscale (Pillow mode I;16)."""
+    grey = scene().convert("L")
+    im = grey.point(lambda v: v * 257, "I").convert("I;16")
+    return _save(im, "PNG")
+
+
+def png_rgb16() -> bytes:
+    """16-bit RGB: Pillow cannot write it, libvips can."""
+    import pyvips
+
+    base = pyvips.Image.new_from_buffer(png_rgb(), "")
+    deep = (base.cast("ushort") * 257).cast("ushort").copy(interpretation="rgb16")
+    data: bytes = deep.pngsave_buffer(compression=1)
+    return data
+
+
+@cache
+def p3_profile() -> bytes:
+    """Display P3 (CC0, libvips' built-in): wide gamut, so the sRGB conversion shows."""
+    import pyvips
+
+    image = pyvips.Image.black(2, 2, bands=3).copy(interpretation="srgb").icc_transform("p3")
+    data: bytes = image.get("icc-profile-data")
+    return data
+
+
+def png_p3() -> bytes:
+    """The scene's pixel values tagged as Display P3: correct output is NOT the same values."""
+    return _save(scene(), "PNG", icc_profile=p3_profile())
+
+
+def png_rgba_p3() -> bytes:
+    return _save(with_alpha(scene()), "PNG", icc_profile=p3_profile())
+
+
+# --- GIF, WebP, TIFF, AVIF -----------------------------------------------------------------
+
+
+def gif_still() -> bytes:
+    return _save(scene().quantize(128), "GIF")
+
+
+FIRST_FRAME_RGB = (200, 30, 30)
+
+
+def _frames(count: int, size: tuple[int, int]) -> list[Image.Image]:
+    """Frame 0 is red; the others are distinct blues (identical frames would be merged)."""
+    first = Image.new("RGB", size, FIRST_FRAME_RGB)
+    rest = [Image.new("RGB", size, (0, (i * 7) % 256, 200)) for i in range(1, count)]
+    return [first, *rest]
+
+
+def gif_animated() -> bytes:
+    frames = _frames(5, (240, 180))
+    return _save(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=80, loop=0)
+
+
+def webp_lossy() -> bytes:
+    return _save(scene(), "WEBP", quality=90)
+
+
+def webp_alpha() -> bytes:
+    return _save(with_alpha(scene()), "WEBP", quality=90)
+
+
+def webp_animated() -> bytes:
+    frames = _frames(4, (240, 180))
+    return _save(
+        frames[0], "WEBP", save_all=True, append_images=frames[1:], duration=80, quality=90
+    )
+
+
+def tiff_rgb() -> bytes:
+    return _save(scene(), "TIFF", compression="tiff_deflate")
+
+
+def tiff_cmyk() -> bytes:
+    return _save(scene().convert("CMYK"), "TIFF", compression="tiff_lzw")
+
+
+def avif() -> bytes:
+    return _save(scene(), "AVIF", quality=90)
+
+
+# --- hostile: limits -----------------------------------------------------------------------
+
+
+def _png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def _png(width: int, height: int, depth: int, colour: int, idat: bytes) -> bytes:
+    ihdr = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", ihdr)
+        + _png_chunk(b"IDAT", idat)
+        + _png_chunk(b"IEND", b"")
+    )
+
+
+def png_pixel_flood() -> bytes:
+    """IHDR declares 100000 x 100000 RGB; the IDAT holds one row. A few hundred bytes."""
+    return _png(100_000, 100_000, 8, 2, zlib.compress(b"\x00" * 301))
+
+
+def png_bomb() -> bytes:
+    """A *valid* 1-bit 12000 x 12000 PNG (144 MP once decoded) that compresses to ~20 kB."""
+    row = b"\x00" + b"\x00" * (12_000 // 8)
+    comp = zlib.compressobj(9)
+    idat = b"".join(comp.compress(row) for _ in range(12_000)) + comp.flush()
+    return _png(12_000, 12_000, 1, 0, idat)
+
+
+def _patch_jpeg_size(data: bytes, width: int, height: int) -> bytes:
+    at = data.index(b"\xff\xc0")  # baseline SOF0: length(2) precision(1) height(2) width(2)
+    return data[: at + 5] + struct.pack(">HH", height, width) + data[at + 9 :]
+
+
+def jpeg_pixel_flood() -> bytes:
+    """A 16 x 16 JPEG whose SOF0 claims 65000 x 65000."""
+    return _patch_jpeg_size(jpeg(16, 16), 65_000, 65_000)
+
+
+def _patch_gif_screen(data: bytes, width: int, height: int) -> bytes:
+    return data[:6] + struct.pack("<HH", width, height) + data[10:]
+
+
+def gif_pixel_flood() -> bytes:
+    """A 16 x 16 GIF inside a 65535 x 65535 logical screen."""
+    return _patch_gif_screen(gif_still_small(), 65_535, 65_535)
+
+
+def gif_still_small() -> bytes:
+    return _save(Image.new("P", (16, 16), 1), "GIF")
+
+
+def gif_many_frames(count: int = 150) -> bytes:
+    """More frames than the default max_frames (100); each frame is 4 x 4."""
+    frames = _frames(count, (4, 4))
+    return _save(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=20)
+
+
+def gif_frames_times_pixels() -> bytes:
+    """30 frames (< max_frames) on a 2000 x 2000 screen: 4 MP each, 120 MP in total."""
+    frames = _frames(30, (4, 4))
+    small = _save(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=20)
+    return _patch_gif_screen(small, 2000, 2000)
+
+
+def tiff_huge() -> bytes:
+    """A little-endian TIFF declaring 100000 x 100000 8-bit grey with an 8-byte strip."""
+    tags = [  # (tag, type SHORT=3 / LONG=4, value)
+        (256, 4, 100_000),  # ImageWidth
+        (257, 4, 100_000),  # ImageLength
+        (258, 3, 8),  # BitsPerSample
+        (259, 3, 1),  # Compression: none
+        (262, 3, 1),  # Photometric: BlackIsZero
+        (273, 4, 0),  # StripOffsets (patched below)
+        (277, 3, 1),  # SamplesPerPixel
+        (278, 4, 100_000),  # RowsPerStrip
+        (279, 4, 8),  # StripByteCounts
+    ]
+    ifd_at = 8
+    strip_at = ifd_at + 2 + 12 * len(tags) + 4
+    entries = b"".join(
+        struct.pack("<HHII", tag, kind, 1, strip_at if tag == 273 else value)
+        if kind == 4
+        else struct.pack("<HHIHH", tag, kind, 1, value, 0)
+        for tag, kind, value in tags
+    )
+    return (
+        b"II*\x00"
+        + struct.pack("<I", ifd_at)
+        + struct.pack("<H", len(tags))
+        + entries
+        + (b"\x00\x00\x00\x00" + b"\x00" * 8)
+    )
+
+
+# --- hostile: not an image we accept -------------------------------------------------------
+
+
+def empty() -> bytes:
+    return b""
+
+
+def random_bytes() -> bytes:
+    return os.urandom(4096)
+
+
+def svg() -> bytes:
+    return (
+        b'<?xml version="1.0" encoding="UTF-8"?>\n'
+        b'<svg xmlns="http://www.w3.org/2000/svg" width="640" height="400">'
+        b'<rect width="640" height="400" fill="red"/></svg>\n'
+    )
+
+
+def pdf() -> bytes:
+    return (
+        b"%PDF-1.4\n1 0 obj<</Type/Catalog/Pages 2 0 R>>endobj\n"
+        b"2 0 obj<</Type/Pages/Kids[3 0 R]/Count 1>>endobj\n"
+        b"3 0 obj<</Type/Page/Parent 2 0 R/MediaBox[0 0 612 792]>>endobj\n"
+        b"trailer<</Root 1 0 R>>\n%%EOF\n"
+    )
+
+
+def html_named_jpg() -> bytes:
+    """What a misconfigured upload form stores as `photo.jpg`."""
+    return b"<!DOCTYPE html>\n<html><head><title>404</title></head><body>Not found</body></html>\n"
+
+
+def eps() -> bytes:
+    """Pillow would hand this to Ghostscript if its EPS plugin were allowed to open it."""
+    return b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n%%EOF\n"
+
+
+def bmp() -> bytes:
+    return _save(scene(64, 48), "BMP")
+
+
+def ppm() -> bytes:
+    return _save(scene(64, 48), "PPM")
+
+
+def ico() -> bytes:
+    return _save(scene(64, 48), "ICO")
+
+
+def matrix_text() -> bytes:
+    """libvips' matrix format: plain text that its matrix/csv loaders would accept."""
+    return b"2 2\n1 2\n3 4\n"
+
+
+# --- hostile: damaged ----------------------------------------------------------------------
+
+
+def truncated(make: Factory, keep: float) -> Factory:
+    def cut() -> bytes:
+        data = make()
+        return data[: int(len(data) * keep)]
+
+    cut.__name__ = f"truncated_{make.__name__}"
+    return cut
+
+
+def png_bad_crc() -> bytes:
+    """A flipped byte inside IDAT: zlib or the CRC check must notice."""
+    data = bytearray(png_rgb())
+    at = data.index(b"IDAT") + 200
+    data[at] ^= 0xFF
+    return bytes(data)
+
+
+# --- the table -----------------------------------------------------------------------------
+
+READY = "ready"
+
+CASES: list[tuple[str, Factory, str]] = [
+    ("jpeg_baseline", jpeg, READY),
+    ("jpeg_progressive", jpeg_progressive, READY),
+    ("jpeg_grey", jpeg_grey, READY),
+    ("jpeg_cmyk", jpeg_cmyk, READY),
+    ("jpeg_cmyk_icc", jpeg_cmyk_icc, READY),
+    *[(f"jpeg_orientation_{n}", (lambda n=n: jpeg_orientation(n)), READY) for n in range(1, 9)],
+    ("jpeg_bad_exif", jpeg_bad_exif, READY),
+    ("jpeg_orientation_9", jpeg_orientation_out_of_range, READY),
+    ("png_rgb", png_rgb, READY),
+    ("png_rgba", png_rgba, READY),
+    ("png_palette_transparent", png_palette_transparent, READY),
+    ("png_grey", png_grey, READY),
+    ("png_grey_alpha", png_grey_alpha, READY),
+    ("png_grey16", png_grey16, READY),
+    ("png_rgb16", png_rgb16, READY),
+    ("png_p3", png_p3, READY),
+    ("png_rgba_p3", png_rgba_p3, READY),
+    ("gif_still", gif_still, READY),
+    ("gif_animated", gif_animated, READY),
+    ("webp_lossy", webp_lossy, READY),
+    ("webp_alpha", webp_alpha, READY),
+    ("webp_animated", webp_animated, READY),
+    ("tiff_rgb", tiff_rgb, READY),
+    ("tiff_cmyk", tiff_cmyk, READY),
+    ("avif", avif, READY),
+    # limits, checked from the header
+    ("png_pixel_flood", png_pixel_flood, "resource_limit"),
+    ("png_bomb", png_bomb, "resource_limit"),
+    ("jpeg_pixel_flood", jpeg_pixel_flood, "resource_limit"),
+    ("gif_pixel_flood", gif_pixel_flood, "resource_limit"),
+    ("gif_many_frames", gif_many_frames, "resource_limit"),
+    ("gif_frames_times_pixels", gif_frames_times_pixels, "resource_limit"),
+    ("tiff_huge", tiff_huge, "resource_limit"),
+    # not a format we accept
+    ("empty", empty, "unsupported_content"),
+    ("random_bytes", random_bytes, "unsupported_content"),
+    ("svg", svg, "unsupported_content"),
+    ("pdf", pdf, "unsupported_content"),
+    ("html_named_jpg", html_named_jpg, "unsupported_content"),
+    ("eps", eps, "unsupported_content"),
+    ("bmp", bmp, "unsupported_content"),
+    ("ppm", ppm, "unsupported_content"),
+    ("ico", ico, "unsupported_content"),
+    ("matrix_text", matrix_text, "unsupported_content"),
+    # damaged
+    ("jpeg_truncated", truncated(jpeg, 0.5), "corrupt_content"),
+    ("jpeg_progressive_truncated", truncated(jpeg_progressive, 0.5), "corrupt_content"),
+    ("png_truncated", truncated(png_rgb, 0.5), "corrupt_content"),
+    ("png_bad_crc", png_bad_crc, "corrupt_content"),
+    ("webp_truncated", truncated(webp_lossy, 0.6), "corrupt_content"),
+    ("gif_truncated", truncated(gif_still, 0.5), "corrupt_content"),
+    ("tiff_truncated", truncated(tiff_rgb, 0.5), "corrupt_content"),
+]
+
+DISPLAY_SIZE: dict[str, tuple[int, int]] = {
+    name: (240, 180) if "animated" in name else (W, H)
+    for name, _, expected in CASES
+    if expected == READY
+}
+
+
+def case(name: str) -> bytes:
+    """The bytes of one case by name (handy in other test modules)."""
+    for case_name, make, _ in CASES:
+        if case_name == name:
+            return make()
+    raise KeyError(name)
