@@ -356,7 +356,7 @@ class EmbeddedCluster:
         if not self.data_dir.exists():
             self.data_dir.mkdir(mode=0o700)
             run_as.chown(self.data_dir)
-        elif run_as.switch and not (self.data_dir / "PG_VERSION").exists():
+        elif run_as.switch and not any(self.data_dir.iterdir()):
             run_as.chown(self.data_dir)  # an empty dir made by root: hand it over
         self._prepare_socket_dir(run_as)
         # The server (not us) appends to the log, and may not be allowed to create it.

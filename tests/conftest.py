@@ -1,0 +1,193 @@
+"""Fixtures on real services: an embedded PostgreSQL, moto's S3 server, a fault proxy.
+
+Under pytest-xdist every worker starts its own PostgreSQL cluster and moto server (on free
+ports), so workers share nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import boto3
+import pytest
+from fixtures.cli import run_cli as _run_cli
+from fixtures.faultproxy import FaultProxy
+from fixtures.s3 import (
+    AWS_ENV_UNSET,
+    TEST_ACCESS_KEY,
+    TEST_REGION,
+    TEST_SECRET_KEY,
+    MotoServer,
+    aws_test_env,
+)
+
+from supervisor.pgcluster import EmbeddedCluster
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+__all__ = ["TEST_ACCESS_KEY", "TEST_REGION", "TEST_SECRET_KEY"]
+
+TEMPLATE_DB = "derivd_template"
+
+
+def _worker_id() -> str:
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+# --------------------------------------------------------------------------- PostgreSQL
+
+
+@pytest.fixture(scope="session")
+def pg_root() -> Iterator[Path]:
+    """A state directory the `postgres` user can traverse (pytest's own temp root is 0700)."""
+    root = Path(tempfile.mkdtemp(prefix=f"derivd-pg-{_worker_id()}-"))
+    root.chmod(0o711)  # traverse only: the cluster's own dirs stay private
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster(pg_root: Path) -> Iterator[EmbeddedCluster]:
+    """One fast (unsafe-on-crash) cluster per xdist worker, reachable over TCP for other
+    processes and for a fault proxy."""
+    cluster = EmbeddedCluster(pg_root / "pgdata", listen_tcp=True, fast=True)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop("immediate")
+
+
+@pytest.fixture(scope="session")
+def pg_template(pg_cluster: EmbeddedCluster) -> str:
+    """A database with every migration applied; each test clones it."""
+    from supervisor.queue import migrate
+
+    pg_cluster.drop_database(TEMPLATE_DB)
+    pg_cluster.create_database(TEMPLATE_DB)
+    migrate(pg_cluster.dsn(TEMPLATE_DB))
+    return TEMPLATE_DB
+
+
+_db_numbers = itertools.count(1)
+
+
+@pytest.fixture
+def dsn(pg_cluster: EmbeddedCluster, pg_template: str) -> Iterator[str]:
+    """A fresh, migrated, otherwise empty database for this test only."""
+    name = f"test_{next(_db_numbers)}"
+    if not pg_cluster.is_running():  # a chaos test may have left it stopped
+        pg_cluster.start()
+    pg_cluster.create_database(name, template=pg_template)
+    yield pg_cluster.dsn(name)
+    if not pg_cluster.is_running():
+        pg_cluster.start()
+    pg_cluster.drop_database(name)
+
+
+# --------------------------------------------------------------------------- S3 (moto)
+
+
+@pytest.fixture(scope="session")
+def aws_env() -> Iterator[dict[str, str]]:
+    """Test credentials for the whole session; nothing points at a real AWS account."""
+    mp = pytest.MonkeyPatch()
+    for name in AWS_ENV_UNSET:
+        mp.delenv(name, raising=False)
+    env = aws_test_env()
+    for name, value in env.items():
+        mp.setenv(name, value)
+    yield env
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def s3_server(
+    aws_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[MotoServer]:
+    """moto's S3 over real HTTP. `.endpoint_url`; `.stop()`/`.start()` keep the port but
+    moto comes back EMPTY (in-memory state): prefer `faulty_s3` for outages."""
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _s3_client(endpoint_url: str) -> S3Client:
+    client: S3Client = boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        region_name=TEST_REGION,
+        aws_access_key_id=TEST_ACCESS_KEY,
+        aws_secret_access_key=TEST_SECRET_KEY,
+    )
+    return client
+
+
+@pytest.fixture
+def s3_client(s3_server: MotoServer) -> S3Client:
+    """A boto3 client talking straight to moto (no faults)."""
+    if not s3_server.running:  # an outage test may have left it stopped
+        s3_server.start()
+    return _s3_client(s3_server.endpoint_url)
+
+
+def _new_bucket(client: S3Client, versioned: bool) -> str:
+    name = f"derivd-test-{uuid.uuid4().hex[:16]}"
+    client.create_bucket(Bucket=name)
+    if versioned:
+        client.put_bucket_versioning(Bucket=name, VersioningConfiguration={"Status": "Enabled"})
+    return name
+
+
+@pytest.fixture
+def s3_bucket(s3_client: S3Client) -> str:
+    """A new bucket with versioning Enabled (moto forgets it when the session ends)."""
+    return _new_bucket(s3_client, versioned=True)
+
+
+@pytest.fixture
+def s3_bucket_unversioned(s3_client: S3Client) -> str:
+    """A new bucket without versioning, which derivd must refuse."""
+    return _new_bucket(s3_client, versioned=False)
+
+
+@pytest.fixture
+def faulty_s3(s3_server: MotoServer) -> Iterator[tuple[str, FaultProxy]]:
+    """(proxy URL, controller): a fault-injecting proxy in front of moto, seeded, in
+    pass-through mode until the test says otherwise; stopped at teardown."""
+    if not s3_server.running:
+        s3_server.start()
+    proxy = FaultProxy(("127.0.0.1", s3_server.port), seed=1234).start()
+    try:
+        yield proxy.url, proxy
+    finally:
+        proxy.stop()
+
+
+# --------------------------------------------------------------------------- misc
+
+
+@pytest.fixture
+def fs_root(tmp_path: Path) -> Path:
+    """An empty directory for the fs store."""
+    root = tmp_path / "store"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+def run_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """`run_cli("status", "--json", env={...})`: the real `derivd` as a subprocess."""
+    return _run_cli

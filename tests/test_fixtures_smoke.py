@@ -1,0 +1,119 @@
+"""The fixtures themselves: fresh databases, versioned buckets, the fault proxy."""
+
+from __future__ import annotations
+
+import http.client
+from typing import TYPE_CHECKING
+
+import boto3
+import psycopg
+import pytest
+from botocore.config import Config
+from botocore.exceptions import ClientError
+from fixtures.faultproxy import FaultProxy
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+
+def _user_tables(dsn: str) -> set[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'"
+        ).fetchall()
+    return {r[0] for r in rows}
+
+
+@pytest.mark.parametrize("attempt", [1, 2])
+def test_each_test_gets_a_fresh_database(dsn: str, attempt: int) -> None:
+    # Whichever of the two runs second must not see the first one's table.
+    assert "smoke_marker" not in _user_tables(dsn)
+    with psycopg.connect(dsn) as conn:
+        conn.execute("CREATE TABLE smoke_marker (attempt int)")
+        conn.execute("INSERT INTO smoke_marker VALUES (%s)", (attempt,))
+
+
+def test_fresh_database_is_migrated(dsn: str) -> None:
+    assert "archive_files" in _user_tables(dsn)
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM archive_files").fetchone() == (0,)
+
+
+def test_s3_bucket_is_versioned(s3_client: S3Client, s3_bucket: str) -> None:
+    assert s3_client.get_bucket_versioning(Bucket=s3_bucket)["Status"] == "Enabled"
+    put = s3_client.put_object(Bucket=s3_bucket, Key="k", Body=b"one")
+    assert put["VersionId"]
+
+
+def test_unversioned_bucket(s3_client: S3Client, s3_bucket_unversioned: str) -> None:
+    assert "Status" not in s3_client.get_bucket_versioning(Bucket=s3_bucket_unversioned)
+
+
+def _get(url: str, path: str = "/") -> http.client.HTTPResponse:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("GET", path)
+    return conn.getresponse()
+
+
+def test_fault_proxy_fails_everything_at_p1(faulty_s3: tuple[str, FaultProxy]) -> None:
+    url, proxy = faulty_s3
+    proxy.fail(p=1.0, code="ServiceUnavailable")
+    response = _get(url)
+    body = response.read()
+    assert response.status == 503
+    assert b"<Code>ServiceUnavailable</Code>" in body
+    assert proxy.snapshot()["errors"] == 1
+
+
+def test_fault_proxy_passes_at_p0(faulty_s3: tuple[str, FaultProxy], s3_bucket: str) -> None:
+    url, proxy = faulty_s3
+    proxy.fail(p=0.0)
+    client = boto3.client("s3", endpoint_url=url, config=Config(retries={"max_attempts": 1}))
+    put = client.put_object(Bucket=s3_bucket, Key="through-proxy", Body=b"x" * 100_000)
+    got = client.get_object(Bucket=s3_bucket, Key="through-proxy", VersionId=put["VersionId"])
+    assert got["Body"].read() == b"x" * 100_000
+    counts = proxy.snapshot()
+    assert counts["passed"] == counts["requests"] == 2
+    assert counts.get("errors", 0) == 0
+
+
+def test_fault_proxy_503_reaches_boto3_as_slowdown(
+    faulty_s3: tuple[str, FaultProxy], s3_bucket: str
+) -> None:
+    url, proxy = faulty_s3
+    proxy.fail(p=1.0, code="SlowDown")
+    client = boto3.client(
+        "s3", endpoint_url=url, config=Config(retries={"max_attempts": 1, "mode": "standard"})
+    )
+    with pytest.raises(ClientError) as err:
+        client.head_bucket(Bucket=s3_bucket)
+    assert err.value.response["ResponseMetadata"]["HTTPStatusCode"] == 503
+    with pytest.raises(ClientError) as err2:
+        client.get_object(Bucket=s3_bucket, Key="missing")
+    assert err2.value.response["Error"]["Code"] == "SlowDown"
+
+
+def test_fault_proxy_resets_and_slows(faulty_s3: tuple[str, FaultProxy]) -> None:
+    url, proxy = faulty_s3
+    proxy.reset_connections(p=1.0)
+    with pytest.raises((ConnectionError, http.client.HTTPException)):
+        _get(url).read()
+    proxy.slow(delay=0.3)
+    response = _get(url, "/moto-api/")
+    response.read()
+    counts = proxy.snapshot()
+    assert counts["resets"] == 1 and counts["delayed"] == 1
+
+
+def test_fault_proxy_is_reproducible(s3_server: object) -> None:
+    from fixtures.s3 import MotoServer
+
+    assert isinstance(s3_server, MotoServer)
+    outcomes = []
+    for _ in range(2):
+        with FaultProxy(("127.0.0.1", s3_server.port), seed=7) as proxy:
+            proxy.fail(p=0.5)
+            outcomes.append([_get(proxy.url, "/moto-api/").status for _ in range(12)])
+    assert outcomes[0] == outcomes[1]
+    assert set(outcomes[0]) == {200, 503}
