@@ -1,0 +1,242 @@
+"""`pillow`: the Pillow backend, same contract as `vips` (see handlers/base.py).
+
+Per job: open with only the accepted plugins (so Pillow never hands EPS to Ghostscript or
+guesses at TGA), check the limits from the header, decode the first frame once (JPEG
+shrunk on load by `draft`), orient, convert to 8-bit sRGB, then resize each variant from
+that one decoded image and encode WebP with metadata stripped.
+
+Malformed EXIF is treated as orientation 1, as libvips does: the pixels are fine, only the
+metadata is junk, and the derivative is stripped of it anyway.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import warnings
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from PIL import Image, ImageCms, ImageFile, ImageOps, UnidentifiedImageError
+
+from handlers.base import (
+    CorruptContent,
+    DerivedVariant,
+    DeriveSpec,
+    ResourceLimit,
+    UnsupportedContent,
+    target_size,
+)
+from handlers.sniff import accepted_format
+
+# Pillow plugin ids. MPO (a JPEG with a multi-picture index) comes in through the JPEG
+# plugin, which returns an MpoImageFile: it is not an id of its own.
+ALLOWED_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "TIFF", "AVIF")
+
+# What Pillow's decoders raise on damaged data, beyond its own exceptions.
+_DECODE_ERRORS = (OSError, SyntaxError, ValueError, struct.error, EOFError, zlib.error)
+
+_ORIENTATION_TAG = 0x0112
+_SIDEWAYS = frozenset({5, 6, 7, 8})
+
+# Above 1.0 Pillow first reduces by an integer factor (box filter, cheap) to within this
+# multiple of the target, then resamples with Lanczos; 3.0 is indistinguishable from a
+# full Lanczos resize (Pillow's benchmarks) and keeps big reductions fast.
+_REDUCING_GAP = 3.0
+
+_SRGB = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB"))
+
+
+def configure(spec: DeriveSpec) -> None:
+    """Process-wide Pillow settings for a worker (it handles one image at a time)."""
+    # Pillow's own bomb check, a backstop behind ours: it warns above this and raises at
+    # twice it; we turn the warning into an error in `_strict_open`.
+    Image.MAX_IMAGE_PIXELS = spec.max_pixels
+    # Never hand out a half-decoded image: truncated data must raise.
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+
+@contextmanager
+def _classify_errors() -> Iterator[None]:
+    """Turn what Pillow raises into outcome exceptions; messages go to the log only."""
+    with warnings.catch_warnings():
+        # Pillow warns about junk metadata ("Corrupt EXIF data") on stderr; we either
+        # tolerate it (orientation 1) or reject the file, so the warning is noise.
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            yield
+        except UnidentifiedImageError:
+            raise  # an OSError too, but it means "not ours": the caller classifies it
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            raise ResourceLimit(f"decompression bomb: {e}") from None
+        except _DECODE_ERRORS as e:
+            raise CorruptContent(f"decode failed: {type(e).__name__}: {e}"[:300]) from None
+
+
+def open_image(original: bytes) -> ImageFile.ImageFile:
+    if not original:
+        raise UnsupportedContent("empty input")
+    try:
+        with _classify_errors():
+            im = Image.open(io.BytesIO(original), formats=ALLOWED_FORMATS)
+    except CorruptContent:
+        raise
+    except UnidentifiedImageError:
+        # Pillow says the same for a text file and for a TIFF whose IFD was cut off.
+        if accepted_format(original):
+            raise CorruptContent("accepted format by its magic, but unreadable") from None
+        raise UnsupportedContent("not a recognised image format") from None
+    if not isinstance(im, ImageFile.ImageFile):  # pragma: no cover - Image.open contract
+        raise UnsupportedContent("not a file image")
+    return im
+
+
+def count_frames(im: ImageFile.ImageFile, cap: int) -> int:
+    """Frames in `im`, stopping at `cap + 1`.
+
+    `n_frames` walks a whole GIF (millions of 1-pixel frames fit in max_input_bytes), so
+    for GIF we step frame headers ourselves, without decoding, and stop past the cap.
+    Other formats know their frame count from an index.
+    """
+    if im.format != "GIF":
+        return int(getattr(im, "n_frames", 1))
+    # What GifImageFile.n_frames itself calls: with update_image=False it reads a frame's
+    # header and skips its data blocks.
+    step = getattr(im, "_seek")  # noqa: B009 - private, hence no type
+    count = 1
+    try:
+        while count <= cap:
+            step(count, False)
+            count += 1
+    except EOFError:
+        pass
+    finally:
+        im.seek(0)
+    return count
+
+
+def check_limits(im: ImageFile.ImageFile, spec: DeriveSpec) -> None:
+    frames = count_frames(im, spec.max_frames)
+    if frames > spec.max_frames:
+        raise ResourceLimit(f"more than {spec.max_frames} frames")
+    width, height = im.size
+    if width * height * frames > spec.max_pixels:
+        raise ResourceLimit(
+            f"{width}x{height}x{frames} = {width * height * frames} px"
+            f" > max_pixels {spec.max_pixels}"
+        )
+
+
+def check_size(original: bytes, spec: DeriveSpec) -> None:
+    if len(original) > spec.max_input_bytes:
+        raise ResourceLimit(f"{len(original)} bytes > max_input_bytes {spec.max_input_bytes}")
+
+
+def orientation(im: Image.Image) -> int:
+    """EXIF orientation 1-8; junk or out-of-range EXIF counts as 1 (upright)."""
+    try:
+        value = im.getexif().get(_ORIENTATION_TAG, 1)
+    except Exception:  # malformed EXIF: any parser error means "no usable orientation"
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def to_srgb(im: Image.Image) -> Image.Image:
+    """8-bit RGB or RGBA in sRGB, from any accepted mode; alpha kept."""
+    icc = im.info.get("icc_profile")
+    im = _eight_bit(im)
+    alpha = im.getchannel("A") if im.mode in ("RGBA", "LA") else None
+    colour = im.convert(im.mode[:-1]) if alpha is not None else im
+    if icc:
+        colour = _colour_managed(colour, icc)
+    if colour.mode != "RGB":  # L, CMYK without a profile (naive), YCbCr
+        colour = colour.convert("RGB")
+    if alpha is not None:
+        colour.putalpha(alpha)
+    return colour
+
+
+def _eight_bit(im: Image.Image) -> Image.Image:
+    """One of L, LA, RGB, RGBA, CMYK, YCbCr: palettes expanded, 16-bit scaled down."""
+    if im.mode in ("P", "PA"):
+        has_alpha = im.mode == "PA" or "transparency" in im.info
+        return im.convert("RGBA" if has_alpha else "RGB")
+    if im.mode.startswith("I"):
+        # Scale 16 bits to 8; convert("L") would clip everything above 255 to white.
+        return im.convert("I").point(lambda v: v * (1 / 257)).convert("L")
+    if im.mode in ("1", "La", "RGBa"):
+        return im.convert({"1": "L", "La": "LA", "RGBa": "RGBA"}[im.mode])
+    return im
+
+
+def _colour_managed(im: Image.Image, icc: bytes) -> Image.Image:
+    """Convert through the embedded profile to sRGB.
+
+    A broken profile, or one that does not fit the pixels (an RGB profile on a grey image),
+    is ignored, as libvips ignores it: the pixels are still worth publishing.
+    """
+    try:
+        source = ImageCms.ImageCmsProfile(io.BytesIO(icc))
+        out = ImageCms.profileToProfile(
+            im, source, _SRGB, renderingIntent=ImageCms.Intent.RELATIVE_COLORIMETRIC,
+            outputMode="RGB",
+        )  # fmt: skip
+    except (ImageCms.PyCMSError, OSError, ValueError, TypeError):
+        return im
+    return out if out is not None else im
+
+
+def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> tuple[Image.Image, tuple[int, int]]:
+    """The first frame, upright and sRGB, plus the upright size of the *original*.
+
+    Variant sizes come from the original's size, not from the drafted one, so they match
+    the libvips backend exactly.
+    """
+    stored = im.size
+    if im.format in ("JPEG", "MPO"):
+        # DCT-domain downscale to the smallest power-of-two reduction still at least as
+        # large as the biggest variant; it does not touch orientation, so box in stored axes.
+        longest = max(v.long_edge for v in spec.variants)
+        im.draft(im.mode, target_size(*stored, longest))
+    im.load()
+    turn = orientation(im)
+    upright = (stored[1], stored[0]) if turn in _SIDEWAYS else stored
+    oriented = ImageOps.exif_transpose(im) if turn != 1 else im
+    return to_srgb(oriented), upright
+
+
+def encode(base: Image.Image, size: tuple[int, int], spec: DeriveSpec) -> bytes:
+    image = base
+    if base.size != size:
+        image = base.resize(size, Image.Resampling.LANCZOS, reducing_gap=_REDUCING_GAP)
+    buf = io.BytesIO()
+    # No exif/icc_profile/xmp arguments: Pillow's WebP writer takes metadata only from
+    # them, so the output carries none (tests check the RIFF chunks).
+    image.save(buf, "WEBP", quality=spec.quality, method=spec.effort)
+    return buf.getvalue()
+
+
+class PillowHandler:
+    name = "pillow"
+
+    def __init__(self, spec: DeriveSpec) -> None:
+        self.spec = spec
+        configure(spec)
+
+    def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
+        check_size(original, spec)
+        im = open_image(original)
+        try:
+            with _classify_errors():
+                check_limits(im, spec)
+                base, upright = decode(im, spec)
+                out = []
+                for variant in spec.variants:
+                    width, height = target_size(*upright, variant.long_edge)
+                    data = encode(base, (width, height), spec)
+                    out.append(DerivedVariant.of(variant.name, data, width, height))
+                return out
+        finally:
+            im.close()
