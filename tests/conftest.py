@@ -6,6 +6,7 @@ ports), so workers share nothing.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -46,10 +47,38 @@ def _worker_id() -> str:
 # --------------------------------------------------------------------------- PostgreSQL
 
 
+_PG_ROOT_PREFIX = "derivd-pg-"
+
+
+def _sweep_stale_pg_roots() -> None:
+    """Stop and remove clusters left by test sessions that were killed (SIGKILL, CI
+    timeout): their directory names carry the pid of the process that made them."""
+    for root in Path(tempfile.gettempdir()).glob(f"{_PG_ROOT_PREFIX}*-*-*"):
+        pid = root.name.removeprefix(_PG_ROOT_PREFIX).split("-")[1]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        data = root / "pgdata"
+        if (data / "postmaster.pid").exists():
+            with contextlib.suppress(Exception):
+                EmbeddedCluster(data).stop("immediate")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @pytest.fixture(scope="session")
 def pg_root() -> Iterator[Path]:
     """A state directory the `postgres` user can traverse (pytest's own temp root is 0700)."""
-    root = Path(tempfile.mkdtemp(prefix=f"derivd-pg-{_worker_id()}-"))
+    _sweep_stale_pg_roots()
+    root = Path(tempfile.mkdtemp(prefix=f"{_PG_ROOT_PREFIX}{_worker_id()}-{os.getpid()}-"))
     root.chmod(0o711)  # traverse only: the cluster's own dirs stay private
     yield root
     shutil.rmtree(root, ignore_errors=True)
