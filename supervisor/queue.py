@@ -109,12 +109,23 @@ def migrate(dsn: str) -> list[str]:
 class QueueDB:
     """One worker's (or one command's) handle on the queue tables."""
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], dsn: str | None = None) -> None:
         self.conn = conn
+        self.dsn = dsn
+        self.application_name = "derivd"
 
     @classmethod
     def open(cls, dsn: str, *, role: str = "derivd") -> QueueDB:
-        return cls(connect(dsn, application_name=f"{role}@{socket.gethostname()}"))
+        name = f"{role}@{socket.gethostname()}"
+        queue = cls(connect(dsn, application_name=name), dsn)
+        queue.application_name = name
+        return queue
+
+    def _reconnect_if_broken(self) -> None:
+        # After a database restart the old connection is dead; the next call gets a new
+        # one (or DatabaseUnavailable, which the caller treats as transient).
+        if (self.conn.closed or self.conn.broken) and self.dsn is not None:
+            self.conn = connect(self.dsn, application_name=self.application_name)
 
     def close(self) -> None:
         self.conn.close()
@@ -127,6 +138,7 @@ class QueueDB:
 
     @contextmanager
     def _cursor(self) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
+        self._reconnect_if_broken()
         try:
             with self.conn.cursor(row_factory=dict_row) as cur:
                 yield cur

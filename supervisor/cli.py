@@ -1,0 +1,213 @@
+"""The `derivd` command line (click). Commands stay thin: they parse, then call modules."""
+
+from __future__ import annotations
+
+import functools
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from supervisor import __version__
+from supervisor.settings import DEFAULT_CONFIG, Config, ConfigError, load_config, render_ini
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def die(message: str, code: int = 1) -> NoReturn:
+    click.echo(f"derivd: {message}", err=True)
+    sys.exit(code)
+
+
+def friendly_errors(fn: F) -> F:
+    """Turn the failures an operator can fix into one line and a non-zero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from supervisor.outcomes import Transient
+        from supervisor.pgcluster import EmbeddedClusterError, PostgresNotFound
+        from supervisor.storage import StorageConfigError
+
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as error:
+            die(f"bad configuration:\n{error}", 2)
+        except (Transient, StorageConfigError, EmbeddedClusterError, PostgresNotFound) as error:
+            die(str(error))
+
+    return wrapper  # type: ignore[return-value]
+
+
+class State:
+    def __init__(self, config_path: Path, explicit: bool, log_level: str | None) -> None:
+        self.config_path = config_path
+        self.explicit = explicit
+        self.log_level = log_level
+        self._config: Config | None = None
+
+    @property
+    def config(self) -> Config:
+        if self._config is None:
+            self._config = load_config(self.config_path, required=self.explicit)
+            from supervisor.logs import setup_logging
+
+            setup_logging(self.log_level or self._config.logging.level, self._config.logging.format)
+        return self._config
+
+
+pass_state = click.make_pass_decorator(State)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option(
+    "-c",
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help=f"INI file to read [default: {DEFAULT_CONFIG}, built-in defaults when absent].",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    help="Override [logging] level.",
+)
+@click.version_option(__version__, prog_name="derivd")
+@click.pass_context
+def main(ctx: click.Context, config_path: Path | None, log_level: str | None) -> None:
+    """derivd derives WebP images from uploaded originals, in the background, safely.
+
+    An upload API stores the original (versioned), marks its row `queued` and answers at
+    once; derivd's workers claim rows under a lease, derive the variants with libvips or
+    Pillow, store them and commit with a fenced UPDATE.
+
+    \b
+    Quick start (embedded database and file store under ./var):
+      derivd demo                   generate samples, process them, print a summary
+      derivd enqueue photos/        queue your own images
+      derivd run                    run the daemon (Ctrl-C stops it gracefully)
+    """
+    ctx.obj = State(config_path or DEFAULT_CONFIG, config_path is not None, log_level)
+
+
+@main.command()
+@click.option("--burst", is_flag=True, help="Exit 0 once nothing is claimable.")
+@click.option("--workers", type=click.IntRange(min=1), help="Override [supervisor] workers.")
+@pass_state
+@friendly_errors
+def run(state: State, burst: bool, workers: int | None) -> None:
+    """Run the daemon: claim, derive, store and commit until stopped.
+
+    SIGTERM or Ctrl-C stops claiming and lets running jobs finish.
+    """
+    from supervisor.daemon import run_daemon
+
+    config = state.config
+    if workers:
+        config = config.replace("supervisor", workers=workers)
+    sys.exit(run_daemon(config, burst=burst))
+
+
+@main.command()
+@pass_state
+@friendly_errors
+def migrate(state: State) -> None:
+    """Create or upgrade the schema (idempotent; safe from two hosts at once)."""
+    from supervisor.queue import migrate as apply_migrations
+    from supervisor.runtime import database
+
+    with database(state.config, auto_migrate=False) as dsn:
+        applied = apply_migrations(dsn)
+    click.echo(f"applied: {', '.join(applied)}" if applied else "schema is up to date")
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--quiet", "-q", is_flag=True, help="Print only the new ids.")
+@pass_state
+@friendly_errors
+def enqueue(state: State, paths: tuple[Path, ...], quiet: bool) -> None:
+    """Upload originals (files, or directories walked recursively) and queue them.
+
+    Prints one line per file: the new row id and the path.
+    """
+    from supervisor.enqueue import expand_paths, upload_and_queue
+    from supervisor.queue import QueueDB
+    from supervisor.runtime import database
+    from supervisor.storage import open_storage
+
+    files = list(expand_paths(paths))
+    storage = open_storage(state.config)
+    storage.check()
+    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-enqueue") as queue:
+        with click.progressbar(
+            length=len(files), label="uploading", file=sys.stderr, hidden=quiet or len(files) < 2
+        ) as bar:
+            ids = upload_and_queue(files, storage, queue, progress=lambda _: bar.update(1))
+    for file_id, path in zip(ids, files, strict=True):
+        click.echo(str(file_id) if quiet else f"{file_id}\t{path}")
+
+
+@main.group()
+def config() -> None:
+    """Check or show the configuration."""
+
+
+@config.command("check")
+@pass_state
+def config_check(state: State) -> None:
+    """Validate the INI file; print each problem with its file, section and key."""
+    try:
+        cfg = state.config
+    except ConfigError as error:
+        click.echo(str(error), err=True)
+        sys.exit(2)
+    click.echo(f"{cfg.source}: ok")
+
+
+@config.command("show")
+@click.option("--defaults", is_flag=True, help="Show the built-in defaults (an example file).")
+@pass_state
+@friendly_errors
+def config_show(state: State, defaults: bool) -> None:
+    """Print the effective configuration as INI, with its documentation (secrets masked)."""
+    click.echo(render_ini(None if defaults else state.config, mask_secrets=True), nl=False)
+
+
+@main.command()
+@click.option(
+    "--count",
+    type=click.IntRange(min=1),
+    default=24,
+    show_default=True,
+    help="How many good sample images to generate.",
+)
+@click.option("--backend", type=str, help="Override [derive] backend for the demo.")
+@pass_state
+@friendly_errors
+def demo(state: State, count: int, backend: str | None) -> None:
+    """The embedded quick start: generate samples, queue them, process until drained.
+
+    Uses the configured database and store (by default a private PostgreSQL cluster and
+    a file store under ./var), then prints ready/rejected counts, throughput and where
+    the WebP files are.
+    """
+    from supervisor.demo import run_demo
+
+    config = state.config
+    if backend:
+        config = config.replace("derive", backend=backend)
+    sys.exit(run_demo(config, count=count))
+
+
+def _restore_sigpipe() -> None:
+    # `derivd enqueue ... | head` should end quietly, like any Unix tool.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
+if __name__ == "__main__":
+    _restore_sigpipe()
+    main()

@@ -1,0 +1,131 @@
+"""`derivd demo`: sample images of several formats and sizes, processed end to end."""
+
+from __future__ import annotations
+
+import io
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from PIL import Image, ImageDraw
+
+from supervisor.daemon import run_daemon
+from supervisor.enqueue import upload_and_queue
+from supervisor.queue import QueueDB
+from supervisor.runtime import database
+from supervisor.settings import Config
+from supervisor.storage import open_storage
+
+
+def _gradient(width: int, height: int, seed: int, mode: str = "RGB") -> Image.Image:
+    rng = random.Random(seed)
+    image = Image.linear_gradient("L").resize((width, height)).convert("RGB")
+    draw = ImageDraw.Draw(image)
+    for _ in range(12):
+        x, y = rng.randrange(width), rng.randrange(height)
+        r = rng.randrange(max(2, min(width, height) // 10), max(3, min(width, height) // 3))
+        colour = tuple(rng.randrange(256) for _ in range(3))
+        draw.ellipse((x - r, y - r, x + r, y + r), fill=colour)
+    return image.convert(mode) if mode != "RGB" else image
+
+
+def _encode(image: Image.Image, fmt: str, **options: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+# (file name pattern, width, height, format, mode, save options)
+_GOOD: list[tuple[str, int, int, str, str, dict[str, Any]]] = [
+    ("photo-{i}.jpg", 4000, 3000, "JPEG", "RGB", {"quality": 88}),
+    ("progressive-{i}.jpg", 2400, 1600, "JPEG", "RGB", {"progressive": True}),
+    ("alpha-{i}.png", 1200, 900, "PNG", "RGBA", {}),
+    ("palette-{i}.png", 800, 600, "PNG", "P", {}),
+    ("grey-{i}.tif", 1600, 1200, "TIFF", "L", {"compression": "tiff_deflate"}),
+    ("wide-{i}.webp", 3840, 2160, "WEBP", "RGB", {"quality": 90}),
+    ("small-{i}.gif", 300, 200, "GIF", "P", {}),
+    ("tiny-{i}.png", 120, 80, "PNG", "RGB", {}),
+]
+
+
+def generate_samples(folder: Path, count: int) -> list[Path]:
+    """`count` good images cycling through the formats above, plus two bad ones."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+    for i in range(count):
+        pattern, width, height, fmt, mode, options = _GOOD[i % len(_GOOD)]
+        path = folder / pattern.format(i=i)
+        if not path.exists():
+            path.write_bytes(_encode(_gradient(width, height, i, mode), fmt, **options))
+        paths.append(path)
+    truncated = folder / "bad-truncated.jpg"
+    photo = _encode(_gradient(640, 480, 99), "JPEG")
+    truncated.write_bytes(photo[: len(photo) // 2])
+    not_an_image = folder / "bad-not-an-image.jpg"
+    not_an_image.write_bytes(b"<html><body>this is not a JPEG</body></html>\n")
+    return [*paths, truncated, not_an_image]
+
+
+class Progress(threading.Thread):
+    """Prints `done/total` while the queue drains (reads the counts twice a second)."""
+
+    def __init__(self, dsn: str, total: int) -> None:
+        super().__init__(daemon=True)
+        self.dsn, self.total = dsn, total
+        self.finished = threading.Event()
+
+    def run(self) -> None:
+        with QueueDB.open(self.dsn, role="derivd-demo-progress") as queue:
+            while not self.finished.wait(0.5):
+                counts = queue.queue_stats().counts
+                done = counts.get("ready", 0) + counts.get("rejected", 0)
+                click.echo(f"\rprocessed {done}/{self.total}", err=True, nl=False)
+        click.echo("", err=True)
+
+
+def run_demo(config: Config, *, count: int) -> int:
+    samples = generate_samples(config.state_dir / "samples", count)
+    storage = open_storage(config)
+    storage.check()
+    with database(config) as dsn:
+        with QueueDB.open(dsn, role="derivd-demo") as queue:
+            before = queue.queue_stats().counts
+            ids = upload_and_queue(samples, storage, queue)
+        click.echo(f"queued {len(ids)} sample images from {samples[0].parent}", err=True)
+        progress = Progress(
+            dsn, total=sum(before.get(s, 0) for s in ("ready", "rejected")) + len(ids)
+        )
+        progress.start()
+        started = time.monotonic()
+        code = run_daemon(config, burst=True)
+        elapsed = time.monotonic() - started
+        progress.finished.set()
+        progress.join()
+        with QueueDB.open(dsn, role="derivd-demo") as queue:
+            rows = [queue.file_row(i) for i in ids]
+    statuses = [row["status"] if row else "missing" for row in rows]
+    ready = statuses.count("ready")
+    rejected = [
+        (path.name, row["error_code"])
+        for path, row in zip(samples, rows, strict=True)
+        if row and row["status"] == "rejected"
+    ]
+    click.echo(
+        f"ready: {ready}  rejected: {len(rejected)}  other: {len(statuses) - ready - len(rejected)}"
+    )
+    for name, error_code in rejected:
+        click.echo(f"  rejected {name}: {error_code}")
+    click.echo(
+        f"throughput: {len(ids) / elapsed:.1f} images/s "
+        f"({elapsed:.1f}s, backend {config.derive.backend})"
+    )
+    click.echo(
+        f"WebP files: {config.fs_root / 'derived'}"
+        if config.storage.backend == "fs"
+        else f"WebP files: s3://{config.storage.bucket}/{config.storage.prefix}derived/"
+    )
+    unfinished = len(statuses) - ready - len(rejected)
+    return code if unfinished == 0 else 1

@@ -1,0 +1,35 @@
+"""Resolve what a command runs against: the configured database or the embedded one."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from supervisor.queue import migrate
+from supervisor.settings import Config, mask_dsn
+
+log = logging.getLogger("derivd")
+
+
+@contextmanager
+def database(config: Config, *, auto_migrate: bool = True) -> Iterator[str]:
+    """Yield a DSN. An empty `[database] dsn` starts the private cluster under state_dir
+    (and stops it on exit if this process started it); derivd owns that database, so its
+    schema is brought up to date at once. A configured database is migrated only by
+    `derivd migrate`.
+    """
+    if config.database.dsn:
+        log.debug("database %s", mask_dsn(config.database.dsn))
+        yield config.database.dsn
+        return
+    from supervisor.pgcluster import EmbeddedCluster
+
+    cluster = EmbeddedCluster(config.state_dir / "pg", log_file=config.state_dir / "postgres.log")
+    with cluster:
+        dsn = cluster.dsn()
+        if auto_migrate:
+            applied = migrate(dsn)
+            if applied:
+                log.info("embedded database migrated: %s", ", ".join(applied))
+        yield dsn

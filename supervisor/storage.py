@@ -1,0 +1,109 @@
+"""Object storage: the protocol both stores honour, key rules, and the factory.
+
+Keys are generated here (never taken from user input) and validated by both stores.
+Every PUT returns the version id it created; reads are always by key and version, so an
+original can never change under a job and attempts never overwrite each other's bytes.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
+
+from supervisor.outcomes import Permanent, ResourceLimit, Transient
+
+if TYPE_CHECKING:
+    from supervisor.settings import Config
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_KEY_LENGTH = 512
+RESERVED_SUFFIX = ".versions"  # the fs store's version directories
+
+
+class InvalidKey(ValueError):
+    """A key that could escape the store or is not one derivd generates."""
+
+
+class StorageConfigError(Exception):
+    """The store cannot be used as configured (e.g. versioning off): refuse to start."""
+
+
+class StorageUnavailable(Transient):
+    """Network, throttling or a 5xx: the request may succeed later."""
+
+
+class ObjectMissing(Permanent):
+    """The exact key+version is gone: retrying cannot bring it back."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__("processing_failed", message)
+
+
+def refuse_oversize(size: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and size > max_bytes:
+        raise ResourceLimit(f"original is {size} bytes, over the {max_bytes}-byte limit")
+
+
+def validate_key(key: str) -> str:
+    """Accept only relative keys of plain segments: no '..', no absolute path, no NUL."""
+    if not key or len(key) > MAX_KEY_LENGTH:
+        raise InvalidKey("key is empty or too long")
+    if "\x00" in key or key.startswith("/") or "\\" in key:
+        raise InvalidKey("key holds NUL, a backslash or starts with '/'")
+    for segment in key.split("/"):
+        if not _SEGMENT.match(segment) or segment.endswith(RESERVED_SUFFIX):
+            raise InvalidKey(f"key segment {segment!r} is not allowed")
+    return key
+
+
+def new_original_key() -> str:
+    return f"originals/{uuid.uuid4().hex}"
+
+
+def derived_prefix(file_id: int) -> str:
+    return f"derived/{file_id}/"
+
+
+def derived_key(file_id: int, token: uuid.UUID, variant: str) -> str:
+    """Unique per attempt: the lease token is part of the key."""
+    return validate_key(f"{derived_prefix(file_id)}{token}/{variant}.webp")
+
+
+class Storage(Protocol):
+    name: str
+
+    def check(self) -> None:
+        """Raise StorageConfigError when the store cannot keep versions (start-up)."""
+
+    def put(self, key: str, data: bytes, content_type: str) -> str:
+        """Store bytes under key; return the new version id."""
+
+    def get(self, key: str, version: str, *, max_bytes: int | None = None) -> bytes:
+        """The bytes of exactly this version (ObjectMissing, StorageUnavailable).
+
+        Larger than max_bytes: ResourceLimit, raised before the body is read.
+        """
+
+    def delete_all_versions(self, key: str) -> int:
+        """Remove every version of key (and of keys under it when it ends with '/')."""
+
+    def list_keys(self, prefix: str = "") -> Iterator[str]:
+        """Keys that have at least one version, under prefix."""
+
+
+def open_storage(config: Config) -> Storage:
+    """Create the configured store. Call in the process that will use it (after fork)."""
+    if config.storage.backend == "s3":
+        from supervisor.storage_s3 import S3Storage
+
+        return S3Storage(
+            bucket=config.storage.bucket,
+            endpoint_url=config.storage.endpoint_url or None,
+            region=config.storage.region or None,
+            prefix=config.storage.prefix,
+        )
+    from supervisor.storage_fs import FsStorage
+
+    return FsStorage(config.fs_root)

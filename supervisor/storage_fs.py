@@ -1,0 +1,86 @@
+"""`fs`: a directory store with S3's version semantics, for one host and the demo.
+
+Layout: `<root>/<key>.versions/<version id>`. A version id sorts by creation time; each
+PUT writes a temporary file and renames it into place, so a reader never sees half an
+object. Keys are validated and resolved paths are checked to stay inside the root.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from supervisor.storage import (
+    RESERVED_SUFFIX,
+    InvalidKey,
+    ObjectMissing,
+    refuse_oversize,
+    validate_key,
+)
+
+
+class FsStorage:
+    name = "fs"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+
+    def check(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _versions_dir(self, key: str) -> Path:
+        path = (self.root / (validate_key(key.rstrip("/")) + RESERVED_SUFFIX)).resolve()
+        if not path.is_relative_to(self.root):
+            raise InvalidKey("key resolves outside the store")
+        return path
+
+    def put(self, key: str, data: bytes, content_type: str) -> str:
+        folder = self._versions_dir(key)
+        folder.mkdir(parents=True, exist_ok=True)
+        version = f"{time.time_ns():020d}{secrets.token_hex(4)}"
+        temp = folder / f".tmp-{version}"
+        with temp.open("wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, folder / version)
+        return version
+
+    def get(self, key: str, version: str, *, max_bytes: int | None = None) -> bytes:
+        if not version or not version.isalnum():
+            raise ObjectMissing("no such version")
+        path = self._versions_dir(key) / version
+        try:
+            refuse_oversize(path.stat().st_size, max_bytes)
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise ObjectMissing("no such key or version") from None
+
+    def delete_all_versions(self, key: str) -> int:
+        if key.endswith("/"):
+            folder = (self.root / validate_key(key.rstrip("/"))).resolve()
+            if not folder.is_relative_to(self.root) or not folder.is_dir():
+                return 0
+            count = sum(1 for _ in folder.rglob("*") if _.is_file())
+            shutil.rmtree(folder)
+            return count
+        folder = self._versions_dir(key)
+        if not folder.is_dir():
+            return 0
+        count = sum(1 for _ in folder.iterdir())
+        shutil.rmtree(folder)
+        return count
+
+    def list_keys(self, prefix: str = "") -> Iterator[str]:
+        for folder in sorted(self.root.rglob(f"*{RESERVED_SUFFIX}")):
+            key = folder.relative_to(self.root).as_posix().removesuffix(RESERVED_SUFFIX)
+            if key.startswith(prefix) and any(not p.name.startswith(".") for p in folder.iterdir()):
+                yield key
+
+    def path_of(self, key: str, version: str) -> Path:
+        """Where a version lives on disk (for the demo summary and tests)."""
+        return self._versions_dir(key) / version

@@ -1,0 +1,150 @@
+"""`s3`: any S3 API through boto3 (AWS, MinIO, Ceph, moto).
+
+The client is created lazily, in the process that uses it, so none crosses a fork.
+Credentials come from boto3's usual chain (environment, profile, instance role); they
+are never logged. Versioning must be enabled on the bucket: `check()` refuses otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from supervisor.outcomes import ResourceLimit
+from supervisor.storage import (
+    ObjectMissing,
+    StorageConfigError,
+    StorageUnavailable,
+    refuse_oversize,
+    validate_key,
+)
+
+_MISSING = {"NoSuchKey", "NoSuchVersion", "404", "NotFound", "InvalidArgument"}
+_RETRYABLE_HTTP = {408, 429, 500, 502, 503, 504}
+
+
+class S3Storage:
+    name = "s3"
+
+    def __init__(
+        self,
+        *,
+        bucket: str,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        prefix: str = "",
+    ) -> None:
+        self.bucket = bucket
+        self.endpoint_url = endpoint_url
+        self.region = region
+        self.prefix = prefix
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            import boto3
+            from botocore.config import Config as BotoConfig
+
+            self._client = boto3.session.Session().client(
+                "s3",
+                endpoint_url=self.endpoint_url,
+                region_name=self.region,
+                config=BotoConfig(
+                    retries={"max_attempts": 3, "mode": "standard"},
+                    connect_timeout=5,
+                    read_timeout=30,
+                ),
+            )
+        return self._client
+
+    def _full(self, key: str) -> str:
+        return self.prefix + validate_key(key.rstrip("/")) + ("/" if key.endswith("/") else "")
+
+    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
+        """Run one S3 call, translating failures into outcomes with safe messages."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except ClientError as error:
+            code = str(error.response.get("Error", {}).get("Code", ""))
+            status = int(error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+            if code in _MISSING or status == 404:
+                raise ObjectMissing(f"s3 {what}: {code or status}") from None
+            if status in _RETRYABLE_HTTP or status == 0:
+                raise StorageUnavailable(f"s3 {what}: {code or status}") from None
+            raise StorageUnavailable(f"s3 {what} refused: {code} (HTTP {status})") from None
+        except BotoCoreError as error:
+            raise StorageUnavailable(f"s3 {what}: {type(error).__name__}") from None
+
+    def check(self) -> None:
+        try:
+            answer = self._call("versioning check", self.client.get_bucket_versioning)
+        except (StorageUnavailable, ObjectMissing) as error:
+            raise StorageConfigError(f"s3 bucket {self.bucket!r} is not usable: {error}") from None
+        if answer.get("Status") != "Enabled":
+            raise StorageConfigError(
+                f"s3 bucket {self.bucket!r} has versioning off; derivd needs it: "
+                f"aws s3api put-bucket-versioning --bucket {self.bucket} "
+                "--versioning-configuration Status=Enabled"
+            )
+
+    def put(self, key: str, data: bytes, content_type: str) -> str:
+        answer = self._call(
+            "put",
+            self.client.put_object,
+            Key=self._full(key),
+            Body=data,
+            ContentType=content_type,
+        )
+        version = answer.get("VersionId")
+        if not version or version == "null":
+            raise StorageConfigError(f"s3 bucket {self.bucket!r} returned no version id")
+        return str(version)
+
+    def get(self, key: str, version: str, *, max_bytes: int | None = None) -> bytes:
+        answer = self._call("get", self.client.get_object, Key=self._full(key), VersionId=version)
+        try:
+            refuse_oversize(int(answer.get("ContentLength") or 0), max_bytes)
+        except ResourceLimit:
+            answer["Body"].close()
+            raise
+        try:
+            body: bytes = answer["Body"].read()
+        except Exception as error:  # a connection dropped mid-body
+            raise StorageUnavailable(f"s3 get: body read failed ({type(error).__name__})") from None
+        return body
+
+    def _versions(self, prefix: str) -> Iterator[tuple[str, str]]:
+        paginator = self.client.get_paginator("list_object_versions")
+        pages = self._call("list versions", paginator.paginate, Prefix=prefix)
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            for page in pages:
+                for item in page.get("Versions", []) + page.get("DeleteMarkers", []):
+                    yield item["Key"], item["VersionId"]
+        except (BotoCoreError, ClientError) as error:
+            raise StorageUnavailable(f"s3 list versions: {type(error).__name__}") from None
+
+    def delete_all_versions(self, key: str) -> int:
+        full = self._full(key)
+        exact = not key.endswith("/")
+        doomed = [
+            {"Key": k, "VersionId": v} for k, v in self._versions(full) if not exact or k == full
+        ]
+        for start in range(0, len(doomed), 1000):
+            self._call(
+                "delete",
+                self.client.delete_objects,
+                Delete={"Objects": doomed[start : start + 1000], "Quiet": True},
+            )
+        return len(doomed)
+
+    def list_keys(self, prefix: str = "") -> Iterator[str]:
+        seen: set[str] = set()
+        for key, _ in self._versions(self.prefix + prefix):
+            if key not in seen:
+                seen.add(key)
+                yield key.removeprefix(self.prefix)
