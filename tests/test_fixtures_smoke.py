@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import http.client
+import subprocess
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import boto3
@@ -11,6 +13,7 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 from fixtures.faultproxy import FaultProxy
+from fixtures.s3 import MotoServer
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -106,10 +109,7 @@ def test_fault_proxy_resets_and_slows(faulty_s3: tuple[str, FaultProxy]) -> None
     assert counts["resets"] == 1 and counts["delayed"] == 1
 
 
-def test_fault_proxy_is_reproducible(s3_server: object) -> None:
-    from fixtures.s3 import MotoServer
-
-    assert isinstance(s3_server, MotoServer)
+def test_fault_proxy_is_reproducible(s3_server: MotoServer) -> None:
     outcomes = []
     for _ in range(2):
         with FaultProxy(("127.0.0.1", s3_server.port), seed=7) as proxy:
@@ -117,3 +117,28 @@ def test_fault_proxy_is_reproducible(s3_server: object) -> None:
             outcomes.append([_get(proxy.url, "/moto-api/").status for _ in range(12)])
     assert outcomes[0] == outcomes[1]
     assert set(outcomes[0]) == {200, 503}
+
+
+def test_s3_outage_and_recovery(
+    s3_server: MotoServer, faulty_s3: tuple[str, FaultProxy], s3_client: S3Client
+) -> None:
+    url, proxy = faulty_s3
+    port = s3_server.port
+    s3_server.stop()
+    with pytest.raises((ConnectionError, http.client.HTTPException)):
+        _get(url, "/moto-api/").read()
+    assert proxy.snapshot()["upstream_errors"] == 1
+    s3_server.start()
+    assert s3_server.port == port
+    assert _get(url, "/moto-api/").status == 200
+    # moto keeps no state across a restart.
+    assert s3_client.list_buckets()["Buckets"] == []
+
+
+def test_run_cli_runs_the_console_script(
+    run_cli: Callable[..., subprocess.CompletedProcess[str]],
+) -> None:
+    pytest.importorskip("supervisor.cli")
+    result = run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    assert "Usage" in result.stdout
