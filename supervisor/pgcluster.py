@@ -238,7 +238,7 @@ class EmbeddedCluster:
             if not self._adopt_running():
                 self._start_server(run_as)
                 self._started_here = True
-        self._ensure_database(DEFAULT_DB)
+            self._ensure_database(DEFAULT_DB)
 
     def stop(self, mode: StopMode = "fast") -> None:
         """Stop the server if it runs; a no-op otherwise."""
@@ -488,7 +488,10 @@ class EmbeddedCluster:
         with self._admin() as conn:
             found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
             if found is None:
-                with contextlib.suppress(psycopg.errors.DuplicateDatabase):
+                # Another client may create it meanwhile (the lock covers derivd only).
+                with contextlib.suppress(
+                    psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation
+                ):
                     conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
 
     def _admin(self) -> psycopg.Connection[tuple[object, ...]]:

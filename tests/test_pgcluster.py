@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import pwd
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import psycopg
@@ -135,3 +137,24 @@ def test_long_paths_fall_back_to_a_short_socket_dir(tmp_path: Path) -> None:
     cluster = EmbeddedCluster(deep)
     assert len(str(cluster.socket_dir)) + len("/.s.PGSQL.65535") <= 107
     assert cluster.socket_dir == EmbeddedCluster(deep).socket_dir  # stable across restarts
+
+
+def test_two_processes_starting_one_state_dir_initdb_once(pg_root: Path) -> None:
+    data = pg_root / f"race-{os.getpid()}" / "pgdata"
+    code = (
+        "import sys; from pathlib import Path; from supervisor.pgcluster import EmbeddedCluster;"
+        "c = EmbeddedCluster(Path(sys.argv[1]), fast=True); c.start(); print(c.dsn())"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(data)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    cluster = EmbeddedCluster(data, fast=True)
+    try:
+        assert [p.returncode for p in procs] == [0, 0]
+        assert outputs[0] == outputs[1]
+        assert cluster.log_file.read_text().count("--- initdb") == 1
+        assert cluster.is_running()
+    finally:
+        cluster.stop("immediate")
