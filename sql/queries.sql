@@ -160,7 +160,8 @@ WITH done AS (
 SELECT status, error_code FROM done;
 
 -- name: release
--- Give a job back during shutdown without burning its attempt (fenced).
+-- Give a job back during shutdown without burning its attempt (fenced; a failed fence
+-- appends `lease_lost`).
 WITH done AS (
     UPDATE archive_files
        SET status = 'queued',
@@ -174,6 +175,11 @@ WITH done AS (
 ), released_event AS (
     INSERT INTO archive_events (file_id, kind, attempt, lease_token)
     SELECT id, 'released', attempts + 1, %(token)s FROM done
+    RETURNING 1
+), lost_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+    SELECT %(id)s, 'lease_lost', %(attempt)s, %(token)s
+     WHERE NOT EXISTS (SELECT 1 FROM done)
     RETURNING 1
 )
 SELECT count(*)::int AS released FROM done;

@@ -219,7 +219,7 @@ class QueueDB:
 
     def release(self, job: Job) -> bool:
         """Give the job back without burning its attempt. False: the lease was lost."""
-        row = self._one("release", {"id": job.id, "token": job.token})
+        row = self._one("release", {"id": job.id, "token": job.token, "attempt": job.attempt})
         return bool(row and row["released"])
 
     # -- maintenance -------------------------------------------------------------------

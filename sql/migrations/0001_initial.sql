@@ -101,3 +101,5 @@ BEGIN
 END $$;
 CREATE TRIGGER archive_events_no_update BEFORE UPDATE OR DELETE ON archive_events
     FOR EACH ROW EXECUTE FUNCTION archive_events_append_only();
+CREATE TRIGGER archive_events_no_truncate BEFORE TRUNCATE ON archive_events
+    FOR EACH STATEMENT EXECUTE FUNCTION archive_events_append_only();

@@ -1,0 +1,206 @@
+"""The lease protocol on a real PostgreSQL: claim, fence, release, caps, concurrency."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections import Counter
+
+import psycopg
+import pytest
+
+from supervisor.queue import QueueDB, StoredVariant, migrate
+
+LONG = 60.0
+
+
+def variant(name: str = "preview", key: str = "derived/k.webp") -> StoredVariant:
+    return StoredVariant(name, key, "v1", "ab" * 32, 10, 5)
+
+
+def events(queue: QueueDB, file_id: int) -> list[tuple[str, int | None]]:
+    rows = queue.conn.execute(
+        "SELECT kind, attempt FROM archive_events WHERE file_id = %s ORDER BY id", (file_id,)
+    ).fetchall()
+    return [(r[0], r[1]) for r in rows]
+
+
+def expire_lease(queue: QueueDB, file_id: int) -> None:
+    # Move the lease into the past instead of sleeping through it.
+    queue.conn.execute(
+        "UPDATE archive_files SET lease_until = now() - interval '1 second' WHERE id = %s",
+        (file_id,),
+    )
+
+
+@pytest.fixture
+def queue(dsn: str) -> QueueDB:
+    q = QueueDB.open(dsn)
+    yield q
+    q.close()
+
+
+def test_migrate_is_idempotent(dsn: str) -> None:
+    assert migrate(dsn) == []  # the template already has everything
+
+
+def test_claim_takes_oldest_due_row_and_counts_the_attempt(queue: QueueDB) -> None:
+    first, second = queue.enqueue([("originals/a", "1"), ("originals/b", "2")])
+    job = queue.claim(lease_s=LONG, max_attempts=3)
+    assert job is not None and job.id == first and job.attempt == 1
+    row = queue.file_row(first)
+    assert row is not None
+    assert row["status"] == "processing" and row["lease_token"] == job.token
+    assert row["lease_until"] > row["claimed_at"]
+    other = queue.claim(lease_s=LONG, max_attempts=3)
+    assert other is not None and other.id == second and other.token != job.token
+    assert queue.claim(lease_s=LONG, max_attempts=3) is None
+
+
+def test_rows_not_yet_available_are_not_claimed(queue: QueueDB) -> None:
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    queue.conn.execute(
+        "UPDATE archive_files SET available_at = now() + interval '1 hour' WHERE id = %s",
+        (file_id,),
+    )
+    assert queue.claim(lease_s=LONG, max_attempts=3) is None
+
+
+def test_fencing_late_commit_of_expired_attempt_changes_nothing(queue: QueueDB) -> None:
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    attempt_a = queue.claim(lease_s=LONG, max_attempts=3)
+    assert attempt_a is not None
+    expire_lease(queue, file_id)
+    attempt_b = queue.claim(lease_s=LONG, max_attempts=3)
+    assert attempt_b is not None and attempt_b.id == file_id and attempt_b.attempt == 2
+
+    assert queue.commit(attempt_a, [variant(key="derived/1/A/preview.webp")]) is False
+    assert queue.file_row(file_id)["status"] == "processing"  # type: ignore[index]
+    assert queue.commit(attempt_b, [variant(key="derived/1/B/preview.webp")]) is True
+
+    row = queue.file_row(file_id)
+    assert row is not None and row["status"] == "ready"
+    assert row["derived_key"] == "derived/1/B/preview.webp"
+    assert [v.key for v in queue.file_variants(file_id)] == ["derived/1/B/preview.webp"]
+    assert events(queue, file_id) == [("lease_lost", 1), ("ready", 2)]
+    # A second commit by the winner is fenced too: a row is committed once.
+    assert queue.commit(attempt_b, [variant()]) is False
+
+
+def test_fail_and_release_are_fenced(queue: QueueDB) -> None:
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    stale = queue.claim(lease_s=LONG, max_attempts=3)
+    assert stale is not None
+    expire_lease(queue, file_id)
+    current = queue.claim(lease_s=LONG, max_attempts=3)
+    assert current is not None
+    assert queue.fail(stale, retry=False, code="corrupt_content", max_attempts=3) is None
+    assert queue.release(stale) is False
+    assert queue.file_row(file_id)["status"] == "processing"  # type: ignore[index]
+    assert events(queue, file_id) == [("lease_lost", 1), ("lease_lost", 1)]
+
+
+def test_permanent_failure_rejects_with_code(queue: QueueDB) -> None:
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    job = queue.claim(lease_s=LONG, max_attempts=3)
+    assert job is not None
+    assert queue.fail(job, retry=False, code="corrupt_content", max_attempts=3) == "rejected"
+    row = queue.file_row(file_id)
+    assert row is not None and row["error_code"] == "corrupt_content"
+    assert row["lease_token"] is None
+
+
+def test_transient_failure_retries_with_delay_then_rejects_at_cap(queue: QueueDB) -> None:
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    for attempt in (1, 2):
+        job = queue.claim(lease_s=LONG, max_attempts=3)
+        assert job is not None and job.attempt == attempt
+        status = queue.fail(job, retry=True, code="processing_failed", max_attempts=3,
+                            delay_s=30)
+        assert status == "queued"
+        assert queue.claim(lease_s=LONG, max_attempts=3) is None  # delayed 30 s
+        queue.conn.execute("UPDATE archive_files SET available_at = now() WHERE id = %s",
+                           (file_id,))
+    job = queue.claim(lease_s=LONG, max_attempts=3)
+    assert job is not None and job.attempt == 3
+    assert queue.fail(job, retry=True, code="processing_failed", max_attempts=3) == "rejected"
+    row = queue.file_row(file_id)
+    assert row is not None and row["error_code"] == "processing_failed"
+
+
+def test_release_does_not_burn_an_attempt(queue: QueueDB) -> None:
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    job = queue.claim(lease_s=LONG, max_attempts=3)
+    assert job is not None
+    assert queue.release(job) is True
+    row = queue.file_row(file_id)
+    assert row is not None and row["status"] == "queued" and row["attempts"] == 0
+    again = queue.claim(lease_s=LONG, max_attempts=3)
+    assert again is not None and again.attempt == 1
+
+
+def test_expired_lease_at_the_cap_is_rejected_not_reclaimed(queue: QueueDB) -> None:
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    for _ in range(2):
+        assert queue.claim(lease_s=LONG, max_attempts=2) is not None
+        expire_lease(queue, file_id)
+    assert queue.claim(lease_s=LONG, max_attempts=2) is None
+    assert queue.reject_exhausted(max_attempts=2) == [file_id]
+    row = queue.file_row(file_id)
+    assert row is not None and row["status"] == "rejected"
+    assert row["error_code"] == "attempts_exhausted" and row["attempts"] == 2
+
+
+def test_database_enforces_closed_error_codes_and_states(queue: QueueDB) -> None:
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    with pytest.raises(psycopg.errors.CheckViolation):
+        queue.conn.execute(
+            "UPDATE archive_files SET status = 'rejected', error_code = 'oops' WHERE id = %s",
+            (file_id,),
+        )
+    with pytest.raises(psycopg.errors.CheckViolation):
+        queue.conn.execute("UPDATE archive_files SET status = 'done' WHERE id = %s", (file_id,))
+    job = queue.claim(lease_s=LONG, max_attempts=3)
+    assert job is not None and queue.release(job)  # leaves a `released` event
+    with pytest.raises(psycopg.errors.RaiseException):
+        queue.conn.execute("DELETE FROM archive_events")
+    with pytest.raises(psycopg.errors.RaiseException):
+        queue.conn.execute("TRUNCATE archive_events")
+
+
+def _claim_all(dsn: str, results: multiprocessing.Queue[list[int]]) -> None:
+    claimed: list[int] = []
+    with QueueDB.open(dsn) as queue:
+        while (job := queue.claim(lease_s=LONG, max_attempts=3)) is not None:
+            claimed.append(job.id)
+    results.put(claimed)
+
+
+def test_four_processes_never_claim_the_same_row_twice(queue: QueueDB, dsn: str) -> None:
+    ids = queue.enqueue([(f"originals/{n}", "1") for n in range(200)])
+    ctx = multiprocessing.get_context("spawn")
+    results: multiprocessing.Queue[list[int]] = ctx.Queue()
+    procs = [ctx.Process(target=_claim_all, args=(dsn, results)) for _ in range(4)]
+    for proc in procs:
+        proc.start()
+    claimed = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+    every = [file_id for chunk in claimed for file_id in chunk]
+    duplicates = [file_id for file_id, n in Counter(every).items() if n > 1]
+    assert duplicates == []
+    assert sorted(every) == sorted(ids)
+
+
+def test_claim_time_comes_from_the_database(queue: QueueDB) -> None:
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    before = queue.conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+    time.sleep(0.01)
+    job = queue.claim(lease_s=120, max_attempts=3)
+    assert job is not None
+    row = queue.file_row(file_id)
+    assert row is not None
+    lease = (row["lease_until"] - row["claimed_at"]).total_seconds()
+    assert lease == pytest.approx(120, abs=0.001)
+    assert row["claimed_at"] > before
