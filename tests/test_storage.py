@@ -1,0 +1,132 @@
+"""Both stores: version semantics, key rules, and S3 on moto's server over HTTP."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from supervisor.outcomes import ResourceLimit
+from supervisor.storage import (
+    InvalidKey,
+    ObjectMissing,
+    StorageConfigError,
+    StorageUnavailable,
+    derived_key,
+    derived_prefix,
+    new_original_key,
+    validate_key,
+)
+from supervisor.storage_fs import FsStorage
+from supervisor.storage_s3 import S3Storage
+
+ESCAPES = [
+    "../etc/passwd",
+    "originals/../../x",
+    "/etc/passwd",
+    "originals/\x00evil",
+    "originals//x",
+    "originals/.hidden",
+    "originals\\..\\x",
+    "",
+    "a" * 600,
+    "originals/x.versions/y",
+]
+
+
+@pytest.mark.parametrize("key", ESCAPES)
+def test_keys_that_could_escape_are_refused(key: str, fs_root: Path) -> None:
+    store = FsStorage(fs_root)
+    with pytest.raises(InvalidKey):
+        validate_key(key)
+    with pytest.raises(InvalidKey):
+        store.put(key, b"x", "image/webp")
+    with pytest.raises(InvalidKey):
+        store.get(key, "1")
+    assert not any(p.is_file() for p in fs_root.parent.rglob("*") if fs_root not in p.parents)
+
+
+def test_symlinked_folder_cannot_lead_outside(fs_root: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (fs_root / "originals").symlink_to(outside)
+    with pytest.raises(InvalidKey):
+        FsStorage(fs_root).put("originals/abc", b"x", "image/webp")
+    assert list(outside.iterdir()) == []
+
+
+def test_generated_keys_are_valid_and_unique_per_attempt() -> None:
+    token_a, token_b = uuid.uuid4(), uuid.uuid4()
+    assert validate_key(new_original_key()) != validate_key(new_original_key())
+    key_a = derived_key(7, token_a, "thumb")
+    assert key_a.startswith(derived_prefix(7)) and key_a.endswith("/thumb.webp")
+    assert key_a != derived_key(7, token_b, "thumb")
+
+
+def test_fs_keeps_every_version(fs_root: Path) -> None:
+    store = FsStorage(fs_root)
+    v1 = store.put("originals/abc", b"one", "x")
+    v2 = store.put("originals/abc", b"two", "x")
+    assert v1 != v2
+    assert store.get("originals/abc", v1) == b"one"
+    assert store.get("originals/abc", v2) == b"two"
+    with pytest.raises(ObjectMissing):
+        store.get("originals/abc", "0" * 28)
+    with pytest.raises(ResourceLimit):
+        store.get("originals/abc", v1, max_bytes=2)
+    assert list(store.list_keys()) == ["originals/abc"]
+    assert store.delete_all_versions("originals/abc") == 2
+    assert list(store.list_keys()) == []
+
+
+def test_fs_prefix_delete_removes_all_attempts(fs_root: Path) -> None:
+    store = FsStorage(fs_root)
+    for token in (uuid.uuid4(), uuid.uuid4()):
+        store.put(derived_key(9, token, "thumb"), b"w", "image/webp")
+    store.put(derived_key(10, uuid.uuid4(), "thumb"), b"w", "image/webp")
+    assert store.delete_all_versions(derived_prefix(9)) == 2
+    assert [k.split("/")[1] for k in store.list_keys("derived/")] == ["10"]
+
+
+def s3_store(endpoint: str, bucket: str, prefix: str = "") -> S3Storage:
+    return S3Storage(bucket=bucket, endpoint_url=endpoint, region="us-east-1", prefix=prefix)
+
+
+def test_s3_round_trip_by_version(s3_server, s3_bucket: str) -> None:  # type: ignore[no-untyped-def]
+    store = s3_store(s3_server.endpoint_url, s3_bucket, prefix="derivd/")
+    store.check()
+    v1 = store.put("originals/abc", b"one", "application/octet-stream")
+    v2 = store.put("originals/abc", b"two", "application/octet-stream")
+    assert v1 != v2
+    assert store.get("originals/abc", v1) == b"one"
+    assert store.get("originals/abc", v2) == b"two"
+    with pytest.raises(ResourceLimit):
+        store.get("originals/abc", v2, max_bytes=1)
+    with pytest.raises(ObjectMissing):
+        store.get("originals/missing", v1)
+    assert list(store.list_keys("originals/")) == ["originals/abc"]
+    assert store.delete_all_versions("originals/abc") == 2
+    assert list(store.list_keys()) == []
+
+
+def test_s3_refuses_a_bucket_without_versioning(  # type: ignore[no-untyped-def]
+    s3_server, s3_bucket_unversioned: str
+) -> None:
+    store = s3_store(s3_server.endpoint_url, s3_bucket_unversioned)
+    with pytest.raises(StorageConfigError, match="versioning off"):
+        store.check()
+
+
+def test_s3_outage_is_transient(faulty_s3, s3_bucket: str) -> None:  # type: ignore[no-untyped-def]
+    url, proxy = faulty_s3
+    store = s3_store(url, s3_bucket)
+    version = store.put("originals/abc", b"one", "x")
+    proxy.fail(p=1.0)
+    with pytest.raises(StorageUnavailable):
+        store.get("originals/abc", version)
+    proxy.reset_connections(p=1.0)
+    with pytest.raises(StorageUnavailable):
+        store.put("originals/abc", b"two", "x")
+    proxy.pass_through()
+    assert store.get("originals/abc", version) == b"one"
