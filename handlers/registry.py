@@ -7,6 +7,7 @@ loaded before the supervisor forks.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from handlers.base import DeriveSpec, Handler
 
 ENTRY_POINT_GROUP = "derivd.handlers"
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 BUILTIN: dict[str, str] = {
     "vips": "handlers.vips:VipsHandler",
@@ -23,8 +25,12 @@ BUILTIN: dict[str, str] = {
 
 
 class UnknownHandler(LookupError):
-    def __init__(self, name: str) -> None:
-        super().__init__(f"unknown handler {name!r}; known: {', '.join(known_handlers())}")
+    def __init__(self, name: str, detail: str | None = None) -> None:
+        super().__init__(
+            f"cannot load handler {name!r}: {detail}"
+            if detail
+            else f"unknown handler {name!r}; known: {', '.join(known_handlers())}"
+        )
         self.name = name
 
 
@@ -39,8 +45,20 @@ def _load_target(target: str) -> Callable[..., Any]:
     return obj
 
 
+def is_import_target(name: str) -> bool:
+    """`package.module:Class` names a handler directly, without an entry point (tests,
+    in-tree experiments)."""
+    module_name, sep, attr = name.partition(":")
+    return bool(sep) and _DOTTED.match(module_name) is not None and attr.isidentifier()
+
+
 def handler_factory(name: str) -> Callable[..., Any]:
     """The class (or factory) registered under `name`, without instantiating it."""
+    if is_import_target(name):
+        try:
+            return _load_target(name)
+        except (ImportError, AttributeError) as error:
+            raise UnknownHandler(name, str(error)) from error
     if name in BUILTIN:
         return _load_target(BUILTIN[name])
     for ep in entry_points(group=ENTRY_POINT_GROUP):

@@ -59,8 +59,10 @@ def host_port(value: str) -> str | None:
 
 
 def check_handler(value: str) -> str | None:
-    from handlers.registry import known_handlers  # reads entry points, imports no backend
+    from handlers.registry import is_import_target, known_handlers  # imports no backend
 
+    if is_import_target(value):  # `module:Class`: loaded (and checked) in the worker
+        return None
     known = known_handlers()
     return None if value in known else f"unknown backend {value!r}; known: {', '.join(known)}"
 
