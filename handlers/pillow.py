@@ -28,7 +28,7 @@ from handlers.base import (
     UnsupportedContent,
     target_size,
 )
-from handlers.sniff import accepted_format
+from handlers.sniff import accepted_format, png_chunks_intact
 
 # Pillow plugin ids. MPO (a JPEG with a multi-picture index) comes in through the JPEG
 # plugin, which returns an MpoImageFile: it is not an id of its own.
@@ -229,6 +229,8 @@ class PillowHandler:
         check_size(original, spec)
         im = open_image(original)
         try:
+            if im.format == "PNG" and not png_chunks_intact(original):
+                raise CorruptContent("PNG chunk CRC mismatch or chunk past the end")
             with _classify_errors():
                 check_limits(im, spec)
                 base, upright = decode(im, spec)

@@ -9,6 +9,7 @@ magic number: bytes that start like an accepted format but cannot be read are
 from __future__ import annotations
 
 import struct
+import zlib
 
 _MAGIC: tuple[tuple[bytes, str], ...] = (
     (b"\xff\xd8\xff", "jpeg"),
@@ -42,3 +43,24 @@ def gif_screen(data: bytes) -> tuple[int, int] | None:
         return None
     width, height = struct.unpack("<HH", data[6:10])
     return width, height
+
+
+def png_chunks_intact(data: bytes) -> bool:
+    """Whether every PNG chunk up to IEND has its length inside the data and a right CRC.
+
+    Pillow skips the CRC of IDAT chunks (libspng checks them): a flipped bit in the
+    compressed pixels can then decode to a wrong image without any error.
+    """
+    at = 8
+    while at + 12 <= len(data):
+        (length,) = struct.unpack(">I", data[at : at + 4])
+        end = at + 8 + length
+        if end + 4 > len(data):
+            return False
+        (crc,) = struct.unpack(">I", data[end : end + 4])
+        if zlib.crc32(data[at + 4 : end]) != crc:
+            return False
+        if data[at + 4 : at + 8] == b"IEND":
+            return True
+        at = end + 4
+    return False
