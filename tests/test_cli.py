@@ -1,0 +1,101 @@
+"""The real `derivd` command as a subprocess: errors are one line, work gets done."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from pathlib import Path
+from subprocess import CompletedProcess
+
+import psycopg
+from configs import write_ini
+from PIL import Image
+
+RunCli = Callable[..., CompletedProcess[str]]
+
+
+def one_line_error(result: CompletedProcess[str]) -> str:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("derivd: ")]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def fs_env(dsn: str, root: Path, **extra: str) -> dict[str, str]:
+    return {"DERIVD_DATABASE_DSN": dsn, "DERIVD_STORAGE_BACKEND": "fs",
+            "DERIVD_STORAGE_ROOT": str(root), **extra}
+
+
+def test_help_teaches_the_commands(run_cli: RunCli) -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("run", "migrate", "enqueue", "config", "demo"):
+        assert f"  {command}" in result.stdout
+    assert "derivd demo" in result.stdout  # the quick start is in the help
+
+
+def test_config_check_names_file_section_and_key(run_cli: RunCli, tmp_path: Path) -> None:
+    path = write_ini(tmp_path / "bad.ini", {"queue": {"lease": "ten"}})
+    result = run_cli("-c", str(path), "config", "check")
+    assert result.returncode == 2
+    assert f"{path}: [queue] lease: 'ten' is not a number" in result.stderr
+    good = write_ini(tmp_path / "good.ini", {"queue": {"lease": "90"}})
+    ok = run_cli("-c", str(good), "config", "check")
+    assert ok.returncode == 0 and ok.stdout.strip() == f"{good}: ok"
+
+
+def test_bad_config_stops_any_command_with_exit_2(run_cli: RunCli, tmp_path: Path) -> None:
+    path = write_ini(tmp_path / "bad.ini", {"derive": {"backend": "gimp"}})
+    result = run_cli("-c", str(path), "run", "--burst")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "[derive] backend: unknown backend 'gimp'" in result.stderr
+
+
+def test_config_show_masks_the_password(run_cli: RunCli) -> None:
+    result = run_cli("config", "show", env={"DERIVD_DATABASE_DSN": "host=x password=hunter2"})
+    assert result.returncode == 0
+    assert "dsn = host=x password=***" in result.stdout and "hunter2" not in result.stdout
+
+
+def test_unreachable_database_is_one_line(run_cli: RunCli, tmp_path: Path) -> None:
+    env = fs_env("host=127.0.0.1 port=1 user=x dbname=x connect_timeout=2", tmp_path)
+    line = one_line_error(run_cli("migrate", env=env))
+    assert "database unavailable" in line
+
+
+def test_bucket_without_versioning_is_refused_in_one_line(  # type: ignore[no-untyped-def]
+    run_cli: RunCli, dsn: str, s3_server, s3_bucket_unversioned: str
+) -> None:
+    env = {"DERIVD_DATABASE_DSN": dsn, "DERIVD_STORAGE_BACKEND": "s3",
+           "DERIVD_STORAGE_BUCKET": s3_bucket_unversioned,
+           "DERIVD_STORAGE_ENDPOINT_URL": s3_server.endpoint_url}
+    line = one_line_error(run_cli("run", "--burst", env=env))
+    assert "versioning off" in line and s3_bucket_unversioned in line
+
+
+def test_enqueue_then_burst_run_makes_everything_final(
+    run_cli: RunCli, dsn: str, tmp_path: Path
+) -> None:
+    originals = tmp_path / "in"
+    (originals / "nested").mkdir(parents=True)
+    for n, size in enumerate([(640, 480), (100, 300)]):
+        buffer = io.BytesIO()
+        Image.new("RGB", size, (n * 90, 30, 200)).save(buffer, "PNG")
+        (originals / "nested" / f"{n}.png").write_bytes(buffer.getvalue())
+    (originals / "notes.jpg").write_text("not an image")
+    env = fs_env(dsn, tmp_path / "store", DERIVD_DERIVE_BACKEND="pillow",
+                 DERIVD_SUPERVISOR_WORKERS="1")
+
+    queued = run_cli("enqueue", str(originals), env=env)
+    assert queued.returncode == 0, queued.stderr
+    ids = [int(line.split("\t")[0]) for line in queued.stdout.splitlines()]
+    assert len(ids) == 3
+
+    ran = run_cli("run", "--burst", env=env, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT status, error_code FROM archive_files ORDER BY id").fetchall()
+    assert sorted(rows, key=str) == sorted(
+        [("ready", None), ("ready", None), ("rejected", "unsupported_content")], key=str)
