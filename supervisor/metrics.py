@@ -1,32 +1,192 @@
 """Prometheus metrics of the supervisor (names prefixed `derivd_`).
 
 Children never serve metrics: they report job results to the parent over their pipe and
-the parent records them here. Queue gauges come from one SQL query on a timer.
-This is the interface the supervisor calls; the Operators' view issue fills it in.
+the parent records them here. Queue gauges come from one SQL query on a timer (the
+supervisor calls `set_queue`), never from a query per scrape. Each `Metrics` has its own
+CollectorRegistry, so tests can build several side by side.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest, start_http_server
+
 from supervisor.queue import QueueStats
+from supervisor.settings import ConfigError, Problem
+
+# Every status a row can have: each gets a gauge (0 included), so a status that empties
+# does not keep its last value.
+STATUSES = ("pending", "queued", "processing", "ready", "rejected", "deleting", "deleted")
+RESTART_REASONS = ("crash", "timeout", "recycle", "reload")
+OUTCOMES = ("ready", "retry", "rejected", "lease_lost", "released", "unknown")
+
+# Image jobs take from a few ms (noop, thumbnails) to minutes (huge TIFFs near the timeout).
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Queue wait spans ms (idle workers) to an hour (a backlog).
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 1800, 3600)
 
 
 class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self._server: Any = None
+        r = self.registry
+        self.jobs = Counter(
+            "derivd_jobs_finished",
+            "Attempts ended, by outcome, error code (none when not rejected/retried) and backend",
+            ["outcome", "code", "backend"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "derivd_job_duration_seconds",
+            "Wall time of one attempt (claim to commit), by backend and outcome",
+            ["backend", "outcome"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.wait = Histogram(
+            "derivd_queue_wait_seconds",
+            "Time a row was claimable before a worker claimed it",
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.lease_lost = Counter(
+            "derivd_lease_lost",
+            "Attempts whose fenced commit or failure found the lease gone",
+            registry=r,
+        )
+        self.timeouts = Counter(
+            "derivd_job_timeouts", "Workers killed past job_timeout", registry=r
+        )
+        self.restarts = Counter(
+            "derivd_worker_restarts", "Workers replaced, by reason", ["reason"], registry=r
+        )
+        for reason in RESTART_REASONS:
+            self.restarts.labels(reason)  # exported at 0, so rate() works from the start
+        self.workers_alive = Gauge("derivd_workers_alive", "Worker processes alive", registry=r)
+        self.workers_busy = Gauge(
+            "derivd_workers_busy", "Workers processing a job right now", registry=r
+        )
+        self.rows = Gauge("derivd_queue_rows", "Rows per status", ["status"], registry=r)
+        self.oldest = Gauge(
+            "derivd_queue_oldest_claimable_age_seconds",
+            "How long the oldest claimable queued row has waited (0: none waiting)",
+            registry=r,
+        )
+        self.expired = Gauge(
+            "derivd_queue_expired_leases",
+            "Rows in processing whose lease has expired (their worker died or hung)",
+            registry=r,
+        )
+        self.rejected_ratio = Gauge(
+            "derivd_queue_rejected_ratio", "rejected / (ready + rejected), all rows", registry=r
+        )
+        self.stats_updated = Gauge(
+            "derivd_queue_stats_updated_timestamp_seconds",
+            "Unix time of the last successful queue stats query (stale: the database is down)",
+            registry=r,
+        )
+        self.events = Gauge(
+            "derivd_events_recent",
+            "Events in archive_events over the recent window (all hosts), by kind",
+            ["kind"],
+            registry=r,
+        )
+
+    # -- the interface the supervisor calls ------------------------------------------
+
     def job_finished(
         self, *, outcome: str, code: str | None, duration_s: float, wait_s: float, backend: str
     ) -> None:
         """One attempt ended: outcome is ready|retry|rejected|lease_lost|released|unknown."""
+        self.jobs.labels(outcome, code or "none", backend).inc()
+        self.duration.labels(backend, outcome).observe(max(0.0, duration_s))
+        self.wait.observe(max(0.0, wait_s))
+        if outcome == "lease_lost":
+            self.lease_lost.inc()
 
     def job_timed_out(self) -> None:
         """The supervisor killed a worker past job_timeout."""
+        self.timeouts.inc()
 
     def worker_restarted(self, reason: str) -> None:
         """A worker was replaced: crash | timeout | recycle | reload."""
+        self.restarts.labels(reason).inc()
 
     def set_workers(self, *, alive: int, busy: int) -> None:
         """Current fleet state."""
+        self.workers_alive.set(alive)
+        self.workers_busy.set(busy)
 
     def set_queue(self, stats: QueueStats) -> None:
         """Queue gauges from the periodic stats query."""
+        for status in sorted({*STATUSES, *stats.counts}):
+            self.rows.labels(status).set(stats.counts.get(status, 0))
+        self.oldest.set(stats.oldest_claimable_age_s or 0.0)
+        self.expired.set(stats.expired_leases)
+        self.rejected_ratio.set(stats.rejected_ratio)
+        self.stats_updated.set(time.time())
+
+    def set_event_counts(self, counts: Mapping[str, int]) -> None:
+        """Events per kind over the recent window (QueueDB.event_counts), on the same timer
+        as set_queue. Kinds absent from `counts` drop to 0 rather than keep a stale value."""
+        for kind in sorted({*self._known_event_kinds(), *counts}):
+            self.events.labels(kind).set(counts.get(kind, 0))
 
     def serve(self, listen: str) -> None:
-        """Start the HTTP endpoint on host:port (a daemon thread in the supervisor)."""
+        """Start the HTTP endpoint on host:port (a daemon thread in the supervisor).
+
+        Port 0 picks a free port (see `address`). A port that cannot be bound is a
+        configuration problem: ConfigError naming [metrics] listen.
+        """
+        host, port = split_listen(listen)
+        try:
+            self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise ConfigError(
+                [Problem("startup", "metrics", "listen", f"cannot listen on {listen}: {reason}")]
+            ) from None
+
+    # -- helpers ------------------------------------------------------------------------
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) actually bound by serve(), or None when not serving."""
+        if self._server is None:
+            return None
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def close(self) -> None:
+        """Stop the endpoint (tests, shutdown)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+    def after_fork_in_child(self) -> None:
+        """Call in a forked child: drop the inherited listening socket (the serving
+        thread did not survive the fork, and the child must not keep the port bound)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.socket.close()
+
+    def render(self) -> bytes:
+        """The exposition text, as a scrape would see it."""
+        return generate_latest(self.registry)
+
+    def _known_event_kinds(self) -> tuple[str, ...]:
+        return ("ready", "retry", "rejected", "lease_lost", "timeout", "exhausted")
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """`host:port` (IPv6 as `[::1]:9464`) -> (host, port)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError([Problem("startup", "metrics", "listen", f"{listen!r} is not host:port")])
+    return host.strip("[]") or "0.0.0.0", int(port)

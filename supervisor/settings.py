@@ -209,6 +209,40 @@ class SweepSettings:
 @dataclass(frozen=True)
 class MetricsSettings:
     listen: str = setting("", "host:port for Prometheus metrics; empty: off", check=host_port)
+    interval: float = setting(
+        15.0, "seconds between the queue stats queries behind the queue gauges", check=positive
+    )
+
+
+def fraction(value: float) -> str | None:
+    return None if 0 <= value <= 1 else "must be between 0 and 1"
+
+
+@dataclass(frozen=True)
+class StatusSettings:
+    """Health thresholds of `derivd status` (its exit status) and the dashboard's alerts."""
+
+    max_oldest_age: float = setting(
+        900.0,
+        "unhealthy when the oldest claimable row has waited longer (seconds); 0: off",
+        check=non_negative,
+    )
+    max_expired_leases: int = setting(
+        10,
+        "unhealthy when more processing rows have an expired lease; 0: off",
+        check=non_negative,
+    )
+    max_rejected_ratio: float = setting(
+        0.2,
+        "unhealthy when a larger share of the jobs finished in the window was rejected; 0: off",
+        check=fraction,
+    )
+    min_finished: int = setting(
+        20, "jobs finished in the window before the rejected share is judged", check=positive
+    )
+    window: float = setting(
+        3600.0, "seconds of events behind the recent counts and rejected share", check=positive
+    )
 
 
 @dataclass(frozen=True)
@@ -230,6 +264,7 @@ class Config:
     derive: DeriveSettings = field(default_factory=DeriveSettings)
     sweep: SweepSettings = field(default_factory=SweepSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    status: StatusSettings = field(default_factory=StatusSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     source: str = "(defaults)"
 
