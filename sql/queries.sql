@@ -249,6 +249,10 @@ SELECT id, original_key
  LIMIT %(limit)s;
 
 -- name: mark_deleted
+-- The last step of a deletion, after its objects are gone (fenced on `deleting`, so a
+-- second sweeper finds nothing to do). Write-ahead entries are kept on purpose: an
+-- attempt that was still running may PUT after this, and only the orphan sweep (whose
+-- guard exceeds the lease) is sure to see its objects.
 WITH done AS (
     UPDATE archive_files
        SET status = 'deleted', finished_at = now(), updated_at = now(),
@@ -257,9 +261,6 @@ WITH done AS (
     RETURNING id, attempts
 ), gone AS (
     DELETE FROM archive_variants WHERE file_id = %(id)s AND EXISTS (SELECT 1 FROM done)
-    RETURNING 1
-), forgotten AS (
-    DELETE FROM pending_objects WHERE file_id = %(id)s AND EXISTS (SELECT 1 FROM done)
     RETURNING 1
 ), deleted_event AS (
     INSERT INTO archive_events (file_id, kind, attempt) SELECT id, 'deleted', attempts FROM done
@@ -285,6 +286,19 @@ WITH done AS (
 )
 SELECT id FROM done ORDER BY id;
 
+-- name: file_statuses
+-- The current status of each given id that exists (operators' commands report the rest
+-- as unknown).
+SELECT id, status FROM archive_files WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id;
+
+-- name: sweep_try_lock
+-- One sweep at a time across every host: a session-level advisory lock, released by
+-- sweep_unlock or when the sweeper's connection ends (a crashed sweeper frees it).
+SELECT pg_try_advisory_lock(hashtext('derivd.sweep')) AS locked;
+
+-- name: sweep_unlock
+SELECT pg_advisory_unlock(hashtext('derivd.sweep')) AS unlocked;
+
 -- name: queue_stats
 -- Queue health in one round trip. Counts per status read the whole table once; the
 -- other signals use the partial claim indexes.
@@ -305,6 +319,14 @@ SELECT kind, count(*)::int AS n
   FROM archive_events
  WHERE at >= %(since)s
  GROUP BY kind;
+
+-- name: rejections_by_code
+-- Rows rejected since the given time, by error code (`rejected` and `exhausted` events):
+-- tells bad input (unsupported/corrupt/limit) from a broken backend (processing_failed).
+SELECT error_code, count(*)::int AS n
+  FROM archive_events
+ WHERE at >= %(since)s AND kind IN ('rejected', 'exhausted')
+ GROUP BY error_code;
 
 -- name: file_row
 SELECT id, status, attempts, available_at, lease_token, lease_until, original_key,

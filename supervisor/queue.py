@@ -272,6 +272,10 @@ class QueueDB:
     def event_counts(self, since: datetime) -> dict[str, int]:
         return {r["kind"]: r["n"] for r in self._all("event_counts", {"since": since})}
 
+    def rejections_by_code(self, since: datetime) -> dict[str, int]:
+        rows = self._all("rejections_by_code", {"since": since})
+        return {str(r["error_code"] or "none"): r["n"] for r in rows}
+
     def file_row(self, file_id: int) -> dict[str, Any] | None:
         return self._one("file_row", {"id": file_id})
 
