@@ -1,0 +1,130 @@
+"""Small process helpers: parent-death signal, process titles, pidfile, sd_notify, RSS.
+
+Nothing here imports anything heavy; the supervisor uses all of it before and after fork.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import signal
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux only).
+
+    Returns False when prctl is not available. The caller must still check getppid():
+    the parent may have died before this call, and then no signal will ever come.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def set_proctitle(title: str) -> None:
+    """Show `title` in ps/top. Titles carry roles, slots and job ids, never credentials."""
+    try:
+        import setproctitle
+    except ImportError:  # optional nicety; the daemon works without it
+        return
+    setproctitle.setproctitle(title)
+
+
+def rss_mb(pid: int | None = None) -> float:
+    """Current resident set size in MiB (from /proc; 0.0 where that is unavailable)."""
+    path = f"/proc/{pid or 'self'}/statm"
+    try:
+        resident = int(Path(path).read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return resident * _PAGE_SIZE / (1024 * 1024)
+
+
+class PidfileError(Exception):
+    """Another live process holds the pidfile, or it cannot be written."""
+
+
+class Pidfile:
+    """Write our pid; refuse when a live process already owns the file; remove on exit
+    only if the file is still ours (a successor may have replaced it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pid = 0
+
+    def create(self) -> None:
+        other = self._read()
+        if other and other != os.getpid() and _alive(other):
+            raise PidfileError(f"pidfile {self.path}: derivd already running as pid {other}")
+        self.pid = os.getpid()
+        tmp = self.path.with_name(f".{self.path.name}.{self.pid}")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(f"{self.pid}\n")
+            tmp.replace(self.path)  # atomic: readers never see a half-written pid
+        except OSError as error:
+            raise PidfileError(f"pidfile {self.path}: {error.strerror}") from None
+
+    def remove(self) -> None:
+        if self.pid and self._read() == self.pid:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+    def _read(self) -> int:
+        try:
+            return int(self.path.read_text().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sd_notify(message: str, env: Mapping[str, str] | None = None) -> bool:
+    """Send `message` (e.g. "READY=1\\nSTATUS=...") to systemd's NOTIFY_SOCKET.
+
+    The protocol is one datagram on an AF_UNIX socket; a leading '@' means the abstract
+    namespace. Returns False when not run under Type=notify or the send failed: the
+    daemon never depends on systemd being there.
+    """
+    address = (env if env is not None else os.environ).get("NOTIFY_SOCKET", "")
+    if not address or address[0] not in "/@":
+        return False
+    target = "\0" + address[1:] if address[0] == "@" else address
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.sendto(message.encode(), target)
+    except OSError as error:
+        if error.errno not in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN):
+            raise
+        return False
+    return True
+
+
+def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
+    """Seconds between WATCHDOG=1 pings (half of WATCHDOG_USEC), or None when systemd
+    did not ask for them (or asked another pid)."""
+    env = env if env is not None else os.environ
+    usec, pid = env.get("WATCHDOG_USEC", ""), env.get("WATCHDOG_PID", "")
+    if not usec.isdigit() or int(usec) == 0:
+        return None
+    if pid and pid.isdigit() and int(pid) != os.getpid():
+        return None
+    return int(usec) / 1_000_000 / 2
