@@ -18,7 +18,8 @@ def retry_delay(
     min(cap, base * 2**(attempt-1)), then a uniform draw from [0, that] with jitter.
     `base == cap` with jitter off gives a fixed delay.
     """
-    ceiling = float(min(cap, base * 2.0 ** max(0, attempt - 1)))
+    # The exponent is bounded so a huge attempt number cannot overflow a float.
+    ceiling = float(min(cap, base * 2.0 ** min(max(0, attempt - 1), 64)))
     if not jitter:
         return ceiling
     return (rng or random).uniform(0.0, ceiling)

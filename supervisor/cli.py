@@ -12,6 +12,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from supervisor import __version__
+from supervisor.outcomes import ERROR_CODES
 from supervisor.settings import DEFAULT_CONFIG, Config, ConfigError, load_config, render_ini
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -201,6 +202,147 @@ def demo(state: State, count: int, backend: str | None) -> None:
     if backend:
         config = config.replace("derive", backend=backend)
     sys.exit(run_demo(config, count=count))
+
+
+def _ids(values: list[int] | dict[int, str]) -> str:
+    return " ".join(str(i) for i in values)
+
+
+@main.command()
+@click.option(
+    "--orphan-guard",
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="Override [sweep] orphan_guard for this pass. Below [queue] lease it may remove "
+    "objects an overdue attempt is still writing.",
+)
+@click.option(
+    "--delete-guard",
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="Override [sweep] delete_guard for this pass (0: finish every deletion now).",
+)
+@pass_state
+@friendly_errors
+def sweep(state: State, orphan_guard: float | None, delete_guard: float | None) -> None:
+    """Run one cleanup pass now and print what it removed.
+
+    \b
+    A pass, in order:
+      1. rejects files whose worker died on their last attempt (attempts_exhausted);
+      2. removes orphans: objects of attempts that never committed (a crash after
+         PUT, a lost lease), once older than [sweep] orphan_guard;
+      3. finishes `derivd delete`: after [sweep] delete_guard, removes every version
+         of the original and every derived object, then marks the file deleted.
+
+    The supervisor runs the same pass every [sweep] interval. Running it by hand is
+    safe at any time: one sweeper works at a time (any host), the others skip.
+    """
+    from supervisor.runtime import database
+    from supervisor.sweep import open_sweeper
+
+    with database(state.config) as dsn, open_sweeper(
+        state.config, dsn, orphan_guard=orphan_guard, delete_guard=delete_guard
+    ) as sweeper:
+        report = sweeper.run_once()
+    if report.skipped:
+        click.echo("sweep: another sweep is running (this or another host); nothing done")
+        return
+    if report.exhausted:
+        click.echo(f"rejected (attempts exhausted): {_ids(report.exhausted)}")
+    for key in report.orphans_deleted:
+        click.echo(f"orphan removed: {key}")
+    if report.deletions_completed:
+        click.echo(f"deleted: {_ids(report.deletions_completed)}")
+    click.echo(
+        f"sweep: {len(report.exhausted)} exhausted, {len(report.orphans_deleted)} orphan(s), "
+        f"{len(report.deletions_completed)} deletion(s), "
+        f"{report.objects_deleted} object version(s) removed"
+    )
+    if report.error:
+        die(f"sweep stopped early: {report.error} (run it again later)")
+
+
+@main.command()
+@click.argument("ids", nargs=-1, required=True, type=click.IntRange(min=1), metavar="ID...")
+@pass_state
+@friendly_errors
+def delete(state: State, ids: tuple[int, ...]) -> None:
+    """Delete files by id (e.g. `derivd delete 41 42`).
+
+    Each live file moves to `deleting` at once; a worker processing it loses its lease,
+    so its commit can no longer succeed. After [sweep] delete_guard the sweep removes
+    every version of the original and every derived object, then marks it `deleted`.
+    Prints which ids were accepted and which were already gone or unknown; exits 1
+    when an id is unknown. You (user@host) are recorded in the file's events.
+    """
+    from supervisor import actions
+    from supervisor.queue import QueueDB
+    from supervisor.runtime import database
+
+    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-cli") as queue:
+        result = actions.delete(queue, ids, actor=actions.cli_actor())
+    if result.done:
+        click.echo(f"accepted (now deleting): {_ids(result.done)}")
+    for status in ("deleting", "deleted"):
+        already = [i for i, s in result.left.items() if s == status]
+        if already:
+            click.echo(f"already {status}: {_ids(already)}")
+    if result.unknown:
+        click.echo(f"unknown: {_ids(result.unknown)}")
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("ids", nargs=-1, type=click.IntRange(min=1), metavar="[ID...]")
+@click.option(
+    "--rejected", "all_rejected", is_flag=True, help="Retry every rejected file (see --code)."
+)
+@click.option(
+    "--code",
+    type=click.Choice(ERROR_CODES),
+    help="With --rejected: only the files rejected with this error code.",
+)
+@pass_state
+@friendly_errors
+def retry(state: State, ids: tuple[int, ...], all_rejected: bool, code: str | None) -> None:
+    """Queue rejected files again, with their attempts reset.
+
+    \b
+    Examples:
+      derivd retry 41 42                                  these two files
+      derivd retry --rejected --code attempts_exhausted   files whose worker kept
+                                                          dying, once the cause is fixed
+      derivd retry --rejected                             every rejected file
+
+    Only `rejected` files change; the others are listed and left alone (exit 1 when
+    an id is unknown). Content errors (corrupt_content, unsupported_content,
+    resource_limit) come back unless the limits or the backend changed. You
+    (user@host) are recorded in each file's events.
+    """
+    if bool(ids) == all_rejected:
+        die("give file ids, or --rejected for every rejected file (not both)", 2)
+    if code and not all_rejected:
+        die("--code selects among all rejected files: use it with --rejected", 2)
+    from supervisor import actions
+    from supervisor.queue import QueueDB
+    from supervisor.runtime import database
+
+    actor = actions.cli_actor()
+    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-cli") as queue:
+        if all_rejected:
+            retried = actions.retry_rejected(queue, code=code, actor=actor)
+            click.echo(f"queued again: {_ids(retried)}" if retried else "nothing to retry")
+            return
+        result = actions.retry_ids(queue, ids, actor=actor)
+    if result.done:
+        click.echo(f"queued again: {_ids(result.done)}")
+    if result.left:
+        left = ", ".join(f"{i} ({s})" for i, s in result.left.items())
+        click.echo(f"not rejected, left alone: {left}")
+    if result.unknown:
+        click.echo(f"unknown: {_ids(result.unknown)}")
+        sys.exit(1)
 
 
 def _restore_sigpipe() -> None:

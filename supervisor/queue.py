@@ -242,6 +242,14 @@ class QueueDB:
         row = self._one("mark_deleted", {"id": file_id})
         return bool(row and row["deleted"])
 
+    def try_sweep_lock(self) -> bool:
+        """Take the cluster-wide sweep lock for this connection; False if another holds it."""
+        row = self._one("sweep_try_lock")
+        return bool(row and row["locked"])
+
+    def sweep_unlock(self) -> None:
+        self._all("sweep_unlock")
+
     # -- producers and operators -------------------------------------------------------
 
     def enqueue(self, originals: Sequence[tuple[str, str | None]]) -> list[int]:
@@ -254,6 +262,11 @@ class QueueDB:
 
     def request_delete(self, ids: Sequence[int], *, actor: str) -> list[int]:
         return [r["id"] for r in self._all("request_delete", {"ids": list(ids), "actor": actor})]
+
+    def statuses(self, ids: Sequence[int]) -> dict[int, str]:
+        """The status of each id that exists; unknown ids are absent."""
+        rows = self._all("file_statuses", {"ids": list(ids)})
+        return {int(r["id"]): str(r["status"]) for r in rows}
 
     def operator_retry(
         self, *, ids: Sequence[int] | None, code: str | None, actor: str

@@ -189,7 +189,15 @@ class Worker:
             log.debug("job %s rejected: %s", job.id, error, exc_info=True)
             return self._fail(job, retry=False, code=error.code), error.code
         except Transient as error:
-            log.warning("job %s attempt %s failed transiently: %s", job.id, job.attempt, error)
+            # The message may carry text we did not write (a plugin's, a library's): the
+            # class name is what INFO and above get; the text stays at DEBUG.
+            log.warning(
+                "job %s attempt %s failed transiently: %s",
+                job.id,
+                job.attempt,
+                type(error).__name__,
+            )
+            log.debug("job %s transient failure: %s", job.id, error, exc_info=True)
             return self._fail(job, retry=True, code=error.code), error.code
         except Exception as error:  # unknown: retry, end as processing_failed
             log.error(
