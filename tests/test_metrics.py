@@ -1,0 +1,196 @@
+"""The metrics endpoint, scraped over HTTP: a known workload in, exact numbers out.
+
+The supervisor owns a `Metrics`; here one runs in-process and is fed the way the
+supervisor feeds it (job results from children, fleet state, the queue stats of a real
+database seeded through QueueDB). An end-to-end scrape of `derivd run` reuses `scrape`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from fixtures.metrics import Samples, scrape, seed_queue
+
+from supervisor.metrics import DURATION_BUCKETS, Metrics
+from supervisor.queue import QueueDB
+from supervisor.settings import ConfigError
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "etc" / "grafana-dashboard.json"
+
+
+@pytest.fixture
+def metrics() -> Iterator[Metrics]:
+    m = Metrics()
+    m.serve("127.0.0.1:0")
+    yield m
+    m.close()
+
+
+def url_of(metrics: Metrics) -> str:
+    assert metrics.address is not None
+    host, port = metrics.address
+    return f"http://{host}:{port}/metrics"
+
+
+def feed_workload(m: Metrics) -> None:
+    """What a small fleet reports: 3 ready, 1 rejected, 1 retry, 1 lease lost, 2 timeouts,
+    3 restarts."""
+    for duration, wait in ((0.2, 0.004), (0.3, 0.2), (4.0, 42.0)):
+        m.job_finished(outcome="ready", code=None, duration_s=duration, wait_s=wait, backend="vips")
+    m.job_finished(
+        outcome="rejected", code="corrupt_content", duration_s=0.02, wait_s=1.0, backend="vips"
+    )
+    m.job_finished(
+        outcome="retry", code="processing_failed", duration_s=0.5, wait_s=2.0, backend="pillow"
+    )
+    m.job_finished(outcome="lease_lost", code=None, duration_s=90.0, wait_s=0.0, backend="vips")
+    m.job_timed_out()
+    m.job_timed_out()
+    m.worker_restarted("crash")
+    m.worker_restarted("recycle")
+    m.worker_restarted("recycle")
+    m.set_workers(alive=4, busy=3)
+
+
+def test_scrape_shows_the_exact_workload_and_queue_state(metrics: Metrics, dsn: str) -> None:
+    with QueueDB.open(dsn) as queue:
+        seeded = seed_queue(queue, ready=5, rejected=2, queued=3, expired=1)
+        stats = queue.queue_stats()
+        events = queue.event_counts(datetime.now(UTC) - timedelta(hours=1))
+    feed_workload(metrics)
+    metrics.set_queue(stats)
+    metrics.set_event_counts(events)
+
+    s = scrape(url_of(metrics))
+
+    jobs = "derivd_jobs_finished_total"
+    assert s.value(jobs, outcome="ready", code="none", backend="vips") == 3
+    assert s.value(jobs, outcome="rejected", code="corrupt_content", backend="vips") == 1
+    assert s.value(jobs, outcome="retry", code="processing_failed", backend="pillow") == 1
+    assert s.value(jobs, outcome="lease_lost", code="none", backend="vips") == 1
+    assert s.value("derivd_lease_lost_total") == 1
+    assert s.value("derivd_job_timeouts_total") == 2
+    assert s.value("derivd_worker_restarts_total", reason="crash") == 1
+    assert s.value("derivd_worker_restarts_total", reason="recycle") == 2
+    assert s.value("derivd_worker_restarts_total", reason="timeout") == 0
+    assert s.value("derivd_workers_alive") == 4
+    assert s.value("derivd_workers_busy") == 3
+
+    ready = {"backend": "vips", "outcome": "ready"}
+    duration = "derivd_job_duration_seconds"
+    assert s.value(f"{duration}_bucket", le="0.1", **ready) == 0
+    assert s.value(f"{duration}_bucket", le="0.25", **ready) == 1
+    assert s.value(f"{duration}_bucket", le="0.5", **ready) == 2
+    assert s.value(f"{duration}_bucket", le="2.5", **ready) == 2
+    assert s.value(f"{duration}_bucket", le="5.0", **ready) == 3
+    assert s.value(f"{duration}_count", **ready) == 3
+    assert s.value(f"{duration}_sum", **ready) == pytest.approx(4.5)
+    assert s.value(f"{duration}_bucket", le="120.0", backend="vips", outcome="lease_lost") == 1
+    wait = "derivd_queue_wait_seconds"
+    assert s.value(f"{wait}_count") == 6
+    assert s.value(f"{wait}_bucket", le="0.01") == 2  # 0.004 and 0.0
+    assert s.value(f"{wait}_bucket", le="30.0") == 5
+    assert s.value(f"{wait}_bucket", le="60.0") == 6
+    assert s.value(f"{wait}_sum") == pytest.approx(45.204)
+
+    rows = "derivd_queue_rows"
+    assert s.value(rows, status="ready") == seeded.ready == 5
+    assert s.value(rows, status="rejected") == seeded.rejected == 2
+    assert s.value(rows, status="queued") == seeded.queued == 3
+    assert s.value(rows, status="processing") == seeded.expired == 1
+    assert s.value(rows, status="pending") == 0 and s.value(rows, status="deleted") == 0
+    assert s.value("derivd_queue_expired_leases") == 1
+    assert s.value("derivd_queue_rejected_ratio") == pytest.approx(2 / 7)
+    assert stats.oldest_claimable_age_s is not None and stats.oldest_claimable_age_s > 0
+    assert s.value("derivd_queue_oldest_claimable_age_seconds") == stats.oldest_claimable_age_s
+    assert s.value("derivd_queue_stats_updated_timestamp_seconds") > 0
+    recent = "derivd_events_recent"
+    assert s.value(recent, kind="lease_lost") == 1
+    assert s.value(recent, kind="ready") == 5
+    assert s.value(recent, kind="rejected") == 2
+    assert s.value(recent, kind="timeout") == 0
+
+
+def test_queue_gauges_follow_the_latest_stats(metrics: Metrics, dsn: str) -> None:
+    with QueueDB.open(dsn) as queue:
+        queue.enqueue([("originals/a", "1"), ("originals/b", "2")])
+        metrics.set_queue(queue.queue_stats())
+        assert scrape(url_of(metrics)).value("derivd_queue_rows", status="queued") == 2
+        for _ in range(2):
+            job = queue.claim(lease_s=60, max_attempts=3)
+            assert job is not None
+            queue.fail(job, retry=False, code="unsupported_content", max_attempts=3)
+        metrics.set_queue(queue.queue_stats())
+    s = scrape(url_of(metrics))
+    # A status that emptied reads 0, not its last value; nothing claimable reads 0.
+    assert s.value("derivd_queue_rows", status="queued") == 0
+    assert s.value("derivd_queue_rows", status="rejected") == 2
+    assert s.value("derivd_queue_oldest_claimable_age_seconds") == 0
+    assert s.value("derivd_queue_rejected_ratio") == 1.0
+
+
+def test_each_metrics_has_its_own_registry() -> None:
+    first, second = Metrics(), Metrics()
+    first.job_timed_out()
+    assert Samples(first.render().decode()).value("derivd_job_timeouts_total") == 1
+    assert Samples(second.render().decode()).value("derivd_job_timeouts_total") == 0
+
+
+def test_a_busy_port_is_one_configuration_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError) as error:
+            Metrics().serve(f"127.0.0.1:{port}")
+    assert f"[metrics] listen: cannot listen on 127.0.0.1:{port}" in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_duration_buckets_span_milliseconds_to_minutes() -> None:
+    assert DURATION_BUCKETS[0] <= 0.01 and DURATION_BUCKETS[-1] >= 120
+
+
+def _dashboard_metric_names(dashboard: dict[str, object]) -> set[str]:
+    text = json.dumps(dashboard)
+    return set(re.findall(r"\b(derivd_[a-z_]+)", text))
+
+
+def test_grafana_dashboard_only_queries_exported_metrics() -> None:
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    m = Metrics()
+    feed_workload(m)
+    exported = Samples(m.render().decode()).names() | {
+        "derivd_queue_rows",
+        "derivd_queue_oldest_claimable_age_seconds",
+        "derivd_queue_expired_leases",
+        "derivd_queue_rejected_ratio",
+        "derivd_events_recent",
+    }
+    used = _dashboard_metric_names(dashboard)
+    assert used, "the dashboard queries no derivd metric"
+    assert used <= exported, f"unknown metrics in the dashboard: {sorted(used - exported)}"
+    # Every signal of the issue has a panel.
+    for needed in (
+        "derivd_queue_rows",
+        "derivd_queue_oldest_claimable_age_seconds",
+        "derivd_queue_expired_leases",
+        "derivd_queue_rejected_ratio",
+        "derivd_jobs_finished_total",
+        "derivd_job_duration_seconds_bucket",
+        "derivd_queue_wait_seconds_bucket",
+        "derivd_lease_lost_total",
+        "derivd_job_timeouts_total",
+        "derivd_worker_restarts_total",
+        "derivd_workers_alive",
+        "derivd_workers_busy",
+    ):
+        assert needed in used, needed
+    variables = dashboard["templating"]["list"]  # type: ignore[index]
+    assert any(v["type"] == "datasource" and v["query"] == "prometheus" for v in variables)
