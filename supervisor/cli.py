@@ -152,6 +152,55 @@ def enqueue(state: State, paths: tuple[Path, ...], quiet: bool) -> None:
         click.echo(str(file_id) if quiet else f"{file_id}\t{path}")
 
 
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--watch", is_flag=True, help="Refresh until Ctrl-C (in place on a terminal).")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds between refreshes with --watch.",
+)
+@click.option("--count", type=click.IntRange(min=1), help="With --watch: stop after N refreshes.")
+@click.option("--max-oldest-age", type=click.FloatRange(min=0), help="Override [status].")
+@click.option("--max-expired-leases", type=click.IntRange(min=0), help="Override [status].")
+@click.option("--max-rejected-ratio", type=click.FloatRange(0, 1), help="Override [status].")
+@pass_state
+@friendly_errors
+def status(
+    state: State,
+    as_json: bool,
+    watch: bool,
+    interval: float,
+    count: int | None,
+    max_oldest_age: float | None,
+    max_expired_leases: int | None,
+    max_rejected_ratio: float | None,
+) -> None:
+    """Queue health: rows per status, oldest claimable age, expired leases, rejected share.
+
+    \b
+    Exit status (a health check for cron, systemd or Kubernetes):
+      0  healthy
+      1  unhealthy: a [status] threshold is crossed (0 turns one off)
+      2  bad configuration or usage
+      3  cannot tell: database unreachable or without the derivd schema
+    """
+    from supervisor.status import run_status
+
+    config = state.config
+    limits = {
+        "max_oldest_age": max_oldest_age,
+        "max_expired_leases": max_expired_leases,
+        "max_rejected_ratio": max_rejected_ratio,
+    }
+    overrides = {k: v for k, v in limits.items() if v is not None}
+    if overrides:
+        config = config.replace("status", **overrides)
+    sys.exit(run_status(config, as_json_out=as_json, watch=watch, interval=interval, count=count))
+
+
 @main.group()
 def config() -> None:
     """Check or show the configuration."""

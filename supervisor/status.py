@@ -1,0 +1,321 @@
+"""`derivd status`: the queue's health signals as a table or one JSON object.
+
+The exit status makes it a health check (cron, systemd, Kubernetes):
+
+    0  healthy
+    1  unhealthy: a [status] threshold is crossed
+    2  bad configuration or usage (like every derivd command)
+    3  cannot tell: the database is unreachable or has no derivd schema
+
+The three thresholds tell the usual troubles apart: claimable work waiting too long
+(too little capacity), expired leases piling up (workers crash or hang, or the lease is
+too short), and a large rejected share (bad input, or a broken backend).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import click
+import psycopg
+
+from supervisor.queue import DatabaseUnavailable, QueueDB, QueueStats, one_line
+from supervisor.settings import Config, StatusSettings
+
+HEALTHY = 0
+UNHEALTHY = 1
+UNAVAILABLE = 3
+
+# The order rows are listed in: the live states first.
+STATUS_ORDER = ("queued", "processing", "ready", "rejected", "pending", "deleting", "deleted")
+
+
+class StatusUnavailable(Exception):
+    """The queue's health cannot be read (one line for the operator)."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything `derivd status` shows, read in three cheap queries."""
+
+    stats: QueueStats
+    events: dict[str, int]
+    rejected_by_code: dict[str, int]
+    window_s: float
+    checked_at: float = field(default_factory=time.time)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {s: self.stats.counts.get(s, 0) for s in (*STATUS_ORDER, *self.stats.counts)}
+
+    @property
+    def recent_rejected(self) -> int:
+        return self.events.get("rejected", 0) + self.events.get("exhausted", 0)
+
+    @property
+    def recent_finished(self) -> int:
+        return self.events.get("ready", 0) + self.recent_rejected
+
+    @property
+    def recent_rejected_ratio(self) -> float | None:
+        finished = self.recent_finished
+        return self.recent_rejected / finished if finished else None
+
+
+@dataclass(frozen=True)
+class Alarm:
+    signal: str
+    value: float
+    limit: float
+    hint: str
+
+
+def collect(queue: QueueDB, window_s: float) -> Report:
+    """Read the health signals; StatusUnavailable when the database cannot answer."""
+    since = datetime.now(UTC) - timedelta(seconds=window_s)
+    try:
+        return Report(
+            stats=queue.queue_stats(),
+            events=queue.event_counts(since),
+            rejected_by_code=queue.rejections_by_code(since),
+            window_s=window_s,
+        )
+    except DatabaseUnavailable as error:
+        raise StatusUnavailable(str(error)) from None
+    except psycopg.errors.UndefinedTable:
+        raise StatusUnavailable("the database has no derivd schema; run `derivd migrate`") from None
+    except psycopg.Error as error:
+        raise StatusUnavailable(f"database error: {one_line(error)}") from None
+
+
+def evaluate(report: Report, limits: StatusSettings) -> list[Alarm]:
+    """The thresholds crossed, each with what to do about it. A limit of 0 is off."""
+    alarms: list[Alarm] = []
+    age = report.stats.oldest_claimable_age_s or 0.0
+    if limits.max_oldest_age and age > limits.max_oldest_age:
+        alarms.append(
+            Alarm(
+                "oldest_claimable_age_s",
+                age,
+                limits.max_oldest_age,
+                "work is waiting: if the workers are all busy, add workers or hosts "
+                "(capacity); if none are busy, check that derivd runs and reaches the database",
+            )
+        )
+    expired = report.stats.expired_leases
+    if limits.max_expired_leases and expired > limits.max_expired_leases:
+        alarms.append(
+            Alarm(
+                "expired_leases",
+                expired,
+                limits.max_expired_leases,
+                "workers die or hang mid-job: look for crashes, OOM kills and worker "
+                "restarts; if jobs legitimately run that long, raise [queue] lease",
+            )
+        )
+    ratio = report.recent_rejected_ratio
+    if (
+        limits.max_rejected_ratio
+        and ratio is not None
+        and report.recent_finished >= limits.min_finished
+        and ratio > limits.max_rejected_ratio
+    ):
+        alarms.append(
+            Alarm(
+                "recent_rejected_ratio",
+                ratio,
+                limits.max_rejected_ratio,
+                "many jobs are rejected: unsupported/corrupt_content or resource_limit "
+                "mean bad input; processing_failed or attempts_exhausted mean a broken "
+                "backend or crashing workers",
+            )
+        )
+    return alarms
+
+
+def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict[str, Any]:
+    stats = report.stats
+    return {
+        "healthy": not alarms,
+        "checked_at": datetime.fromtimestamp(report.checked_at, UTC).isoformat(),
+        "counts": report.counts,
+        "oldest_claimable_age_s": stats.oldest_claimable_age_s,
+        "expired_leases": stats.expired_leases,
+        "rejected_ratio": stats.rejected_ratio,
+        "window_s": report.window_s,
+        "lease_lost": report.events.get("lease_lost", 0),
+        "timeouts": report.events.get("timeout", 0),
+        "retries": report.events.get("retry", 0),
+        "recent_finished": report.recent_finished,
+        "recent_rejected_ratio": report.recent_rejected_ratio,
+        "rejected_by_code": dict(sorted(report.rejected_by_code.items())),
+        "events": dict(sorted(report.events.items())),
+        "thresholds": {
+            "max_oldest_age": limits.max_oldest_age,
+            "max_expired_leases": limits.max_expired_leases,
+            "max_rejected_ratio": limits.max_rejected_ratio,
+            "min_finished": limits.min_finished,
+        },
+        "problems": [a.__dict__ for a in alarms],
+    }
+
+
+def duration(seconds: float | None) -> str:
+    """A short human duration: 850ms, 42s, 3m12s, 2h05m."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _limit(value: float, render: Callable[[float], str]) -> str:
+    return "off" if not value else render(value)
+
+
+def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) -> str:
+    stats, crossed = report.stats, {a.signal for a in alarms}
+    window = duration(report.window_s)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.checked_at))
+    lines = [f"derivd status  {stamp}", "", "rows by status"]
+    lines += [f"  {name:<12}{n:>10}" for name, n in report.counts.items()]
+
+    def row(label: str, value: str, limit: str, signal: str | None, note: str = "") -> str:
+        verdict = "" if signal is None else ("UNHEALTHY" if signal in crossed else "ok")
+        return f"  {label:<28}{value:>10}  {limit:>8}  {verdict:<9}{note}".rstrip()
+
+    judged = report.recent_finished >= limits.min_finished
+    lines += [
+        "",
+        f"  {'signal':<28}{'value':>10}  {'limit':>8}",
+        row(
+            "oldest claimable age",
+            duration(stats.oldest_claimable_age_s) if stats.oldest_claimable_age_s else "none",
+            _limit(limits.max_oldest_age, duration),
+            "oldest_claimable_age_s",
+        ),
+        row(
+            "expired leases",
+            str(stats.expired_leases),
+            _limit(limits.max_expired_leases, lambda v: str(int(v))),
+            "expired_leases",
+        ),
+        row(
+            f"rejected share (last {window})",
+            _percent(report.recent_rejected_ratio),
+            _limit(limits.max_rejected_ratio, _percent),
+            "recent_rejected_ratio" if judged else None,
+            f"of {report.recent_finished} finished"
+            + ("" if judged else f" (judged from {limits.min_finished})"),
+        ),
+        row("rejected share (all rows)", _percent(stats.rejected_ratio), "", None),
+        "",
+        f"last {window}: "
+        + "  ".join(
+            f"{label} {report.events.get(kind, 0)}"
+            for label, kind in (
+                ("ready", "ready"),
+                ("retries", "retry"),
+                ("rejected", "rejected"),
+                ("exhausted", "exhausted"),
+                ("lease lost", "lease_lost"),
+                ("timeouts", "timeout"),
+            )
+        ),
+    ]
+    if report.rejected_by_code:
+        codes = sorted(report.rejected_by_code.items(), key=lambda kv: (-kv[1], kv[0]))
+        lines.append(
+            f"rejected by code (last {window}): " + ", ".join(f"{c} {n}" for c, n in codes)
+        )
+    lines.append("")
+    if not alarms:
+        lines.append("health: ok")
+    for alarm in alarms:
+        lines.append(f"UNHEALTHY {alarm.signal}: {_show(alarm)}")
+        lines.append(f"  -> {alarm.hint}")
+    return "\n".join(lines)
+
+
+def _show(alarm: Alarm) -> str:
+    if alarm.signal == "oldest_claimable_age_s":
+        return f"{duration(alarm.value)} > {duration(alarm.limit)}"
+    if alarm.signal == "recent_rejected_ratio":
+        return f"{_percent(alarm.value)} > {_percent(alarm.limit)}"
+    return f"{alarm.value:g} > {alarm.limit:g}"
+
+
+def check_once(queue: QueueDB, limits: StatusSettings, *, as_json_out: bool) -> tuple[int, str]:
+    """(exit status, text) of one look at the queue."""
+    report = collect(queue, limits.window)
+    alarms = evaluate(report, limits)
+    if as_json_out:
+        text = json.dumps(as_json(report, alarms, limits), sort_keys=False)
+    else:
+        text = render_table(report, alarms, limits)
+    return (UNHEALTHY if alarms else HEALTHY), text
+
+
+def run_status(
+    config: Config,
+    *,
+    as_json_out: bool = False,
+    watch: bool = False,
+    interval: float = 2.0,
+    count: int | None = None,
+) -> int:
+    """The `derivd status` command. Returns the exit status (see the module doc)."""
+    from supervisor.pgcluster import EmbeddedClusterError, PostgresNotFound
+    from supervisor.runtime import database
+
+    try:
+        with database(config) as dsn, QueueDB.open(dsn, role="derivd-status") as queue:
+            if not watch:
+                code, text = check_once(queue, config.status, as_json_out=as_json_out)
+                click.echo(text)
+                return code
+            return _watch(queue, config.status, as_json_out, interval, count)
+    except (StatusUnavailable, DatabaseUnavailable, EmbeddedClusterError, PostgresNotFound) as e:
+        click.echo(f"derivd: {e}", err=True)
+        return UNAVAILABLE
+
+
+def _watch(
+    queue: QueueDB, limits: StatusSettings, as_json_out: bool, interval: float, count: int | None
+) -> int:
+    """Refresh until Ctrl-C (or `count` refreshes). On a terminal the table is redrawn in
+    place; piped, each refresh follows the last (JSON: one object per line). A database
+    outage is shown and watched through rather than ending the watch."""
+    in_place = sys.stdout.isatty() and not as_json_out
+    code, shown = HEALTHY, 0
+    try:
+        while True:
+            try:
+                code, text = check_once(queue, limits, as_json_out=as_json_out)
+            except StatusUnavailable as error:
+                code, text = UNAVAILABLE, f"derivd: {error}"
+            if in_place:
+                click.echo("\x1b[H\x1b[2J", nl=False)  # home + clear: redraw in place
+            elif shown and not as_json_out:
+                click.echo("")
+            click.echo(text)
+            shown += 1
+            if count is not None and shown >= count:
+                return code
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return code
