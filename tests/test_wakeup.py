@@ -1,0 +1,213 @@
+"""Wake-up without polling: a row entering `queued` notifies `derivd_queued`, and an idle
+daemon picks a new row up long before its poll interval.
+
+Timeouts here are liveness bounds (a broken wake-up hangs until them), not performance
+assertions.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from configs import write_ini
+from fixtures.cli import derivd_command
+
+from supervisor.queue import QueueDB
+from supervisor.worker import NOTIFY_CHANNEL
+
+LIVENESS_S = 10.0
+MARKER = "marker"
+
+
+@pytest.fixture
+def listener(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    conn = psycopg.connect(dsn, autocommit=True)
+    conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+    yield conn
+    conn.close()
+
+
+@pytest.fixture
+def producer(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """Another client, as an upload API in any language would be: plain SQL."""
+    conn = psycopg.connect(dsn, autocommit=True)
+    yield conn
+    conn.close()
+
+
+def next_payload(listener: psycopg.Connection[Any]) -> str | None:
+    """The payload of the next notification on the channel, or None past the bound."""
+    for notify in listener.notifies(timeout=LIVENESS_S, stop_after=1):
+        assert notify.channel == NOTIFY_CHANNEL
+        return notify.payload
+    return None
+
+
+def mark(producer: psycopg.Connection[Any]) -> None:
+    # Notifications arrive in commit order: when the marker comes first, nothing that
+    # committed before it notified.
+    producer.execute(f"NOTIFY {NOTIFY_CHANNEL}, '{MARKER}'")
+
+
+def insert(producer: psycopg.Connection[Any], status: str) -> int:
+    row = producer.execute(
+        "INSERT INTO archive_files (status, original_key, original_version)"
+        " VALUES (%s, 'originals/x', '1') RETURNING id",
+        (status,),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_insert_of_a_queued_row_notifies(
+    listener: psycopg.Connection[Any], producer: psycopg.Connection[Any]
+) -> None:
+    insert(producer, "queued")
+    assert next_payload(listener) == ""
+
+
+def test_enqueue_notifies_once_per_transaction(
+    listener: psycopg.Connection[Any], dsn: str, producer: psycopg.Connection[Any]
+) -> None:
+    with QueueDB.open(dsn) as queue:
+        queue.enqueue([(f"originals/{n}", "1") for n in range(50)])
+    mark(producer)
+    assert next_payload(listener) == ""
+    assert next_payload(listener) == MARKER  # the 50 rows folded into one wake-up
+
+
+def test_pending_insert_does_not_notify(
+    listener: psycopg.Connection[Any], producer: psycopg.Connection[Any]
+) -> None:
+    insert(producer, "pending")
+    mark(producer)
+    assert next_payload(listener) == MARKER
+
+
+def test_update_to_queued_notifies(
+    listener: psycopg.Connection[Any], producer: psycopg.Connection[Any]
+) -> None:
+    file_id = insert(producer, "pending")
+    producer.execute("UPDATE archive_files SET status = 'queued' WHERE id = %s", (file_id,))
+    assert next_payload(listener) == ""
+
+
+def test_release_back_to_queued_notifies(
+    listener: psycopg.Connection[Any], dsn: str, producer: psycopg.Connection[Any]
+) -> None:
+    with QueueDB.open(dsn) as queue:
+        queue.enqueue([("originals/a", "1")])
+        assert next_payload(listener) == ""
+        job = queue.claim(lease_s=60, max_attempts=3)
+        assert job is not None
+        assert queue.release(job)
+    assert next_payload(listener) == ""
+
+
+def test_updates_that_stay_queued_do_not_notify(
+    listener: psycopg.Connection[Any], producer: psycopg.Connection[Any]
+) -> None:
+    file_id = insert(producer, "queued")
+    assert next_payload(listener) == ""
+    producer.execute(
+        "UPDATE archive_files SET available_at = now() + interval '1 hour' WHERE id = %s",
+        (file_id,),
+    )
+    producer.execute("UPDATE archive_files SET status = 'queued' WHERE id = %s", (file_id,))
+    mark(producer)
+    assert next_payload(listener) == MARKER
+
+
+# --------------------------------------------------------------------------- the daemon
+
+
+def _idle_workers(conn: psycopg.Connection[Any]) -> bool:
+    """Every worker connection has claimed at least once and sits idle, and someone
+    LISTENs: from now on only a wake-up (or the poll) makes a worker claim again."""
+    rows = conn.execute(
+        "SELECT application_name, state, query FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    ).fetchall()
+    workers = [r for r in rows if str(r[0]).startswith("derivd-worker")]
+    listening = any(str(r[2]).strip().upper().startswith("LISTEN") for r in rows)
+    claimed = all(r[1] == "idle" and "SKIP LOCKED" in str(r[2]) for r in workers)
+    return listening and bool(workers) and claimed
+
+
+def _wait(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def idle_daemon(dsn: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """`derivd run` with one worker, noop backend and a 60 s poll interval."""
+    config = write_ini(
+        tmp_path / "derivd.ini",
+        {
+            "database": {"dsn": dsn},
+            "storage": {"backend": "fs", "root": tmp_path / "objects"},
+            "supervisor": {"workers": 1, "state_dir": tmp_path / "state"},
+            "queue": {"poll_interval": 60, "listen": "yes"},
+            "derive": {"backend": "noop"},
+        },
+    )
+    log = (tmp_path / "derivd.log").open("w")
+    proc = subprocess.Popen(
+        [*derivd_command(), "-c", str(config), "run"],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def test_idle_daemon_picks_up_a_new_row_without_waiting_for_the_poll(
+    idle_daemon: subprocess.Popen[str], producer: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    def log_text() -> str:
+        return (tmp_path / "derivd.log").read_text(errors="replace")
+
+    assert _wait(lambda: _idle_workers(producer), 30.0), log_text()
+    assert idle_daemon.poll() is None, log_text()
+    objects = tmp_path / "objects"
+    from supervisor.storage_fs import FsStorage
+
+    version = FsStorage(objects).put("originals/wake", b"x", "application/octet-stream")
+    row = producer.execute(
+        "INSERT INTO archive_files (status, original_key, original_version)"
+        " VALUES ('queued', 'originals/wake', %s) RETURNING id",
+        (version,),
+    ).fetchone()
+    assert row is not None
+
+    def done() -> bool:
+        status = producer.execute(
+            "SELECT status FROM archive_files WHERE id = %s", (row[0],)
+        ).fetchone()
+        return status is not None and status[0] == "ready"
+
+    # Far below the 60 s poll: only the NOTIFY can have woken the worker.
+    assert _wait(done, LIVENESS_S), log_text()
