@@ -1,0 +1,147 @@
+"""`derivd status` as operators and health checks run it: the real CLI on a real queue."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+import pytest
+from configs import write_ini
+from fixtures.metrics import seed_queue
+from fixtures.s3 import free_port
+
+from supervisor.queue import QueueDB
+from supervisor.status import HEALTHY, UNAVAILABLE, UNHEALTHY
+
+RunCli = Callable[..., subprocess.CompletedProcess[str]]
+
+# Thresholds the seeded queue below stays within: the default ones, with the rejected
+# share judged on it (it has fewer finished jobs than the default minimum).
+LENIENT = {"DERIVD_STATUS_MIN_FINISHED": "1", "DERIVD_STATUS_MAX_REJECTED_RATIO": "0.5"}
+
+
+@pytest.fixture
+def seeded_dsn(dsn: str) -> str:
+    with QueueDB.open(dsn) as queue:
+        seed_queue(queue, ready=6, rejected=2, queued=3, expired=1)
+    return dsn
+
+
+def status(run_cli: RunCli, dsn: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("status", *args, env={"DERIVD_DATABASE_DSN": dsn, **LENIENT, **env})
+
+
+def test_json_reports_the_seeded_numbers(run_cli: RunCli, seeded_dsn: str) -> None:
+    result = status(run_cli, seeded_dsn, "--json")
+    assert result.returncode == HEALTHY, result.stderr
+    data = json.loads(result.stdout)
+    assert data["healthy"] is True and data["problems"] == []
+    assert data["counts"] == {
+        "queued": 3,
+        "processing": 1,
+        "ready": 6,
+        "rejected": 2,
+        "pending": 0,
+        "deleting": 0,
+        "deleted": 0,
+    }
+    assert data["expired_leases"] == 1
+    assert data["rejected_ratio"] == pytest.approx(2 / 8)
+    assert data["oldest_claimable_age_s"] > 0
+    assert data["lease_lost"] == 1 and data["timeouts"] == 0
+    assert data["recent_finished"] == 8
+    assert data["recent_rejected_ratio"] == pytest.approx(2 / 8)
+    assert data["rejected_by_code"] == {"corrupt_content": 2}
+    assert data["window_s"] == 3600
+
+
+@pytest.mark.parametrize(
+    ("option", "signal"),
+    [
+        (("--max-expired-leases", "0"), None),  # 0 turns the check off
+        (("--max-oldest-age", "0.001"), "oldest_claimable_age_s"),
+        (("--max-rejected-ratio", "0.2"), "recent_rejected_ratio"),
+    ],
+)
+def test_crossed_thresholds_exit_unhealthy(
+    run_cli: RunCli, seeded_dsn: str, option: tuple[str, str], signal: str | None
+) -> None:
+    result = status(run_cli, seeded_dsn, "--json", *option)
+    data = json.loads(result.stdout)
+    if signal is None:
+        assert result.returncode == HEALTHY and data["healthy"] is True
+    else:
+        assert result.returncode == UNHEALTHY, result.stdout
+        assert [p["signal"] for p in data["problems"]] == [signal]
+        assert data["problems"][0]["hint"]
+
+
+def test_expired_lease_threshold_from_the_config_file(
+    run_cli: RunCli, seeded_dsn: str, tmp_path: Path
+) -> None:
+    ini = write_ini(tmp_path / "derivd.ini", {"status": {"max_expired_leases": "1"}})
+    within = run_cli("-c", str(ini), "status", env={"DERIVD_DATABASE_DSN": seeded_dsn, **LENIENT})
+    assert within.returncode == HEALTHY, within.stdout + within.stderr
+    with QueueDB.open(seeded_dsn) as queue:
+        # One more worker dies mid-job (its lease is already over). max_attempts=1 keeps
+        # the claim off the expired row, which claims would otherwise take first.
+        job = queue.claim(lease_s=-1.0, max_attempts=1)
+        assert job is not None and job.attempt == 1
+    crossed = run_cli("-c", str(ini), "status", env={"DERIVD_DATABASE_DSN": seeded_dsn, **LENIENT})
+    assert crossed.returncode == UNHEALTHY
+    assert "UNHEALTHY expired_leases: 2 > 1" in crossed.stdout
+    assert "raise [queue] lease" in crossed.stdout
+
+
+def test_rejected_share_is_not_judged_on_a_few_jobs(run_cli: RunCli, seeded_dsn: str) -> None:
+    # 2 of 8 rejected is over 20%, but 8 finished jobs are fewer than min_finished.
+    result = run_cli(
+        "status", "--json", "--max-rejected-ratio", "0.2", env={"DERIVD_DATABASE_DSN": seeded_dsn}
+    )
+    assert result.returncode == HEALTHY, result.stdout
+    assert json.loads(result.stdout)["thresholds"]["min_finished"] == 20
+
+
+def test_table_shows_every_signal(run_cli: RunCli, seeded_dsn: str) -> None:
+    result = status(run_cli, seeded_dsn)
+    assert result.returncode == HEALTHY, result.stderr
+    out = result.stdout
+    for line in (
+        "  queued               3",
+        "  ready                6",
+        "  rejected             2",
+    ):
+        assert line in out, out
+    assert "expired leases" in out and "lease lost 1" in out
+    assert "rejected by code (last 1h00m): corrupt_content 2" in out
+    assert "rejected share (all rows)        25.0%" in out
+    assert out.rstrip().endswith("health: ok")
+
+
+def test_watch_refreshes_and_keeps_the_last_verdict(run_cli: RunCli, seeded_dsn: str) -> None:
+    result = status(run_cli, seeded_dsn, "--watch", "--json", "--interval", "0.1", "--count", "3")
+    assert result.returncode == HEALTHY, result.stderr
+    frames = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(frames) == 3 and all(f["counts"]["ready"] == 6 for f in frames)
+
+
+def test_unreachable_database_is_one_line_and_its_own_exit_status(run_cli: RunCli) -> None:
+    dsn = f"host=127.0.0.1 port={free_port()} dbname=derivd user=derivd connect_timeout=3"
+    result = run_cli("status", env={"DERIVD_DATABASE_DSN": dsn})
+    assert result.returncode == UNAVAILABLE != UNHEALTHY
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("derivd: database unavailable"), lines
+
+
+def test_database_without_schema_says_to_migrate(run_cli: RunCli, dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE archive_files CASCADE")
+    result = run_cli("status", env={"DERIVD_DATABASE_DSN": dsn})
+    assert result.returncode == UNAVAILABLE
+    assert (
+        result.stderr.strip() == "derivd: the database has no derivd schema; run `derivd migrate`"
+    )
