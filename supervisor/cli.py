@@ -53,9 +53,13 @@ class State:
     def config(self) -> Config:
         if self._config is None:
             self._config = load_config(self.config_path, required=self.explicit)
-            from supervisor.logs import setup_logging
+            from supervisor.logs import dsn_password, setup_logging
 
-            setup_logging(self.log_level or self._config.logging.level, self._config.logging.format)
+            setup_logging(
+                self.log_level or self._config.logging.level,
+                self._config.logging.format,
+                secrets=[dsn_password(self._config.database.dsn)],
+            )
         return self._config
 
 

@@ -3,17 +3,63 @@
 Call sites pass structured fields with `extra={"fields": {...}}` (see `event`). Only
 safe values go there: ids, codes, durations. Exception text of user content is logged at
 DEBUG only, and credentials never reach a log record (DSNs are masked before logging).
+
+As a second line of defence every formatted line is redacted: the values of known secrets
+(the AWS secret key and session token, PGPASSWORD, the DSN's password: see
+`register_secret`), `password=` in conninfo strings and URLs, and the signature and
+credential parameters of presigned S3 URLs become `***`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 _CONFIGURED = False
+_SECRETS: set[str] = set()
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "PGPASSWORD")
+_PRESIGNED = re.compile(
+    r"((?:X-Amz-(?:Signature|Credential|Security-Token)|Signature|AWSAccessKeyId)=)[^&\s\"']+",
+    re.IGNORECASE,
+)
+_PASSWORD_KV = re.compile(r"(password\s*=\s*)('[^']*'|[^\s\"',;]+)", re.IGNORECASE)
+_PASSWORD_URL = re.compile(r"(://[^:/@\s]+:)([^@\s]+)(@)")
+# Shorter values would redact ordinary words; real secrets are far longer.
+_MIN_SECRET = 6
+
+
+def register_secret(value: str | None) -> None:
+    """Never let `value` reach the log (it survives fork, and setup_logging again)."""
+    if value and len(value) >= _MIN_SECRET:
+        _SECRETS.add(value)
+
+
+def dsn_password(dsn: str) -> str | None:
+    """The password of a conninfo string or URL, if it has one."""
+    if not dsn:
+        return None
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+
+        password = conninfo_to_dict(dsn).get("password")
+    except Exception:  # a malformed DSN fails later, with its own message
+        return None
+    return str(password) if password else None
+
+
+def redact(text: str) -> str:
+    for secret in _SECRETS:
+        if secret in text:
+            text = text.replace(secret, "***")
+    text = _PRESIGNED.sub(r"\1***", text)
+    text = _PASSWORD_KV.sub(r"\1***", text)
+    return _PASSWORD_URL.sub(r"\1***\3", text)
 
 
 class TextFormatter(logging.Formatter):
@@ -24,7 +70,7 @@ class TextFormatter(logging.Formatter):
         line = f"{stamp} {record.levelname.lower():7} {record.name}: {record.getMessage()}{extra}"
         if record.exc_info and record.levelno <= logging.DEBUG:
             line += "\n" + self.formatException(record.exc_info)
-        return line
+        return redact(line)
 
 
 class JsonFormatter(logging.Formatter):
@@ -39,7 +85,18 @@ class JsonFormatter(logging.Formatter):
         data.update(getattr(record, "fields", {}) or {})
         if record.exc_info and record.levelno <= logging.DEBUG:
             data["exc"] = self.formatException(record.exc_info)
-        return json.dumps(data, default=str)
+        # Redact the values, not the JSON text: escaping could hide a secret from a match.
+        return json.dumps({k: _redact_value(v) for k, v in data.items()})
+
+
+def _redact_value(value: Any) -> Any:
+    if isinstance(value, bool | int | float) or value is None:
+        return value
+    if isinstance(value, list | tuple):
+        return [_redact_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _redact_value(v) for k, v in value.items()}
+    return redact(str(value))
 
 
 def _text(value: Any) -> str:
@@ -49,9 +106,21 @@ def _text(value: Any) -> str:
     return json.dumps(text) if (" " in text or not text) else text
 
 
-def setup_logging(level: str = "info", fmt: str = "text") -> None:
-    """Configure the root logger once per process (again after fork is harmless)."""
+def setup_logging(
+    level: str = "info",
+    fmt: str = "text",
+    *,
+    secrets: Iterable[str | None] = (),
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Configure the root logger once per process (again after fork is harmless).
+
+    `secrets` (e.g. the DSN's password) and the credentials in the environment are
+    redacted from every line from now on."""
     global _CONFIGURED
+    env = os.environ if env is None else env
+    for value in (*secrets, *(env.get(name) for name in _SECRET_ENV)):
+        register_secret(value)
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
