@@ -1,0 +1,54 @@
+"""Fault-injection handlers for supervisor tests: `[derive] backend = faulthandlers:Script`.
+
+The original's bytes are the script, so one supervisor runs jobs with different faults:
+
+    ok                   succeed at once (derives nothing, like noop)
+    sleep 2.5            sleep, then succeed
+    hang                 never return (only the supervisor's deadline ends it)
+    hang-once PATH       hang if PATH does not exist yet (creating it); else succeed
+    exit 7               end the worker process with status 7
+    kill                 SIGKILL the worker process itself
+    alloc 200            keep 200 MiB resident (touched, so RSS counts it), then succeed
+
+Subprocesses find this module through PYTHONPATH=<repo>/tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from handlers.base import DerivedVariant, DeriveSpec
+
+_HELD: list[bytes] = []  # memory an `alloc` job keeps alive until the worker exits
+
+
+class Script:
+    name = "faults"
+
+    def __init__(self, spec: DeriveSpec | None = None) -> None:
+        self.spec = spec
+
+    def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
+        verb, _, arg = original.decode().strip().partition(" ")
+        if verb == "sleep":
+            time.sleep(float(arg))
+        elif verb == "hang":
+            threading.Event().wait()
+        elif verb == "hang-once":
+            marker = Path(arg)
+            if not marker.exists():
+                marker.touch()
+                threading.Event().wait()
+        elif verb == "exit":
+            os._exit(int(arg))
+        elif verb == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif verb == "alloc":
+            _HELD.append(b"x" * (int(arg) * 1024 * 1024))
+        elif verb != "ok":
+            raise ValueError(f"unknown fault script {verb!r}")
+        return []

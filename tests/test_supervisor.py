@@ -1,0 +1,498 @@
+"""The prefork supervisor as a real process tree: `derivd -c <ini> run` in a subprocess,
+fault-injection handlers from tests/faulthandlers.py, waits on the database and the
+process table with a deadline (never a bare sleep where an event can be awaited)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+import pytest
+from fixtures.cli import derivd_command
+
+from supervisor.procutil import Pidfile, sd_notify, watchdog_interval
+from supervisor.queue import QueueDB
+from supervisor.settings import ConfigError, load_config
+from supervisor.storage import new_original_key
+from supervisor.storage_fs import FsStorage
+
+TESTS_DIR = Path(__file__).resolve().parent
+T = TypeVar("T")
+
+# Lease and deadlines small enough for tests, within the 80% cross-check.
+FAST = {
+    "queue": {
+        "lease": "6",
+        "poll_interval": "0.2",
+        "listen": "no",
+        "retry_base": "0.2",
+        "retry_max": "0.5",
+        "retry_jitter": "no",
+    },
+    "supervisor": {"job_timeout": "3.8", "kill_grace": "1", "shutdown_grace": "20"},
+}
+
+
+def wait_for(check: Callable[[], T | None], what: str, timeout: float = 30.0) -> T:
+    """Poll `check` until it returns something truthy; fail naming `what` at the deadline
+    (a liveness bound, generous on purpose: the machine is shared and noisy)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def title(pid: int) -> str:
+    try:
+        return (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")).decode().strip()
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+class Supervisor:
+    """One `derivd run` under test, its INI, its log file and its database."""
+
+    def __init__(self, tmp: Path, dsn: str, fs_root: Path, settings: dict[str, dict[str, str]]):
+        self.tmp, self.dsn, self.fs_root = tmp, dsn, fs_root
+        sections: dict[str, dict[str, str]] = {
+            "database": {"dsn": dsn},
+            "storage": {"backend": "fs", "root": str(fs_root)},
+            "supervisor": {"workers": "1", "state_dir": str(tmp / "state")},
+            "derive": {"backend": "faulthandlers:Script"},
+        }
+        for name, values in settings.items():
+            sections.setdefault(name, {}).update(values)
+        self.ini = tmp / "derivd.ini"
+        self.write_ini(sections)
+        self.log_path = tmp / "derivd.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.storage = FsStorage(fs_root)
+
+    def write_ini(self, sections: dict[str, dict[str, str]]) -> None:
+        text = "".join(
+            f"[{name}]\n" + "".join(f"{k} = {v}\n" for k, v in values.items())
+            for name, values in sections.items()
+        )
+        self.ini.write_text(text)
+
+    def start(self, *args: str) -> Supervisor:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(TESTS_DIR), env.get("PYTHONPATH", "")])
+        )
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [*derivd_command(), "-c", str(self.ini), "run", *args],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def workers(self) -> list[int]:
+        return [p for p in children_of(self.pid) if "derivd: worker" in title(p)]
+
+    def ready_workers(self, n: int = 1) -> list[int] | None:
+        """Worker pids once `n` of them have announced themselves idle or busy."""
+        pids = [p for p in self.workers() if "booting" not in title(p)]
+        return pids if len(pids) >= n else None
+
+    def worker_on_job(self, file_id: int) -> int | None:
+        for pid in self.workers():
+            if title(pid).endswith(f" job {file_id}"):
+                return pid
+        return None
+
+    def enqueue(self, *scripts: str) -> list[int]:
+        originals = []
+        for script in scripts:
+            key = new_original_key()
+            originals.append((key, self.storage.put(key, script.encode(), "text/plain")))
+        with QueueDB.open(self.dsn, role="test") as queue:
+            return queue.enqueue(originals)
+
+    def row(self, file_id: int) -> dict[str, Any]:
+        with QueueDB.open(self.dsn, role="test") as queue:
+            row = queue.file_row(file_id)
+        assert row is not None
+        return row
+
+    def events(self, file_id: int) -> list[tuple[str, int, Any]]:
+        with psycopg.connect(self.dsn) as conn:
+            rows = conn.execute(
+                "SELECT kind, attempt, at FROM archive_events WHERE file_id = %s ORDER BY id",
+                (file_id,),
+            ).fetchall()
+        return [(r[0], r[1], r[2]) for r in rows]
+
+    def status_is(self, file_id: int, status: str) -> dict[str, Any] | None:
+        row = self.row(file_id)
+        return row if row["status"] == status else None
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"derivd did not exit within {timeout:g}s; log:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def supervisor(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[Callable[..., Supervisor]]:
+    made: list[Supervisor] = []
+
+    def make(**settings: dict[str, str]) -> Supervisor:
+        merged = {name: dict(values) for name, values in FAST.items()}
+        for name, values in settings.items():
+            merged.setdefault(name, {}).update(values)
+        sup = Supervisor(tmp_path, dsn, fs_root, merged)
+        made.append(sup)
+        return sup
+
+    yield make
+    for sup in made:
+        workers = sup.workers() if sup.proc and sup.proc.poll() is None else []
+        sup.stop()
+        for pid in workers:  # PR_SET_PDEATHSIG should have done it; make sure regardless
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def processing_rows(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM archive_files WHERE status = 'processing'")
+        return int(row.fetchone()[0])  # type: ignore[index]
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_jobs_run_and_sigterm_stops_cleanly(supervisor: Callable[..., Supervisor]) -> None:
+    sup = supervisor(supervisor={"workers": "2"}).start()
+    ids = sup.enqueue("ok", "ok", "sleep 0.2")
+    for file_id in ids:
+        wait_for(lambda f=file_id: sup.status_is(f, "ready"), f"file {file_id} ready")
+    parent_title = title(sup.pid)
+    assert parent_title == "derivd: supervisor (2 workers)"
+    workers = wait_for(lambda: sup.ready_workers(2), "two ready workers")
+    assert all(title(p).startswith("derivd: worker ") for p in workers)
+    assert {title(p).split()[2] for p in workers} == {"1", "2"}  # slots
+    sup.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert sup.wait_exit() == 0
+    assert not any(alive(p) for p in workers)
+
+
+def test_sigkill_worker_mid_job(supervisor: Callable[..., Supervisor], tmp_path: Path) -> None:
+    sup = supervisor().start()
+    [file_id] = sup.enqueue(f"hang-once {tmp_path / 'marker'}")
+    victim = wait_for(lambda: sup.worker_on_job(file_id), "a worker on the job")
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    replacement = wait_for(
+        lambda: [p for p in (sup.ready_workers() or []) if p != victim], "a replacement worker"
+    )[0]
+    latency = time.monotonic() - killed_at
+    print(f"restart latency (SIGKILL -> replacement ready): {latency * 1000:.0f} ms")
+    (tmp_path / "restart_latency_ms").write_text(f"{latency * 1000:.0f}\n")
+    assert replacement != victim
+    # The lease (6 s) has to expire before the job is claimed again.
+    row = wait_for(lambda: sup.status_is(file_id, "ready"), "the job to end ready")
+    assert row["attempts"] == 2
+    kinds = [kind for kind, _, _ in sup.events(file_id)]
+    assert "timeout" not in kinds  # the kill, not the deadline, ended attempt 1
+    assert "worker died" in sup.log()
+
+
+def test_hanging_job_times_out_then_rejected(supervisor: Callable[..., Supervisor]) -> None:
+    # A 30 s lease: if the supervisor did not record the timeout itself the row would
+    # stay `processing` far past the test's deadlines.
+    sup = supervisor(
+        queue={"lease": "30", "max_attempts": "2", "retry_base": "2", "retry_max": "2"},
+        supervisor={"job_timeout": "1", "kill_grace": "0.5"},
+    ).start()
+    [file_id] = sup.enqueue("hang")
+    first = wait_for(lambda: sup.worker_on_job(file_id), "a worker on the job")
+    row = wait_for(lambda: sup.status_is(file_id, "queued"), "attempt 1 recorded", timeout=20)
+    assert row["attempts"] == 1
+    events = sup.events(file_id)
+    timeouts = [at for kind, attempt, at in events if kind == "timeout" and attempt == 1]
+    assert len(timeouts) == 1
+    # Backoff without jitter: available 2 s after the failure was recorded.
+    assert (row["available_at"] - timeouts[0]).total_seconds() == pytest.approx(2.0, abs=0.01)
+    wait_for(lambda: not alive(first), "the hung worker to be gone")
+    row = wait_for(lambda: sup.status_is(file_id, "rejected"), "rejection", timeout=30)
+    assert row["error_code"] == "resource_limit"
+    assert row["attempts"] == 2
+    assert [k for k, _, _ in sup.events(file_id)].count("timeout") == 2
+    # The supervisor is still up and keeps a worker.
+    assert sup.proc.poll() is None  # type: ignore[union-attr]
+    wait_for(lambda: sup.ready_workers(1), "a worker after the timeouts")
+    assert processing_rows(sup.dsn) == 0
+
+
+def test_sigterm_lets_running_job_finish(supervisor: Callable[..., Supervisor]) -> None:
+    sup = supervisor(
+        supervisor={"job_timeout": "10", "shutdown_grace": "20"}, queue={"lease": "30"}
+    ).start()
+    [file_id] = sup.enqueue("sleep 2")
+    wait_for(lambda: sup.worker_on_job(file_id), "a worker on the job")
+    sup.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert sup.wait_exit() == 0
+    assert sup.row(file_id)["status"] == "ready"
+    assert processing_rows(sup.dsn) == 0
+
+
+def test_sigterm_past_grace_releases_job(supervisor: Callable[..., Supervisor]) -> None:
+    sup = supervisor(
+        supervisor={"job_timeout": "20", "shutdown_grace": "0.5"}, queue={"lease": "60"}
+    ).start()
+    [file_id] = sup.enqueue("hang")
+    wait_for(lambda: sup.worker_on_job(file_id), "a worker on the job")
+    sup.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert sup.wait_exit() == 0
+    row = sup.row(file_id)
+    assert row["status"] == "queued"
+    assert row["attempts"] == 0
+    assert row["lease_token"] is None
+    assert "released" in [k for k, _, _ in sup.events(file_id)]
+
+
+def test_second_sigterm_escalates(supervisor: Callable[..., Supervisor]) -> None:
+    sup = supervisor(
+        supervisor={"job_timeout": "20", "shutdown_grace": "60"}, queue={"lease": "60"}
+    ).start()
+    [file_id] = sup.enqueue("hang")
+    wait_for(lambda: sup.worker_on_job(file_id), "a worker on the job")
+    sup.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    wait_for(lambda: "stopping" in title(sup.pid), "the supervisor to start stopping")
+    sup.proc.send_signal(signal.SIGINT)  # type: ignore[union-attr]
+    # Far below the 60 s grace: the second signal did not wait for it.
+    assert sup.wait_exit(timeout=30) == 0
+    assert sup.row(file_id)["status"] == "queued"
+
+
+def test_sigkill_supervisor_takes_children_along(
+    supervisor: Callable[..., Supervisor],
+) -> None:
+    sup = supervisor(supervisor={"workers": "2"}).start()
+    workers = wait_for(lambda: sup.ready_workers(2), "two ready workers")
+    sup.proc.kill()  # type: ignore[union-attr]
+    sup.wait_exit()
+    wait_for(lambda: not any(alive(p) for p in workers), "every worker to die", timeout=10)
+
+
+def test_worker_that_cannot_boot_stops_supervisor(
+    supervisor: Callable[..., Supervisor],
+) -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sup = supervisor(
+        database={"dsn": f"postgresql://derivd@127.0.0.1:{port}/nothing"},
+        supervisor={"workers": "2"},
+    ).start()
+    code = sup.wait_exit()
+    log = sup.log()
+    assert code != 0
+    lines = [line for line in log.splitlines() if line.startswith("derivd: ")]
+    assert len(lines) == 1, log
+    assert lines[0].startswith("derivd: worker could not start: database unavailable:")
+    assert "Traceback" not in log
+
+
+def test_unknown_handler_module_is_a_boot_error(supervisor: Callable[..., Supervisor]) -> None:
+    sup = supervisor(derive={"backend": "faulthandlers:NoSuchHandler"}).start()
+    assert sup.wait_exit() != 0
+    log = sup.log()
+    assert "derivd: worker could not start: cannot load handler" in log
+    assert "Traceback" not in log
+
+
+def test_memory_recycle(supervisor: Callable[..., Supervisor]) -> None:
+    sup = supervisor(supervisor={"max_worker_rss_mb": "150"}).start()
+    first = wait_for(lambda: sup.ready_workers(1), "a ready worker")[0]
+    [file_id] = sup.enqueue("alloc 250")
+    wait_for(lambda: sup.status_is(file_id, "ready"), "the big job to end ready")
+    wait_for(lambda: not alive(first), "the big worker to be recycled")
+    second = wait_for(lambda: sup.ready_workers(1), "a fresh worker")[0]
+    assert second != first
+    assert "worker recycled" in sup.log() and "reason=rss" in sup.log()
+    [small] = sup.enqueue("ok")
+    wait_for(lambda: sup.status_is(small, "ready"), "the fresh worker to work")
+
+
+def test_max_jobs_recycles_worker(supervisor: Callable[..., Supervisor]) -> None:
+    sup = supervisor(supervisor={"max_jobs_per_worker": "1"}).start()
+    first = wait_for(lambda: sup.ready_workers(1), "a ready worker")[0]
+    ids = sup.enqueue("ok", "ok", "ok")
+    for file_id in ids:
+        wait_for(lambda f=file_id: sup.status_is(f, "ready"), f"file {file_id} ready")
+    assert not alive(first)
+    assert sup.log().count("reason=max_jobs") >= 2
+
+
+def test_burst_exits_when_drained(supervisor: Callable[..., Supervisor]) -> None:
+    sup = supervisor(supervisor={"workers": "2"})
+    ids = sup.enqueue("ok", "sleep 0.3", "ok", "ok")
+    sup.start("--burst")
+    assert sup.wait_exit() == 0
+    assert [sup.row(i)["status"] for i in ids] == ["ready"] * 4
+
+
+def test_sighup_reloads_and_invalid_config_is_kept(
+    supervisor: Callable[..., Supervisor],
+) -> None:
+    sup = supervisor(supervisor={"workers": "1"}).start()
+    old = wait_for(lambda: sup.ready_workers(1), "a ready worker")
+    text = sup.ini.read_text()
+    sup.ini.write_text(text.replace("workers = 1", "workers = 2"))
+    sup.proc.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+    new = wait_for(
+        lambda: (lambda ps: ps if len(ps) == 2 and not set(ps) & set(old) else None)(
+            sup.ready_workers(2) or []
+        ),
+        "two new workers",
+    )
+    assert title(sup.pid) == "derivd: supervisor (2 workers)"
+    sup.ini.write_text(text.replace("workers = 1", "workers = -1"))
+    sup.proc.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+    wait_for(lambda: "reload refused" in sup.log(), "the refusal in the log")
+    assert sorted(sup.ready_workers(2) or []) == sorted(new)
+    [file_id] = sup.enqueue("ok")
+    wait_for(lambda: sup.status_is(file_id, "ready"), "work after the refused reload")
+
+
+def test_supervisor_never_loads_libvips(
+    supervisor: Callable[..., Supervisor], tmp_path: Path
+) -> None:
+    """The parent must not import pyvips: its memory map has no libvips while a child's
+    (vips backend, after a job) does."""
+    sup = supervisor(derive={"backend": "vips"}).start()
+    worker = wait_for(lambda: sup.ready_workers(1), "a ready vips worker")[0]
+
+    def maps(pid: int) -> str:
+        return Path(f"/proc/{pid}/maps").read_text()
+
+    assert "libvips" in maps(worker)
+    assert "libvips" not in maps(sup.pid)
+
+
+def test_pidfile_and_sd_notify(supervisor: Callable[..., Supervisor], tmp_path: Path) -> None:
+    notify = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+        server.bind(str(notify))
+        server.settimeout(30)
+        pidfile = tmp_path / "derivd.pid"
+        sup = supervisor(supervisor={"pidfile": str(pidfile)})
+        os.environ["NOTIFY_SOCKET"] = str(notify)
+        os.environ["WATCHDOG_USEC"] = "400000"
+        try:
+            sup.start()
+        finally:
+            del os.environ["NOTIFY_SOCKET"], os.environ["WATCHDOG_USEC"]
+        messages: list[str] = []
+        while not any("READY=1" in m for m in messages) or not any(
+            "WATCHDOG=1" in m for m in messages
+        ):
+            messages.append(server.recv(4096).decode())
+        assert pidfile.read_text().strip() == str(sup.pid)
+        sup.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        assert sup.wait_exit() == 0
+        while not any("STOPPING=1" in m for m in messages):
+            messages.append(server.recv(4096).decode())
+    assert any(m.startswith("READY=1") and f"MAINPID={sup.pid}" in m for m in messages)
+    assert not pidfile.exists()
+
+
+# ----------------------------------------------------------------------- unit pieces
+
+
+def test_sd_notify_without_socket_is_a_no_op() -> None:
+    assert sd_notify("READY=1", env={}) is False
+    assert watchdog_interval({}) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "2000000"}) == 1.0
+    assert watchdog_interval({"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": "1"}) is None
+
+
+def test_pidfile_refuses_a_live_owner(tmp_path: Path) -> None:
+    from supervisor.procutil import PidfileError
+
+    path = tmp_path / "x.pid"
+    path.write_text(f"{os.getppid()}\n")  # a live process that is not us
+    with pytest.raises(PidfileError, match="already running"):
+        Pidfile(path).create()
+    path.write_text("999999999\n")  # stale
+    pidfile = Pidfile(path)
+    pidfile.create()
+    assert path.read_text().strip() == str(os.getpid())
+    pidfile.remove()
+    assert not path.exists()
+
+
+def test_import_target_backend_is_accepted(tmp_path: Path) -> None:
+    ini = tmp_path / "a.ini"
+    ini.write_text("[derive]\nbackend = faulthandlers:Script\n")
+    assert load_config(ini, env={}).derive.backend == "faulthandlers:Script"
+    ini.write_text("[derive]\nbackend = no such thing\n")
+    with pytest.raises(ConfigError, match="unknown backend"):
+        load_config(ini, env={})
+
+
+def test_job_timeout_must_stay_below_lease(tmp_path: Path) -> None:
+    ini = tmp_path / "a.ini"
+    ini.write_text("[queue]\nlease = 6\n[supervisor]\njob_timeout = 4\nkill_grace = 1\n")
+    with pytest.raises(ConfigError, match="80%"):
+        load_config(ini, env={})
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
