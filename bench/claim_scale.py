@@ -1,0 +1,129 @@
+"""Claim latency at scale: 1,000,000 finished (`ready`) rows and 100,000 `queued` rows.
+
+Seeds the table with generate_series (seconds, not minutes), then claims through the
+product's own `QueueDB.claim` (client round trip included) and commits each job with the
+noop commit, so the claim index sees the churn a real drain gives it. Prints claim
+p50/p99 and the EXPLAIN (ANALYZE, BUFFERS) plan of one claim.
+
+    .venv/bin/python bench/claim_scale.py [--ready 1000000] [--queued 100000] [--claims 5000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import psycopg
+from common import cluster, fresh_db, machine, percentile, table
+
+from supervisor.queue import QueueDB
+from supervisor.sqlfiles import queries
+
+SEED = """
+INSERT INTO archive_files (status, original_key, original_version, derived_key,
+                           derived_version, sha256, width, height, attempts,
+                           created_at, updated_at, claimed_at, finished_at)
+SELECT 'ready', 'originals/' || g, 'v1', 'derived/' || g || '/t/preview.webp', 'v1',
+       repeat('ab', 32), 1600, 1200, 1,
+       now() - interval '30 days' + g * interval '1 second',
+       now() - interval '30 days' + g * interval '1 second',
+       now() - interval '30 days' + g * interval '1 second',
+       now() - interval '30 days' + g * interval '1 second'
+  FROM generate_series(1, %(ready)s) AS g;
+"""
+
+SEED_QUEUED = """
+INSERT INTO archive_files (status, original_key, original_version, available_at)
+SELECT 'queued', 'originals/q' || g, 'v1', now() - interval '1 hour' + g * interval '1 ms'
+  FROM generate_series(1, %(queued)s) AS g;
+"""
+
+
+def seed(dsn: str, ready: int, queued: int) -> float:
+    started = time.perf_counter()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SEED, {"ready": ready})
+        conn.execute(SEED_QUEUED, {"queued": queued})
+        conn.execute("VACUUM (ANALYZE) archive_files")
+    return time.perf_counter() - started
+
+
+def explain_claim(dsn: str) -> str:
+    """The plan of one real claim, rolled back so it changes nothing."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + queries()["claim"],  # type: ignore[operator]
+            {"lease_s": 120.0, "max_attempts": 3},
+        ).fetchall()
+        conn.rollback()
+    return "\n".join(r[0] for r in rows)
+
+
+def measure(dsn: str, claims: int) -> list[float]:
+    times: list[float] = []
+    with QueueDB.open(dsn, role="bench") as queue:
+        for _ in range(claims):
+            started = time.perf_counter()
+            job = queue.claim(lease_s=120.0, max_attempts=3)
+            times.append(time.perf_counter() - started)
+            if job is None:
+                raise SystemExit("queue ran dry: seed more queued rows than claims")
+            queue.commit(job, [])
+    return times
+
+
+def sizes(dsn: str) -> list[tuple[str, str]]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT c.relname, pg_size_pretty(pg_relation_size(c.oid))"
+            "  FROM pg_class c WHERE c.relname LIKE 'archive_files%' ORDER BY c.relname"
+        ).fetchall()
+    return [(r[0], r[1]) for r in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ready", type=int, default=1_000_000)
+    parser.add_argument("--queued", type=int, default=100_000)
+    parser.add_argument("--claims", type=int, default=5000)
+    args = parser.parse_args()
+    with cluster() as pg:
+        dsn = fresh_db(pg, "claim_scale")
+        seed_s = seed(dsn, args.ready, args.queued)
+        plan_before = explain_claim(dsn)
+        times = measure(dsn, args.claims)
+        plan_after = explain_claim(dsn)
+        print("## claim_scale")
+        print("\n".join(machine(dsn)))
+        print(
+            f"table: {args.ready:,} ready + {args.queued:,} queued rows "
+            f"(seeded in {seed_s:.1f} s); {args.claims:,} claims, each followed by its "
+            "noop commit; one client, claim round trip timed"
+        )
+        ms = [t * 1000 for t in times]
+        print()
+        print(
+            table(
+                ["claims", "p50 ms", "p90 ms", "p99 ms", "max ms", "mean ms"],
+                [
+                    [
+                        len(ms),
+                        percentile(ms, 50),
+                        percentile(ms, 90),
+                        percentile(ms, 99),
+                        max(ms),
+                        sum(ms) / len(ms),
+                    ]
+                ],
+            )
+        )
+        print()
+        print(table(["relation", "size"], sizes(dsn)))
+        print("\nEXPLAIN (ANALYZE, BUFFERS) of one claim, before the run:\n")
+        print(plan_before)
+        print(f"\n... and after {args.claims:,} claims and commits:\n")
+        print(plan_after)
+
+
+if __name__ == "__main__":
+    main()

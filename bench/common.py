@@ -1,0 +1,106 @@
+"""What the queue benchmarks share: one embedded PostgreSQL in a temp dir, fresh migrated
+databases, the machine's description and plain-text tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from supervisor.pgcluster import EmbeddedCluster  # noqa: E402
+from supervisor.queue import migrate  # noqa: E402
+
+
+@contextmanager
+def cluster(settings: dict[str, str] | None = None) -> Iterator[EmbeddedCluster]:
+    """A private cluster for the whole benchmark (durable settings: fsync on, like
+    production; TCP on loopback so the peers' drivers can reach it too)."""
+    root = Path(tempfile.mkdtemp(prefix="derivd-bench-"))
+    root.chmod(0o711)  # the server may run as `postgres`: it must traverse
+    pg = EmbeddedCluster(root / "pgdata", listen_tcp=True, settings=settings)
+    try:
+        pg.start()
+        yield pg
+    finally:
+        pg.stop("fast")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def fresh_db(pg: EmbeddedCluster, name: str, *, derivd_schema: bool = True) -> str:
+    pg.drop_database(name)
+    pg.create_database(name)
+    dsn = pg.dsn(name)
+    if derivd_schema:
+        migrate(dsn)
+    return dsn
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100) of a non-empty sequence."""
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(p / 100.0 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def _pip_version(python: str, package: str) -> str:
+    try:
+        out = subprocess.run(
+            [python, "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except OSError:
+        return "-"
+    return out.stdout.strip() or "-"
+
+
+def machine(dsn: str, peers_python: str | None = None) -> list[str]:
+    """nproc, memory, OS, Python, PostgreSQL, psycopg (and the peers' versions)."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SHOW server_version").fetchone()
+    server = row[0] if row else "?"
+    mem_kb = 0
+    with open("/proc/meminfo", encoding="ascii") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemTotal:"):
+                mem_kb = int(line.split()[1])
+    lines = [
+        f"cpus: {os.cpu_count()}  memory: {mem_kb / 1024 / 1024:.1f} GiB  "
+        f"os: {platform.platform()}",
+        f"python {platform.python_version()}  postgresql {server}  psycopg {psycopg.__version__}",
+    ]
+    if peers_python:
+        lines.append(
+            f"peers: pgqueuer {_pip_version(peers_python, 'pgqueuer')}  "
+            f"procrastinate {_pip_version(peers_python, 'procrastinate')}"
+        )
+    return lines
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    out = []
+    for n, row in enumerate(cells):
+        out.append("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
+        if n == 0:
+            out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(out)
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}" if value < 100 else f"{value:.0f}"
+    return str(value)
