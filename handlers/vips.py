@@ -103,6 +103,11 @@ class Header:
         if screen is not None:
             self.width, self.height = max(self.width, screen[0]), max(self.height, screen[1])
         self.frames: int = _int_field(image, "n-pages", 1)
+        # Only an embedded profile or CMYK needs a LittleCMS transform; doing it for every
+        # image doubles the time of a plain sRGB JPEG (bench/derive.py).
+        self.needs_icc = image.get_typeof("icc-profile-data") != 0 or (
+            image.interpretation == "cmyk"
+        )
         orientation = _int_field(image, "orientation", 1)
         self.orientation = orientation if 1 <= orientation <= 8 else 1
 
@@ -146,7 +151,7 @@ def check_size(original: bytes, spec: DeriveSpec) -> None:
         raise ResourceLimit(f"{len(original)} bytes > max_input_bytes {spec.max_input_bytes}")
 
 
-def render(original: bytes, width: int, height: int, spec: DeriveSpec) -> bytes:
+def render(original: bytes, width: int, height: int, icc: bool, spec: DeriveSpec) -> bytes:
     """Decode (shrunk on load), orient, convert to sRGB, resize to exactly width x height, encode.
 
     `size="force"` with the box computed by `target_size` pins the output to the same
@@ -163,8 +168,9 @@ def render(original: bytes, width: int, height: int, spec: DeriveSpec) -> bytes:
         # would then come out half grey. tests/test_handlers.py holds both cases.
         option_string="fail_on=error",
         fail_on="error",
-        output_profile="srgb",
-        intent="relative",
+        # Without a profile libvips still converts any colourspace to sRGB; with one
+        # (or for CMYK, through its built-in CMYK profile) it goes through LittleCMS.
+        **({"output_profile": "srgb", "intent": "relative"} if icc else {}),
     )
     if image.width != width or image.height != height:  # cannot happen with size="force"
         raise CorruptContent(f"thumbnail gave {image.width}x{image.height}")
@@ -189,7 +195,7 @@ class VipsHandler:
         for variant in spec.variants:
             width, height = target_size(upright_w, upright_h, variant.long_edge)
             try:
-                data = render(original, width, height, spec)
+                data = render(original, width, height, header.needs_icc, spec)
             except pyvips.Error as e:
                 # Truncated or corrupt pixel data (fail_on="error"): never publish a
                 # half-decoded image. The message is for the log only.
