@@ -41,8 +41,8 @@ _ORIENTATION_TAG = 0x0112
 _SIDEWAYS = frozenset({5, 6, 7, 8})
 
 # Above 1.0 Pillow first reduces by an integer factor (box filter, cheap) to within this
-# multiple of the target, then resamples with Lanczos; 3.0 is indistinguishable from a
-# full Lanczos resize (Pillow's benchmarks) and keeps big reductions fast.
+# multiple of the target, then resamples with Lanczos; Pillow's docs call 3.0 or more
+# indistinguishable from fair resampling in most cases, and it keeps big reductions fast.
 _REDUCING_GAP = 3.0
 
 _SRGB = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB"))
