@@ -501,7 +501,9 @@ class Arbiter:
 
     def next_wakeup(self) -> float:
         now = time.monotonic()
-        times = [now + LOOP_MAX_SLEEP, self.timers.maintenance]
+        times = [now + LOOP_MAX_SLEEP]
+        if self.outcome is None:  # halting: no more maintenance, only reaping
+            times.append(self.timers.maintenance)
         sup = self.config.supervisor
         for worker in self.workers.values():
             if worker.kill_at is not None and not worker.killed:

@@ -110,8 +110,8 @@ class Supervisor:
         )
         self.ini.write_text(text)
 
-    def start(self, *args: str) -> Supervisor:
-        env = dict(os.environ)
+    def start(self, *args: str, env_extra: dict[str, str] | None = None) -> Supervisor:
+        env = {**os.environ, **(env_extra or {})}
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(TESTS_DIR), env.get("PYTHONPATH", "")])
         )
@@ -433,12 +433,7 @@ def test_pidfile_and_sd_notify(supervisor: Callable[..., Supervisor], tmp_path: 
         server.settimeout(30)
         pidfile = tmp_path / "derivd.pid"
         sup = supervisor(supervisor={"pidfile": str(pidfile)})
-        os.environ["NOTIFY_SOCKET"] = str(notify)
-        os.environ["WATCHDOG_USEC"] = "400000"
-        try:
-            sup.start()
-        finally:
-            del os.environ["NOTIFY_SOCKET"], os.environ["WATCHDOG_USEC"]
+        sup.start(env_extra={"NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "400000"})
         messages: list[str] = []
         while not any("READY=1" in m for m in messages) or not any(
             "WATCHDOG=1" in m for m in messages
