@@ -2,20 +2,27 @@
 
 The supervisor owns a `Metrics`; here one runs in-process and is fed the way the
 supervisor feeds it (job results from children, fleet state, the queue stats of a real
-database seeded through QueueDB). An end-to-end scrape of `derivd run` reuses `scrape`.
+database seeded through QueueDB). The last test scrapes a real `derivd run` supervisor.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
-from collections.abc import Iterator
+import subprocess
+import time
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from fixtures.cli import derivd_command
 from fixtures.metrics import Samples, scrape, seed_queue
+from fixtures.s3 import free_port
+from PIL import Image
 
 from supervisor.metrics import DURATION_BUCKETS, Metrics
 from supervisor.queue import QueueDB
@@ -194,3 +201,74 @@ def test_grafana_dashboard_only_queries_exported_metrics() -> None:
         assert needed in used, needed
     variables = dashboard["templating"]["list"]  # type: ignore[index]
     assert any(v["type"] == "datasource" and v["query"] == "prometheus" for v in variables)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def _scrape_when(url: str, ready: Callable[[Samples], bool], what: str) -> Samples:
+    """Scrape until `ready(samples)` (the supervisor refreshes its queue gauges on a
+    timer); fail naming `what` at a generous liveness deadline."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            samples = scrape(url)
+            if ready(samples):
+                return samples
+        except (OSError, KeyError):
+            pass  # not listening yet, or the series does not exist yet
+        if time.monotonic() > deadline:
+            pytest.fail(f"the metrics endpoint never showed {what}")
+        time.sleep(0.1)
+
+
+def test_running_supervisor_serves_its_metrics(
+    run_cli: Callable[..., subprocess.CompletedProcess[str]], dsn: str, tmp_path: Path
+) -> None:
+    originals = tmp_path / "in"
+    originals.mkdir()
+    for n in range(3):
+        Image.new("RGB", (64 + n, 48), (n * 60, 10, 200)).save(originals / f"{n}.png")
+    (originals / "bad.jpg").write_text("not an image")
+    listen = f"127.0.0.1:{free_port()}"
+    env = {
+        **os.environ,
+        "DERIVD_DATABASE_DSN": dsn,
+        "DERIVD_STORAGE_BACKEND": "fs",
+        "DERIVD_STORAGE_ROOT": str(tmp_path / "store"),
+        "DERIVD_DERIVE_BACKEND": "pillow",
+        "DERIVD_SUPERVISOR_WORKERS": "2",
+        "DERIVD_QUEUE_POLL_INTERVAL": "0.2",
+        "DERIVD_METRICS_LISTEN": listen,
+    }
+    queued = run_cli("enqueue", str(originals), env=env)
+    assert queued.returncode == 0, queued.stderr
+    log = (tmp_path / "derivd.log").open("wb")
+    proc = subprocess.Popen(
+        [*derivd_command(), "run"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        url = f"http://{listen}/metrics"
+        s = _scrape_when(
+            url,
+            lambda s: (
+                s.value("derivd_queue_rows", status="ready") == 3
+                and s.value("derivd_queue_rows", status="rejected") == 1
+                and s.value("derivd_workers_alive") == 2
+            ),
+            "3 ready and 1 rejected rows with 2 workers alive",
+        )
+        jobs = "derivd_jobs_finished_total"
+        assert s.value(jobs, outcome="ready", code="none", backend="pillow") == 3
+        assert s.value(jobs, outcome="rejected", code="unsupported_content", backend="pillow") == 1
+        assert s.value("derivd_job_duration_seconds_count", backend="pillow", outcome="ready") == 3
+        assert s.value("derivd_queue_wait_seconds_count") == 4
+        assert s.value("derivd_queue_rows", status="queued") == 0
+        assert s.value("derivd_queue_rejected_ratio") == pytest.approx(0.25)
+        assert s.value("derivd_lease_lost_total") == 0
+        assert s.value("derivd_worker_restarts_total", reason="crash") == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+        log.close()
+    assert code == 0, (tmp_path / "derivd.log").read_text()
