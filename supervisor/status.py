@@ -196,7 +196,7 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
 
     def row(label: str, value: str, limit: str, signal: str | None, note: str = "") -> str:
         verdict = "" if signal is None else ("UNHEALTHY" if signal in crossed else "ok")
-        return f"  {label:<28}{value:>10}  {limit:>8}  {verdict:<9}{note}".rstrip()
+        return f"  {label:<28}{value:>10}  {limit:>8}  {verdict:<10}{note}".rstrip()
 
     judged = report.recent_finished >= limits.min_finished
     lines += [

@@ -67,7 +67,7 @@ def feed_workload(m: Metrics) -> None:
 
 def test_scrape_shows_the_exact_workload_and_queue_state(metrics: Metrics, dsn: str) -> None:
     with QueueDB.open(dsn) as queue:
-        seeded = seed_queue(queue, ready=5, rejected=2, queued=3, expired=1)
+        seeded = seed_queue(queue, ready=5, rejected=2, queued=3, expired=2)
         stats = queue.queue_stats()
         events = queue.event_counts(datetime.now(UTC) - timedelta(hours=1))
     feed_workload(metrics)
@@ -110,9 +110,9 @@ def test_scrape_shows_the_exact_workload_and_queue_state(metrics: Metrics, dsn: 
     assert s.value(rows, status="ready") == seeded.ready == 5
     assert s.value(rows, status="rejected") == seeded.rejected == 2
     assert s.value(rows, status="queued") == seeded.queued == 3
-    assert s.value(rows, status="processing") == seeded.expired == 1
+    assert s.value(rows, status="processing") == seeded.expired == 2
     assert s.value(rows, status="pending") == 0 and s.value(rows, status="deleted") == 0
-    assert s.value("derivd_queue_expired_leases") == 1
+    assert s.value("derivd_queue_expired_leases") == 2
     assert s.value("derivd_queue_rejected_ratio") == pytest.approx(2 / 7)
     assert stats.oldest_claimable_age_s is not None and stats.oldest_claimable_age_s > 0
     assert s.value("derivd_queue_oldest_claimable_age_seconds") == stats.oldest_claimable_age_s

@@ -26,7 +26,7 @@ LENIENT = {"DERIVD_STATUS_MIN_FINISHED": "1", "DERIVD_STATUS_MAX_REJECTED_RATIO"
 @pytest.fixture
 def seeded_dsn(dsn: str) -> str:
     with QueueDB.open(dsn) as queue:
-        seed_queue(queue, ready=6, rejected=2, queued=3, expired=1)
+        seed_queue(queue, ready=6, rejected=2, queued=3, expired=2)
     return dsn
 
 
@@ -41,14 +41,14 @@ def test_json_reports_the_seeded_numbers(run_cli: RunCli, seeded_dsn: str) -> No
     assert data["healthy"] is True and data["problems"] == []
     assert data["counts"] == {
         "queued": 3,
-        "processing": 1,
+        "processing": 2,
         "ready": 6,
         "rejected": 2,
         "pending": 0,
         "deleting": 0,
         "deleted": 0,
     }
-    assert data["expired_leases"] == 1
+    assert data["expired_leases"] == 2
     assert data["rejected_ratio"] == pytest.approx(2 / 8)
     assert data["oldest_claimable_age_s"] > 0
     assert data["lease_lost"] == 1 and data["timeouts"] == 0
@@ -82,17 +82,17 @@ def test_crossed_thresholds_exit_unhealthy(
 def test_expired_lease_threshold_from_the_config_file(
     run_cli: RunCli, seeded_dsn: str, tmp_path: Path
 ) -> None:
-    ini = write_ini(tmp_path / "derivd.ini", {"status": {"max_expired_leases": "1"}})
+    ini = write_ini(tmp_path / "derivd.ini", {"status": {"max_expired_leases": "2"}})
     within = run_cli("-c", str(ini), "status", env={"DERIVD_DATABASE_DSN": seeded_dsn, **LENIENT})
     assert within.returncode == HEALTHY, within.stdout + within.stderr
     with QueueDB.open(seeded_dsn) as queue:
         # One more worker dies mid-job (its lease is already over). max_attempts=1 keeps
-        # the claim off the expired row, which claims would otherwise take first.
+        # the claim off the expired rows, which claims would otherwise take first.
         job = queue.claim(lease_s=-1.0, max_attempts=1)
         assert job is not None and job.attempt == 1
     crossed = run_cli("-c", str(ini), "status", env={"DERIVD_DATABASE_DSN": seeded_dsn, **LENIENT})
     assert crossed.returncode == UNHEALTHY
-    assert "UNHEALTHY expired_leases: 2 > 1" in crossed.stdout
+    assert "UNHEALTHY expired_leases: 3 > 2" in crossed.stdout
     assert "raise [queue] lease" in crossed.stdout
 
 
