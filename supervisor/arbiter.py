@@ -298,9 +298,11 @@ class Arbiter:
     def on_message(self, worker: WorkerProc, line: bytes) -> None:
         try:
             message: dict[str, Any] = json.loads(line)
-        except ValueError:
+            self.dispatch(worker, message)
+        except (ValueError, KeyError, TypeError):
             log.warning("worker %s sent an unreadable status line", worker.slot)
-            return
+
+    def dispatch(self, worker: WorkerProc, message: dict[str, Any]) -> None:
         kind = message.get("t")
         if kind == "ready":
             worker.ready = True
@@ -315,7 +317,8 @@ class Arbiter:
             self.on_generation_ready(worker.generation)
         elif kind == "started":
             worker.job = _job_from(message["job"])
-            worker.job_started = min(float(message.get("at") or 0.0), time.monotonic())
+            # CLOCK_MONOTONIC is system-wide: the child's start time is comparable.
+            worker.job_started = min(float(message.get("at", "inf")), time.monotonic())
         elif kind == "finished":
             self.on_job_finished(worker, message)
         elif kind == "exiting":

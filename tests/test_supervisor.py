@@ -279,6 +279,22 @@ def test_hanging_job_times_out_then_rejected(supervisor: Callable[..., Superviso
     assert processing_rows(sup.dsn) == 0
 
 
+def test_job_that_kills_its_worker_ends_exhausted(supervisor: Callable[..., Supervisor]) -> None:
+    # Each attempt crashes the worker; the parent respawns (with slot backoff) and its
+    # maintenance rejects the row once the last attempt's lease has expired.
+    sup = supervisor(
+        queue={"lease": "3", "max_attempts": "2"},
+        supervisor={"job_timeout": "1.4", "kill_grace": "1"},
+    ).start()
+    [file_id] = sup.enqueue("kill")
+    row = wait_for(lambda: sup.status_is(file_id, "rejected"), "the row to be rejected")
+    assert row["error_code"] == "attempts_exhausted"
+    assert row["attempts"] == 2
+    assert sup.log().count("worker died") == 2
+    assert sup.proc.poll() is None  # type: ignore[union-attr]
+    wait_for(lambda: sup.ready_workers(1), "a worker after the crashes")
+
+
 def test_sigterm_lets_running_job_finish(supervisor: Callable[..., Supervisor]) -> None:
     sup = supervisor(
         supervisor={"job_timeout": "10", "shutdown_grace": "20"}, queue={"lease": "30"}
