@@ -179,7 +179,12 @@ def open_sweeper(
 def sweep_once(config: Config, dsn: str) -> SweepReport:
     """One pass with fresh connections (what the supervisor calls every [sweep] interval).
 
-    Raises DatabaseUnavailable only when the database cannot be reached at all.
+    Never raises for an unreachable database or store: `report.error` says what stopped it.
     """
-    with open_sweeper(config, dsn) as sweeper:
-        return sweeper.run_once()
+    try:
+        with open_sweeper(config, dsn) as sweeper:
+            return sweeper.run_once()
+    except DatabaseUnavailable as error:  # could not even connect
+        report = SweepReport(error=str(error))
+        event(log, "sweep skipped", logging.WARNING, reason=report.error)
+        return report
