@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,30 @@ LIVENESS_S = 10.0
 MARKER = "marker"
 
 
+class Inbox:
+    """A LISTEN connection and the notifications it has received but not yet handed out
+    (several can arrive in one packet: leaving the generator early would drop them)."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+        self.pending: deque[psycopg.Notify] = deque()
+
+    def next_payload(self) -> str | None:
+        """The payload of the next notification on the channel, or None past the bound."""
+        if not self.pending:
+            self.pending.extend(self.conn.notifies(timeout=LIVENESS_S, stop_after=1))
+        if not self.pending:
+            return None
+        notify = self.pending.popleft()
+        assert notify.channel == NOTIFY_CHANNEL
+        return notify.payload
+
+
 @pytest.fixture
-def listener(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+def listener(dsn: str) -> Iterator[Inbox]:
     conn = psycopg.connect(dsn, autocommit=True)
     conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-    yield conn
+    yield Inbox(conn)
     conn.close()
 
 
@@ -40,14 +60,6 @@ def producer(dsn: str) -> Iterator[psycopg.Connection[Any]]:
     conn = psycopg.connect(dsn, autocommit=True)
     yield conn
     conn.close()
-
-
-def next_payload(listener: psycopg.Connection[Any]) -> str | None:
-    """The payload of the next notification on the channel, or None past the bound."""
-    for notify in listener.notifies(timeout=LIVENESS_S, stop_after=1):
-        assert notify.channel == NOTIFY_CHANNEL
-        return notify.payload
-    return None
 
 
 def mark(producer: psycopg.Connection[Any]) -> None:
@@ -67,62 +79,58 @@ def insert(producer: psycopg.Connection[Any], status: str) -> int:
 
 
 def test_insert_of_a_queued_row_notifies(
-    listener: psycopg.Connection[Any], producer: psycopg.Connection[Any]
+    listener: Inbox, producer: psycopg.Connection[Any]
 ) -> None:
     insert(producer, "queued")
-    assert next_payload(listener) == ""
+    assert listener.next_payload() == ""
 
 
 def test_enqueue_notifies_once_per_transaction(
-    listener: psycopg.Connection[Any], dsn: str, producer: psycopg.Connection[Any]
+    listener: Inbox, dsn: str, producer: psycopg.Connection[Any]
 ) -> None:
     with QueueDB.open(dsn) as queue:
         queue.enqueue([(f"originals/{n}", "1") for n in range(50)])
     mark(producer)
-    assert next_payload(listener) == ""
-    assert next_payload(listener) == MARKER  # the 50 rows folded into one wake-up
+    assert listener.next_payload() == ""
+    assert listener.next_payload() == MARKER  # the 50 rows folded into one wake-up
 
 
-def test_pending_insert_does_not_notify(
-    listener: psycopg.Connection[Any], producer: psycopg.Connection[Any]
-) -> None:
+def test_pending_insert_does_not_notify(listener: Inbox, producer: psycopg.Connection[Any]) -> None:
     insert(producer, "pending")
     mark(producer)
-    assert next_payload(listener) == MARKER
+    assert listener.next_payload() == MARKER
 
 
-def test_update_to_queued_notifies(
-    listener: psycopg.Connection[Any], producer: psycopg.Connection[Any]
-) -> None:
+def test_update_to_queued_notifies(listener: Inbox, producer: psycopg.Connection[Any]) -> None:
     file_id = insert(producer, "pending")
     producer.execute("UPDATE archive_files SET status = 'queued' WHERE id = %s", (file_id,))
-    assert next_payload(listener) == ""
+    assert listener.next_payload() == ""
 
 
 def test_release_back_to_queued_notifies(
-    listener: psycopg.Connection[Any], dsn: str, producer: psycopg.Connection[Any]
+    listener: Inbox, dsn: str, producer: psycopg.Connection[Any]
 ) -> None:
     with QueueDB.open(dsn) as queue:
         queue.enqueue([("originals/a", "1")])
-        assert next_payload(listener) == ""
+        assert listener.next_payload() == ""
         job = queue.claim(lease_s=60, max_attempts=3)
         assert job is not None
         assert queue.release(job)
-    assert next_payload(listener) == ""
+    assert listener.next_payload() == ""
 
 
 def test_updates_that_stay_queued_do_not_notify(
-    listener: psycopg.Connection[Any], producer: psycopg.Connection[Any]
+    listener: Inbox, producer: psycopg.Connection[Any]
 ) -> None:
     file_id = insert(producer, "queued")
-    assert next_payload(listener) == ""
+    assert listener.next_payload() == ""
     producer.execute(
         "UPDATE archive_files SET available_at = now() + interval '1 hour' WHERE id = %s",
         (file_id,),
     )
     producer.execute("UPDATE archive_files SET status = 'queued' WHERE id = %s", (file_id,))
     mark(producer)
-    assert next_payload(listener) == MARKER
+    assert listener.next_payload() == MARKER
 
 
 # --------------------------------------------------------------------------- the daemon
@@ -211,3 +219,20 @@ def test_idle_daemon_picks_up_a_new_row_without_waiting_for_the_poll(
 
     # Far below the 60 s poll: only the NOTIFY can have woken the worker.
     assert _wait(done, LIVENESS_S), log_text()
+
+
+# --------------------------------------------------------------------------- claim path
+
+
+def test_claim_skips_the_flush_wait_for_itself_only(dsn: str) -> None:
+    """The claim commits with synchronous_commit off (transaction-local); the fenced
+    commit that follows on the same connection must still wait for its flush."""
+    with QueueDB.open(dsn) as queue:
+        queue.enqueue([("originals/a", "1")])
+        queue.conn.execute("SET synchronous_commit = on")  # the test cluster runs with off
+        job = queue.claim(lease_s=60, max_attempts=3)
+        assert job is not None
+        assert queue.conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+        assert queue.commit(job, [])
+        row = queue.file_row(job.id)
+        assert row is not None and row["status"] == "ready"
