@@ -37,6 +37,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from supervisor.procutil import pid_alive
+
 SUPERUSER: Final = "derivd"
 DEFAULT_DB: Final = "derivd"
 # Search locations, module-level so tests can point them elsewhere.
@@ -169,16 +171,6 @@ def _quote_conf(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class EmbeddedCluster:
     """A private PostgreSQL cluster in `data_dir`, reachable only by its owner.
 
@@ -272,7 +264,7 @@ class EmbeddedCluster:
 
     def is_running(self) -> bool:
         fields = self._read_pidfile()
-        return fields is not None and _pid_alive(int(fields[0]))
+        return fields is not None and pid_alive(int(fields[0]))
 
     def dsn(self, dbname: str = DEFAULT_DB) -> str:
         host = "127.0.0.1" if self.listen_tcp else str(self._socket_dir)
@@ -435,7 +427,7 @@ class EmbeddedCluster:
 
     def _adopt_running(self) -> bool:
         fields = self._read_pidfile()
-        if fields is None or not _pid_alive(int(fields[0])):
+        if fields is None or not pid_alive(int(fields[0])):
             return False
         port, sockdir, listen = int(fields[3]), fields[4].strip(), fields[5].strip()
         if self.listen_tcp and not listen:

@@ -64,7 +64,7 @@ class Pidfile:
 
     def create(self) -> None:
         other = self._read()
-        if other and other != os.getpid() and _alive(other):
+        if other and other != os.getpid() and pid_alive(other):
             raise PidfileError(f"pidfile {self.path}: derivd already running as pid {other}")
         self.pid = os.getpid()
         tmp = self.path.with_name(f".{self.path.name}.{self.pid}")
@@ -87,7 +87,8 @@ class Pidfile:
             return 0
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True when a process with this pid exists (even if it is not ours to signal)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -65,15 +65,8 @@ class FsStorage:
             folder = (self.root / validate_key(key.rstrip("/"))).resolve()
             if not folder.is_relative_to(self.root) or not folder.is_dir():
                 return 0
-            count = sum(1 for _ in folder.rglob("*") if _.is_file())
-            shutil.rmtree(folder)
-            return count
-        folder = self._versions_dir(key)
-        if not folder.is_dir():
-            return 0
-        count = sum(1 for _ in folder.iterdir())
-        shutil.rmtree(folder)
-        return count
+            return _remove_tree(folder)
+        return _remove_tree(self._versions_dir(key))
 
     def list_keys(self, prefix: str = "") -> Iterator[str]:
         for folder in sorted(self.root.rglob(f"*{RESERVED_SUFFIX}")):
@@ -84,3 +77,12 @@ class FsStorage:
     def path_of(self, key: str, version: str) -> Path:
         """Where a version lives on disk (for the demo summary and tests)."""
         return self._versions_dir(key) / version
+
+
+def _remove_tree(folder: Path) -> int:
+    """Delete a folder of versions; idempotent, so two cleaners racing is harmless."""
+    if not folder.is_dir():
+        return 0
+    count = sum(1 for entry in folder.rglob("*") if entry.is_file())
+    shutil.rmtree(folder, ignore_errors=True)
+    return count

@@ -31,6 +31,7 @@ from fixtures.s3 import (
 )
 
 from supervisor.pgcluster import EmbeddedCluster
+from supervisor.procutil import pid_alive
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -55,23 +56,13 @@ def _sweep_stale_pg_roots() -> None:
     timeout): their directory names carry the pid of the process that made them."""
     for root in Path(tempfile.gettempdir()).glob(f"{_PG_ROOT_PREFIX}*-*-*"):
         pid = root.name.removeprefix(_PG_ROOT_PREFIX).split("-")[1]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         data = root / "pgdata"
         if (data / "postmaster.pid").exists():
             with contextlib.suppress(Exception):
                 EmbeddedCluster(data).stop("immediate")
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @pytest.fixture(scope="session")
