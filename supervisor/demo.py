@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import random
 import threading
 import time
@@ -86,6 +87,13 @@ class Progress(threading.Thread):
         click.echo("", err=True)
 
 
+def quiet_job_logs() -> None:
+    """The demo shows a progress line instead of one log line per job (unless debugging);
+    forked workers inherit the level."""
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("derivd").setLevel(logging.WARNING)
+
+
 def run_demo(config: Config, *, count: int) -> int:
     samples = generate_samples(config.state_dir / "samples", count)
     storage = open_storage(config)
@@ -99,6 +107,7 @@ def run_demo(config: Config, *, count: int) -> int:
             dsn, total=sum(before.get(s, 0) for s in ("ready", "rejected")) + len(ids)
         )
         progress.start()
+        quiet_job_logs()
         started = time.monotonic()
         code = run_daemon(config, burst=True)
         elapsed = time.monotonic() - started

@@ -128,8 +128,11 @@ def setup_logging(
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root.addHandler(handler)
     root.setLevel(level.upper())
-    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "pyvips", "PIL"):
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # libvips reports every decode problem of user content as a warning; the job's outcome
+    # line already says `corrupt_content`, and the detail is user-controlled text.
+    logging.getLogger("pyvips").setLevel(logging.ERROR)
     _CONFIGURED = True
 
 
