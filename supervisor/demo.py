@@ -80,7 +80,9 @@ class Progress(threading.Thread):
 
     def run(self) -> None:
         with QueueDB.open(self.dsn, role="derivd-demo-progress") as queue:
-            while not self.finished.wait(0.5):
+            last_round = False
+            while not last_round:
+                last_round = self.finished.wait(0.5)  # one more read after the drain
                 counts = queue.queue_stats().counts
                 done = counts.get("ready", 0) + counts.get("rejected", 0)
                 click.echo(f"\rprocessed {done}/{self.total}", err=True, nl=False)
