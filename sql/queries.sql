@@ -27,6 +27,11 @@ SELECT 'queued', k, v
  ORDER BY n
 RETURNING id;
 
+-- name: listen
+-- The supervisor's wake-up channel (sql/migrations/0002_notify.sql notifies it whenever a
+-- row enters `queued`).
+LISTEN derivd_queued;
+
 -- name: claim
 -- Lease one claimable row: an expired lease still under the attempt cap first (its worker
 -- died), else the oldest queued row that is due. One statement, committed before any

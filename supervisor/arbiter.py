@@ -39,7 +39,7 @@ from supervisor.procutil import (
     set_proctitle,
     watchdog_interval,
 )
-from supervisor.queue import DatabaseUnavailable, Job, QueueDB
+from supervisor.queue import DatabaseUnavailable, Job, QueueDB, QueueListener
 from supervisor.settings import Config, ConfigError, load_config
 
 log = logging.getLogger("derivd.supervisor")
@@ -146,6 +146,9 @@ class Arbiter:
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
+        # One LISTEN connection for the fleet (none in --burst: no worker ever idles).
+        self.listener = None if burst else QueueListener(dsn)
+        self.listen_retry_at = 0.0
 
     # -- signals -----------------------------------------------------------------------
 
@@ -201,7 +204,9 @@ class Arbiter:
         status_r, status_w = os.pipe()
         cmd_r, cmd_w = os.pipe()
         others = [fd for w in self.workers.values() for fd in (w.status_r, w.cmd_w)]
-        inherited = (*others, self.wake_r, self.wake_w, status_r, cmd_w)
+        listen_fd = self.listener.fileno() if self.listener else None
+        own = (self.wake_r, self.wake_w, status_r, cmd_w)
+        inherited = (*others, *own, *((listen_fd,) if listen_fd is not None else ()))
         spec = ChildSpec(
             slot=slot,
             config=self.config,
@@ -278,6 +283,39 @@ class Arbiter:
     def busy_count(self) -> int:
         return sum(1 for w in self.workers.values() if w.job is not None)
 
+    # -- wake-up on NOTIFY -------------------------------------------------------------
+
+    def keep_listening(self) -> None:
+        """(Re)open the LISTEN connection when `[queue] listen` is on (closed when a
+        reload turns it off). After a (re)connect every idle worker claims once:
+        notifications sent while nobody listened are lost."""
+        if self.listener is None:
+            return
+        if not self.config.queue.listen:
+            self.listener.close()
+            return
+        now = time.monotonic()
+        if self.listener.connected or now < self.listen_retry_at:
+            return
+        if self.listener.connect():
+            self.wake_idle(len(self.workers))
+        else:
+            self.listen_retry_at = now + min(self.config.queue.poll_interval, 5.0)
+
+    def on_notify(self) -> None:
+        """Rows entered `queued`: wake one idle worker per notification. Notifications of
+        one transaction fold into one, so a bulk enqueue wakes one worker; each worker
+        that then finds a job wakes the next idle one (on_message, "started")."""
+        assert self.listener is not None
+        count = self.listener.drain()
+        if count:
+            # A worker that went idle before the row was queued has said so already
+            # ("finished" precedes its empty claim): read that first, so it is woken.
+            for worker in list(self.workers.values()):
+                if not worker.eof:
+                    self.read_status(worker)
+            self.wake_idle(count)
+
     # -- messages from children --------------------------------------------------------
 
     def read_status(self, worker: WorkerProc) -> None:
@@ -317,6 +355,8 @@ class Arbiter:
             self.on_generation_ready(worker.generation)
         elif kind == "started":
             worker.job = _job_from(message["job"])
+            if self.listener is not None and self.listener.connected:
+                self.wake_idle(1)  # it found work: there may be more for an idle one
             # CLOCK_MONOTONIC is system-wide: the child's start time is comparable.
             worker.job_started = min(float(message.get("at", "inf")), time.monotonic())
         elif kind == "finished":
@@ -564,6 +604,9 @@ class Arbiter:
 
     def wait(self, timeout: float) -> None:
         fds = [self.wake_r] + [w.status_r for w in self.workers.values() if not w.eof]
+        listen_fd = self.listener.fileno() if self.listener else None
+        if listen_fd is not None:
+            fds.append(listen_fd)
         try:
             ready, _, _ = select.select(fds, [], [], timeout)
         except InterruptedError:
@@ -573,8 +616,10 @@ class Arbiter:
             if fd == self.wake_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self.wake_r, 4096)
-            else:
+            elif fd != listen_fd:
                 self.read_status(by_fd[fd])
+        if listen_fd is not None and listen_fd in ready:
+            self.on_notify()  # last: the workers' own news is read first
 
     def finished(self) -> bool:
         if self.workers:
@@ -603,6 +648,7 @@ class Arbiter:
             )
             while True:
                 self.handle_signals()
+                self.keep_listening()  # before the first fork: no window without it
                 self.manage_workers()
                 self.wait(self.next_wakeup())
                 self.handle_signals()
@@ -624,6 +670,8 @@ class Arbiter:
                 pidfile.remove()
             if self._queue is not None:
                 self._queue.close()
+            if self.listener is not None:
+                self.listener.close()
         outcome = self.outcome or Outcome(0)
         event(log, "supervisor stopped", code=outcome.code)
         return outcome

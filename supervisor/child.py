@@ -194,7 +194,9 @@ def _main(spec: ChildSpec) -> int:
         log.debug("worker %s boot failure detail", spec.slot, exc_info=True)
         reporter.send({"t": "boot_error", "msg": _boot_error_text(error)})
         return EXIT_BOOT_ERROR
-    idle = IdleWait([stop.wake_r, spec.cmd_r], spec.dsn if config.queue.listen else None)
+    # No LISTEN here: the supervisor holds the one LISTEN connection and wakes idle
+    # workers through cmd_r; poll_interval remains the fallback.
+    idle = IdleWait([stop.wake_r, spec.cmd_r])
     reporter.send({"t": "ready"})
     reporter.idle()
 

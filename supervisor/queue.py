@@ -106,6 +106,61 @@ def migrate(dsn: str) -> list[str]:
     return applied
 
 
+class QueueListener:
+    """One LISTEN connection on the `derivd_queued` channel (held by the supervisor).
+
+    `connect` (re)opens it and reports whether it did; `drain` reads whatever has arrived
+    without blocking. Any database error closes the connection: the caller polls until a
+    later `connect` succeeds, and notifications sent meanwhile are lost (hence the
+    caller's wake-everyone after a reconnect, and the workers' poll_interval fallback).
+    """
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.conn: psycopg.Connection[Any] | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self.conn is not None and not (self.conn.closed or self.conn.broken)
+
+    def connect(self) -> bool:
+        """Open and LISTEN if not connected. True when a new connection was made."""
+        if self.connected:
+            return False
+        self.close()
+        try:
+            conn = connect(self.dsn, application_name="derivd-listen")
+        except DatabaseUnavailable:
+            return False
+        try:
+            conn.execute(_q("listen"))
+        except psycopg.Error:
+            conn.close()
+            return False
+        self.conn = conn
+        return True
+
+    def fileno(self) -> int | None:
+        return self.conn.fileno() if self.connected and self.conn is not None else None
+
+    def drain(self) -> int:
+        """How many notifications have arrived (0 when none, or when the connection
+        broke: it is closed then)."""
+        if self.conn is None:
+            return 0
+        try:
+            # Iterate to the end: leaving the generator early drops the rest of a packet.
+            return sum(1 for _ in self.conn.notifies(timeout=0.0))
+        except psycopg.Error:
+            self.close()
+            return 0
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
 class QueueDB:
     """One worker's (or one command's) handle on the queue tables."""
 

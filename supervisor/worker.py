@@ -15,16 +15,14 @@ import select
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import psycopg
+from typing import Protocol
 
 from handlers.base import DerivedVariant, DeriveSpec, Handler
 from handlers.registry import create_handler
 from supervisor.backoff import retry_delay
 from supervisor.logs import event
 from supervisor.outcomes import ErrorCode, Permanent, Transient
-from supervisor.queue import DatabaseUnavailable, Job, QueueDB, StoredVariant, connect
+from supervisor.queue import DatabaseUnavailable, Job, QueueDB, StoredVariant
 from supervisor.settings import Config
 from supervisor.storage import Storage, derived_key, open_storage
 
@@ -60,55 +58,26 @@ class NoHooks:
 
 
 class IdleWait:
-    """Sleep until work may be there: a NOTIFY, a wake-up fd, or the poll interval.
+    """Sleep until work may be there: a wake-up fd or the poll interval.
 
     `wake_fds` are read ends of pipes (a signal wake-up pipe, the supervisor's wake-up
-    channel); anything readable on them ends the wait and is drained.
+    channel, which it writes to when its LISTEN connection hears of new rows); anything
+    readable on them ends the wait and is drained.
     """
 
-    def __init__(
-        self,
-        wake_fds: Sequence[int] = (),
-        listen_dsn: str | None = None,
-    ) -> None:
+    def __init__(self, wake_fds: Sequence[int] = ()) -> None:
         self.wake_fds = list(wake_fds)
-        self.listen_dsn = listen_dsn
-        self._listen: psycopg.Connection[Any] | None = None
-
-    def _listen_conn(self) -> psycopg.Connection[Any] | None:
-        if self.listen_dsn is None:
-            return None
-        if self._listen is None or self._listen.closed or self._listen.broken:
-            try:
-                self._listen = connect(self.listen_dsn, application_name="derivd-listen")
-                self._listen.execute(f"LISTEN {NOTIFY_CHANNEL}")
-            except (DatabaseUnavailable, psycopg.Error):
-                self._listen = None  # fall back to polling until the database is back
-        return self._listen
 
     def wait(self, timeout: float) -> None:
-        listen = self._listen_conn()
-        fds = self.wake_fds + ([listen.fileno()] if listen is not None else [])
         try:
-            ready, _, _ = select.select(fds, [], [], timeout)
+            ready, _, _ = select.select(self.wake_fds, [], [], timeout)
         except InterruptedError:
             return
         for fd in ready:
-            if listen is not None and fd == listen.fileno():
-                self._drain_notifies(listen)
-            else:
-                _drain_fd(fd)
-
-    def _drain_notifies(self, listen: psycopg.Connection[Any]) -> None:
-        try:
-            for _ in listen.notifies(timeout=0.0):
-                pass
-        except psycopg.Error:
-            listen.close()
+            _drain_fd(fd)
 
     def close(self) -> None:
-        if self._listen is not None:
-            self._listen.close()
+        return None
 
 
 def _drain_fd(fd: int) -> None:

@@ -144,7 +144,7 @@ def _idle_workers(conn: psycopg.Connection[Any]) -> bool:
         " WHERE datname = current_database() AND pid <> pg_backend_pid()"
     ).fetchall()
     workers = [r for r in rows if str(r[0]).startswith("derivd-worker")]
-    listening = any(str(r[2]).strip().upper().startswith("LISTEN") for r in rows)
+    listening = any(f"LISTEN {NOTIFY_CHANNEL}".upper() in str(r[2]).upper() for r in rows)
     claimed = all(r[1] == "idle" and "SKIP LOCKED" in str(r[2]) for r in workers)
     return listening and bool(workers) and claimed
 
