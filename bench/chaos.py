@@ -1,0 +1,792 @@
+"""Chaos run: derivd under fire loses nothing, commits nothing twice, leaks nothing.
+
+    .venv/bin/python bench/chaos.py [--seed N] [--full] [--images N] [--backend vips]
+
+Builds a throw-away world in a temp dir: an embedded PostgreSQL (TCP), moto's S3 server
+behind a fault-injecting proxy, and the real `derivd run` (several prefork workers, an
+8 s lease, a 4 s job timeout). It queues a seeded mix of valid and hostile images
+(tests/imagegen.py CASES, each with its expected end state) in waves while it:
+
+- switches the storage proxy between pass, 503s, connection resets (before and after
+  the request reached S3) and slow responses;
+- SIGKILLs random workers (found by their process titles `derivd: worker N ...`);
+- freezes a worker in the middle of a job (SIGSTOP, with the supervisor frozen too, so
+  nothing kills it) until its lease expired and another worker took the job over, then
+  thaws it: its late commit or failure must be fenced out (a `lease_lost` event);
+- restarts PostgreSQL once.
+
+Then the faults stop, the queue drains, the supervisor is stopped with SIGTERM, one
+`derivd sweep --orphan-guard 0` runs (safe then: no attempt is live), and the
+invariants are checked and printed as a table. The exit status is 1 when any fails.
+The same --seed gives the same inputs and the same schedule of faults (what the
+processes make of it still depends on timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import boto3
+import psycopg
+from common import ROOT, table
+
+sys.path.insert(0, str(ROOT / "tests"))
+
+import imagegen
+from fixtures.faultproxy import FaultProxy
+from fixtures.s3 import (
+    AWS_ENV_UNSET,
+    TEST_ACCESS_KEY,
+    TEST_REGION,
+    TEST_SECRET_KEY,
+    MotoServer,
+    aws_test_env,
+)
+
+from supervisor.pgcluster import EmbeddedCluster
+from supervisor.queue import QueueDB, migrate
+from supervisor.storage import new_original_key
+
+DERIVD = Path(sys.executable).parent / "derivd"
+LEASE_S = 8.0
+JOB_TIMEOUT_S = 4.0
+MAX_ATTEMPTS = 8
+CONTENT_CODES = {"corrupt_content", "unsupported_content", "resource_limit"}
+FINAL = ("ready", "rejected")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    images: int
+    waves: int
+    chaos_s: float
+    kills: int
+    stunts: int
+    drain_s: float
+
+
+SHORT = Plan(images=80, waves=8, chaos_s=24.0, kills=2, stunts=1, drain_s=150.0)
+FULL = Plan(images=360, waves=30, chaos_s=90.0, kills=8, stunts=2, drain_s=300.0)
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def make_inputs(rng: random.Random, count: int) -> list[tuple[str, str, bytes]]:
+    """(case, expected, bytes) for `count` rows: about two thirds valid, the rest hostile,
+    every hostile case at least once."""
+    cache: dict[str, bytes] = {}
+
+    def data(name: str, make: Callable[[], bytes]) -> bytes:
+        if name == "random_bytes":  # seeded, unlike the generator's os.urandom
+            return b"\x00rnd" + rng.randbytes(4092)
+        if name not in cache:
+            cache[name] = make()
+        return cache[name]
+
+    valid = [(n, m, e) for n, m, e in imagegen.CASES if e == "ready"]
+    hostile = [(n, m, e) for n, m, e in imagegen.CASES if e != "ready"]
+    picks = list(hostile)
+    while len(picks) < count:
+        picks.append(rng.choice(valid) if rng.random() < 0.7 else rng.choice(hostile))
+    rng.shuffle(picks)
+    return [(n, e, data(n, m)) for n, m, e in picks[:count]]
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+_ON_JOB = re.compile(r"^derivd: worker \d+ job (\d+)$")
+
+
+def workers(supervisor_pid: int) -> dict[int, str]:
+    """pid -> title of the supervisor's worker children."""
+    out = {}
+    for pid in children_of(supervisor_pid):
+        text = title(pid)
+        if text.startswith("derivd: worker"):
+            out[pid] = text
+    return out
+
+
+def job_of(text: str) -> int | None:
+    match = _ON_JOB.match(text)
+    return int(match.group(1)) if match else None
+
+
+# --------------------------------------------------------------------------- the world
+
+
+class World:
+    def __init__(self, root: Path, seed: int, backend: str, worker_count: int) -> None:
+        self.root = root
+        self.seed = seed
+        self.backend = backend
+        self.worker_count = worker_count
+        self.pg = EmbeddedCluster(root / "pg" / "pgdata", listen_tcp=True, fast=True)
+        self.moto = MotoServer(root / "moto.log")
+        self.proxy: FaultProxy | None = None
+        self.bucket = f"chaos-{uuid.uuid4().hex[:12]}"
+        self.supervisor: subprocess.Popen[bytes] | None = None
+        self.log_path = root / "derivd.log"
+        self.ini = root / "derivd.ini"
+        self.env = dict(os.environ)
+        for name in AWS_ENV_UNSET:
+            self.env.pop(name, None)
+        self.env.update(aws_test_env())
+        os.environ.update(aws_test_env())  # the chaos script's own boto3 client
+        for name in AWS_ENV_UNSET:
+            os.environ.pop(name, None)
+
+    @property
+    def dsn(self) -> str:
+        return self.pg.dsn()
+
+    def s3(self) -> Any:
+        """A client straight to moto (no faults): for uploads and the final checks."""
+        return boto3.client(
+            "s3",
+            endpoint_url=self.moto.endpoint_url,
+            region_name=TEST_REGION,
+            aws_access_key_id=TEST_ACCESS_KEY,
+            aws_secret_access_key=TEST_SECRET_KEY,
+        )
+
+    def start(self) -> None:
+        (self.root / "pg").mkdir()
+        (self.root / "pg").chmod(0o711)
+        self.pg.start()
+        migrate(self.dsn)
+        self.moto.start()
+        client = self.s3()
+        client.create_bucket(Bucket=self.bucket)
+        client.put_bucket_versioning(
+            Bucket=self.bucket, VersioningConfiguration={"Status": "Enabled"}
+        )
+        self.proxy = FaultProxy(("127.0.0.1", self.moto.port), seed=self.seed).start()
+        self.write_ini()
+
+    def write_ini(self) -> None:
+        assert self.proxy is not None
+        sections = {
+            "database": {"dsn": self.dsn},
+            "storage": {
+                "backend": "s3",
+                "bucket": self.bucket,
+                "endpoint_url": self.proxy.url,
+                "region": TEST_REGION,
+            },
+            "supervisor": {
+                "workers": self.worker_count,
+                "job_timeout": JOB_TIMEOUT_S,
+                "kill_grace": 1,
+                "shutdown_grace": 15,
+                "state_dir": self.root / "state",
+            },
+            "queue": {
+                "lease": LEASE_S,
+                "max_attempts": MAX_ATTEMPTS,
+                "retry_base": 0.2,
+                "retry_max": 2,
+                "poll_interval": 0.5,
+                "listen": "yes",
+            },
+            "derive": {"backend": self.backend, "variants": "preview:320, thumb:64"},
+            "sweep": {"orphan_guard": LEASE_S + 1},
+            "logging": {"level": "info"},
+        }
+        self.ini.write_text(
+            "".join(
+                f"[{name}]\n" + "".join(f"{k} = {v}\n" for k, v in values.items()) + "\n"
+                for name, values in sections.items()
+            )
+        )
+
+    def run_supervisor(self) -> None:
+        with self.log_path.open("ab") as log:
+            self.supervisor = subprocess.Popen(
+                [str(DERIVD), "-c", str(self.ini), "run"],
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
+
+    @property
+    def sup_pid(self) -> int:
+        assert self.supervisor is not None
+        return self.supervisor.pid
+
+    def supervisor_alive(self) -> bool:
+        return self.supervisor is not None and self.supervisor.poll() is None
+
+    def cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(DERIVD), "-c", str(self.ini), *args],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        """Read the tables (retrying through the PostgreSQL restart)."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with psycopg.connect(self.dsn, connect_timeout=5) as conn:
+                    return conn.execute(sql, params).fetchall()  # type: ignore[arg-type]
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def enqueue(self, inputs: list[tuple[str, str, bytes]]) -> dict[int, tuple[str, str]]:
+        """Upload straight to moto (the upload API is not under test), then queue."""
+        client = self.s3()
+        originals = []
+        for _, _, data in inputs:
+            key = new_original_key()
+            answer = client.put_object(Bucket=self.bucket, Key=key, Body=data)
+            originals.append((key, answer["VersionId"]))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with QueueDB.open(self.dsn, role="chaos") as queue:
+                    ids = queue.enqueue(originals)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        return {i: (name, expected) for i, (name, expected, _) in zip(ids, inputs, strict=True)}
+
+    def close(self) -> None:
+        if self.supervisor is not None and self.supervisor.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.supervisor.pid, signal.SIGCONT)
+            self.supervisor.kill()  # PR_SET_PDEATHSIG takes the workers along
+            self.supervisor.wait()
+        if self.proxy is not None:
+            self.proxy.stop()
+        self.moto.stop()
+        with contextlib.suppress(Exception):
+            self.pg.stop("immediate")
+
+
+# --------------------------------------------------------------------------- chaos
+
+
+@dataclasses.dataclass
+class Tally:
+    kills: int = 0
+    stunts: int = 0
+    stunt_tokens: list[str] = dataclasses.field(default_factory=list)
+    pg_restarts: int = 0
+    fault_switches: Counter[str] = dataclasses.field(default_factory=Counter)
+    supervisor_died: bool = False
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+class Chaos:
+    def __init__(self, world: World, rng: random.Random, tally: Tally) -> None:
+        self.world = world
+        self.rng = rng
+        self.tally = tally
+
+    def switch_faults(self) -> None:
+        proxy = self.world.proxy
+        assert proxy is not None
+        mode = self.rng.choice(["pass", "error", "error", "reset", "reset_after", "slow"])
+        if mode == "pass":
+            proxy.pass_through()
+        elif mode == "error":
+            proxy.fail(
+                self.rng.uniform(0.1, 0.35), self.rng.choice(["SlowDown", "ServiceUnavailable"])
+            )
+        elif mode == "reset":
+            proxy.reset_connections(self.rng.uniform(0.05, 0.25))
+        elif mode == "reset_after":
+            proxy.reset_connections(self.rng.uniform(0.05, 0.2), after_upstream=True)
+        else:
+            proxy.slow(self.rng.uniform(0.2, 0.9), self.rng.uniform(0.1, 0.4))
+        self.tally.fault_switches[mode] += 1
+
+    def kill_worker(self) -> None:
+        # Prefer a worker in the middle of a job (that is what loses work), waiting a
+        # little for one; an idle one otherwise.
+        deadline = time.monotonic() + 3.0
+        while True:
+            fleet = workers(self.world.sup_pid)
+            busy = [pid for pid, text in fleet.items() if job_of(text) is not None]
+            if busy or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        pool = sorted(busy or fleet)
+        if not pool:
+            self.tally.notes.append("kill: no worker found")
+            return
+        pid = self.rng.choice(pool)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            self.tally.kills += 1
+            say(f"SIGKILL worker pid {pid} ({fleet[pid]})")
+
+    def restart_postgres(self) -> None:
+        say("restarting PostgreSQL")
+        self.world.pg.restart()
+        self.tally.pg_restarts += 1
+
+    def freeze_past_lease(self, feed: Callable[[], None]) -> None:
+        """SIGSTOP the supervisor and one busy worker until another worker has taken the
+        job over (its lease expired), then thaw the worker: it must lose the fence."""
+        world, proxy = self.world, self.world.proxy
+        assert proxy is not None
+        proxy.slow(0.7, 1.0)  # jobs take long enough to be caught in the middle
+        feed()
+        os.kill(world.sup_pid, signal.SIGSTOP)
+        try:
+            caught = self._catch_busy_worker(deadline=time.monotonic() + 20)
+            proxy.pass_through()
+            if caught is None:
+                self.tally.notes.append("freeze: no worker caught mid-job")
+                return
+            pid, file_id, token = caught
+            say(f"froze worker pid {pid} on file {file_id} (token {token})")
+            try:
+                taken = self._wait(
+                    lambda: world.query(
+                        "SELECT 1 FROM archive_files WHERE id = %s "
+                        "AND lease_token IS DISTINCT FROM %s",
+                        (file_id, token),
+                    ),
+                    LEASE_S * 8,
+                )
+                if not taken:
+                    self.tally.notes.append(f"freeze: file {file_id} was not taken over")
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            self.tally.stunts += 1
+            self.tally.stunt_tokens.append(token)
+            say(f"thawed worker pid {pid} after file {file_id} moved on")
+            # Let it try its late commit while the supervisor still sleeps (it would
+            # otherwise kill the overdue worker first, which is also fenced but proves less).
+            self._wait(
+                lambda: world.query(
+                    "SELECT 1 FROM archive_events WHERE lease_token = %s AND kind = 'lease_lost'",
+                    (token,),
+                ),
+                30,
+            )
+        finally:
+            os.kill(world.sup_pid, signal.SIGCONT)
+
+    def _catch_busy_worker(self, deadline: float) -> tuple[int, int, str] | None:
+        world = self.world
+        while time.monotonic() < deadline:
+            for pid, text in workers(world.sup_pid).items():
+                file_id = job_of(text)
+                if file_id is None:
+                    continue
+                os.kill(pid, signal.SIGSTOP)
+                # Still on that job once stopped, and the row is leased: the token is its.
+                rows = world.query(
+                    "SELECT lease_token::text FROM archive_files "
+                    "WHERE id = %s AND status = 'processing'",
+                    (file_id,),
+                )
+                if job_of(title(pid)) == file_id and rows:
+                    return pid, file_id, rows[0][0]
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
+        return None
+
+    @staticmethod
+    def _wait(check: Callable[[], Any], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if check():
+                return True
+            time.sleep(0.1)
+        return False
+
+
+def run_chaos(
+    world: World, plan: Plan, rng: random.Random, inputs: list[tuple[str, str, bytes]]
+) -> tuple[dict[int, tuple[str, str]], Tally]:
+    tally = Tally()
+    chaos = Chaos(world, rng, tally)
+    expected: dict[int, tuple[str, str]] = {}
+    waves = [inputs[i :: plan.waves] for i in range(plan.waves)]
+    pending_waves = list(waves)
+
+    def feed() -> None:
+        if pending_waves:
+            expected.update(world.enqueue(pending_waves.pop(0)))
+
+    # The schedule: (second, action); everything seeded.
+    span = plan.chaos_s
+    schedule: list[tuple[float, str]] = [(i * span / plan.waves, "wave") for i in range(plan.waves)]
+    schedule += [(t, "faults") for t in _ticks(rng, span, 2.0)]
+    schedule += [(rng.uniform(0.1, 0.9) * span, "kill") for _ in range(plan.kills)]
+    schedule += [(0.4 * span, "pg_restart")]
+    schedule += [
+        ((0.55 + 0.3 * n / max(1, plan.stunts)) * span, "freeze") for n in range(plan.stunts)
+    ]
+    schedule.sort()
+    started = time.monotonic()
+    for at, action in schedule:
+        delay = started + at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        if not world.supervisor_alive():
+            tally.supervisor_died = True
+            break
+        if action == "wave":
+            feed()
+        elif action == "faults":
+            chaos.switch_faults()
+        elif action == "kill":
+            chaos.kill_worker()
+        elif action == "pg_restart":
+            chaos.restart_postgres()
+        elif action == "freeze":
+            chaos.freeze_past_lease(feed)
+    while pending_waves:
+        feed()
+    assert world.proxy is not None
+    world.proxy.pass_through()
+    return expected, tally
+
+
+def _ticks(rng: random.Random, span: float, every: float) -> list[float]:
+    out, t = [], rng.uniform(0, every)
+    while t < span:
+        out.append(t)
+        t += rng.uniform(0.5 * every, 1.5 * every)
+    return out
+
+
+def drain(world: World, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = world.query(
+            "SELECT count(*) FROM archive_files WHERE status NOT IN ('ready', 'rejected')"
+        )
+        if rows[0][0] == 0:
+            return True
+        if not world.supervisor_alive():
+            return False
+        time.sleep(0.5)
+    return False
+
+
+# --------------------------------------------------------------------------- invariants
+
+
+@dataclasses.dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def check_all(
+    world: World, expected: dict[int, tuple[str, str]], tally: Tally, exit_code: int | None
+) -> list[Check]:
+    checks: list[Check] = []
+    rows = {
+        r[0]: r
+        for r in world.query(
+            "SELECT id, status, error_code, attempts, original_key, original_version, "
+            "derived_key, derived_version, sha256 FROM archive_files"
+        )
+    }
+    variants = world.query(
+        "SELECT file_id, name, key, version, sha256, lease_token::text FROM archive_variants"
+    )
+    events = world.query("SELECT file_id, kind, lease_token::text FROM archive_events")
+    kinds = Counter(kind for _, kind, _ in events)
+
+    not_final = [i for i, r in rows.items() if r[1] not in FINAL]
+    checks.append(
+        Check(
+            "every row final (ready/rejected)",
+            not not_final and len(rows) == len(expected),
+            f"{len(rows)} rows, {len(expected)} queued; not final: {not_final[:10]}",
+        )
+    )
+
+    wrong: list[str] = []
+    for file_id, (case, want) in expected.items():
+        row = rows.get(file_id)
+        got = None if row is None else ("ready" if row[1] == "ready" else row[2])
+        if got != want:
+            wrong.append(f"{file_id}:{case} want {want} got {got}")
+    n_valid = sum(1 for _, w in expected.values() if w == "ready")
+    checks.append(
+        Check(
+            "valid -> ready, hostile -> its content code",
+            not wrong,
+            f"{n_valid} valid, {len(expected) - n_valid} hostile; wrong: {wrong[:6]}",
+        )
+    )
+    bad_codes = [
+        f"{i}:{r[2]}"
+        for i, r in rows.items()
+        if r[1] == "rejected"
+        and expected.get(i, ("", ""))[1] != "ready"
+        and r[2] not in CONTENT_CODES
+    ]
+    checks.append(
+        Check("hostile rejected with a content code", not bad_codes, f"others: {bad_codes[:6]}")
+    )
+
+    over = [f"{i}:{r[3]}" for i, r in rows.items() if r[3] > MAX_ATTEMPTS]
+    most = max((r[3] for r in rows.values()), default=0)
+    checks.append(
+        Check(
+            f"attempts <= max_attempts ({MAX_ATTEMPTS})", not over, f"max seen {most}; {over[:6]}"
+        )
+    )
+
+    ready_events = Counter(fid for fid, kind, _ in events if kind == "ready")
+    twice = [fid for fid, n in ready_events.items() if n > 1]
+    not_ready = [fid for fid in ready_events if rows[fid][1] != "ready"]
+    checks.append(
+        Check(
+            "no row committed twice ('ready' events <= 1)",
+            not twice and not not_ready,
+            f"{sum(ready_events.values())} ready events; twice: {twice[:6]}; "
+            f"ready event on a non-ready row: {not_ready[:6]}",
+        )
+    )
+
+    committing = {fid: tok for fid, kind, tok in events if kind == "ready"}
+    foreign = [
+        f"{fid}/{name}"
+        for fid, name, key, _, _, tok in variants
+        if tok != committing.get(fid) or f"/{tok}/" not in key
+    ]
+    checks.append(
+        Check(
+            "variants carry the committing token",
+            not foreign,
+            f"{len(variants)} variants; foreign: {foreign[:6]}",
+        )
+    )
+
+    checks.append(_check_objects(world, rows, variants))
+    checks += _check_unreferenced(world, rows, variants)
+
+    lost = {tok for _, kind, tok in events if kind == "lease_lost"}
+    unfenced = [t for t in tally.stunt_tokens if t not in lost]
+    checks.append(
+        Check(
+            "frozen worker's late write fenced (lease_lost)",
+            tally.stunts > 0 and not unfenced,
+            f"{tally.stunts} freeze(s); without lease_lost: {unfenced}",
+        )
+    )
+    checks.append(
+        Check(
+            "supervisor survived, exit 0 after SIGTERM",
+            not tally.supervisor_died and exit_code == 0,
+            f"exit code {exit_code}",
+        )
+    )
+    tally.notes.append("events: " + ", ".join(f"{k}={n}" for k, n in sorted(kinds.items())))
+    return checks
+
+
+def _check_objects(
+    world: World, rows: dict[int, tuple[Any, ...]], variants: list[tuple[Any, ...]]
+) -> Check:
+    client = world.s3()
+    problems: list[str] = []
+    by_file: dict[int, list[tuple[Any, ...]]] = {}
+    for v in variants:
+        by_file.setdefault(v[0], []).append(v)
+    ready = [r for r in rows.values() if r[1] == "ready"]
+    for row in ready:
+        file_id, derived_key, derived_version, sha = row[0], row[6], row[7], row[8]
+        mine = by_file.get(file_id, [])
+        if len(mine) != 2:
+            problems.append(f"{file_id}: {len(mine)} variants")
+        if not any((v[2], v[3], v[4]) == (derived_key, derived_version, sha) for v in mine):
+            problems.append(f"{file_id}: derived_* is not one of its variants")
+        for _, name, key, version, digest, _ in mine:
+            try:
+                body = client.get_object(Bucket=world.bucket, Key=key, VersionId=version)
+                data = body["Body"].read()
+            except Exception as error:
+                problems.append(f"{file_id}/{name}: GET failed ({type(error).__name__})")
+                continue
+            if hashlib.sha256(data).hexdigest() != digest:
+                problems.append(f"{file_id}/{name}: sha256 differs")
+    return Check(
+        "ready objects exist, by version, with their sha256",
+        not problems,
+        f"{len(ready)} ready rows checked; {problems[:6]}",
+    )
+
+
+def _check_unreferenced(
+    world: World, rows: dict[int, tuple[Any, ...]], variants: list[tuple[Any, ...]]
+) -> list[Check]:
+    client = world.s3()
+    referenced = {(r[4], r[5]) for r in rows.values()} | {(v[2], v[3]) for v in variants}
+    referenced_keys = {k for k, _ in referenced}
+    stray_keys: set[str] = set()
+    stray_versions: list[str] = []
+    total = 0
+    for page in client.get_paginator("list_object_versions").paginate(Bucket=world.bucket):
+        for item in page.get("Versions", []) + page.get("DeleteMarkers", []):
+            total += 1
+            if (item["Key"], item["VersionId"]) in referenced:
+                continue
+            if item["Key"] in referenced_keys:
+                stray_versions.append(item["Key"])
+            else:
+                stray_keys.add(item["Key"])
+    pending = world.query("SELECT count(*) FROM pending_objects")[0][0]
+    return [
+        Check(
+            "no unreferenced object after the sweep",
+            not stray_keys,
+            f"{total} object versions; stray keys: {sorted(stray_keys)[:4]}; "
+            f"pending_objects left: {pending}",
+        ),
+        Check(
+            "no stray version of a referenced key",
+            not stray_versions,
+            f"{len(stray_versions)} stray: {stray_versions[:4]}",
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")
+    parser.add_argument("--full", action="store_true", help=f"the long run ({FULL.images} images)")
+    parser.add_argument("--images", type=int, help="override the number of images")
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--backend", default="vips", choices=["vips", "pillow"])
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (kept on failure)")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
+    plan = FULL if args.full else SHORT
+    if args.images:
+        plan = dataclasses.replace(plan, images=args.images)
+    rng = random.Random(seed)
+    root = Path(tempfile.mkdtemp(prefix="derivd-chaos-"))
+    root.chmod(0o711)  # the embedded server may run as `postgres`: it must traverse
+    say(
+        f"chaos seed={seed} images={plan.images} workers={args.workers} backend={args.backend} "
+        f"chaos={plan.chaos_s:g}s in {root}"
+    )
+    world = World(root, seed, args.backend, args.workers)
+    ok = False
+    try:
+        inputs = make_inputs(rng, plan.images)
+        world.start()
+        world.run_supervisor()
+        expected, tally = run_chaos(world, plan, rng, inputs)
+        say(f"chaos over; draining {len(expected)} rows")
+        drained = drain(world, plan.drain_s)
+        if not drained:
+            tally.notes.append(f"not drained within {plan.drain_s:g}s")
+        exit_code: int | None = None
+        if world.supervisor_alive():
+            world.supervisor.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            try:
+                exit_code = world.supervisor.wait(60)  # type: ignore[union-attr]
+            except subprocess.TimeoutExpired:
+                tally.notes.append("supervisor did not stop within 60s of SIGTERM")
+        else:
+            tally.supervisor_died = True
+            exit_code = world.supervisor.returncode if world.supervisor else None
+        sweep = world.cli("sweep", "--orphan-guard", "0", "--delete-guard", "0")
+        say(f"sweep (exit {sweep.returncode}): {sweep.stdout.strip().splitlines()[-1:]}")
+        checks = check_all(world, expected, tally, exit_code)
+        checks.insert(0, Check("sweep ran", sweep.returncode == 0, sweep.stderr.strip()[:120]))
+        ok = all(c.ok for c in checks)
+        counters = world.proxy.snapshot() if world.proxy else {}
+        print()
+        print(
+            table(
+                ["invariant", "result", "detail"],
+                [(c.name, "PASS" if c.ok else "FAIL", c.detail) for c in checks],
+            )
+        )
+        print()
+        print(
+            f"seed {seed}: {len(expected)} images, {tally.kills} worker kills, "
+            f"{tally.stunts} freeze(s) past the lease, {tally.pg_restarts} PostgreSQL restart(s), "
+            f"fault switches {dict(tally.fault_switches)}"
+        )
+        print("proxy: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items())))
+        for note in tally.notes:
+            print(f"note: {note}")
+        print("RESULT: " + ("all invariants hold" if ok else "INVARIANT FAILED"))
+        if not ok:
+            tail = world.log_path.read_text(errors="replace").splitlines()[-40:]
+            print("--- derivd log (last lines) ---\n" + "\n".join(tail))
+    finally:
+        world.close()
+        if ok and not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"kept {root}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
