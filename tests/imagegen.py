@@ -345,6 +345,82 @@ def tiff_huge() -> bytes:
     )
 
 
+def _gif(width: int, height: int, blocks: list[bytes]) -> bytes:
+    """GIF89a with a 2-colour global palette (black, white) and the given frame blocks."""
+    screen = struct.pack("<HHBBB", width, height, 0x80, 0, 0)
+    return b"GIF89a" + screen + b"\x00\x00\x00\xff\xff\xff" + b"".join(blocks) + b";"
+
+
+def _gif_subblocks(data: bytes) -> bytes:
+    chunks = [data[i : i + 255] for i in range(0, len(data), 255)]
+    return b"".join(bytes([len(c)]) + c for c in chunks) + b"\x00"
+
+
+def _gif_frame(width: int, height: int, lzw: bytes) -> bytes:
+    descriptor = b"\x2c" + struct.pack("<HHHHB", 0, 0, width, height, 0)
+    return descriptor + b"\x02" + _gif_subblocks(lzw)  # LZW minimum code size 2
+
+
+def _lzw_white(pixels: int) -> bytes:
+    """GIF LZW data (minimum code size 2) for `pixels` pixels of colour 1.
+
+    On a uniform run the n-th code after a clear covers n pixels (code 1, then 6, 7, ...),
+    so 144 MP take about 100 kB: the shape of a decompression bomb. Codes widen exactly
+    when the decoder's table does; a clear restarts the table before it is full.
+    """
+    out = bytearray()
+    acc = nbits = 0
+
+    def emit(code: int, size: int) -> None:
+        nonlocal acc, nbits
+        acc |= code << nbits
+        nbits += size
+        while nbits >= 8:
+            out.append(acc & 0xFF)
+            acc >>= 8
+            nbits -= 8
+
+    clear, end, left, size = 4, 5, pixels, 3
+    while left > 0:
+        emit(clear, 3)
+        size, next_code, run = 3, 6, 1
+        while left > 0 and next_code < 4095:
+            n = min(run, left)
+            emit(1 if n == 1 else 6 + n - 2, size)
+            left -= n
+            if run > 1:  # the decoder adds an entry for every code but the first
+                next_code += 1
+                if next_code == 1 << size and size < 12:
+                    size += 1
+            run = n + 1
+    emit(end, size)
+    if nbits:
+        out.append(acc & 0xFF)
+    return bytes(out)
+
+
+def gif_bomb() -> bytes:
+    """A *valid* 12000 x 12000 single-frame GIF (144 MP decoded) in about 100 kB."""
+    return _gif(12_000, 12_000, [_gif_frame(12_000, 12_000, _lzw_white(12_000 * 12_000))])
+
+
+def gif_10000_frames() -> bytes:
+    """10,000 valid 1 x 1 frames (about 230 kB): a frame-count flood."""
+    control = b"\x21\xf9\x04\x00\x02\x00\x00\x00"  # graphic control: 20 ms
+    frame = control + _gif_frame(1, 1, b"\x44\x01")  # clear, 0, end in 3-bit codes
+    return _gif(1, 1, [frame] * 10_000)
+
+
+def jpeg_exif_ifd_loop() -> bytes:
+    """EXIF whose IFD0 links to itself, with an entry whose count and offset point far
+    past the end: metadata junk only, so the pixels must still be derived (upright)."""
+    entries = struct.pack("<HHII", 0x010F, 2, 0x7FFFFFF0, 0xFFFFFF00)  # Make: huge count
+    entries += struct.pack("<HHII", 0x8769, 4, 1, 8)  # Exif sub-IFD: points back to IFD0
+    ifd = struct.pack("<H", 2) + entries + struct.pack("<I", 8)  # next IFD: itself
+    exif = b"Exif\x00\x00II*\x00" + struct.pack("<I", 8) + ifd
+    return _save(scene(), "JPEG", quality=90, exif=exif)
+
+
 # --- hostile: not an image we accept -------------------------------------------------------
 
 
@@ -433,6 +509,7 @@ CASES: list[tuple[str, Factory, str]] = [
     *[(f"jpeg_orientation_{n}", (lambda n=n: jpeg_orientation(n)), READY) for n in range(1, 9)],
     ("jpeg_bad_exif", jpeg_bad_exif, READY),
     ("jpeg_orientation_9", jpeg_orientation_out_of_range, READY),
+    ("jpeg_exif_ifd_loop", jpeg_exif_ifd_loop, READY),
     ("png_rgb", png_rgb, READY),
     ("png_rgba", png_rgba, READY),
     ("png_palette_transparent", png_palette_transparent, READY),
@@ -458,6 +535,8 @@ CASES: list[tuple[str, Factory, str]] = [
     ("gif_many_frames", gif_many_frames, "resource_limit"),
     ("gif_frames_times_pixels", gif_frames_times_pixels, "resource_limit"),
     ("tiff_huge", tiff_huge, "resource_limit"),
+    ("gif_bomb", gif_bomb, "resource_limit"),
+    ("gif_10000_frames", gif_10000_frames, "resource_limit"),
     # not a format we accept
     ("empty", empty, "unsupported_content"),
     ("random_bytes", random_bytes, "unsupported_content"),
