@@ -1,0 +1,371 @@
+"""Security checks: generated storage keys, no way out of the fs store, parameterised SQL
+only, a closed set of error codes in the database, and no credential in logs, events,
+rows, process titles or connection names."""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from fixtures.cli import derivd_command
+from fixtures.s3 import TEST_ACCESS_KEY, TEST_REGION, TEST_SECRET_KEY, MotoServer
+from PIL import Image
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from supervisor.storage import InvalidKey, ObjectMissing
+from supervisor.storage_fs import FsStorage
+
+ROOT = Path(__file__).resolve().parent.parent
+RunCli = Callable[..., subprocess.CompletedProcess[str]]
+ORIGINAL_KEY = r"^originals/[0-9a-f]{32}$"
+
+
+def _png() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 40), (200, 30, 30)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def test_storage_keys_never_come_from_file_names(
+    run_cli: RunCli, dsn: str, fs_root: Path, tmp_path: Path
+) -> None:
+    """`derivd enqueue` (the command line's upload API) with hostile names: a traversal
+    and shell/control characters. Keys in the database are generated, and nothing is
+    written outside the store."""
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "etc").mkdir()
+    passwd = tmp_path / "etc" / "passwd.jpg"
+    passwd.write_bytes(_png())
+    odd = tmp_path / "odd\n\t'\"$(touch pwned);`id`\\ ü%00..;.jpg"
+    odd.write_bytes(b"not an image")
+    before = {p for p in tmp_path.rglob("*") if fs_root not in p.parents}
+    env = {
+        "DERIVD_DATABASE_DSN": dsn,
+        "DERIVD_STORAGE_BACKEND": "fs",
+        "DERIVD_STORAGE_ROOT": str(fs_root),
+    }
+    result = run_cli("enqueue", "a/b/../../etc/passwd.jpg", str(odd), "-q", env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) == 2
+
+    with psycopg.connect(dsn) as conn:
+        keys = [r[0] for r in conn.execute("SELECT original_key FROM archive_files")]
+        assert len(keys) == 2
+        bad = conn.execute(
+            "SELECT original_key FROM archive_files WHERE original_key !~ %s", (ORIGINAL_KEY,)
+        ).fetchall()
+    assert bad == [], bad
+    # Only generated keys exist in the store, and nothing appeared outside it.
+    assert sorted(FsStorage(fs_root).list_keys()) == sorted(keys)
+    after = {p for p in tmp_path.rglob("*") if fs_root not in p.parents and p != fs_root}
+    assert after - before <= {fs_root}, after - before
+    assert passwd.read_bytes() == _png()
+
+
+def test_fs_version_ids_and_prefix_deletes_cannot_escape(fs_root: Path, tmp_path: Path) -> None:
+    """What tests/test_storage.py does not cover: the version id (read from the database)
+    and the prefix form of delete_all_versions."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    store = FsStorage(fs_root)
+    key = "originals/" + "ab" * 16
+    store.put(key, b"x", "image/png")
+    for version in ("../../victim", "..", "/etc/passwd", "a/b", ""):
+        with pytest.raises(ObjectMissing):
+            store.get(key, version)
+    for prefix in ("../", "../../", "/", "originals/../../"):
+        with pytest.raises(InvalidKey):
+            store.delete_all_versions(prefix)
+    assert victim.read_bytes() == b"keep me"
+
+
+# --------------------------------------------------------------------------- SQL
+
+
+def _is_query_block(node: ast.expr) -> bool:
+    """`_q(name)`: it can only return a named block of sql/queries.sql (checked below)."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "_q"
+        and len(node.args) == 1
+        and isinstance(node.args[0], ast.Constant | ast.Name)
+    )
+
+
+def _is_migration(node: ast.expr) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "sql"  # Migration.sql: package data
+
+
+def _is_composed(node: ast.expr, own: str = "") -> bool:
+    """psycopg.sql composition: sql.SQL("literal").format(sql.Identifier(...), ...);
+    `own` is the variable being built, which may be composed further."""
+    if isinstance(node, ast.Name):
+        return bool(own) and node.id == own
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr == "format":
+            return _is_composed(node.func.value, own) and all(
+                _is_identifier(a) or _is_composed(a, own) for a in node.args
+            )
+        if node.func.attr == "SQL" and isinstance(node.func.value, ast.Name):
+            return node.func.value.id == "sql" and isinstance(node.args[0], ast.Constant)
+    return False
+
+
+def _is_identifier(node: ast.expr) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("Identifier", "Literal")
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "sql"
+    )
+
+
+def _is_plain_literal(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def _sql_sources() -> Iterator[Path]:
+    for package in ("supervisor", "handlers"):
+        yield from sorted((ROOT / package).rglob("*.py"))
+
+
+def _execute_calls(tree: ast.AST) -> Iterator[ast.Call]:
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("execute", "executemany", "copy", "stream")
+        ):
+            yield node
+
+
+def _resolve(tree: ast.AST, call: ast.Call) -> tuple[ast.expr | None, str]:
+    """The query argument; a bare name is followed to its (single) assignment in the
+    same function, e.g. `query = sql.SQL(...).format(...)`, then `conn.execute(query)`."""
+    if not call.args:
+        return None, ""
+    arg = call.args[0]
+    if not isinstance(arg, ast.Name):
+        return arg, ""
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if not any(n is call for n in ast.walk(func)):
+            continue
+        values = [
+            n.value
+            for n in ast.walk(func)
+            if isinstance(n, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == arg.id for t in n.targets)
+        ]
+        return (ast.BoolOp(op=ast.And(), values=values) if values else arg), arg.id
+    return arg, arg.id
+
+
+def _allowed(path: Path, node: ast.expr, own: str = "") -> bool:
+    if isinstance(node, ast.BoolOp):  # every assignment of a variable must be allowed
+        return bool(node.values) and all(_allowed(path, v, own) for v in node.values)
+    if path.name == "queue.py":
+        return _is_query_block(node) or _is_migration(node)
+    if path.name == "pgcluster.py":
+        # Cluster administration (CREATE/DROP DATABASE) before any schema exists:
+        # identifiers composed by psycopg, values as parameters of a constant query.
+        return _is_composed(node, own) or _is_plain_literal(node)
+    return False  # nothing else in derivd runs SQL
+
+
+def test_every_executed_query_is_a_named_block_or_safely_composed() -> None:
+    problems, seen = [], 0
+    for path in _sql_sources():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for call in _execute_calls(tree):
+            node, own = _resolve(tree, call)
+            if node is None:
+                continue
+            seen += 1
+            if not _allowed(path, node, own):
+                where = f"{path.relative_to(ROOT)}:{call.lineno}"
+                problems.append(f"{where}: {ast.unparse(call)[:100]}")
+    assert seen >= 8, "the scan found too few execute() calls: is it still looking?"
+    assert not problems, "SQL built outside sql/queries.sql:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        'conn.execute(f"SELECT * FROM t WHERE id = {x}")',
+        'conn.execute("SELECT * FROM t WHERE id = " + x)',
+        'conn.execute("SELECT * FROM t WHERE id = %s" % x)',
+        'conn.execute("SELECT * FROM t WHERE id = {}".format(x))',
+        'q = f"DROP TABLE {x}"\n    conn.execute(q)',
+        'cur.execute(sql.SQL("SELECT {}").format(x))',  # a raw value, not an Identifier
+    ],
+)
+def test_the_sql_scan_catches_string_building(snippet: str) -> None:
+    source = f"def f(conn, cur, x):\n    {snippet}\n"
+    tree = ast.parse(source)
+    (call,) = list(_execute_calls(tree))
+    node, own = _resolve(tree, call)
+    assert node is not None
+    for name in ("queue.py", "pgcluster.py", "worker.py"):
+        assert not _allowed(Path(name), node, own), (name, snippet)
+
+
+def test_q_only_returns_blocks_of_queries_sql() -> None:
+    tree = ast.parse((ROOT / "supervisor" / "queue.py").read_text(encoding="utf-8"))
+    (func,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_q"]
+    assert "queries()[name]" in ast.unparse(func)
+
+
+def test_events_table_enforces_closed_kinds_and_error_codes(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO archive_events (file_id, kind, error_code) "
+            "VALUES (1, 'rejected', 'corrupt_content')"
+        )  # the closed set itself is accepted
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute(
+                "INSERT INTO archive_events (file_id, kind, error_code) "
+                "VALUES (1, 'rejected', 'Traceback: oops')"
+            )
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute("INSERT INTO archive_events (file_id, kind) VALUES (1, 'whatever')")
+        with pytest.raises(psycopg.errors.RaiseException):
+            conn.execute("UPDATE archive_events SET error_code = NULL")
+
+
+# --------------------------------------------------------------------------- credentials
+
+DB_PASSWORD = "derivd-sec-db-password-do-not-show"
+UNMASKED_PASSWORD = re.compile(r"password\s*=\s*(?!\*\*\*)[^\s'\"]", re.IGNORECASE)
+SEC_ROLE = "derivd_security_test"
+
+
+@pytest.fixture
+def password_dsn(dsn: str) -> str:
+    """`dsn` as a role with a password (the test cluster trusts local connections, so it
+    is not checked, but it is in the DSN all the same)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (SEC_ROLE,)).fetchone():
+            conn.execute(
+                sql.SQL("CREATE ROLE {} LOGIN SUPERUSER PASSWORD {}").format(
+                    sql.Identifier(SEC_ROLE), sql.Literal(DB_PASSWORD)
+                )
+            )
+    params = conninfo_to_dict(dsn)
+    params.update(user=SEC_ROLE, password=DB_PASSWORD)
+    return make_conninfo(**params)  # type: ignore[arg-type]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_credentials_never_reach_logs_events_rows_or_process_titles(
+    password_dsn: str, s3_server: MotoServer, s3_bucket: str, tmp_path: Path
+) -> None:
+    secrets = (DB_PASSWORD, TEST_SECRET_KEY)
+    ini = tmp_path / "derivd.ini"
+    ini.write_text(  # the DSN with its password in the file, the S3 secret in the env
+        f"[database]\ndsn = {password_dsn}\n"
+        f"[storage]\nbackend = s3\nbucket = {s3_bucket}\n"
+        f"endpoint_url = {s3_server.endpoint_url}\nregion = {TEST_REGION}\n"
+        f"[supervisor]\nworkers = 2\nstate_dir = {tmp_path / 'state'}\n"
+        "[queue]\npoll_interval = 0.2\n[derive]\nbackend = pillow\n"
+    )
+    env = {**os.environ, "AWS_SECRET_ACCESS_KEY": TEST_SECRET_KEY}
+    assert env["AWS_ACCESS_KEY_ID"] == TEST_ACCESS_KEY
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "good.png").write_bytes(_png())
+    (inputs / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    base = [*derivd_command(), "-c", str(ini), "--log-level", "debug"]
+    queued = subprocess.run(
+        [*base, "enqueue", str(inputs)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert queued.returncode == 0, queued.stderr
+
+    log = tmp_path / "derivd.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*base, "run"], env=env, stdout=out, stderr=out)
+    titles: dict[int, str] = {}
+    names: set[str] = set()
+    try:
+        deadline = time.monotonic() + 120  # bounds a hang; nothing is timed
+        while True:
+            titles[proc.pid] = _cmdline(proc.pid)
+            for pid in _children(proc.pid):
+                titles[pid] = _cmdline(pid)
+            with psycopg.connect(password_dsn) as conn:
+                names |= {
+                    r[0] or ""
+                    for r in conn.execute("SELECT application_name FROM pg_stat_activity")
+                }
+                done = conn.execute(
+                    "SELECT count(*) FROM archive_files WHERE status IN ('ready', 'rejected')"
+                ).fetchone()
+            workers = [t for t in titles.values() if t.startswith("derivd: worker")]
+            if done == (2,) and len(workers) >= 2:
+                break
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()
+    assert titles[proc.pid].startswith("derivd: supervisor"), titles
+    assert any(n.startswith("derivd-worker-") for n in names), names
+
+    with psycopg.connect(password_dsn) as conn:
+        events = [str(r) for r in conn.execute("SELECT * FROM archive_events")]
+        rows = [str(r) for r in conn.execute("SELECT * FROM archive_files")]
+        variants = [str(r) for r in conn.execute("SELECT * FROM archive_variants")]
+    assert len(rows) == 2 and events
+    places = {
+        "log": log.read_text(errors="replace"),
+        "enqueue output": queued.stdout + queued.stderr,
+        "process titles": "\n".join(titles.values()),
+        "connection names": "\n".join(names),
+        "events": "\n".join(events),
+        "rows": "\n".join(rows + variants),
+    }
+    for where, text in places.items():
+        for secret in secrets:
+            assert secret not in text, f"a credential in the {where}"
+        assert not UNMASKED_PASSWORD.search(text), f"an unmasked password= in the {where}"
