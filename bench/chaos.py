@@ -756,7 +756,8 @@ def main(argv: list[str] | None = None) -> int:
         sweep = world.cli("sweep", "--orphan-guard", "0", "--delete-guard", "0")
         say(f"sweep (exit {sweep.returncode}): {sweep.stdout.strip().splitlines()[-1:]}")
         checks = check_all(world, expected, tally, exit_code)
-        checks.insert(0, Check("sweep ran", sweep.returncode == 0, sweep.stderr.strip()[:120]))
+        last = (sweep.stdout.strip().splitlines() or ["(no output)"])[-1]
+        checks.insert(0, Check("sweep ran (orphan guard 0)", sweep.returncode == 0, last))
         ok = all(c.ok for c in checks)
         counters = world.proxy.snapshot() if world.proxy else {}
         print()

@@ -101,7 +101,22 @@ class S3Storage:
         version = answer.get("VersionId")
         if not version or version == "null":
             raise StorageConfigError(f"s3 bucket {self.bucket!r} returned no version id")
+        if answer.get("ResponseMetadata", {}).get("RetryAttempts"):
+            # A retried PUT may have stored the bytes twice: the connection broke after S3
+            # kept the first copy. derivd writes each key once (keys are generated per
+            # upload and per attempt), so any other version is such a ghost, and nothing
+            # would ever reference or sweep it. Failing here leaves the key to the sweep.
+            self._delete_other_versions(key, str(version))
         return str(version)
+
+    def _delete_other_versions(self, key: str, keep: str) -> None:
+        full = self._full(key)
+        ghosts = [{"Key": k, "VersionId": v} for k, v in self._versions(full) if k == full]
+        ghosts = [g for g in ghosts if g["VersionId"] != keep]
+        if ghosts:
+            self._call(
+                "delete", self.client.delete_objects, Delete={"Objects": ghosts, "Quiet": True}
+            )
 
     def get(self, key: str, version: str, *, max_bytes: int | None = None) -> bytes:
         answer = self._call("get", self.client.get_object, Key=self._full(key), VersionId=version)
