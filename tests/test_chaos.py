@@ -8,17 +8,23 @@ timings; the deadlines inside it only bound a run that would otherwise hang.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psycopg
 import pytest
+from fixtures.cli import derivd_command
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION
 
-from supervisor.storage import derived_key
+from supervisor.queue import QueueDB
+from supervisor.storage import derived_key, new_original_key
+from supervisor.storage_fs import FsStorage
 from supervisor.storage_s3 import S3Storage
 
 if TYPE_CHECKING:
@@ -61,3 +67,61 @@ def test_a_put_retried_after_the_connection_broke_leaves_one_version(
     assert proxy.snapshot().get("resets_after_upstream") == 1  # the ghost was made
     listed = s3_client.list_object_versions(Bucket=s3_bucket, Prefix=key)
     assert [v["VersionId"] for v in listed.get("Versions", [])] == [version]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="supervisor/arbiter.py never calls supervisor.sweep.sweep_once: [sweep] interval "
+    "is documented as 'seconds between the supervisor's sweeps' but nothing runs them",
+)
+def test_the_running_supervisor_sweeps_orphans_and_deletions_on_its_own(
+    dsn: str, fs_root: Path, tmp_path: Path
+) -> None:
+    store = FsStorage(fs_root)
+    original = new_original_key()
+    with QueueDB.open(dsn, role="test") as queue:
+        (file_id,) = queue.enqueue([(original, store.put(original, b"ok", "text/plain"))])
+        queue.request_delete([file_id], actor="test")
+    orphan = derived_key(999, uuid.uuid4(), "thumb")
+    store.put(orphan, b"left by a crashed attempt", "image/webp")
+    with psycopg.connect(dsn, autocommit=True) as conn:  # as a crash after PUT leaves it
+        conn.execute(
+            "INSERT INTO pending_objects (key, file_id, lease_token, created_at) "
+            "VALUES (%s, 999, gen_random_uuid(), now() - interval '1 hour')",
+            (orphan,),
+        )
+        conn.execute("UPDATE archive_files SET updated_at = now() - interval '1 hour'")
+    ini = tmp_path / "derivd.ini"
+    ini.write_text(
+        f"[database]\ndsn = {dsn}\n[storage]\nbackend = fs\nroot = {fs_root}\n"
+        f"[supervisor]\nworkers = 1\njob_timeout = 3\nkill_grace = 1\n"
+        f"state_dir = {tmp_path / 'state'}\n"
+        "[queue]\nlease = 6\npoll_interval = 0.2\n[derive]\nbackend = noop\n"
+        "[sweep]\norphan_guard = 7\ndelete_guard = 0\ninterval = 0.5\n"
+    )
+    log = tmp_path / "derivd.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*derivd_command(), "-c", str(ini), "run"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+        )
+    try:
+        deadline = time.monotonic() + 20  # 40 sweep intervals: a bound, not a timing
+        while time.monotonic() < deadline:
+            with psycopg.connect(dsn) as conn:
+                swept = conn.execute(
+                    "SELECT (SELECT count(*) FROM pending_objects) = 0 "
+                    "AND (SELECT status FROM archive_files WHERE id = %s) = 'deleted'",
+                    (file_id,),
+                ).fetchone()
+            if swept == (True,):
+                break
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert swept == (True,), log.read_text()
+    assert list(store.list_keys()) == []
