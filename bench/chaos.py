@@ -461,12 +461,20 @@ def run_chaos(
     tally = Tally()
     chaos = Chaos(world, rng, tally)
     expected: dict[int, tuple[str, str]] = {}
-    waves = [inputs[i :: plan.waves] for i in range(plan.waves)]
-    pending_waves = list(waves)
+    chunks = plan.waves + plan.stunts
+    pending_waves = [inputs[i::chunks] for i in range(plan.waves)]
+    # One batch kept back per freeze, so a worker is busy when it is time to catch one.
+    reserve = [inputs[i::chunks] for i in range(plan.waves, chunks)]
 
     def feed() -> None:
         if pending_waves:
             expected.update(world.enqueue(pending_waves.pop(0)))
+
+    def feed_reserve() -> None:
+        if reserve:
+            expected.update(world.enqueue(reserve.pop(0)))
+        else:
+            feed()
 
     # The schedule: (second, action); everything seeded.
     span = plan.chaos_s
@@ -495,7 +503,9 @@ def run_chaos(
         elif action == "pg_restart":
             chaos.restart_postgres()
         elif action == "freeze":
-            chaos.freeze_past_lease(feed)
+            chaos.freeze_past_lease(feed_reserve)
+    while reserve:
+        feed_reserve()
     while pending_waves:
         feed()
     assert world.proxy is not None
