@@ -21,6 +21,7 @@ from configs import write_ini
 from fixtures.cli import derivd_command
 
 from supervisor.queue import QueueDB
+from supervisor.storage_fs import FsStorage
 from supervisor.worker import NOTIFY_CHANNEL
 
 LIVENESS_S = 10.0
@@ -158,6 +159,23 @@ def _wait(predicate: Any, timeout: float) -> bool:
     return False
 
 
+def _queue_original(producer: psycopg.Connection[Any], tmp_path: Path) -> int:
+    """Store an original in the daemon's fs store and queue it, as an upload API would."""
+    version = FsStorage(tmp_path / "objects").put("originals/wake", b"x", "image/x")
+    row = producer.execute(
+        "INSERT INTO archive_files (status, original_key, original_version)"
+        " VALUES ('queued', 'originals/wake', %s) RETURNING id",
+        (version,),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _status(producer: psycopg.Connection[Any], file_id: int) -> str | None:
+    row = producer.execute("SELECT status FROM archive_files WHERE id = %s", (file_id,)).fetchone()
+    return None if row is None else str(row[0])
+
+
 @pytest.fixture
 def idle_daemon(dsn: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     """`derivd run` with one worker, noop backend and a 60 s poll interval."""
@@ -200,25 +218,34 @@ def test_idle_daemon_picks_up_a_new_row_without_waiting_for_the_poll(
 
     assert _wait(lambda: _idle_workers(producer), 30.0), log_text()
     assert idle_daemon.poll() is None, log_text()
-    objects = tmp_path / "objects"
-    from supervisor.storage_fs import FsStorage
-
-    version = FsStorage(objects).put("originals/wake", b"x", "application/octet-stream")
-    row = producer.execute(
-        "INSERT INTO archive_files (status, original_key, original_version)"
-        " VALUES ('queued', 'originals/wake', %s) RETURNING id",
-        (version,),
-    ).fetchone()
-    assert row is not None
-
-    def done() -> bool:
-        status = producer.execute(
-            "SELECT status FROM archive_files WHERE id = %s", (row[0],)
-        ).fetchone()
-        return status is not None and status[0] == "ready"
+    file_id = _queue_original(producer, tmp_path)
 
     # Far below the 60 s poll: only the NOTIFY can have woken the worker.
-    assert _wait(done, LIVENESS_S), log_text()
+    assert _wait(lambda: _status(producer, file_id) == "ready", LIVENESS_S), log_text()
+
+
+def _listen_pids(conn: psycopg.Connection[Any]) -> set[int]:
+    rows = conn.execute(
+        "SELECT pid, query FROM pg_stat_activity WHERE datname = current_database()"
+    ).fetchall()
+    return {int(r[0]) for r in rows if f"LISTEN {NOTIFY_CHANNEL}".upper() in str(r[1]).upper()}
+
+
+def test_lost_listen_connection_is_replaced(
+    idle_daemon: subprocess.Popen[str], producer: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    """The supervisor's LISTEN connection dies (server-side kill): it listens again, and
+    a row queued after that is picked up without waiting for the 60 s poll."""
+
+    def log_text() -> str:
+        return (tmp_path / "derivd.log").read_text(errors="replace")
+
+    assert _wait(lambda: _idle_workers(producer), 30.0), log_text()
+    (old,) = _listen_pids(producer)
+    producer.execute("SELECT pg_terminate_backend(%s)", (old,))
+    assert _wait(lambda: bool(_listen_pids(producer) - {old}), LIVENESS_S), log_text()
+    file_id = _queue_original(producer, tmp_path)
+    assert _wait(lambda: _status(producer, file_id) == "ready", LIVENESS_S), log_text()
 
 
 # --------------------------------------------------------------------------- claim path
