@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -41,10 +42,10 @@ from supervisor.procutil import (
 )
 from supervisor.queue import DatabaseUnavailable, Job, QueueDB, QueueListener
 from supervisor.settings import Config, ConfigError, load_config
+from supervisor.sweeper_proc import SweepProcess
 
 log = logging.getLogger("derivd.supervisor")
 
-STATS_INTERVAL = 5.0
 RESTART_BASE = 0.5  # seconds; a slot's second crash in a row waits this, then doubles
 RESTART_MAX = 30.0
 HEALTHY_AFTER = 30.0  # a worker that lived this long resets its slot's backoff
@@ -149,6 +150,7 @@ class Arbiter:
         # One LISTEN connection for the fleet (none in --burst: no worker ever idles).
         self.listener = None if burst else QueueListener(dsn)
         self.listen_retry_at = 0.0
+        self.sweeper = SweepProcess()
 
     # -- signals -----------------------------------------------------------------------
 
@@ -203,10 +205,7 @@ class Arbiter:
     def spawn_worker(self, slot: int) -> None:
         status_r, status_w = os.pipe()
         cmd_r, cmd_w = os.pipe()
-        others = [fd for w in self.workers.values() for fd in (w.status_r, w.cmd_w)]
-        listen_fd = self.listener.fileno() if self.listener else None
-        own = (self.wake_r, self.wake_w, status_r, cmd_w)
-        inherited = (*others, *own, *((listen_fd,) if listen_fd is not None else ()))
+        inherited = (*self._parent_fds(), status_r, cmd_w)
         spec = ChildSpec(
             slot=slot,
             config=self.config,
@@ -230,6 +229,16 @@ class Arbiter:
             pid, slot, self.generation, status_r, cmd_w, spawned_at=time.monotonic()
         )
         log.debug("spawned worker %s pid %s", slot, pid)
+
+    def _parent_fds(self) -> tuple[int, ...]:
+        """Descriptors a forked child must close: the other children's pipes, the wake-up
+        pipe, the LISTEN connection and the metrics socket are the parent's alone."""
+        fds = [fd for w in self.workers.values() for fd in (w.status_r, w.cmd_w)]
+        fds += [self.wake_r, self.wake_w]
+        for shared in (self.listener.fileno() if self.listener else None, self.metrics.fileno()):
+            if shared is not None:
+                fds.append(shared)
+        return tuple(fds)
 
     def manage_workers(self) -> None:
         """Fork what is missing in the current generation (respecting slot backoff)."""
@@ -590,11 +599,30 @@ class Arbiter:
         for file_id in self._db(lambda db: db.reject_exhausted(max_attempts=max_attempts)) or []:
             event(log, "attempts exhausted", logging.WARNING, file_id=file_id)
         if now >= self.timers.stats:
-            self.timers.stats = now + STATS_INTERVAL
-            stats = self._db(lambda db: db.queue_stats())
-            if stats is not None:
-                self.metrics.set_queue(stats)
+            self.timers.stats = now + self.config.metrics.interval
+            self.refresh_queue_metrics()
             sd_notify(f"STATUS={self.status_line()}")
+        self.run_sweep(now)
+
+    def refresh_queue_metrics(self) -> None:
+        """One stats query and one event count per interval, whatever the scrape rate."""
+        stats = self._db(lambda db: db.queue_stats())
+        if stats is not None:
+            self.metrics.set_queue(stats)
+        since = datetime.now(UTC) - timedelta(seconds=self.config.status.window)
+        counts = self._db(lambda db: db.event_counts(since))
+        if counts is not None:
+            self.metrics.set_event_counts(counts)
+
+    def run_sweep(self, now: float) -> None:
+        """Every [sweep] interval, one sweep pass in a short-lived child (not in --burst,
+        and not while stopping)."""
+        self.sweeper.reap(self.config)
+        if self.burst or self.stop_deadline is not None:
+            return
+        self.sweeper.schedule(self.config, now)
+        if self.sweeper.due(self.config, now):
+            self.sweeper.start(self.config, self.dsn, self._parent_fds())
 
     def status_line(self) -> str:
         alive = sum(w.ready for w in self.workers.values())
@@ -668,6 +696,7 @@ class Arbiter:
                 signal.signal(sig, handler)
             if pidfile:
                 pidfile.remove()
+            self.sweeper.stop()
             if self._queue is not None:
                 self._queue.close()
             if self.listener is not None:

@@ -141,8 +141,9 @@ def run_child(spec: ChildSpec) -> NoReturn:
         code = _main(spec)
     except BaseException as error:  # the last line of defence; the parent respawns
         with contextlib.suppress(BaseException):
-            log.error("worker %s crashed: %s: %s", spec.slot, type(error).__name__, error)
-            log.debug("worker crash detail", exc_info=True)
+            # The type only at ERROR: the text may echo user content.
+            log.error("worker %s crashed: %s", spec.slot, type(error).__name__)
+            log.debug("worker crash detail: %s", error, exc_info=True)
     finally:
         with contextlib.suppress(BaseException):
             sys.stdout.flush()

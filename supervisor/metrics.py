@@ -179,6 +179,10 @@ class Metrics:
             server.shutdown()
             server.server_close()
 
+    def fileno(self) -> int | None:
+        """The listening socket, which a forked child must close (see spawn_worker)."""
+        return self._server.socket.fileno() if self._server is not None else None
+
     def after_fork_in_child(self) -> None:
         """Call in a forked child: drop the inherited listening socket (the serving
         thread did not survive the fork, and the child must not keep the port bound)."""

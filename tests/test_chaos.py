@@ -69,11 +69,6 @@ def test_a_put_retried_after_the_connection_broke_leaves_one_version(
     assert [v["VersionId"] for v in listed.get("Versions", [])] == [version]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="supervisor/arbiter.py never calls supervisor.sweep.sweep_once: [sweep] interval "
-    "is documented as 'seconds between the supervisor's sweeps' but nothing runs them",
-)
 def test_the_running_supervisor_sweeps_orphans_and_deletions_on_its_own(
     dsn: str, fs_root: Path, tmp_path: Path
 ) -> None:

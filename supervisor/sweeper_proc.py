@@ -1,0 +1,84 @@
+"""The supervisor's periodic sweep, run in a short-lived forked child.
+
+A sweep opens a storage client (boto3 for s3), and the parent must never hold one: the
+next fork would hand it to a worker. So every `[sweep] interval` the supervisor forks a
+child that runs one `sweep_once` pass and exits; one pass at a time, and a pass that
+hangs past the interval is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+
+from supervisor.logs import event
+from supervisor.procutil import set_pdeathsig, set_proctitle
+from supervisor.settings import Config
+
+log = logging.getLogger("derivd.sweep")
+
+
+class SweepProcess:
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.started = 0.0
+        self.next_at = 0.0  # monotonic; the first pass runs one interval after start
+
+    def schedule(self, config: Config, now: float) -> None:
+        if not self.next_at:
+            self.next_at = now + config.sweep.interval
+
+    def due(self, config: Config, now: float) -> bool:
+        return config.sweep.interval > 0 and self.pid is None and now >= self.next_at
+
+    def start(self, config: Config, dsn: str, inherited_fds: tuple[int, ...] = ()) -> None:
+        now = time.monotonic()
+        self.next_at = now + config.sweep.interval
+        pid = os.fork()
+        if pid == 0:
+            _child(config, dsn, inherited_fds)
+        self.pid, self.started = pid, now
+
+    def reap(self, config: Config) -> None:
+        """Collect a finished pass; kill one that outlived its interval."""
+        if self.pid is None:
+            return
+        try:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            done, status = self.pid, 0
+        if done:
+            if os.waitstatus_to_exitcode(status) != 0:
+                event(log, "sweep pass failed", logging.WARNING, pid=self.pid)
+            self.pid = None
+        elif config.sweep.interval and time.monotonic() - self.started > 2 * config.sweep.interval:
+            event(log, "sweep pass overran; killing it", logging.WARNING, pid=self.pid)
+            os.kill(self.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.pid is None:
+            return
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        self.pid = None
+
+
+def _child(config: Config, dsn: str, inherited_fds: tuple[int, ...]) -> None:
+    code = 1
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        set_pdeathsig()
+        for fd in inherited_fds:  # the parent's pipes are not ours to hold open
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        set_proctitle("derivd: sweeper")
+        from supervisor.sweep import sweep_once
+
+        report = sweep_once(config, dsn)
+        code = 0 if report.error is None else 1
+    finally:
+        os._exit(code)
