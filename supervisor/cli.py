@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -104,16 +105,20 @@ def main(ctx: click.Context, config_path: Path | None, log_level: str | None) ->
 @pass_state
 @friendly_errors
 def run(state: State, burst: bool, workers: int | None) -> None:
-    """Run the daemon: claim, derive, store and commit until stopped.
+    """Run the daemon: a supervisor that forks [supervisor] workers and keeps them alive.
 
-    SIGTERM or Ctrl-C stops claiming and lets running jobs finish.
+    \b
+    SIGTERM / Ctrl-C   stop claiming; running jobs get [supervisor] shutdown_grace to
+                       finish, then they are killed and their rows go back to `queued`
+                       without burning an attempt. A second signal does that at once.
+    SIGHUP             re-read the config file and replace the workers gracefully.
     """
     from supervisor.daemon import run_daemon
 
-    config = state.config
     if workers:
-        config = config.replace("supervisor", workers=workers)
-    sys.exit(run_daemon(config, burst=burst))
+        # Through the environment, so that a SIGHUP reload keeps the override.
+        os.environ["DERIVD_SUPERVISOR_WORKERS"] = str(workers)
+    sys.exit(run_daemon(state.config, burst=burst))
 
 
 @main.command()
