@@ -321,7 +321,7 @@ def sweep(state: State, orphan_guard: float | None, delete_guard: float | None) 
         die(f"sweep stopped early: {report.error} (run it again later)")
 
 
-@main.command()
+@main.command(short_help="Delete files by id: revoke their lease, remove their objects.")
 @click.argument("ids", nargs=-1, required=True, type=click.IntRange(min=1), metavar="ID...")
 @pass_state
 @friendly_errors
