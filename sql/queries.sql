@@ -348,3 +348,18 @@ SELECT id, status, attempts, available_at, lease_token, lease_until, original_ke
 -- name: file_variants
 SELECT name, key, version, sha256, width, height
   FROM archive_variants WHERE file_id = %(id)s ORDER BY name;
+
+-- name: database_exists
+-- Cluster administration (the embedded cluster and the test suite): run on the
+-- `postgres` maintenance database. `{name}`/`{template}` below are identifiers composed
+-- with psycopg.sql.Identifier, never text pasted into the query.
+SELECT 1 FROM pg_database WHERE datname = %(name)s;
+
+-- name: create_database
+CREATE DATABASE {name};
+
+-- name: create_database_from_template
+CREATE DATABASE {name} TEMPLATE {template};
+
+-- name: drop_database
+DROP DATABASE IF EXISTS {name} WITH (FORCE);

@@ -34,10 +34,10 @@ from types import TracebackType
 from typing import IO, Final, Literal
 
 import psycopg
-from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from supervisor.procutil import pid_alive
+from supervisor.queue import ClusterAdmin
 
 SUPERUSER: Final = "derivd"
 DEFAULT_DB: Final = "derivd"
@@ -271,17 +271,12 @@ class EmbeddedCluster:
         return make_conninfo(host=host, port=str(self.port), user=SUPERUSER, dbname=dbname)
 
     def create_database(self, name: str, template: str | None = None) -> None:
-        query = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
-        if template is not None:
-            query = sql.SQL("{} TEMPLATE {}").format(query, sql.Identifier(template))
         with self._admin() as conn:
-            conn.execute(query)
+            ClusterAdmin(conn).create_database(name, template)
 
     def drop_database(self, name: str) -> None:
         with self._admin() as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
+            ClusterAdmin(conn).drop_database(name)
 
     def __enter__(self) -> EmbeddedCluster:
         self.start()
@@ -478,13 +473,13 @@ class EmbeddedCluster:
 
     def _ensure_database(self, name: str) -> None:
         with self._admin() as conn:
-            found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
-            if found is None:
+            admin = ClusterAdmin(conn)
+            if not admin.database_exists(name):
                 # Another client may create it meanwhile (the lock covers derivd only).
                 with contextlib.suppress(
                     psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation
                 ):
-                    conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+                    admin.create_database(name)
 
     def _admin(self) -> psycopg.Connection[tuple[object, ...]]:
         return psycopg.connect(self.dsn("postgres"), autocommit=True, connect_timeout=10)

@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any, LiteralString
 
 import psycopg
+from psycopg import sql
 from psycopg.rows import dict_row
 
 from supervisor.outcomes import ErrorCode, Transient
@@ -349,3 +350,28 @@ class QueueDB:
 
     def file_variants(self, file_id: int) -> list[StoredVariant]:
         return [StoredVariant(**r) for r in self._all("file_variants", {"id": file_id})]
+
+
+class ClusterAdmin:
+    """Database-level statements on a maintenance connection (autocommit: CREATE
+    DATABASE cannot run in a transaction). Names are composed as identifiers."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+
+    def _identifiers(self, query_name: str, **names: str) -> sql.Composed:
+        query = sql.SQL(_q(query_name))
+        return query.format(**{k: sql.Identifier(v) for k, v in names.items()})
+
+    def database_exists(self, name: str) -> bool:
+        return self.conn.execute(_q("database_exists"), {"name": name}).fetchone() is not None
+
+    def create_database(self, name: str, template: str | None = None) -> None:
+        if template is None:
+            self.conn.execute(self._identifiers("create_database", name=name))
+        else:
+            query = self._identifiers("create_database_from_template", name=name, template=template)
+            self.conn.execute(query)
+
+    def drop_database(self, name: str) -> None:
+        self.conn.execute(self._identifiers("drop_database", name=name))

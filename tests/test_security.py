@@ -106,6 +106,18 @@ def _is_query_block(node: ast.expr) -> bool:
     )
 
 
+def _is_identifier_block(node: ast.expr) -> bool:
+    """`self._identifiers("create_database", name=...)`: a named block whose `{name}`
+    placeholders are filled with psycopg.sql.Identifier (cluster administration)."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "_identifiers"
+        and len(node.args) == 1
+        and isinstance(node.args[0], ast.Constant)
+    )
+
+
 def _is_migration(node: ast.expr) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == "sql"  # Migration.sql: package data
 
@@ -181,11 +193,7 @@ def _allowed(path: Path, node: ast.expr, own: str = "") -> bool:
     if isinstance(node, ast.BoolOp):  # every assignment of a variable must be allowed
         return bool(node.values) and all(_allowed(path, v, own) for v in node.values)
     if path.name == "queue.py":
-        return _is_query_block(node) or _is_migration(node)
-    if path.name == "pgcluster.py":
-        # Cluster administration (CREATE/DROP DATABASE) before any schema exists:
-        # identifiers composed by psycopg, values as parameters of a constant query.
-        return _is_composed(node, own) or _is_plain_literal(node)
+        return _is_query_block(node) or _is_migration(node) or _is_identifier_block(node)
     return False  # nothing else in derivd runs SQL
 
 
