@@ -61,6 +61,7 @@ from fixtures.s3 import (
 )
 
 from supervisor.pgcluster import EmbeddedCluster
+from supervisor.procutil import children_of
 from supervisor.queue import QueueDB, migrate
 from supervisor.storage import new_original_key
 
@@ -115,21 +116,6 @@ def make_inputs(rng: random.Random, count: int) -> list[tuple[str, str, bytes]]:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def title(pid: int) -> str:

@@ -80,3 +80,20 @@ def target_size(width: int, height: int, long_edge: int) -> tuple[int, int]:
     """Fit (width, height) into a box of `long_edge`, never upscaling; both sides >= 1."""
     scale = min(1.0, long_edge / max(width, height))
     return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def check_input_size(original: bytes, spec: DeriveSpec) -> None:
+    """`max_input_mb`, before anything parses the bytes."""
+    if len(original) > spec.max_input_bytes:
+        raise ResourceLimit(f"{len(original)} bytes > max_input_bytes {spec.max_input_bytes}")
+
+
+def check_declared_size(width: int, height: int, frames: int, spec: DeriveSpec) -> None:
+    """`max_frames` and `max_pixels` (width x height x frames) from the header alone."""
+    if frames > spec.max_frames:
+        raise ResourceLimit(f"{frames} frames > max_frames {spec.max_frames}")
+    pixels = width * height * frames
+    if pixels > spec.max_pixels:
+        raise ResourceLimit(
+            f"{width}x{height}x{frames} = {pixels} px > max_pixels {spec.max_pixels}"
+        )

@@ -26,6 +26,8 @@ from handlers.base import (
     DeriveSpec,
     ResourceLimit,
     UnsupportedContent,
+    check_declared_size,
+    check_input_size,
     target_size,
 )
 from handlers.sniff import accepted_format, png_chunks_intact
@@ -118,20 +120,8 @@ def count_frames(im: ImageFile.ImageFile, cap: int) -> int:
 
 
 def check_limits(im: ImageFile.ImageFile, spec: DeriveSpec) -> None:
-    frames = count_frames(im, spec.max_frames)
-    if frames > spec.max_frames:
-        raise ResourceLimit(f"more than {spec.max_frames} frames")
-    width, height = im.size
-    if width * height * frames > spec.max_pixels:
-        raise ResourceLimit(
-            f"{width}x{height}x{frames} = {width * height * frames} px"
-            f" > max_pixels {spec.max_pixels}"
-        )
-
-
-def check_size(original: bytes, spec: DeriveSpec) -> None:
-    if len(original) > spec.max_input_bytes:
-        raise ResourceLimit(f"{len(original)} bytes > max_input_bytes {spec.max_input_bytes}")
+    # Frames are counted only up to max_frames + 1 (count_frames stops there).
+    check_declared_size(*im.size, count_frames(im, spec.max_frames), spec)
 
 
 def orientation(im: Image.Image) -> int:
@@ -226,7 +216,7 @@ class PillowHandler:
         configure(spec)
 
     def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
-        check_size(original, spec)
+        check_input_size(original, spec)
         im = open_image(original)
         try:
             if im.format == "PNG" and not png_chunks_intact(original):

@@ -22,8 +22,9 @@ from handlers.base import (
     CorruptContent,
     DerivedVariant,
     DeriveSpec,
-    ResourceLimit,
     UnsupportedContent,
+    check_declared_size,
+    check_input_size,
     target_size,
 )
 from handlers.sniff import accepted_format, gif_screen
@@ -152,22 +153,6 @@ def read_header(original: bytes, loader: str) -> Header:
     return Header(image, original)
 
 
-def check_limits(header: Header, spec: DeriveSpec) -> None:
-    if header.frames > spec.max_frames:
-        raise ResourceLimit(f"{header.frames} frames > max_frames {spec.max_frames}")
-    pixels = header.width * header.height * header.frames
-    if pixels > spec.max_pixels:
-        raise ResourceLimit(
-            f"{header.width}x{header.height}x{header.frames} = {pixels} px"
-            f" > max_pixels {spec.max_pixels}"
-        )
-
-
-def check_size(original: bytes, spec: DeriveSpec) -> None:
-    if len(original) > spec.max_input_bytes:
-        raise ResourceLimit(f"{len(original)} bytes > max_input_bytes {spec.max_input_bytes}")
-
-
 def render(original: bytes, width: int, height: int, icc: bool, spec: DeriveSpec) -> bytes:
     """Decode (shrunk on load), orient, convert to sRGB, resize to exactly width x height, encode.
 
@@ -203,10 +188,10 @@ class VipsHandler:
         configure(spec.concurrency)
 
     def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
-        check_size(original, spec)
+        check_input_size(original, spec)
         loader = sniff_loader(original)
         header = read_header(original, loader)
-        check_limits(header, spec)
+        check_declared_size(header.width, header.height, header.frames, spec)
         upright_w, upright_h = header.upright
         out = []
         for variant in spec.variants:

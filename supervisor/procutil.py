@@ -129,3 +129,19 @@ def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
     if pid and pid.isdigit() and int(pid) != os.getpid():
         return None
     return int(usec) / 1_000_000 / 2
+
+
+def children_of(pid: int) -> list[int]:
+    """Live (non-zombie) child pids of `pid`, from /proc (Linux)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return sorted(found)

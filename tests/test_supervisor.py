@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from fixtures.cli import derivd_command
 
-from supervisor.procutil import Pidfile, sd_notify, watchdog_interval
+from supervisor.procutil import Pidfile, children_of, sd_notify, watchdog_interval
 from supervisor.queue import QueueDB
 from supervisor.settings import ConfigError, load_config
 from supervisor.storage import new_original_key
@@ -52,21 +52,6 @@ def wait_for(check: Callable[[], T | None], what: str, timeout: float = 30.0) ->
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(0.02)
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return sorted(found)
 
 
 def title(pid: int) -> str:
