@@ -75,6 +75,9 @@ UPDATE archive_files AS f
        updated_at = now()
   FROM candidate AS c, no_flush_wait
  WHERE f.id = c.id
+   -- The planner cannot tell how many rows a LIMIT given as a parameter yields; the
+   -- array makes it look them up by primary key instead of hashing the whole table.
+   AND f.id = ANY(ARRAY(SELECT id FROM candidate))
 RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
           extract(epoch FROM now() - c.claimable_since)::float8 AS wait_s,
           c.tier, c.claimable_since;
@@ -112,6 +115,7 @@ WITH input AS (
            updated_at = now()
       FROM input AS i
      WHERE f.id = i.id AND f.lease_token = i.token AND f.status = 'processing'
+       AND f.id = ANY(%(ids)s::bigint[])  -- by primary key (the JSON hides the row count)
     RETURNING f.id, f.attempts, i.token, i.variants
 ), variants AS (
     INSERT INTO archive_variants (file_id, name, key, version, sha256, width, height, lease_token)

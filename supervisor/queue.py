@@ -261,7 +261,13 @@ class QueueDB:
         `lease_lost` event)."""
         if not results:
             return set()
-        rows = self._all("commit", {"jobs": json.dumps([_commit_row(j, v) for j, v in results])})
+        rows = self._all(
+            "commit",
+            {
+                "jobs": json.dumps([_commit_row(j, v) for j, v in results]),
+                "ids": [j.id for j, _ in results],
+            },
+        )
         return {int(r["id"]) for r in rows}
 
     def fail(
