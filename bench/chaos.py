@@ -147,11 +147,14 @@ def job_of(text: str) -> int | None:
 
 
 class World:
-    def __init__(self, root: Path, seed: int, backend: str, worker_count: int) -> None:
+    def __init__(
+        self, root: Path, seed: int, backend: str, worker_count: int, claim_batch: int = 1
+    ) -> None:
         self.root = root
         self.seed = seed
         self.backend = backend
         self.worker_count = worker_count
+        self.claim_batch = claim_batch
         self.pg = EmbeddedCluster(root / "pg" / "pgdata", listen_tcp=True, fast=True)
         self.moto = MotoServer(root / "moto.log")
         self.proxy: FaultProxy | None = None
@@ -219,6 +222,7 @@ class World:
                 "retry_max": 2,
                 "poll_interval": 0.5,
                 "listen": "yes",
+                "claim_batch": self.claim_batch,
             },
             "derive": {"backend": self.backend, "variants": "preview:320, thumb:64"},
             "sweep": {"orphan_guard": LEASE_S + 1},
@@ -715,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, help="override the number of images")
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--backend", default="vips", choices=["vips", "pillow"])
+    parser.add_argument("--claim-batch", type=int, default=1, help="[queue] claim_batch")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (kept on failure)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
@@ -726,9 +731,10 @@ def main(argv: list[str] | None = None) -> int:
     root.chmod(0o711)  # the embedded server may run as `postgres`: it must traverse
     say(
         f"chaos seed={seed} images={plan.images} workers={args.workers} backend={args.backend} "
+        f"claim_batch={args.claim_batch} "
         f"chaos={plan.chaos_s:g}s in {root}"
     )
-    world = World(root, seed, args.backend, args.workers)
+    world = World(root, seed, args.backend, args.workers, args.claim_batch)
     ok = False
     try:
         inputs = make_inputs(rng, plan.images)

@@ -53,7 +53,7 @@ def explain_claim(dsn: str) -> str:
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
             "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + queries()["claim"],  # type: ignore[operator]
-            {"lease_s": 120.0, "max_attempts": 3},
+            {"lease_s": 120.0, "max_attempts": 3, "limit": 1},
         ).fetchall()
         conn.rollback()
     return "\n".join(r[0] for r in rows)

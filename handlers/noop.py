@@ -7,6 +7,8 @@ from handlers.base import DerivedVariant, DeriveSpec
 
 class NoopHandler:
     name = "noop"
+    # It measures the queue itself: the worker skips the GET of the original.
+    reads_original = False
 
     def __init__(self, spec: DeriveSpec | None = None) -> None:
         self.spec = spec

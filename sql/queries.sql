@@ -33,34 +33,36 @@ RETURNING id;
 LISTEN derivd_queued;
 
 -- name: claim
--- Lease one claimable row: an expired lease still under the attempt cap first (its worker
--- died), else the oldest queued row that is due. One statement, committed before any
--- work starts; times are the database's; a fresh token fences out every older attempt.
--- wait_s is how long the row had been claimable (queue wait).
+-- Lease up to `limit` claimable rows: expired leases still under the attempt cap first
+-- (their worker died), then the oldest queued rows that are due. One statement,
+-- committed before any work starts; times are the database's; every row gets its own
+-- fresh token (gen_random_uuid() is evaluated per row) and its own lease_until, which
+-- fence out every older attempt. wait_s is how long the row had been claimable (queue
+-- wait); tier and claimable_since give the claim order (RETURNING has no ORDER BY).
 -- The claim alone commits without waiting for its WAL flush (synchronous_commit off for
--- this one transaction only): a claim lost in a server crash just leaves the row as it was,
--- and the attempt's fenced commit, fail or release, all durable, flush it anyway. That
--- halves the flushes a job waits for; the fence (the token) is untouched.
+-- this one transaction only): a claim lost in a server crash just leaves the rows as they
+-- were, and each attempt's fenced commit, fail or release, all durable, flush it anyway.
+-- That halves the flushes a job waits for; the fence (the token) is untouched.
 WITH expired AS (
     SELECT id, lease_until AS claimable_since
       FROM archive_files
      WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
      ORDER BY lease_until
-     LIMIT 1
+     LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
 ), due AS (
-    -- Only looked at (and locked) when no expired lease was found.
+    -- Only looked at (and locked) for what the expired leases leave of the limit:
+    -- LIMIT 0 never reads its input.
     SELECT id, available_at AS claimable_since
       FROM archive_files
      WHERE status = 'queued' AND available_at <= now()
-       AND NOT EXISTS (SELECT 1 FROM expired)
      ORDER BY available_at, id
-     LIMIT 1
+     LIMIT greatest(%(limit)s - (SELECT count(*) FROM expired), 0)
        FOR UPDATE SKIP LOCKED
 ), candidate AS (
-    SELECT id, claimable_since FROM expired
+    SELECT id, claimable_since, 0 AS tier FROM expired
     UNION ALL
-    SELECT id, claimable_since FROM due
+    SELECT id, claimable_since, 1 AS tier FROM due
 ), no_flush_wait AS (
     SELECT set_config('synchronous_commit', 'off', true)
 )
@@ -73,8 +75,12 @@ UPDATE archive_files AS f
        updated_at = now()
   FROM candidate AS c, no_flush_wait
  WHERE f.id = c.id
+   -- The planner cannot tell how many rows a LIMIT given as a parameter yields; the
+   -- array makes it look them up by primary key instead of hashing the whole table.
+   AND f.id = ANY(ARRAY(SELECT id FROM candidate))
 RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
-          extract(epoch FROM now() - c.claimable_since)::float8 AS wait_s;
+          extract(epoch FROM now() - c.claimable_since)::float8 AS wait_s,
+          c.tier, c.claimable_since;
 
 -- name: register_pending
 -- Write-ahead: the keys an attempt is about to PUT, so a crash leaves a trail to sweep.
@@ -83,29 +89,39 @@ SELECT k, %(id)s, %(token)s FROM unnest(%(keys)s::text[]) AS k
 ON CONFLICT (key) DO NOTHING;
 
 -- name: commit
--- The fenced commit: id + token + status. Records the variants, clears the attempt's
--- write-ahead entries and appends the event in the same transaction. When the fence
--- fails, nothing changes but a `lease_lost` event. Returns committed = 0 or 1.
-WITH done AS (
-    UPDATE archive_files
+-- The fenced commit of one or more finished attempts (`jobs`: a JSON array of
+-- {id, token, attempt, derived_key, derived_version, sha256, width, height, variants}).
+-- Each row is fenced on its own id + token + status; for the rows that pass, the
+-- variants are recorded, the attempt's write-ahead entries cleared and a `ready` event
+-- appended, all in one durable transaction. A row whose fence fails changes nothing but
+-- gets a `lease_lost` event. Returns the ids that committed.
+WITH input AS (
+    SELECT *
+      FROM jsonb_to_recordset(%(jobs)s::jsonb)
+           AS j(id bigint, token uuid, attempt int, derived_key text, derived_version text,
+                sha256 text, width int, height int, variants jsonb)
+), done AS (
+    UPDATE archive_files AS f
        SET status = 'ready',
-           derived_key = %(derived_key)s,
-           derived_version = %(derived_version)s,
-           sha256 = %(sha256)s,
-           width = %(width)s,
-           height = %(height)s,
+           derived_key = i.derived_key,
+           derived_version = i.derived_version,
+           sha256 = i.sha256,
+           width = i.width,
+           height = i.height,
            error_code = NULL,
            lease_token = NULL,
            lease_until = NULL,
            finished_at = now(),
            updated_at = now()
-     WHERE id = %(id)s AND lease_token = %(token)s AND status = 'processing'
-    RETURNING id, attempts
+      FROM input AS i
+     WHERE f.id = i.id AND f.lease_token = i.token AND f.status = 'processing'
+       AND f.id = ANY(%(ids)s::bigint[])  -- by primary key (the JSON hides the row count)
+    RETURNING f.id, f.attempts, i.token, i.variants
 ), variants AS (
     INSERT INTO archive_variants (file_id, name, key, version, sha256, width, height, lease_token)
-    SELECT d.id, v.name, v.key, v.version, v.sha256, v.width, v.height, %(token)s
+    SELECT d.id, v.name, v.key, v.version, v.sha256, v.width, v.height, d.token
       FROM done AS d,
-           jsonb_to_recordset(%(variants)s::jsonb)
+           jsonb_to_recordset(d.variants)
                AS v(name text, key text, version text, sha256 text, width int, height int)
     ON CONFLICT (file_id, name) DO UPDATE
        SET key = EXCLUDED.key, version = EXCLUDED.version, sha256 = EXCLUDED.sha256,
@@ -114,19 +130,20 @@ WITH done AS (
     RETURNING 1
 ), registered AS (
     DELETE FROM pending_objects
-     WHERE lease_token = %(token)s AND EXISTS (SELECT 1 FROM done)
+     WHERE lease_token IN (SELECT token FROM done)
     RETURNING 1
 ), ready_event AS (
     INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-    SELECT id, 'ready', attempts, %(token)s FROM done
+    SELECT id, 'ready', attempts, token FROM done
     RETURNING 1
 ), lost_event AS (
     INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-    SELECT %(id)s, 'lease_lost', %(attempt)s, %(token)s
-     WHERE NOT EXISTS (SELECT 1 FROM done)
+    SELECT i.id, 'lease_lost', i.attempt, i.token
+      FROM input AS i
+     WHERE NOT EXISTS (SELECT 1 FROM done AS d WHERE d.id = i.id)
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM done)::int AS committed;
+SELECT id FROM done;
 
 -- name: fail
 -- The fenced failure. retry = true: back to `queued` after delay_s unless the attempts

@@ -23,14 +23,14 @@ import signal
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from supervisor.backoff import retry_delay
-from supervisor.child import EXIT_BOOT_ERROR, WAKE, ChildSpec, run_child
+from supervisor.child import EXIT_BOOT_ERROR, PROGRESS, WAKE, ChildSpec, run_child
 from supervisor.logs import event
 from supervisor.metrics import Metrics
 from supervisor.procutil import (
@@ -50,22 +50,27 @@ RESTART_BASE = 0.5  # seconds; a slot's second crash in a row waits this, then d
 RESTART_MAX = 30.0
 HEALTHY_AFTER = 30.0  # a worker that lived this long resets its slot's backoff
 LOOP_MAX_SLEEP = 1.0
+# While a worker holds jobs the parent reads its progress pipe (job starts, which do not
+# wake the parent) at least this often: a deadline is enforced at most this late.
+PROGRESS_POLL = 0.2
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)
 
 
 @dataclass
 class WorkerProc:
-    """What the parent knows about one child (rq's WorkerData, with the job on it)."""
+    """What the parent knows about one child (rq's WorkerData, with its jobs on it)."""
 
     pid: int
     slot: int
     generation: int
     status_r: int
+    progress_r: int
     cmd_w: int
     spawned_at: float
     ready: bool = False
-    job: Job | None = None
-    job_started: float = 0.0
+    held: dict[int, Job] = field(default_factory=dict)  # claimed, no outcome yet
+    last_start: tuple[uuid.UUID, float] | None = None  # token, monotonic start
+    progress_buffer: bytes = b""
     stop_sent: bool = False
     kill_reason: str | None = None  # timeout | shutdown | aborted
     kill_at: float | None = None  # when SIGTERM escalates to SIGKILL
@@ -74,6 +79,16 @@ class WorkerProc:
     boot_error: str | None = None
     eof: bool = False
     buffer: bytes = b""
+
+    def running(self) -> tuple[Job, float] | None:
+        """The job the child last started, with its start time, while it holds it."""
+        if self.last_start is None:
+            return None
+        token, started = self.last_start
+        for job in self.held.values():
+            if job.token == token:
+                return job, started
+        return None
 
 
 @dataclass
@@ -101,7 +116,7 @@ def _job_from(data: dict[str, Any]) -> Job:
         id=int(data["id"]),
         token=uuid.UUID(data["token"]),
         attempt=int(data["attempt"]),
-        original_key=str(data["original_key"]),
+        original_key=str(data.get("original_key") or ""),
         original_version=data.get("original_version"),
         wait_s=float(data.get("wait_s") or 0.0),
     )
@@ -204,13 +219,15 @@ class Arbiter:
 
     def spawn_worker(self, slot: int) -> None:
         status_r, status_w = os.pipe()
+        progress_r, progress_w = os.pipe()
         cmd_r, cmd_w = os.pipe()
-        inherited = (*self._parent_fds(), status_r, cmd_w)
+        inherited = (*self._parent_fds(), status_r, progress_r, cmd_w)
         spec = ChildSpec(
             slot=slot,
             config=self.config,
             dsn=self.dsn,
             status_w=status_w,
+            progress_w=progress_w,
             cmd_r=cmd_r,
             parent_pid=self.pid,
             burst=self.burst,
@@ -220,20 +237,22 @@ class Arbiter:
         if pid == 0:
             run_child(spec)  # never returns
         os.close(status_w)
+        os.close(progress_w)
         os.close(cmd_r)
         os.set_blocking(status_r, False)
+        os.set_blocking(progress_r, False)
         os.set_blocking(cmd_w, False)
         with contextlib.suppress(OSError):
             os.setpgid(pid, pid)  # the child does it too; whoever is first wins the race
         self.workers[pid] = WorkerProc(
-            pid, slot, self.generation, status_r, cmd_w, spawned_at=time.monotonic()
+            pid, slot, self.generation, status_r, progress_r, cmd_w, spawned_at=time.monotonic()
         )
         log.debug("spawned worker %s pid %s", slot, pid)
 
     def _parent_fds(self) -> tuple[int, ...]:
         """Descriptors a forked child must close: the other children's pipes, the wake-up
         pipe, the LISTEN connection and the metrics socket are the parent's alone."""
-        fds = [fd for w in self.workers.values() for fd in (w.status_r, w.cmd_w)]
+        fds = [fd for w in self.workers.values() for fd in (w.status_r, w.progress_r, w.cmd_w)]
         fds += [self.wake_r, self.wake_w]
         for shared in (self.listener.fileno() if self.listener else None, self.metrics.fileno()):
             if shared is not None:
@@ -283,14 +302,14 @@ class Arbiter:
         for worker in self.workers.values():
             if woken >= count:
                 break
-            if worker.ready and worker.job is None and not worker.stop_sent:
+            if worker.ready and not worker.held and not worker.stop_sent:
                 with contextlib.suppress(BlockingIOError, BrokenPipeError):
                     os.write(worker.cmd_w, WAKE)
                     woken += 1
         return woken
 
     def busy_count(self) -> int:
-        return sum(1 for w in self.workers.values() if w.job is not None)
+        return sum(1 for w in self.workers.values() if w.held)
 
     # -- wake-up on NOTIFY -------------------------------------------------------------
 
@@ -314,7 +333,7 @@ class Arbiter:
     def on_notify(self) -> None:
         """Rows entered `queued`: wake one idle worker per notification. Notifications of
         one transaction fold into one, so a bulk enqueue wakes one worker; each worker
-        that then finds a job wakes the next idle one (on_message, "started")."""
+        that then finds a job wakes the next idle one (on_message, "claimed")."""
         assert self.listener is not None
         count = self.listener.drain()
         if count:
@@ -341,6 +360,27 @@ class Arbiter:
         for line in lines:
             if line:
                 self.on_message(worker, line)
+        self.read_progress(worker)
+
+    def read_progress(self, worker: WorkerProc) -> None:
+        """The latest job start the child recorded. It is matched against the jobs held
+        by token whenever it is needed (`WorkerProc.running`), so the order in which the
+        two pipes are read does not matter."""
+        while True:
+            try:
+                chunk = os.read(worker.progress_r, 65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not chunk:
+                break
+            worker.progress_buffer += chunk
+        size = PROGRESS.size
+        whole = len(worker.progress_buffer) // size * size
+        if whole:
+            token, started = PROGRESS.unpack_from(worker.progress_buffer, whole - size)
+            # CLOCK_MONOTONIC is system-wide: the child's start time is comparable.
+            worker.last_start = (uuid.UUID(bytes=token), min(started, time.monotonic()))
+            worker.progress_buffer = worker.progress_buffer[whole:]
 
     def on_message(self, worker: WorkerProc, line: bytes) -> None:
         try:
@@ -362,12 +402,12 @@ class Arbiter:
                 boot_s=time.monotonic() - worker.spawned_at,
             )
             self.on_generation_ready(worker.generation)
-        elif kind == "started":
-            worker.job = _job_from(message["job"])
+        elif kind == "claimed":
+            for data in message["jobs"]:
+                job = _job_from(data)
+                worker.held[job.id] = job
             if self.listener is not None and self.listener.connected:
                 self.wake_idle(1)  # it found work: there may be more for an idle one
-            # CLOCK_MONOTONIC is system-wide: the child's start time is comparable.
-            worker.job_started = min(float(message.get("at", "inf")), time.monotonic())
         elif kind == "finished":
             self.on_job_finished(worker, message)
         elif kind == "exiting":
@@ -376,15 +416,16 @@ class Arbiter:
             worker.boot_error = str(message.get("msg") or "unknown error")
 
     def on_job_finished(self, worker: WorkerProc, message: dict[str, Any]) -> None:
-        worker.job = None
         self.slots.setdefault(worker.slot, Slot()).failures = 0
-        self.metrics.job_finished(
-            outcome=str(message.get("outcome")),
-            code=message.get("code"),
-            duration_s=float(message.get("duration_s") or 0.0),
-            wait_s=float(message.get("wait_s") or 0.0),
-            backend=self.config.derive.backend,
-        )
+        for file_id, outcome, code, duration_s, wait_s in message["results"]:
+            worker.held.pop(int(file_id), None)
+            self.metrics.job_finished(
+                outcome=str(outcome),
+                code=code,
+                duration_s=float(duration_s or 0.0),
+                wait_s=float(wait_s or 0.0),
+                backend=self.config.derive.backend,
+            )
 
     def on_generation_ready(self, generation: int) -> None:
         if generation == self.generation and self.previous is not None:
@@ -417,6 +458,7 @@ class Arbiter:
                 worker = self.workers.pop(pid)
                 self.read_status(worker)  # what it wrote just before dying
                 os.close(worker.status_r)
+                os.close(worker.progress_r)
                 os.close(worker.cmd_w)
                 self.on_worker_exit(worker, status)
 
@@ -442,6 +484,14 @@ class Arbiter:
                 self.metrics.worker_restarted("reload")
         else:
             self.on_crash(worker, slot, how)
+        # Whatever it still held and did not run (unstarted, or derived but never
+        # committed) goes back without burning an attempt. The job that was running when
+        # it died stays `processing`: its lease expires and the next claim counts the
+        # attempt, so a job that kills workers cannot loop.
+        running = worker.running()
+        for job in list(worker.held.values()):
+            if running is None or job.token != running[0].token:
+                self.release_job(worker, job)
 
     def on_boot_error(self, worker: WorkerProc, text: str) -> None:
         if self.previous is not None and worker.generation == self.generation:
@@ -465,10 +515,12 @@ class Arbiter:
             self.halt(Outcome(1, f"worker could not start: {text}"))
 
     def on_timeout(self, worker: WorkerProc) -> None:
-        job = worker.job
+        running = worker.running()
         self.metrics.worker_restarted("timeout")
-        if job is None:
-            return  # it finished within the grace after all
+        if running is None:
+            return  # it finished within the grace after all (on_worker_exit releases the rest)
+        job = running[0]
+        worker.held.pop(job.id, None)
         self.metrics.job_timed_out()
         q = self.config.queue
         delay = retry_delay(
@@ -496,9 +548,12 @@ class Arbiter:
         )
 
     def release(self, worker: WorkerProc) -> None:
-        job = worker.job
-        if job is None:
-            return
+        for job in list(worker.held.values()):
+            self.release_job(worker, job)
+
+    def release_job(self, worker: WorkerProc, job: Job) -> None:
+        """Fenced: a row that moved on since (committed, reclaimed) just gets `lease_lost`."""
+        worker.held.pop(job.id, None)
         released = self._db(lambda db: db.release(job))
         event(log, "job released", file_id=job.id, attempt=job.attempt, released=bool(released))
 
@@ -512,7 +567,7 @@ class Arbiter:
             slot=worker.slot,
             pid=worker.pid,
             status=how,
-            file_id=worker.job.id if worker.job else "-",
+            file_id=running[0].id if (running := worker.running()) else "-",
         )
         self.metrics.worker_restarted("crash")
         if time.monotonic() - worker.spawned_at >= HEALTHY_AFTER:
@@ -538,12 +593,15 @@ class Arbiter:
         now = time.monotonic()
         sup = self.config.supervisor
         for worker in self.workers.values():
+            if worker.held:
+                self.read_progress(worker)
+            running = worker.running()
             if worker.kill_at is not None and now >= worker.kill_at and not worker.killed:
                 self._signal_group(worker, signal.SIGKILL)
             elif (
-                worker.job is not None
+                running is not None
                 and worker.kill_reason is None
-                and now - worker.job_started >= sup.job_timeout
+                and now - running[1] >= sup.job_timeout
             ):
                 self.kill_worker(worker, "timeout", sup.kill_grace)
         if self.stop_deadline is not None and now >= self.stop_deadline:
@@ -560,8 +618,11 @@ class Arbiter:
         for worker in self.workers.values():
             if worker.kill_at is not None and not worker.killed:
                 times.append(worker.kill_at)
-            if worker.job is not None and worker.kill_reason is None:
-                times.append(worker.job_started + sup.job_timeout)
+            if worker.held and worker.kill_reason is None:
+                times.append(now + PROGRESS_POLL)  # a job start it has not read yet
+                running = worker.running()
+                if running is not None:
+                    times.append(running[1] + sup.job_timeout)
         if self.stop_deadline is not None:
             times.append(self.stop_deadline)
         times += [s.not_before for s in self.slots.values() if s.not_before > now]

@@ -48,6 +48,21 @@ class StoredVariant:
     height: int
 
 
+def _commit_row(job: Job, variants: Sequence[StoredVariant]) -> dict[str, Any]:
+    primary = variants[0] if variants else None
+    return {
+        "id": job.id,
+        "token": str(job.token),
+        "attempt": job.attempt,
+        "derived_key": primary.key if primary else None,
+        "derived_version": primary.version if primary else None,
+        "sha256": primary.sha256 if primary else None,
+        "width": primary.width if primary else None,
+        "height": primary.height if primary else None,
+        "variants": [v.__dict__ for v in variants],
+    }
+
+
 @dataclass(frozen=True)
 class QueueStats:
     counts: dict[str, int]
@@ -213,39 +228,48 @@ class QueueDB:
     # -- the lease protocol ------------------------------------------------------------
 
     def claim(self, *, lease_s: float, max_attempts: int) -> Job | None:
-        row = self._one("claim", {"lease_s": lease_s, "max_attempts": max_attempts})
-        if row is None:
-            return None
-        return Job(
-            id=row["id"],
-            token=row["lease_token"],
-            attempt=row["attempts"],
-            original_key=row["original_key"],
-            original_version=row["original_version"],
-            wait_s=max(0.0, row["wait_s"] or 0.0),
-        )
+        jobs = self.claim_many(limit=1, lease_s=lease_s, max_attempts=max_attempts)
+        return jobs[0] if jobs else None
+
+    def claim_many(self, *, limit: int, lease_s: float, max_attempts: int) -> list[Job]:
+        """Lease up to `limit` rows in one statement, in claim order; each row gets its
+        own token and lease."""
+        params = {"limit": limit, "lease_s": lease_s, "max_attempts": max_attempts}
+        rows = self._all("claim", params)
+        rows.sort(key=lambda r: (r["tier"], r["claimable_since"], r["id"]))
+        return [
+            Job(
+                id=row["id"],
+                token=row["lease_token"],
+                attempt=row["attempts"],
+                original_key=row["original_key"],
+                original_version=row["original_version"],
+                wait_s=max(0.0, row["wait_s"] or 0.0),
+            )
+            for row in rows
+        ]
 
     def register_pending(self, job: Job, keys: Sequence[str]) -> None:
         self._all("register_pending", {"id": job.id, "token": job.token, "keys": list(keys)})
 
     def commit(self, job: Job, variants: Sequence[StoredVariant]) -> bool:
         """Make the attempt's result official. False means the lease was lost."""
-        primary = variants[0] if variants else None
-        row = self._one(
+        return job.id in self.commit_many([(job, variants)])
+
+    def commit_many(self, results: Sequence[tuple[Job, Sequence[StoredVariant]]]) -> set[int]:
+        """Commit several attempts in one durable statement, each fenced on its own
+        token. Returns the ids that committed; every other one lost its lease (and got a
+        `lease_lost` event)."""
+        if not results:
+            return set()
+        rows = self._all(
             "commit",
             {
-                "id": job.id,
-                "token": job.token,
-                "attempt": job.attempt,
-                "derived_key": primary.key if primary else None,
-                "derived_version": primary.version if primary else None,
-                "sha256": primary.sha256 if primary else None,
-                "width": primary.width if primary else None,
-                "height": primary.height if primary else None,
-                "variants": json.dumps([v.__dict__ for v in variants]),
+                "jobs": json.dumps([_commit_row(j, v) for j, v in results]),
+                "ids": [j.id for j, _ in results],
             },
         )
-        return bool(row and row["committed"])
+        return {int(r["id"]) for r in rows}
 
     def fail(
         self,

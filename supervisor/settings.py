@@ -158,6 +158,11 @@ class QueueSettings:
         1.0, "seconds between polls when idle (a fallback when listen = yes)", check=positive
     )
     listen: bool = setting(True, "wake idle workers with LISTEN/NOTIFY (yes/no)")
+    claim_batch: int = setting(
+        1,
+        "rows claimed per round trip; raise for very short jobs; each row keeps its own lease",
+        check=in_range(1, 100),
+    )
 
 
 @dataclass(frozen=True)

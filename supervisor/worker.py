@@ -42,19 +42,45 @@ class JobResult:
 
 
 class WorkerHooks(Protocol):
-    """How a worker tells its supervisor what it is doing (a pipe, in prefork mode)."""
+    """How a worker tells its supervisor what it is doing (pipes, in prefork mode).
+
+    `jobs_claimed` lists every row the worker now holds (the supervisor releases them
+    if it has to kill the worker), `job_started` marks the one job that is running
+    (its wall-clock limit starts there), `jobs_finished` reports outcomes, several at a
+    time when jobs are short."""
+
+    def jobs_claimed(self, jobs: Sequence[Job]) -> None: ...
 
     def job_started(self, job: Job) -> None: ...
 
-    def job_finished(self, result: JobResult) -> None: ...
+    def jobs_finished(self, results: Sequence[JobResult]) -> None: ...
 
 
 class NoHooks:
+    def jobs_claimed(self, jobs: Sequence[Job]) -> None:
+        return None
+
     def job_started(self, job: Job) -> None:
         return None
 
-    def job_finished(self, result: JobResult) -> None:
+    def jobs_finished(self, results: Sequence[JobResult]) -> None:
         return None
+
+
+@dataclass(frozen=True)
+class _Derived:
+    """An attempt whose variants are stored, waiting for its (batched) fenced commit."""
+
+    job: Job
+    stored: list[StoredVariant]
+    started: float  # monotonic
+    duration_s: float
+
+
+# Derived results wait for a batched commit at most this long after their job started:
+# short jobs share one commit round trip, and a job that ran this long is committed
+# before the next one starts (so real image jobs never wait for another's).
+FLUSH_AFTER_S = 0.05
 
 
 class IdleWait:
@@ -104,6 +130,10 @@ class Worker:
         self.hooks: WorkerHooks = hooks or NoHooks()
         self.rng = rng or random.Random()
         self.jobs_done = 0
+        # `noop` (reads_original = False) measures the queue itself: no GET.
+        self.reads_original = bool(getattr(handler, "reads_original", True))
+        self._pending: list[_Derived] = []
+        self._unreported: list[JobResult] = []
 
     @classmethod
     def create(cls, config: Config, dsn: str, *, hooks: WorkerHooks | None = None) -> Worker:
@@ -116,11 +146,18 @@ class Worker:
     def close(self) -> None:
         self.queue.close()
 
-    # -- one job -----------------------------------------------------------------------
+    # -- one job ---------------------------------------------------------------------
 
     def claim(self) -> Job | None:
+        jobs = self.claim_many(1)
+        return jobs[0] if jobs else None
+
+    def claim_many(self, limit: int) -> list[Job]:
         q = self.config.queue
-        return self.queue.claim(lease_s=q.lease, max_attempts=q.max_attempts)
+        jobs = self.queue.claim_many(limit=limit, lease_s=q.lease, max_attempts=q.max_attempts)
+        if jobs:
+            self.hooks.jobs_claimed(jobs)
+        return jobs
 
     def run_once(self) -> JobResult | None:
         """Claim and process one job; None when nothing is claimable."""
@@ -130,34 +167,33 @@ class Worker:
         return self.process(job)
 
     def process(self, job: Job) -> JobResult:
+        """Run one claimed job and commit it at once."""
+        self._run_job(job)
+        with contextlib.suppress(DatabaseUnavailable):
+            self._commit_pending()  # on failure the attempt is reported `unknown`
+        reported = self.flush()
+        return next(r for r in reversed(reported) if r.job.id == job.id)
+
+    def _run_job(self, job: Job) -> None:
+        """Derive and store; a success waits in `_pending` for the batched commit, a
+        failure is recorded (fenced) at once."""
         started = time.monotonic()
         self.hooks.job_started(job)
-        outcome, code = self._attempt(job)
-        result = JobResult(job, outcome, code, time.monotonic() - started)
-        self.jobs_done += 1
-        event(
-            log,
-            "job finished",
-            file_id=job.id,
-            attempt=job.attempt,
-            outcome=outcome,
-            code=code or "-",
-            duration_s=result.duration_s,
-            wait_s=job.wait_s,
-            backend=self.handler.name,
-        )
-        self.hooks.job_finished(result)
-        return result
-
-    def _attempt(self, job: Job) -> tuple[str, ErrorCode | None]:
         try:
             variants = self._derive(job)
             stored = self._store(job, variants)
-            committed = self.queue.commit(job, stored)
-        except Permanent as error:
+        except Exception as error:  # classified in _failed
+            self._commit_pending()  # keep outcomes in order; fail after the earlier commits
+            outcome, code = self._failed(job, error)
+            self._finish(job, outcome, code, time.monotonic() - started)
+            return
+        self._pending.append(_Derived(job, stored, started, time.monotonic() - started))
+
+    def _failed(self, job: Job, error: Exception) -> tuple[str, ErrorCode | None]:
+        if isinstance(error, Permanent):
             log.debug("job %s rejected: %s", job.id, error, exc_info=True)
             return self._fail(job, retry=False, code=error.code), error.code
-        except Transient as error:
+        if isinstance(error, Transient):
             # The message may carry text we did not write (a plugin's, a library's): the
             # class name is what INFO and above get; the text stays at DEBUG.
             log.warning(
@@ -168,23 +204,75 @@ class Worker:
             )
             log.debug("job %s transient failure: %s", job.id, error, exc_info=True)
             return self._fail(job, retry=True, code=error.code), error.code
-        except Exception as error:  # unknown: retry, end as processing_failed
-            log.error(
-                "job %s attempt %s failed: %s",
-                job.id,
-                job.attempt,
-                type(error).__name__,
-            )
-            log.debug("job %s failure detail", job.id, exc_info=True)
-            return self._fail(job, retry=True, code="processing_failed"), "processing_failed"
-        if not committed:
-            event(log, "lease lost", logging.WARNING, file_id=job.id, attempt=job.attempt)
-            return "lease_lost", None
-        return "ready", None
+        # unknown: retry, end as processing_failed
+        log.error("job %s attempt %s failed: %s", job.id, job.attempt, type(error).__name__)
+        log.debug("job %s failure detail", job.id, exc_info=True)
+        return self._fail(job, retry=True, code="processing_failed"), "processing_failed"
+
+    def _finish(self, job: Job, outcome: str, code: ErrorCode | None, duration_s: float) -> None:
+        """One attempt's outcome: its log line now, its report with the next flush."""
+        self.jobs_done += 1
+        event(
+            log,
+            "job finished",
+            file_id=job.id,
+            attempt=job.attempt,
+            outcome=outcome,
+            code=code or "-",
+            duration_s=duration_s,
+            wait_s=job.wait_s,
+            backend=self.handler.name,
+        )
+        self._unreported.append(JobResult(job, outcome, code, duration_s))
+
+    def _commit_pending(self) -> None:
+        """One fenced commit for every derived attempt waiting; each row passes or fails
+        its own fence (a failed one gets `lease_lost`)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        try:
+            committed = self.queue.commit_many([(d.job, d.stored) for d in pending])
+        except DatabaseUnavailable:
+            # The rows stay `processing`; their leases expire and the attempts count.
+            for d in pending:
+                self._finish(d.job, "unknown", None, d.duration_s)
+            raise
+        for d in pending:
+            if d.job.id in committed:
+                self._finish(d.job, "ready", None, d.duration_s)
+            else:
+                event(log, "lease lost", logging.WARNING, file_id=d.job.id, attempt=d.job.attempt)
+                self._finish(d.job, "lease_lost", None, d.duration_s)
+
+    def flush(self) -> list[JobResult]:
+        """Commit what is pending and report every outcome not yet reported."""
+        try:
+            self._commit_pending()
+        finally:
+            reported, self._unreported = self._unreported, []
+            if reported:
+                self.hooks.jobs_finished(reported)
+        return reported
+
+    def _release_unstarted(self, jobs: Sequence[Job]) -> None:
+        """Give back claimed jobs that will not run here (stopping, or too little lease
+        left for a whole job): fenced, no attempt burned."""
+        for job in jobs:
+            try:
+                released = self.queue.release(job)
+            except DatabaseUnavailable:
+                self._finish(job, "unknown", None, 0.0)
+                continue
+            if not released:
+                event(log, "lease lost", logging.WARNING, file_id=job.id, attempt=job.attempt)
+            self._finish(job, "released" if released else "lease_lost", None, 0.0)
 
     def _derive(self, job: Job) -> list[DerivedVariant]:
         if job.original_version is None:
             raise Permanent("processing_failed", "row has no original version")
+        if not self.reads_original:
+            return self.handler.derive(b"", self.spec)
         original = self.storage.get(
             job.original_key, job.original_version, max_bytes=self.spec.max_input_bytes
         )
@@ -237,6 +325,41 @@ class Worker:
 
     # -- the loop ----------------------------------------------------------------------
 
+    def run_batch(self, should_stop: Callable[[], bool], *, max_jobs: int = 0) -> int:
+        """Claim up to `[queue] claim_batch` jobs and run them in claim order; returns how
+        many were claimed. A job is only started while its lease still covers a whole
+        job (job_timeout + kill_grace, counted from before the claim was sent); stopping
+        or running out of lease releases the rest at once."""
+        q, sup = self.config.queue, self.config.supervisor
+        limit = q.claim_batch
+        if max_jobs:
+            limit = max(1, min(limit, max_jobs - self.jobs_done))
+        sent = time.monotonic()
+        jobs = self.claim_many(limit)
+        latest_start = sent + q.lease - (sup.job_timeout + sup.kill_grace)
+        started = 0
+        try:
+            for job in jobs:
+                now = time.monotonic()
+                # The first job starts right after its claim, as with claim_batch = 1
+                # (a lease shorter than a job, which the config check refuses, must not
+                # turn into claim-release forever).
+                if should_stop() or (started and now > latest_start):
+                    break
+                if self._pending and now - self._pending[0].started >= FLUSH_AFTER_S:
+                    self.flush()
+                self._run_job(job)
+                started += 1
+            self._commit_pending()
+            self._release_unstarted(jobs[started:])
+        except DatabaseUnavailable:
+            for job in jobs[started:]:
+                self._finish(job, "unknown", None, 0.0)
+            raise
+        finally:
+            self.flush()
+        return len(jobs)
+
     def run(
         self,
         should_stop: Callable[[], bool],
@@ -251,12 +374,12 @@ class Worker:
             if max_jobs and self.jobs_done >= max_jobs:
                 return "max_jobs"
             try:
-                result = self.run_once()
+                claimed = self.run_batch(should_stop, max_jobs=max_jobs)
             except DatabaseUnavailable as error:
                 log.warning("%s; retrying in %.1fs", error, self.config.queue.poll_interval)
                 idle.wait(self.config.queue.poll_interval)
                 continue
-            if result is None:
+            if not claimed:
                 if self.reject_exhausted():
                     continue
                 if burst:

@@ -559,14 +559,15 @@ def test_delete_while_processing_late_commit_changes_nothing_and_sweep_removes_a
     worker_cleanup.append(worker)
     job = worker.claim()
     assert job is not None
-    real_commit = worker.queue.commit
+    real_commit = worker.queue.commit_many
     commits: list[bool] = []
 
-    def recording_commit(*args: Any, **kwargs: Any) -> bool:
-        commits.append(real_commit(*args, **kwargs))
-        return commits[-1]
+    def recording_commit(results: Any) -> set[int]:
+        committed = real_commit(results)
+        commits.extend(job.id in committed for job, _ in results)
+        return committed
 
-    worker.queue.commit = recording_commit  # type: ignore[method-assign]
+    worker.queue.commit_many = recording_commit  # type: ignore[method-assign]
     assert worker.process(job).outcome == "lease_lost"
     assert commits == [False]
     deleting = row(dsn, file_id)

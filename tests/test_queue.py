@@ -204,3 +204,59 @@ def test_claim_time_comes_from_the_database(queue: QueueDB) -> None:
     lease = (row["lease_until"] - row["claimed_at"]).total_seconds()
     assert lease == pytest.approx(120, abs=0.001)
     assert row["claimed_at"] > before
+
+
+# ----------------------------------------------------------------- batched claim / commit
+
+
+def test_batch_claim_gives_each_row_its_own_token_and_lease(queue: QueueDB) -> None:
+    ids = queue.enqueue([(f"originals/{n}", "1") for n in range(5)])
+    jobs = queue.claim_many(limit=3, lease_s=LONG, max_attempts=3)
+    assert [j.id for j in jobs] == ids[:3]  # oldest due rows, in claim order
+    assert len({j.token for j in jobs}) == 3
+    for job in jobs:
+        row = queue.file_row(job.id)
+        assert row is not None
+        assert (row["status"], row["lease_token"], row["attempts"]) == ("processing", job.token, 1)
+        assert row["lease_until"] > row["claimed_at"]
+    rest = queue.claim_many(limit=10, lease_s=LONG, max_attempts=3)
+    assert [j.id for j in rest] == ids[3:]
+    assert queue.claim_many(limit=10, lease_s=LONG, max_attempts=3) == []
+
+
+def test_batch_claim_takes_expired_leases_first(queue: QueueDB) -> None:
+    first, second, third = queue.enqueue([(f"originals/{n}", "1") for n in range(3)])
+    [stale] = queue.claim_many(limit=1, lease_s=LONG, max_attempts=3)
+    assert stale.id == first
+    expire_lease(queue, first)
+    jobs = queue.claim_many(limit=2, lease_s=LONG, max_attempts=3)
+    assert [(j.id, j.attempt) for j in jobs] == [(first, 2), (second, 1)]
+    assert jobs[0].token != stale.token
+    row = queue.file_row(third)
+    assert row is not None and row["status"] == "queued"
+
+
+def test_batched_commit_is_fenced_per_row(queue: QueueDB) -> None:
+    a, b, c = queue.enqueue([(f"originals/{n}", "1") for n in range(3)])
+    jobs = queue.claim_many(limit=3, lease_s=LONG, max_attempts=3)
+    assert [j.id for j in jobs] == [a, b, c]
+    expire_lease(queue, b)
+    [thief] = queue.claim_many(limit=1, lease_s=LONG, max_attempts=3)  # b's lease, stolen
+    assert thief.id == b
+    committed = queue.commit_many(
+        [(job, [variant(key=f"derived/{job.id}/{job.token}/preview.webp")]) for job in jobs]
+    )
+    assert committed == {a, c}
+    for file_id in (a, c):
+        row = queue.file_row(file_id)
+        assert row is not None and row["status"] == "ready" and row["lease_token"] is None
+        assert row["derived_key"].startswith(f"derived/{file_id}/")
+        assert events(queue, file_id) == [("ready", 1)]
+        assert [v.name for v in queue.file_variants(file_id)] == ["preview"]
+    row = queue.file_row(b)
+    assert row is not None
+    assert (row["status"], row["lease_token"]) == ("processing", thief.token)
+    assert events(queue, b) == [("lease_lost", 1)]
+    assert queue.file_variants(b) == []
+    # The thief's own commit still passes its fence.
+    assert queue.commit_many([(thief, [])]) == {b}

@@ -492,3 +492,70 @@ def test_job_timeout_must_stay_below_lease(tmp_path: Path) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# ------------------------------------------------------------- claim_batch > 1 (issue 7)
+
+BATCH = {"queue": {"claim_batch": "5"}}
+
+
+def kinds(sup: Supervisor, file_id: int) -> list[str]:
+    return [kind for kind, _, _ in sup.events(file_id)]
+
+
+def test_batch_sigkill_worker_releases_unstarted_and_reclaims_running(
+    supervisor: Callable[..., Supervisor], tmp_path: Path
+) -> None:
+    sup = supervisor(**BATCH).start()
+    first, *rest = sup.enqueue(f"hang-once {tmp_path / 'marker'}", "ok", "ok")
+    victim = wait_for(lambda: sup.worker_on_job(first), "a worker on the first job")
+    os.kill(victim, signal.SIGKILL)
+    for file_id in (first, *rest):
+        wait_for(lambda f=file_id: sup.status_is(f, "ready"), f"file {file_id} ready")
+    # The job that was running when the worker died burned its attempt (reclaimed after
+    # its lease); the ones it held but had not started went back at once, unburned.
+    assert sup.row(first)["attempts"] == 2
+    assert "released" not in kinds(sup, first)
+    for file_id in rest:
+        assert sup.row(file_id)["attempts"] == 1
+        assert kinds(sup, file_id) == ["released", "ready"]
+    assert "worker died" in sup.log()
+    assert processing_rows(sup.dsn) == 0
+
+
+def test_batch_timeout_fails_running_job_and_releases_the_rest(
+    supervisor: Callable[..., Supervisor],
+) -> None:
+    sup = supervisor(
+        queue={"claim_batch": "5", "lease": "30", "retry_base": "30", "retry_max": "30"},
+        supervisor={"job_timeout": "1", "kill_grace": "0.5"},
+    ).start()
+    hung, *rest = sup.enqueue("hang", "ok", "ok", "ok")
+    wait_for(lambda: sup.worker_on_job(hung), "a worker on the hanging job")
+    row = wait_for(lambda: sup.status_is(hung, "queued"), "the timeout recorded", timeout=20)
+    assert row["attempts"] == 1 and row["lease_token"] is None
+    assert sorted(kinds(sup, hung)) == ["retry", "timeout"]
+    for file_id in rest:
+        row = wait_for(lambda f=file_id: sup.status_is(f, "ready"), f"file {file_id} ready")
+        assert row["attempts"] == 1  # released by the supervisor, not burned
+        assert kinds(sup, file_id) == ["released", "ready"]
+    assert "job timed out" in sup.log()
+
+
+def test_batch_sigterm_releases_unstarted_jobs_at_once(
+    supervisor: Callable[..., Supervisor],
+) -> None:
+    sup = supervisor(
+        queue={"claim_batch": "5", "lease": "30"},
+        supervisor={"job_timeout": "10", "shutdown_grace": "20"},
+    ).start()
+    running, *rest = sup.enqueue("sleep 2", "ok", "ok", "ok")
+    wait_for(lambda: sup.worker_on_job(running), "a worker on the first job")
+    sup.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert sup.wait_exit() == 0
+    assert sup.row(running)["status"] == "ready"
+    for file_id in rest:
+        row = sup.row(file_id)
+        assert (row["status"], row["attempts"], row["lease_token"]) == ("queued", 0, None)
+        assert kinds(sup, file_id) == ["released"]
+    assert processing_rows(sup.dsn) == 0
