@@ -204,8 +204,15 @@ def main() -> None:
         "--claim-batch",
         type=int,
         nargs="+",
-        default=[1, 10],
-        help="derivd [queue] claim_batch values to run (10 is pgqueuer's batch)",
+        default=[1, 10, 50],
+        help="derivd [queue] claim_batch values to run",
+    )
+    parser.add_argument(
+        "--pgqueuer-batch",
+        type=int,
+        nargs="+",
+        default=[10, 50],
+        help="pgqueuer batch sizes to run (10 is the issue's reference)",
     )
     args = parser.parse_args()
     if not args.no_peers:
@@ -220,8 +227,9 @@ def main() -> None:
                 runs.append(run_derivd(pg, args.jobs, n, work, batch))
             if args.no_peers:
                 continue
-            print(f"pgqueuer, {n} processes ...", file=sys.stderr, flush=True)
-            runs.append(run_peer(pg, "pgqueuer", args.jobs, n, ("--batch", 10)))
+            for batch in args.pgqueuer_batch:
+                print(f"pgqueuer, {n} processes, batch {batch} ...", file=sys.stderr, flush=True)
+                runs.append(run_peer(pg, "pgqueuer", args.jobs, n, ("--batch", batch)))
             print(f"procrastinate, {n} processes ...", file=sys.stderr, flush=True)
             runs.append(run_peer(pg, "procrastinate", args.jobs, n, ("--concurrency", 10)))
         lines = machine(pg.dsn(), None if args.no_peers else str(PEERS_PYTHON))
@@ -229,7 +237,7 @@ def main() -> None:
     print("\n".join(lines))
     print(
         f"{args.jobs:,} no-op jobs per run, one embedded PostgreSQL (fsync on), a fresh "
-        "database per run; pgqueuer: drain mode, batch 10, asyncpg, no concurrency cap; "
+        "database per run; pgqueuer: drain mode, asyncpg, no concurrency cap; "
         "procrastinate: wait=False, async task, listen_notify on; derivd: `derivd run "
         "--burst`, noop backend (no GET: noop measures the queue itself), listen = yes, "
         "default logging (info, one line per job); derivd / this: derivd's best row at "
