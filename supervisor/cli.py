@@ -142,7 +142,11 @@ def migrate(state: State) -> None:
 def enqueue(state: State, paths: tuple[Path, ...], quiet: bool) -> None:
     """Upload originals (files, or directories walked recursively) and queue them.
 
-    Prints one line per file: the new row id and the path.
+    Does what an upload API does: stores each file under a generated key
+    (originals/<random id>; the file name is never used as a key), records the version
+    the store confirmed, and inserts the row as `queued` (in batches). Hidden files are
+    skipped. Prints one line per file: the new row id and the path; then run
+    `derivd run` (or let a running one pick them up) and watch `derivd status`.
     """
     from supervisor.enqueue import expand_paths, upload_and_queue
     from supervisor.queue import QueueDB
