@@ -19,6 +19,7 @@ from supervisor.queue import QueueDB
 from supervisor.runtime import database
 from supervisor.settings import Config
 from supervisor.storage import open_storage
+from supervisor.storage_fs import FsStorage
 
 
 def _gradient(width: int, height: int, seed: int, mode: str = "RGB") -> Image.Image:
@@ -138,5 +139,10 @@ def run_demo(config: Config, *, count: int) -> int:
         if config.storage.backend == "fs"
         else f"WebP files: s3://{config.storage.bucket}/{config.storage.prefix}derived/"
     )
+    example = next((row for row in rows if row and row["derived_key"]), None)
+    if example is not None and isinstance(storage, FsStorage):
+        # The fs store keeps versions as <key>.versions/<version id>: show one for real.
+        path = storage.path_of(example["derived_key"], example["derived_version"])
+        click.echo(f"  e.g. {path}")
     unfinished = len(statuses) - ready - len(rejected)
     return code if unfinished == 0 else 1

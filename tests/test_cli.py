@@ -99,3 +99,19 @@ def test_enqueue_then_burst_run_makes_everything_final(
             "SELECT status, error_code FROM archive_files ORDER BY id").fetchall()
     assert sorted(rows, key=str) == sorted(
         [("ready", None), ("ready", None), ("rejected", "unsupported_content")], key=str)
+
+
+def test_demo_processes_its_samples_and_shows_a_real_webp(
+    run_cli: RunCli, dsn: str, tmp_path: Path
+) -> None:
+    env = fs_env(dsn, tmp_path / "store", DERIVD_SUPERVISOR_STATE_DIR=str(tmp_path / "state"),
+                 DERIVD_SUPERVISOR_WORKERS="2")
+    result = run_cli("demo", "--count", "3", env=env, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "ready: 3  rejected: 2  other: 0" in result.stdout
+    assert "rejected bad-truncated.jpg: corrupt_content" in result.stdout
+    assert "rejected bad-not-an-image.jpg: unsupported_content" in result.stdout
+    example = Path(result.stdout.split("e.g. ")[1].strip())
+    assert example.is_relative_to(tmp_path / "store")
+    with Image.open(example) as im:
+        assert im.format == "WEBP" and max(im.size) <= 1600
