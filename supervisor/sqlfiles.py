@@ -23,8 +23,18 @@ def parse_blocks(text: str) -> dict[str, str]:
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
         if name in blocks:
             raise ValueError(f"duplicate query name {name!r} in sql/queries.sql")
-        blocks[name] = body.strip()
+        blocks[name] = _without_header(body)
     return blocks
+
+
+def _without_header(body: str) -> str:
+    """The query without its leading description comments: they are for people reading
+    sql/queries.sql, not for the server (pg_stat_activity then shows the statement, not
+    the first 1 kB of its documentation)."""
+    lines = body.strip().splitlines()
+    while lines and lines[0].lstrip().startswith("--"):
+        lines.pop(0)
+    return "\n".join(lines).strip()
 
 
 @cache

@@ -380,7 +380,10 @@ class Worker:
                 idle.wait(self.config.queue.poll_interval)
                 continue
             if not claimed:
-                if self.reject_exhausted():
+                # Before calling the queue drained, end rows whose worker died on their
+                # last attempt. A long-running fleet leaves that to the supervisor's
+                # maintenance, so an idle worker costs one claim per poll and no more.
+                if burst and self.reject_exhausted():
                     continue
                 if burst:
                     return "drained"

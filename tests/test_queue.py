@@ -260,3 +260,16 @@ def test_batched_commit_is_fenced_per_row(queue: QueueDB) -> None:
     assert queue.file_variants(b) == []
     # The thief's own commit still passes its fence.
     assert queue.commit_many([(thief, [])]) == {b}
+
+
+def test_query_blocks_lose_their_description_but_keep_inline_comments() -> None:
+    from supervisor.sqlfiles import parse_blocks, queries
+
+    blocks = parse_blocks(
+        "-- name: one\n-- what it is for\n-- more words\nSELECT 1 -- why\n  FROM t;\n"
+        "-- name: two\nSELECT 2;\n"
+    )
+    assert blocks == {"one": "SELECT 1 -- why\n  FROM t;", "two": "SELECT 2;"}
+    assert all(not q.startswith("--") for q in queries().values())
+    with pytest.raises(ValueError, match="duplicate"):
+        parse_blocks("-- name: a\nSELECT 1;\n-- name: a\nSELECT 2;\n")
