@@ -14,23 +14,21 @@ reloads the configuration, SIGCHLD just wakes the loop so it reaps at once.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
 import select
 import signal
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from supervisor.backoff import retry_delay
-from supervisor.child import EXIT_BOOT_ERROR, PROGRESS, WAKE, ChildSpec, run_child
+from supervisor.child import EXIT_BOOT_ERROR, WAKE, ChildSpec, run_child
 from supervisor.logs import event
 from supervisor.metrics import Metrics
 from supervisor.procutil import (
@@ -43,6 +41,7 @@ from supervisor.procutil import (
 from supervisor.queue import DatabaseUnavailable, Job, QueueDB, QueueListener
 from supervisor.settings import Config, ConfigError, load_config
 from supervisor.sweeper_proc import SweepProcess
+from supervisor.workerproc import WorkerProc, exit_text, job_from_message
 
 log = logging.getLogger("derivd.supervisor")
 
@@ -54,41 +53,6 @@ LOOP_MAX_SLEEP = 1.0
 # wake the parent) at least this often: a deadline is enforced at most this late.
 PROGRESS_POLL = 0.2
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)
-
-
-@dataclass
-class WorkerProc:
-    """What the parent knows about one child (rq's WorkerData, with its jobs on it)."""
-
-    pid: int
-    slot: int
-    generation: int
-    status_r: int
-    progress_r: int
-    cmd_w: int
-    spawned_at: float
-    ready: bool = False
-    held: dict[int, Job] = field(default_factory=dict)  # claimed, no outcome yet
-    last_start: tuple[uuid.UUID, float] | None = None  # token, monotonic start
-    progress_buffer: bytes = b""
-    stop_sent: bool = False
-    kill_reason: str | None = None  # timeout | shutdown | aborted
-    kill_at: float | None = None  # when SIGTERM escalates to SIGKILL
-    killed: bool = False
-    exit_reason: str | None = None  # from the child's "exiting" message
-    boot_error: str | None = None
-    eof: bool = False
-    buffer: bytes = b""
-
-    def running(self) -> tuple[Job, float] | None:
-        """The job the child last started, with its start time, while it holds it."""
-        if self.last_start is None:
-            return None
-        token, started = self.last_start
-        for job in self.held.values():
-            if job.token == token:
-                return job, started
-        return None
 
 
 @dataclass
@@ -109,23 +73,6 @@ class Timers:
     maintenance: float = 0.0
     stats: float = 0.0
     watchdog: float = 0.0
-
-
-def _job_from(data: dict[str, Any]) -> Job:
-    return Job(
-        id=int(data["id"]),
-        token=uuid.UUID(data["token"]),
-        attempt=int(data["attempt"]),
-        original_key=str(data.get("original_key") or ""),
-        original_version=data.get("original_version"),
-        wait_s=float(data.get("wait_s") or 0.0),
-    )
-
-
-def _exit_text(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
-    return f"exit {os.waitstatus_to_exitcode(status)}"
 
 
 class Arbiter:
@@ -333,7 +280,7 @@ class Arbiter:
     def on_notify(self) -> None:
         """Rows entered `queued`: wake one idle worker per notification. Notifications of
         one transaction fold into one, so a bulk enqueue wakes one worker; each worker
-        that then finds a job wakes the next idle one (on_message, "claimed")."""
+        that then finds a job wakes the next idle one (dispatch, "claimed")."""
         assert self.listener is not None
         count = self.listener.drain()
         if count:
@@ -347,47 +294,13 @@ class Arbiter:
     # -- messages from children --------------------------------------------------------
 
     def read_status(self, worker: WorkerProc) -> None:
-        while True:
+        """Everything the child has said so far, in order, then its latest job start."""
+        for message in worker.read_messages():
             try:
-                chunk = os.read(worker.status_r, 65536)
-            except (BlockingIOError, InterruptedError):
-                break
-            if not chunk:
-                worker.eof = True
-                break
-            worker.buffer += chunk
-        *lines, worker.buffer = worker.buffer.split(b"\n")
-        for line in lines:
-            if line:
-                self.on_message(worker, line)
-        self.read_progress(worker)
-
-    def read_progress(self, worker: WorkerProc) -> None:
-        """The latest job start the child recorded. It is matched against the jobs held
-        by token whenever it is needed (`WorkerProc.running`), so the order in which the
-        two pipes are read does not matter."""
-        while True:
-            try:
-                chunk = os.read(worker.progress_r, 65536)
-            except (BlockingIOError, InterruptedError):
-                break
-            if not chunk:
-                break
-            worker.progress_buffer += chunk
-        size = PROGRESS.size
-        whole = len(worker.progress_buffer) // size * size
-        if whole:
-            token, started = PROGRESS.unpack_from(worker.progress_buffer, whole - size)
-            # CLOCK_MONOTONIC is system-wide: the child's start time is comparable.
-            worker.last_start = (uuid.UUID(bytes=token), min(started, time.monotonic()))
-            worker.progress_buffer = worker.progress_buffer[whole:]
-
-    def on_message(self, worker: WorkerProc, line: bytes) -> None:
-        try:
-            message: dict[str, Any] = json.loads(line)
-            self.dispatch(worker, message)
-        except (ValueError, KeyError, TypeError):
-            log.warning("worker %s sent an unreadable status line", worker.slot)
+                self.dispatch(worker, message)
+            except (ValueError, KeyError, TypeError):
+                log.warning("worker %s sent an unreadable status line", worker.slot)
+        worker.read_progress()
 
     def dispatch(self, worker: WorkerProc, message: dict[str, Any]) -> None:
         kind = message.get("t")
@@ -404,7 +317,7 @@ class Arbiter:
             self.on_generation_ready(worker.generation)
         elif kind == "claimed":
             for data in message["jobs"]:
-                job = _job_from(data)
+                job = job_from_message(data)
                 worker.held[job.id] = job
             if self.listener is not None and self.listener.connected:
                 self.wake_idle(1)  # it found work: there may be more for an idle one
@@ -464,7 +377,7 @@ class Arbiter:
 
     def on_worker_exit(self, worker: WorkerProc, status: int) -> None:
         slot = self.slots.setdefault(worker.slot, Slot())
-        how = _exit_text(status)
+        how = exit_text(status)
         code = os.waitstatus_to_exitcode(status)
         if worker.boot_error is not None or (code == EXIT_BOOT_ERROR and not worker.ready):
             self.on_boot_error(worker, worker.boot_error or how)
@@ -594,7 +507,7 @@ class Arbiter:
         sup = self.config.supervisor
         for worker in self.workers.values():
             if worker.held:
-                self.read_progress(worker)
+                worker.read_progress()
             running = worker.running()
             if worker.kill_at is not None and now >= worker.kill_at and not worker.killed:
                 self._signal_group(worker, signal.SIGKILL)
