@@ -14,12 +14,16 @@ from supervisor.runtime import database
 from supervisor.settings import Config
 
 
-def run_daemon(config: Config, *, burst: bool = False) -> int:
+def run_daemon(config: Config, *, burst: bool = False, dsn: str | None = None) -> int:
     """Run until stopped (or, with `burst`, until the queue is drained). Returns the exit
     status: 0 after a clean stop; non-zero with one line on stderr when a worker could
-    not start (bad configuration, database unreachable, missing library)."""
-    with database(config) as dsn:
+    not start (bad configuration, database unreachable, missing library). A caller that
+    already holds the database (`derivd demo`) passes its `dsn`."""
+    if dsn is not None:
         outcome = Arbiter(config, dsn, burst=burst).run()
+    else:
+        with database(config) as opened:
+            outcome = Arbiter(config, opened, burst=burst).run()
     if outcome.message:
         sys.stderr.write(f"derivd: {outcome.message}\n")
         sys.stderr.flush()

@@ -112,7 +112,7 @@ def run_demo(config: Config, *, count: int) -> int:
         progress.start()
         quiet_job_logs()
         started = time.monotonic()
-        code = run_daemon(config, burst=True)
+        code = run_daemon(config, burst=True, dsn=dsn)
         elapsed = time.monotonic() - started
         progress.finished.set()
         progress.join()

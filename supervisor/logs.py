@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-_CONFIGURED = False
 _SECRETS: set[str] = set()
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "PGPASSWORD")
 _PRESIGNED = re.compile(
@@ -117,7 +116,6 @@ def setup_logging(
 
     `secrets` (e.g. the DSN's password) and the credentials in the environment are
     redacted from every line from now on."""
-    global _CONFIGURED
     env = os.environ if env is None else env
     for value in (*secrets, *(env.get(name) for name in _SECRET_ENV)):
         register_secret(value)
@@ -133,7 +131,6 @@ def setup_logging(
     # libvips reports every decode problem of user content as a warning; the job's outcome
     # line already says `corrupt_content`, and the detail is user-controlled text.
     logging.getLogger("pyvips").setLevel(logging.ERROR)
-    _CONFIGURED = True
 
 
 def event(logger: logging.Logger, message: str, level: int = logging.INFO, **fields: Any) -> None:

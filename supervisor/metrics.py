@@ -22,7 +22,7 @@ from prometheus_client import (
 from prometheus_client.exposition import generate_latest, start_http_server
 
 from supervisor.queue import QueueStats
-from supervisor.settings import ConfigError, Problem
+from supervisor.settings import ConfigError, Problem, split_host_port
 
 # `*_created` series double the page and no dashboard uses them (process-wide switch; the
 # supervisor has no other Prometheus user).
@@ -183,13 +183,6 @@ class Metrics:
         """The listening socket, which a forked child must close (see spawn_worker)."""
         return self._server.socket.fileno() if self._server is not None else None
 
-    def after_fork_in_child(self) -> None:
-        """Call in a forked child: drop the inherited listening socket (the serving
-        thread did not survive the fork, and the child must not keep the port bound)."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.socket.close()
-
     def render(self) -> bytes:
         """The exposition text, as a scrape would see it."""
         return generate_latest(self.registry)
@@ -200,7 +193,7 @@ class Metrics:
 
 def split_listen(listen: str) -> tuple[str, int]:
     """`host:port` (IPv6 as `[::1]:9464`) -> (host, port)."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError([Problem("startup", "metrics", "listen", f"{listen!r} is not host:port")])
-    return host.strip("[]") or "0.0.0.0", int(port)
+    try:
+        return split_host_port(listen)
+    except ValueError as error:
+        raise ConfigError([Problem("startup", "metrics", "listen", str(error))]) from None

@@ -49,11 +49,23 @@ def in_range(low: int, high: int) -> Check:
     return check
 
 
+def split_host_port(value: str) -> tuple[str, int]:
+    """`host:port` (IPv6 as `[::1]:9464`; an empty host means every interface) ->
+    (host, port). ValueError when it is not of that form."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{value!r} is not host:port")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
 def host_port(value: str) -> str | None:
     if not value:
         return None
-    _host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    try:
+        _host, port = split_host_port(value)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
         return "must be host:port (e.g. 127.0.0.1:9464), or empty for off"
     return None
 
