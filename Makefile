@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 CONFIG ?= etc/derivd.ini
 PYTEST_WORKERS ?= 2
 
-.PHONY: install run test lint typecheck unit chaos bench clean system-deps
+.PHONY: install run test pytest test-unit test-integration test-acceptance lint typecheck chaos bench clean system-deps
 
 # PostgreSQL server binaries are the one thing pip cannot bring; install them when absent
 # and we may (root with apt-get), otherwise say what to install.
@@ -20,10 +20,19 @@ system-deps:
 	  fi; \
 	fi
 
-$(STAMP): setup.cfg pyproject.toml
-	$(PY) -m venv $(VENV)
+# The folders supervisor/, handlers/ and sql/ install as derivd, derivd.handlers and
+# derivd.sql (setup.cfg's package_dir). A strict editable install links every file into
+# build/__editable__.*/derivd, a plain directory that mypy and pytest read like any other;
+# adding or removing a file changes $(SOURCES) and so reinstalls.
+SOURCES := $(VENV)/.sources
+$(shell mkdir -p $(VENV) && find supervisor handlers sql \( -name '*.py' -o -name '*.sql' -o -name py.typed \) \
+    | LC_ALL=C sort > $(SOURCES).new && (cmp -s $(SOURCES).new $(SOURCES) || mv $(SOURCES).new $(SOURCES)))
+
+$(STAMP): setup.cfg pyproject.toml $(SOURCES)
+	[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
-	$(BIN)/pip install -q -e '.[test]'
+	rm -rf build/__editable__.derivd-*
+	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=strict
 	touch $(STAMP)
 
 install: system-deps $(STAMP)
@@ -35,19 +44,27 @@ lint: install
 	$(BIN)/ruff check .
 
 typecheck: install
-	$(BIN)/mypy supervisor handlers
+	MYPYPATH="$$(echo build/__editable__.derivd-*)" $(BIN)/mypy -p derivd
 
-unit: install
+pytest: install
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) tests
 
-test: lint typecheck unit
+# Each tier alone; `make test` runs them all in one pytest session.
+test-unit: install
+	DERIVD_TEST_TIER=unit $(BIN)/pytest -q -n $(PYTEST_WORKERS) -m unit tests
+test-integration: install
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m integration tests
+test-acceptance: install
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m acceptance tests
+
+test: lint typecheck pytest
 
 chaos: install
 	$(BIN)/python bench/chaos.py --full
 
 bench: install
 	$(BIN)/python bench/derive.py
-	$(BIN)/python bench/queue.py
+	$(BIN)/python bench/queue_peers.py
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/claim_scale.py
 

@@ -60,10 +60,10 @@ from fixtures.s3 import (
     aws_test_env,
 )
 
-from supervisor.pgcluster import EmbeddedCluster
-from supervisor.procutil import children_of
-from supervisor.queue import QueueDB, migrate
-from supervisor.storage import new_original_key
+from derivd.embedded.pgcluster import EmbeddedCluster
+from derivd.processes.procutil import children_of
+from derivd.queue.db import QueueDB, migrate
+from derivd.storage.base import new_original_key
 
 DERIVD = Path(sys.executable).parent / "derivd"
 LEASE_S = 8.0

@@ -16,8 +16,8 @@ import time
 import psycopg
 from common import cluster, fresh_db, machine, percentile, table
 
-from supervisor.queue import QueueDB
-from supervisor.sqlfiles import queries
+from derivd.queue.db import QueueDB
+from derivd.queue.sqlfiles import queries
 
 SEED = """
 INSERT INTO archive_files (status, original_key, original_version, derived_key,

@@ -18,8 +18,8 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from supervisor.pgcluster import EmbeddedCluster  # noqa: E402
-from supervisor.queue import migrate  # noqa: E402
+from derivd.embedded.pgcluster import EmbeddedCluster  # noqa: E402
+from derivd.queue.db import migrate  # noqa: E402
 
 
 @contextmanager

@@ -64,8 +64,8 @@ def make_inputs(directory: Path) -> list[tuple[str, Path]]:
 
 
 def _handler(backend: str) -> Callable[[bytes], object]:
-    from handlers.base import DeriveSpec, VariantSpec
-    from handlers.registry import create_handler
+    from derivd.handlers.base import DeriveSpec, VariantSpec
+    from derivd.handlers.registry import create_handler
 
     spec = DeriveSpec(
         variants=tuple(VariantSpec(n, e) for n, e in VARIANTS),

@@ -23,8 +23,8 @@ from pathlib import Path
 import psycopg
 from common import ROOT, cluster, fresh_db, machine, percentile, table
 
-from supervisor.pgcluster import EmbeddedCluster
-from supervisor.storage_fs import FsStorage
+from derivd.embedded.pgcluster import EmbeddedCluster
+from derivd.storage.fs import FsStorage
 
 DERIVD = Path(sys.executable).parent / "derivd"
 

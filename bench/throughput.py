@@ -8,7 +8,7 @@ an fs store (the noop backend skips the GET: it measures the queue itself). The 
 in their own virtual environment (bench/.peers-venv, created here on first use) through
 bench/peers/*.py.
 
-    .venv/bin/python bench/queue.py [--jobs 20000] [--workers 2 4] [--no-peers]
+    .venv/bin/python bench/queue_peers.py [--jobs 20000] [--workers 2 4] [--no-peers]
 
 "drain s" is the time from the first claim to the last finish: for derivd from the rows'
 claimed_at/finished_at (database clock), for the peers from just before their run call
@@ -31,8 +31,8 @@ from pathlib import Path
 import psycopg
 from common import ROOT, cluster, fresh_db, machine, table
 
-from supervisor.pgcluster import EmbeddedCluster
-from supervisor.storage_fs import FsStorage
+from derivd.embedded.pgcluster import EmbeddedCluster
+from derivd.storage.fs import FsStorage
 
 BENCH = ROOT / "bench"
 PEERS_VENV = BENCH / ".peers-venv"

@@ -2,7 +2,7 @@
 
 A handler is created once per worker process, after fork, and then called once per
 job with the original's bytes. It returns one `DerivedVariant` per configured variant,
-in the configured order, or raises an outcome from `supervisor.outcomes`:
+in the configured order, or raises an outcome from `derivd.errors`:
 `UnsupportedContent`, `CorruptContent`, `ResourceLimit` (permanent) or `Transient`.
 """
 
@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
-from supervisor.outcomes import (  # re-exported for third-party handlers
+from derivd.errors import (  # re-exported for third-party handlers
     CorruptContent,
     Permanent,
     ResourceLimit,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from handlers.base import DerivedVariant, DeriveSpec
+from derivd.handlers.base import DerivedVariant, DeriveSpec
 
 
 class NoopHandler:

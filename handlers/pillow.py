@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 from PIL import Image, ImageCms, ImageFile, ImageOps, UnidentifiedImageError
 
-from handlers.base import (
+from derivd.handlers.base import (
     CorruptContent,
     DerivedVariant,
     DeriveSpec,
@@ -30,7 +30,7 @@ from handlers.base import (
     check_input_size,
     target_size,
 )
-from handlers.sniff import accepted_format, png_chunks_intact
+from derivd.handlers.sniff import accepted_format, png_chunks_intact
 
 # Pillow plugin ids. MPO (a JPEG with a multi-picture index) comes in through the JPEG
 # plugin, which returns an MpoImageFile: it is not an id of its own.

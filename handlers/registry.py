@@ -12,15 +12,15 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from handlers.base import DeriveSpec, Handler
+from derivd.handlers.base import DeriveSpec, Handler
 
 ENTRY_POINT_GROUP = "derivd.handlers"
 _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 BUILTIN: dict[str, str] = {
-    "vips": "handlers.vips:VipsHandler",
-    "pillow": "handlers.pillow:PillowHandler",
-    "noop": "handlers.noop:NoopHandler",
+    "vips": "derivd.handlers.vips:VipsHandler",
+    "pillow": "derivd.handlers.pillow:PillowHandler",
+    "noop": "derivd.handlers.noop:NoopHandler",
 }
 
 

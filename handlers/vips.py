@@ -18,7 +18,7 @@ from typing import Any
 
 import pyvips
 
-from handlers.base import (
+from derivd.handlers.base import (
     CorruptContent,
     DerivedVariant,
     DeriveSpec,
@@ -27,7 +27,7 @@ from handlers.base import (
     check_input_size,
     target_size,
 )
-from handlers.sniff import accepted_format, gif_screen
+from derivd.handlers.sniff import accepted_format, gif_screen
 
 # The loaders we accept, by nickname (what find_load_buffer reports), and the loader class
 # families to leave unblocked. Everything else libvips could read (svg, matrix, csv, vips,

@@ -12,9 +12,9 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from supervisor import __version__
-from supervisor.outcomes import ERROR_CODES
-from supervisor.settings import DEFAULT_CONFIG, Config, ConfigError, load_config, render_ini
+from derivd import __version__
+from derivd.config import DEFAULT_CONFIG, Config, ConfigError, load_config, render_ini
+from derivd.errors import ERROR_CODES
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -29,9 +29,9 @@ def friendly_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from supervisor.outcomes import Transient
-        from supervisor.pgcluster import EmbeddedClusterError, PostgresNotFound
-        from supervisor.storage import StorageConfigError
+        from derivd.embedded.pgcluster import EmbeddedClusterError, PostgresNotFound
+        from derivd.errors import Transient
+        from derivd.storage.base import StorageConfigError
 
         try:
             return fn(*args, **kwargs)
@@ -54,7 +54,7 @@ class State:
     def config(self) -> Config:
         if self._config is None:
             self._config = load_config(self.config_path, required=self.explicit)
-            from supervisor.logs import dsn_password, setup_logging
+            from derivd.ops.logs import dsn_password, setup_logging
 
             setup_logging(
                 self.log_level or self._config.logging.level,
@@ -113,7 +113,7 @@ def run(state: State, burst: bool, workers: int | None) -> None:
                        without burning an attempt. A second signal does that at once.
     SIGHUP             re-read the config file and replace the workers gracefully.
     """
-    from supervisor.daemon import run_daemon
+    from derivd.processes.daemon import run_daemon
 
     if workers:
         # Through the environment, so that a SIGHUP reload keeps the override.
@@ -126,8 +126,8 @@ def run(state: State, burst: bool, workers: int | None) -> None:
 @friendly_errors
 def migrate(state: State) -> None:
     """Create or upgrade the schema (idempotent; safe from two hosts at once)."""
-    from supervisor.queue import migrate as apply_migrations
-    from supervisor.runtime import database
+    from derivd.embedded.runtime import database
+    from derivd.queue.db import migrate as apply_migrations
 
     with database(state.config, auto_migrate=False) as dsn:
         applied = apply_migrations(dsn)
@@ -148,10 +148,10 @@ def enqueue(state: State, paths: tuple[Path, ...], quiet: bool) -> None:
     skipped. Prints one line per file: the new row id and the path; then run
     `derivd run` (or let a running one pick them up) and watch `derivd status`.
     """
-    from supervisor.enqueue import expand_paths, upload_and_queue
-    from supervisor.queue import QueueDB
-    from supervisor.runtime import database
-    from supervisor.storage import open_storage
+    from derivd.embedded.runtime import database
+    from derivd.ops.enqueue import expand_paths, upload_and_queue
+    from derivd.queue.db import QueueDB
+    from derivd.storage.base import open_storage
 
     files = list(expand_paths(paths))
     storage = open_storage(state.config)
@@ -200,7 +200,7 @@ def status(
       2  bad configuration or usage
       3  cannot tell: database unreachable or without the derivd schema
     """
-    from supervisor.status import run_status
+    from derivd.ops.status import run_status
 
     config = state.config
     limits = {
@@ -258,7 +258,7 @@ def demo(state: State, count: int, backend: str | None) -> None:
     a file store under ./var), then prints ready/rejected counts, throughput and where
     the WebP files are.
     """
-    from supervisor.demo import run_demo
+    from derivd.embedded.demo import run_demo
 
     config = state.config
     if backend:
@@ -300,8 +300,8 @@ def sweep(state: State, orphan_guard: float | None, delete_guard: float | None) 
     The supervisor runs the same pass every [sweep] interval. Running it by hand is
     safe at any time: one sweeper works at a time (any host), the others skip.
     """
-    from supervisor.runtime import database
-    from supervisor.sweep import open_sweeper
+    from derivd.embedded.runtime import database
+    from derivd.ops.sweep import open_sweeper
 
     with database(state.config) as dsn, open_sweeper(
         state.config, dsn, orphan_guard=orphan_guard, delete_guard=delete_guard
@@ -338,9 +338,9 @@ def delete(state: State, ids: tuple[int, ...]) -> None:
     Prints which ids were accepted and which were already gone or unknown; exits 1
     when an id is unknown. You (user@host) are recorded in the file's events.
     """
-    from supervisor import actions
-    from supervisor.queue import QueueDB
-    from supervisor.runtime import database
+    from derivd.embedded.runtime import database
+    from derivd.ops import actions
+    from derivd.queue.db import QueueDB
 
     with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-cli") as queue:
         result = actions.delete(queue, ids, actor=actions.cli_actor())
@@ -386,9 +386,9 @@ def retry(state: State, ids: tuple[int, ...], all_rejected: bool, code: str | No
         die("give file ids, or --rejected for every rejected file (not both)", 2)
     if code and not all_rejected:
         die("--code selects among all rejected files: use it with --rejected", 2)
-    from supervisor import actions
-    from supervisor.queue import QueueDB
-    from supervisor.runtime import database
+    from derivd.embedded.runtime import database
+    from derivd.ops import actions
+    from derivd.queue.db import QueueDB
 
     actor = actions.cli_actor()
     with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-cli") as queue:

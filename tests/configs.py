@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from supervisor.settings import Config
+from derivd.config import Config
 
 
 def make_config(

@@ -30,8 +30,8 @@ from fixtures.s3 import (
     aws_test_env,
 )
 
-from supervisor.pgcluster import EmbeddedCluster
-from supervisor.procutil import pid_alive
+from derivd.embedded.pgcluster import EmbeddedCluster
+from derivd.processes.procutil import pid_alive
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -39,6 +39,37 @@ if TYPE_CHECKING:
 __all__ = ["TEST_ACCESS_KEY", "TEST_REGION", "TEST_SECRET_KEY"]
 
 TEMPLATE_DB = "derivd_template"
+
+
+# --------------------------------------------------------------------------- tiers
+# unit: no services; integration: PostgreSQL and/or moto's S3; acceptance: the `derivd`
+# process itself. A test's tier follows from the fixtures it uses (or an explicit
+# marker), so `pytest -m unit` runs alone; with DERIVD_TEST_TIER=unit the service fixtures
+# fail, which proves that the unit tier needs none.
+SERVICE_FIXTURES = frozenset(
+    {"pg_root", "pg_cluster", "pg_template", "dsn", "s3_server", "s3_client", "s3_bucket",
+     "s3_bucket_unversioned", "faulty_s3"}
+)
+PROCESS_FIXTURES = frozenset({"run_cli", "supervisor", "idle_daemon"})
+
+
+def tier_of(item: pytest.Item) -> str:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if item.get_closest_marker("acceptance") or fixtures & PROCESS_FIXTURES:
+        return "acceptance"
+    if fixtures & SERVICE_FIXTURES:
+        return "integration"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(item)))
+
+
+def _refuse_services_in_unit_tier() -> None:
+    if os.environ.get("DERIVD_TEST_TIER") == "unit":
+        pytest.fail("a unit-tier test asked for a service fixture")
 
 
 def _worker_id() -> str:
@@ -67,6 +98,7 @@ def _sweep_stale_pg_roots() -> None:
 
 @pytest.fixture(scope="session")
 def pg_root() -> Iterator[Path]:
+    _refuse_services_in_unit_tier()
     """A state directory the `postgres` user can traverse (pytest's own temp root is 0700)."""
     _sweep_stale_pg_roots()
     root = Path(tempfile.mkdtemp(prefix=f"{_PG_ROOT_PREFIX}{_worker_id()}-{os.getpid()}-"))
@@ -90,7 +122,7 @@ def pg_cluster(pg_root: Path) -> Iterator[EmbeddedCluster]:
 @pytest.fixture(scope="session")
 def pg_template(pg_cluster: EmbeddedCluster) -> str:
     """A database with every migration applied; each test clones it."""
-    from supervisor.queue import migrate
+    from derivd.queue.db import migrate
 
     pg_cluster.drop_database(TEMPLATE_DB)
     pg_cluster.create_database(TEMPLATE_DB)
@@ -136,6 +168,7 @@ def s3_server(
 ) -> Iterator[MotoServer]:
     """moto's S3 over real HTTP. `.endpoint_url`; `.stop()`/`.start()` keep the port but
     moto comes back EMPTY (in-memory state): prefer `faulty_s3` for outages."""
+    _refuse_services_in_unit_tier()
     server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
     server.start()
     try:

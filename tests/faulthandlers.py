@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from handlers.base import DerivedVariant, DeriveSpec
+from derivd.handlers.base import DerivedVariant, DeriveSpec
 
 _HELD: list[bytes] = []  # memory an `alloc` job keeps alive until the worker exits
 

@@ -6,10 +6,10 @@ pipeline, the chaos suite) can reuse the same table:
 
     for name, make, expected in CASES:
         data = make()        # bytes
-        # expected is "ready" or an error code from supervisor.outcomes
+        # expected is "ready" or an error code from derivd.errors
 
 `DISPLAY_SIZE[name]` is the upright (EXIF-applied) size of every "ready" case, from which the
-variant sizes follow through `handlers.base.target_size`.
+variant sizes follow through `derivd.handlers.base.target_size`.
 
 The content is smooth (gradients, flat shapes) and asymmetric: smooth so that two resamplers
 agree closely, asymmetric so that a missing or wrong EXIF rotation is visible.

@@ -22,10 +22,10 @@ from fixtures.cli import derivd_command
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION
 
-from supervisor.queue import QueueDB
-from supervisor.storage import derived_key, new_original_key
-from supervisor.storage_fs import FsStorage
-from supervisor.storage_s3 import S3Storage
+from derivd.queue.db import QueueDB
+from derivd.storage.base import derived_key, new_original_key
+from derivd.storage.fs import FsStorage
+from derivd.storage.s3 import S3Storage
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -67,8 +67,7 @@ def test_a_put_retried_after_the_connection_broke_leaves_one_version(
     assert proxy.snapshot().get("resets_after_upstream") == 1  # the ghost was made
     listed = s3_client.list_object_versions(Bucket=s3_bucket, Prefix=key)
     assert [v["VersionId"] for v in listed.get("Versions", [])] == [version]
-
-
+@pytest.mark.acceptance
 def test_the_running_supervisor_sweeps_orphans_and_deletions_on_its_own(
     dsn: str, fs_root: Path, tmp_path: Path
 ) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from configs import write_ini
 
-from supervisor.settings import (
+from derivd.config import (
     SECTIONS,
     Config,
     ConfigError,

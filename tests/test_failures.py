@@ -30,18 +30,18 @@ from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY
 from PIL import Image
 from psycopg.rows import dict_row
 
-from handlers.base import DerivedVariant, DeriveSpec, Handler
-from handlers.registry import create_handler
-from supervisor.backoff import retry_delay
-from supervisor.logs import JsonFormatter, TextFormatter
-from supervisor.outcomes import CorruptContent
-from supervisor.queue import QueueDB
-from supervisor.settings import Config
-from supervisor.storage import ObjectMissing, Storage, StorageUnavailable, derived_prefix
-from supervisor.storage_fs import FsStorage
-from supervisor.storage_s3 import S3Storage
-from supervisor.sweep import Sweeper
-from supervisor.worker import IdleWait, Worker
+from derivd.config import Config
+from derivd.errors import CorruptContent
+from derivd.handlers.base import DerivedVariant, DeriveSpec, Handler
+from derivd.handlers.registry import create_handler
+from derivd.jobs import IdleWait, Worker
+from derivd.ops.logs import JsonFormatter, TextFormatter
+from derivd.ops.sweep import Sweeper
+from derivd.queue.db import QueueDB
+from derivd.queue.retry import retry_delay
+from derivd.storage.base import ObjectMissing, Storage, StorageUnavailable, derived_prefix
+from derivd.storage.fs import FsStorage
+from derivd.storage.s3 import S3Storage
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

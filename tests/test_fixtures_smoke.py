@@ -138,7 +138,7 @@ def test_s3_outage_and_recovery(
 def test_run_cli_runs_the_console_script(
     run_cli: Callable[..., subprocess.CompletedProcess[str]],
 ) -> None:
-    pytest.importorskip("supervisor.cli")
+    pytest.importorskip("derivd.cli")
     result = run_cli("--help")
     assert result.returncode == 0, result.stderr
     assert "Usage" in result.stdout

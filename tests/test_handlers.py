@@ -17,8 +17,15 @@ import imagegen
 import pytest
 from PIL import Image, ImageChops, ImageCms, ImageStat
 
-from handlers.base import DerivedVariant, DeriveSpec, Handler, Permanent, VariantSpec, target_size
-from handlers.registry import create_handler
+from derivd.handlers.base import (
+    DerivedVariant,
+    DeriveSpec,
+    Handler,
+    Permanent,
+    VariantSpec,
+    target_size,
+)
+from derivd.handlers.registry import create_handler
 
 BACKENDS = ("vips", "pillow")
 SPEC = DeriveSpec(variants=(VariantSpec("preview", 1600), VariantSpec("thumb", 320)))

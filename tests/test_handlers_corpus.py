@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from test_handlers import BACKENDS, MISTAKE_MAD, SPEC, decode, mad
 
-from handlers.base import Handler, Permanent
-from handlers.registry import create_handler
+from derivd.handlers.base import Handler, Permanent
+from derivd.handlers.registry import create_handler
 
 pytestmark = pytest.mark.corpus
 

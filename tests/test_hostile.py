@@ -24,9 +24,9 @@ import psycopg
 import pytest
 from fixtures.cli import derivd_command
 
-from supervisor.queue import QueueDB
-from supervisor.storage import new_original_key
-from supervisor.storage_fs import FsStorage
+from derivd.queue.db import QueueDB
+from derivd.storage.base import new_original_key
+from derivd.storage.fs import FsStorage
 
 # The EXIF junk must not stop a derivation: the pixels are fine.
 MALFORMED_EXIF = {"jpeg_bad_exif", "jpeg_exif_ifd_loop", "jpeg_orientation_9"}
@@ -101,6 +101,7 @@ def _run_and_watch(argv: list[str], env: dict[str, str], log: Path) -> tuple[int
     return proc.returncode, peaks
 
 
+@pytest.mark.acceptance
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["vips", "pillow"])
 def test_hostile_inputs_end_with_their_code_through_the_supervisor(

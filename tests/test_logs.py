@@ -21,7 +21,7 @@ from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY, MotoServer
 from PIL import Image
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from supervisor import logs
+from derivd.ops import logs
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
 

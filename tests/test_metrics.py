@@ -24,9 +24,9 @@ from fixtures.metrics import Samples, scrape, seed_queue
 from fixtures.s3 import free_port
 from PIL import Image
 
-from supervisor.metrics import DURATION_BUCKETS, Metrics
-from supervisor.queue import QueueDB
-from supervisor.settings import ConfigError
+from derivd.config import ConfigError
+from derivd.ops.metrics import DURATION_BUCKETS, Metrics
+from derivd.queue.db import QueueDB
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "etc" / "grafana-dashboard.json"
 
@@ -220,8 +220,7 @@ def _scrape_when(url: str, ready: Callable[[Samples], bool], what: str) -> Sampl
         if time.monotonic() > deadline:
             pytest.fail(f"the metrics endpoint never showed {what}")
         time.sleep(0.1)
-
-
+@pytest.mark.acceptance
 def test_running_supervisor_serves_its_metrics(
     run_cli: Callable[..., subprocess.CompletedProcess[str]], dsn: str, tmp_path: Path
 ) -> None:

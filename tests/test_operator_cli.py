@@ -15,10 +15,10 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from supervisor.outcomes import ErrorCode
-from supervisor.queue import QueueDB
-from supervisor.storage import derived_key
-from supervisor.storage_fs import FsStorage
+from derivd.errors import ErrorCode
+from derivd.queue.db import QueueDB
+from derivd.storage.base import derived_key
+from derivd.storage.fs import FsStorage
 
 RunCli = Callable[..., CompletedProcess[str]]
 LEASE = 60.0

@@ -12,8 +12,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from supervisor import pgcluster
-from supervisor.pgcluster import (
+from derivd.embedded import pgcluster
+from derivd.embedded.pgcluster import (
     EmbeddedCluster,
     EmbeddedClusterError,
     PostgresNotFound,
@@ -142,7 +142,8 @@ def test_long_paths_fall_back_to_a_short_socket_dir(tmp_path: Path) -> None:
 def test_two_processes_starting_one_state_dir_initdb_once(pg_root: Path) -> None:
     data = pg_root / f"race-{os.getpid()}" / "pgdata"
     code = (
-        "import sys; from pathlib import Path; from supervisor.pgcluster import EmbeddedCluster;"
+        "import sys; from pathlib import Path;"
+        "from derivd.embedded.pgcluster import EmbeddedCluster;"
         "c = EmbeddedCluster(Path(sys.argv[1]), fast=True); c.start(); print(c.dsn())"
     )
     procs = [

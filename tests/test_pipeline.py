@@ -10,12 +10,12 @@ import pytest
 from configs import make_config
 from PIL import Image
 
-from handlers.registry import create_handler
-from supervisor.enqueue import upload_and_queue
-from supervisor.queue import QueueDB
-from supervisor.settings import Config
-from supervisor.storage import Storage, open_storage
-from supervisor.worker import Worker
+from derivd.config import Config
+from derivd.handlers.registry import create_handler
+from derivd.jobs import Worker
+from derivd.ops.enqueue import upload_and_queue
+from derivd.queue.db import QueueDB
+from derivd.storage.base import Storage, open_storage
 
 
 def jpeg(width: int, height: int) -> bytes:

@@ -9,7 +9,7 @@ from collections import Counter
 import psycopg
 import pytest
 
-from supervisor.queue import QueueDB, StoredVariant, migrate
+from derivd.queue.db import QueueDB, StoredVariant, migrate
 
 LONG = 60.0
 
@@ -263,7 +263,7 @@ def test_batched_commit_is_fenced_per_row(queue: QueueDB) -> None:
 
 
 def test_query_blocks_lose_their_description_but_keep_inline_comments() -> None:
-    from supervisor.sqlfiles import parse_blocks, queries
+    from derivd.queue.sqlfiles import parse_blocks, queries
 
     blocks = parse_blocks(
         "-- name: one\n-- what it is for\n-- more words\nSELECT 1 -- why\n  FROM t;\n"

@@ -22,8 +22,8 @@ from PIL import Image
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from supervisor.storage import InvalidKey, ObjectMissing
-from supervisor.storage_fs import FsStorage
+from derivd.storage.base import InvalidKey, ObjectMissing
+from derivd.storage.fs import FsStorage
 
 ROOT = Path(__file__).resolve().parent.parent
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
@@ -192,7 +192,7 @@ def _resolve(tree: ast.AST, call: ast.Call) -> tuple[ast.expr | None, str]:
 def _allowed(path: Path, node: ast.expr, own: str = "") -> bool:
     if isinstance(node, ast.BoolOp):  # every assignment of a variable must be allowed
         return bool(node.values) and all(_allowed(path, v, own) for v in node.values)
-    if path.name == "queue.py":
+    if path.parts[-2:] == ("queue", "db.py"):
         return _is_query_block(node) or _is_migration(node) or _is_identifier_block(node)
     return False  # nothing else in derivd runs SQL
 
@@ -230,12 +230,12 @@ def test_the_sql_scan_catches_string_building(snippet: str) -> None:
     (call,) = list(_execute_calls(tree))
     node, own = _resolve(tree, call)
     assert node is not None
-    for name in ("queue.py", "pgcluster.py", "worker.py"):
+    for name in ("queue/db.py", "embedded/pgcluster.py", "jobs.py"):
         assert not _allowed(Path(name), node, own), (name, snippet)
 
 
 def test_q_only_returns_blocks_of_queries_sql() -> None:
-    tree = ast.parse((ROOT / "supervisor" / "queue.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "supervisor" / "queue" / "db.py").read_text(encoding="utf-8"))
     (func,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_q"]
     assert "queries()[name]" in ast.unparse(func)
 
@@ -298,8 +298,7 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
-
-
+@pytest.mark.acceptance
 def test_credentials_never_reach_logs_events_rows_or_process_titles(
     password_dsn: str, s3_server: MotoServer, s3_bucket: str, tmp_path: Path
 ) -> None:

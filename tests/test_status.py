@@ -13,8 +13,8 @@ from configs import write_ini
 from fixtures.metrics import seed_queue
 from fixtures.s3 import free_port
 
-from supervisor.queue import QueueDB
-from supervisor.status import HEALTHY, UNAVAILABLE, UNHEALTHY
+from derivd.ops.status import HEALTHY, UNAVAILABLE, UNHEALTHY
+from derivd.queue.db import QueueDB
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.outcomes import ResourceLimit
-from supervisor.storage import (
+from derivd.errors import ResourceLimit
+from derivd.storage.base import (
     InvalidKey,
     ObjectMissing,
     StorageConfigError,
@@ -18,8 +18,8 @@ from supervisor.storage import (
     new_original_key,
     validate_key,
 )
-from supervisor.storage_fs import FsStorage
-from supervisor.storage_s3 import S3Storage
+from derivd.storage.fs import FsStorage
+from derivd.storage.s3 import S3Storage
 
 ESCAPES = [
     "../etc/passwd",

@@ -18,11 +18,11 @@ import psycopg
 import pytest
 from fixtures.cli import derivd_command
 
-from supervisor.procutil import Pidfile, children_of, sd_notify, watchdog_interval
-from supervisor.queue import QueueDB
-from supervisor.settings import ConfigError, load_config
-from supervisor.storage import new_original_key
-from supervisor.storage_fs import FsStorage
+from derivd.config import ConfigError, load_config
+from derivd.processes.procutil import Pidfile, children_of, sd_notify, watchdog_interval
+from derivd.queue.db import QueueDB
+from derivd.storage.base import new_original_key
+from derivd.storage.fs import FsStorage
 
 TESTS_DIR = Path(__file__).resolve().parent
 T = TypeVar("T")
@@ -460,7 +460,7 @@ def test_sd_notify_without_socket_is_a_no_op() -> None:
 
 
 def test_pidfile_refuses_a_live_owner(tmp_path: Path) -> None:
-    from supervisor.procutil import PidfileError
+    from derivd.processes.procutil import PidfileError
 
     path = tmp_path / "x.pid"
     path.write_text(f"{os.getppid()}\n")  # a live process that is not us

@@ -19,11 +19,11 @@ from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY
 from psycopg.rows import dict_row
 
-from supervisor.queue import Job, QueueDB, StoredVariant
-from supervisor.storage import Storage, derived_key, derived_prefix
-from supervisor.storage_fs import FsStorage
-from supervisor.storage_s3 import S3Storage
-from supervisor.sweep import Sweeper, SweepReport, sweep_once
+from derivd.ops.sweep import Sweeper, SweepReport, sweep_once
+from derivd.queue.db import Job, QueueDB, StoredVariant
+from derivd.storage.base import Storage, derived_key, derived_prefix
+from derivd.storage.fs import FsStorage
+from derivd.storage.s3 import S3Storage
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -20,9 +20,9 @@ import pytest
 from configs import write_ini
 from fixtures.cli import derivd_command
 
-from supervisor.queue import QueueDB
-from supervisor.storage_fs import FsStorage
-from supervisor.worker import NOTIFY_CHANNEL
+from derivd.jobs import NOTIFY_CHANNEL
+from derivd.queue.db import QueueDB
+from derivd.storage.fs import FsStorage
 
 LIVENESS_S = 10.0
 MARKER = "marker"

@@ -1,4 +1,4 @@
-"""pgqueuer's side of bench/queue.py (runs with bench/.peers-venv's python, not derivd's).
+"""pgqueuer's side of bench/queue_peers.py (runs with bench/.peers-venv's python, not derivd's).
 
     pgqueuer_drain.py --dsn DSN seed --jobs 20000
     pgqueuer_drain.py --dsn DSN drain --processes 2 --batch 10 [--driver asyncpg|psycopg]

@@ -1,4 +1,4 @@
-"""procrastinate's side of bench/queue.py (runs with bench/.peers-venv's python).
+"""procrastinate's side of bench/queue_peers.py (runs with bench/.peers-venv's python).
 
     procrastinate_drain.py --dsn DSN seed --jobs 20000
     procrastinate_drain.py --dsn DSN drain --processes 2 --concurrency 10

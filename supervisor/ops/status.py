@@ -25,8 +25,8 @@ from typing import Any
 import click
 import psycopg
 
-from supervisor.queue import DatabaseUnavailable, QueueDB, QueueStats, one_line
-from supervisor.settings import Config, StatusSettings
+from derivd.config import Config, StatusSettings
+from derivd.queue.db import DatabaseUnavailable, QueueDB, QueueStats, one_line
 
 HEALTHY = 0
 UNHEALTHY = 1
@@ -279,8 +279,8 @@ def run_status(
     count: int | None = None,
 ) -> int:
     """The `derivd status` command. Returns the exit status (see the module doc)."""
-    from supervisor.pgcluster import EmbeddedClusterError, PostgresNotFound
-    from supervisor.runtime import database
+    from derivd.embedded.pgcluster import EmbeddedClusterError, PostgresNotFound
+    from derivd.embedded.runtime import database
 
     try:
         with database(config) as dsn, QueueDB.open(dsn, role="derivd-status") as queue:

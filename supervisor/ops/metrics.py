@@ -21,8 +21,8 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import generate_latest, start_http_server
 
-from supervisor.queue import QueueStats
-from supervisor.settings import ConfigError, Problem, split_host_port
+from derivd.config import ConfigError, Problem, split_host_port
+from derivd.queue.db import QueueStats
 
 # `*_created` series double the page and no dashboard uses them (process-wide switch; the
 # supervisor has no other Prometheus user).

@@ -17,14 +17,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from handlers.base import DerivedVariant, DeriveSpec, Handler
-from handlers.registry import create_handler
-from supervisor.backoff import retry_delay
-from supervisor.logs import event
-from supervisor.outcomes import ErrorCode, Permanent, Transient
-from supervisor.queue import DatabaseUnavailable, Job, QueueDB, StoredVariant
-from supervisor.settings import Config
-from supervisor.storage import Storage, derived_key, open_storage
+from derivd.config import Config
+from derivd.errors import ErrorCode, Permanent, Transient
+from derivd.handlers.base import DerivedVariant, DeriveSpec, Handler
+from derivd.handlers.registry import create_handler
+from derivd.ops.logs import event
+from derivd.queue.db import DatabaseUnavailable, Job, QueueDB, StoredVariant
+from derivd.queue.retry import retry_delay
+from derivd.storage.base import Storage, derived_key, open_storage
 
 log = logging.getLogger("derivd.worker")
 

@@ -36,8 +36,8 @@ from typing import IO, Final, Literal
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from supervisor.procutil import pid_alive
-from supervisor.queue import ClusterAdmin
+from derivd.processes.procutil import pid_alive
+from derivd.queue.db import ClusterAdmin
 
 SUPERUSER: Final = "derivd"
 DEFAULT_DB: Final = "derivd"

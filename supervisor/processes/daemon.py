@@ -2,16 +2,16 @@
 
 The embedded database (an empty `[database] dsn`) is started here, in the parent, before
 any fork; the children connect to it like to any other PostgreSQL. See
-`supervisor.arbiter` for the fleet and `supervisor.child` for one worker process.
+`derivd.processes.arbiter` for the fleet and `derivd.processes.child` for one worker process.
 """
 
 from __future__ import annotations
 
 import sys
 
-from supervisor.arbiter import Arbiter
-from supervisor.runtime import database
-from supervisor.settings import Config
+from derivd.config import Config
+from derivd.embedded.runtime import database
+from derivd.processes.arbiter import Arbiter
 
 
 def run_daemon(config: Config, *, burst: bool = False, dsn: str | None = None) -> int:

@@ -12,10 +12,10 @@ import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
-from supervisor.outcomes import Permanent, ResourceLimit, Transient
+from derivd.errors import Permanent, ResourceLimit, Transient
 
 if TYPE_CHECKING:
-    from supervisor.settings import Config
+    from derivd.config import Config
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_KEY_LENGTH = 512
@@ -96,7 +96,7 @@ class Storage(Protocol):
 def open_storage(config: Config) -> Storage:
     """Create the configured store. Call in the process that will use it (after fork)."""
     if config.storage.backend == "s3":
-        from supervisor.storage_s3 import S3Storage
+        from derivd.storage.s3 import S3Storage
 
         return S3Storage(
             bucket=config.storage.bucket,
@@ -104,6 +104,6 @@ def open_storage(config: Config) -> Storage:
             region=config.storage.region or None,
             prefix=config.storage.prefix,
         )
-    from supervisor.storage_fs import FsStorage
+    from derivd.storage.fs import FsStorage
 
     return FsStorage(config.fs_root)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from supervisor.outcomes import ResourceLimit
-from supervisor.storage import (
+from derivd.errors import ResourceLimit
+from derivd.storage.base import (
     ObjectMissing,
     StorageConfigError,
     StorageUnavailable,

@@ -14,9 +14,9 @@ import os
 import signal
 import time
 
-from supervisor.logs import event
-from supervisor.procutil import set_pdeathsig, set_proctitle
-from supervisor.settings import Config
+from derivd.config import Config
+from derivd.ops.logs import event
+from derivd.processes.procutil import set_pdeathsig, set_proctitle
 
 log = logging.getLogger("derivd.sweep")
 
@@ -76,7 +76,7 @@ def _child(config: Config, dsn: str, inherited_fds: tuple[int, ...]) -> None:
             with contextlib.suppress(OSError):
                 os.close(fd)
         set_proctitle("derivd: sweeper")
-        from supervisor.sweep import sweep_once
+        from derivd.ops.sweep import sweep_once
 
         report = sweep_once(config, dsn)
         code = 0 if report.error is None else 1

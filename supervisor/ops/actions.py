@@ -12,7 +12,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from supervisor.queue import QueueDB
+from derivd.queue.db import QueueDB
 
 
 def cli_actor() -> str:

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, NoReturn
 
-from supervisor.procutil import rss_mb, set_pdeathsig, set_proctitle
-from supervisor.queue import Job, one_line
-from supervisor.settings import Config
-from supervisor.worker import IdleWait, JobResult, Worker
+from derivd.config import Config
+from derivd.jobs import IdleWait, JobResult, Worker
+from derivd.processes.procutil import rss_mb, set_pdeathsig, set_proctitle
+from derivd.queue.db import Job, one_line
 
 log = logging.getLogger("derivd.worker")
 
@@ -193,9 +193,9 @@ def _after_fork(spec: ChildSpec, stop: ChildStop) -> None:
 
 
 def _boot_error_text(error: BaseException) -> str:
-    from handlers.registry import UnknownHandler
-    from supervisor.outcomes import Transient
-    from supervisor.storage import StorageConfigError
+    from derivd.errors import Transient
+    from derivd.handlers.registry import UnknownHandler
+    from derivd.storage.base import StorageConfigError
 
     if isinstance(error, Transient | StorageConfigError | UnknownHandler):
         return one_line(error)

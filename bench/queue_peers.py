@@ -1,4 +1,4 @@
-"""`python bench/queue.py`: queue throughput, derivd against pgqueuer and procrastinate.
+"""`python bench/queue_peers.py`: queue throughput, derivd against pgqueuer and procrastinate.
 
 The benchmark itself lives in bench/throughput.py. This file only exists under the name
 the Makefile uses, and that name is the standard library's `queue`: Python puts bench/

@@ -25,10 +25,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from supervisor.logs import event
-from supervisor.queue import DatabaseUnavailable, QueueDB
-from supervisor.settings import Config
-from supervisor.storage import Storage, StorageUnavailable, derived_prefix, open_storage
+from derivd.config import Config
+from derivd.ops.logs import event
+from derivd.queue.db import DatabaseUnavailable, QueueDB
+from derivd.storage.base import Storage, StorageUnavailable, derived_prefix, open_storage
 
 log = logging.getLogger("derivd.sweep")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from supervisor.queue import QueueDB
-from supervisor.storage import Storage, new_original_key
+from derivd.queue.db import QueueDB
+from derivd.storage.base import Storage, new_original_key
 
 CONTENT_TYPE = "application/octet-stream"
 

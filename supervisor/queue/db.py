@@ -20,8 +20,8 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from supervisor.outcomes import ErrorCode, Transient
-from supervisor.sqlfiles import migrations, queries
+from derivd.errors import ErrorCode, Transient
+from derivd.queue.sqlfiles import migrations, queries
 
 
 class DatabaseUnavailable(Transient):

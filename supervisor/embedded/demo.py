@@ -13,13 +13,13 @@ from typing import Any
 import click
 from PIL import Image, ImageDraw
 
-from supervisor.daemon import run_daemon
-from supervisor.enqueue import upload_and_queue
-from supervisor.queue import QueueDB
-from supervisor.runtime import database
-from supervisor.settings import Config
-from supervisor.storage import open_storage
-from supervisor.storage_fs import FsStorage
+from derivd.config import Config
+from derivd.embedded.runtime import database
+from derivd.ops.enqueue import upload_and_queue
+from derivd.processes.daemon import run_daemon
+from derivd.queue.db import QueueDB
+from derivd.storage.base import open_storage
+from derivd.storage.fs import FsStorage
 
 
 def _gradient(width: int, height: int, seed: int, mode: str = "RGB") -> Image.Image:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from handlers.base import DeriveSpec, VariantSpec
+from derivd.handlers.base import DeriveSpec, VariantSpec
 
 DEFAULT_CONFIG = Path("etc/derivd.ini")
 Check = Callable[[Any], str | None]  # returns a problem, or None when the value is fine
@@ -71,7 +71,7 @@ def host_port(value: str) -> str | None:
 
 
 def check_handler(value: str) -> str | None:
-    from handlers.registry import is_import_target, known_handlers  # imports no backend
+    from derivd.handlers.registry import is_import_target, known_handlers  # imports no backend
 
     if is_import_target(value):  # `module:Class`: loaded (and checked) in the worker
         return None

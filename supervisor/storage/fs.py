@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from supervisor.storage import (
+from derivd.storage.base import (
     RESERVED_SUFFIX,
     InvalidKey,
     ObjectMissing,

@@ -1,7 +1,7 @@
 """The prefork supervisor: keeps `[supervisor] workers` children alive and in line.
 
 The parent never imports pyvips and never holds a storage client: children build their
-own after fork (`supervisor.child`). The parent holds one database connection for the
+own after fork (`derivd.processes.child`). The parent holds one database connection for the
 things only it can do: fail the attempt of a worker it killed past `job_timeout`,
 release the jobs of workers it killed at shutdown, reject exhausted rows, read queue
 stats for the metrics.
@@ -27,21 +27,21 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from supervisor.backoff import retry_delay
-from supervisor.child import EXIT_BOOT_ERROR, WAKE, ChildSpec, run_child
-from supervisor.logs import event
-from supervisor.metrics import Metrics
-from supervisor.procutil import (
+from derivd.config import Config, ConfigError, load_config
+from derivd.ops.logs import event
+from derivd.ops.metrics import Metrics
+from derivd.processes.child import EXIT_BOOT_ERROR, WAKE, ChildSpec, run_child
+from derivd.processes.procutil import (
     Pidfile,
     PidfileError,
     sd_notify,
     set_proctitle,
     watchdog_interval,
 )
-from supervisor.queue import DatabaseUnavailable, Job, QueueDB, QueueListener
-from supervisor.settings import Config, ConfigError, load_config
-from supervisor.sweeper_proc import SweepProcess
-from supervisor.workerproc import WorkerProc, exit_text, job_from_message
+from derivd.processes.sweeper import SweepProcess
+from derivd.processes.workerproc import WorkerProc, exit_text, job_from_message
+from derivd.queue.db import DatabaseUnavailable, Job, QueueDB, QueueListener
+from derivd.queue.retry import retry_delay
 
 log = logging.getLogger("derivd.supervisor")
 

@@ -6,8 +6,8 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from supervisor.queue import migrate
-from supervisor.settings import Config, mask_dsn
+from derivd.config import Config, mask_dsn
+from derivd.queue.db import migrate
 
 log = logging.getLogger("derivd")
 
@@ -23,7 +23,7 @@ def database(config: Config, *, auto_migrate: bool = True) -> Iterator[str]:
         log.debug("database %s", mask_dsn(config.database.dsn))
         yield config.database.dsn
         return
-    from supervisor.pgcluster import EmbeddedCluster
+    from derivd.embedded.pgcluster import EmbeddedCluster
 
     cluster = EmbeddedCluster(config.state_dir / "pg", log_file=config.state_dir / "postgres.log")
     with cluster:

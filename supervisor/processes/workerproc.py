@@ -1,6 +1,6 @@
 """What the supervisor knows about one worker process, and how it reads the child's pipes.
 
-A child speaks on two pipes (see `supervisor.child`): JSON lines on its status pipe
+A child speaks on two pipes (see `derivd.processes.child`): JSON lines on its status pipe
 (ready, claimed, finished, exiting, boot_error), and fixed-size job-start records on its
 progress pipe, which the parent reads without being woken by it. This module turns
 those bytes into messages and into "which job is running since when"; what to do about
@@ -18,8 +18,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor.child import PROGRESS
-from supervisor.queue import Job
+from derivd.processes.child import PROGRESS
+from derivd.queue.db import Job
 
 log = logging.getLogger("derivd.supervisor")
 

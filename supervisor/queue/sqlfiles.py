@@ -39,11 +39,11 @@ def _without_header(body: str) -> str:
 
 @cache
 def queries() -> dict[str, str]:
-    return parse_blocks(files("sql").joinpath("queries.sql").read_text(encoding="utf-8"))
+    return parse_blocks(files("derivd.sql").joinpath("queries.sql").read_text(encoding="utf-8"))
 
 
 def migrations() -> list[Migration]:
-    folder = files("sql").joinpath("migrations")
+    folder = files("derivd.sql").joinpath("migrations")
     found = [entry for entry in folder.iterdir() if entry.name.endswith(".sql")]
     return [
         Migration(entry.name.removesuffix(".sql"), entry.read_text(encoding="utf-8"))

@@ -1,0 +1,64 @@
+"""The wheel installs one import root, `derivd`, with its queries, migrations and py.typed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_FOLDERS = {"supervisor": "derivd", "handlers": "derivd/handlers", "sql": "derivd/sql"}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "-q", "-w", str(out), str(ROOT)],
+        check=True, capture_output=True, text=True,
+    )
+    (built,) = out.glob("derivd-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def wheel_names(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        return archive.namelist()
+
+
+def test_wheel_installs_nothing_outside_derivd_and_its_dist_info(
+    wheel_names: list[str],
+) -> None:
+    tops = {name.split("/")[0] for name in wheel_names}
+    dist_info = {top for top in tops if top.endswith(".dist-info")}
+    assert tops - dist_info == {"derivd"}
+    assert len(dist_info) == 1
+
+
+def test_wheel_carries_every_source_file_under_its_derivd_name(wheel_names: list[str]) -> None:
+    expected = {
+        f"{target}/{path.relative_to(ROOT / folder).as_posix()}"
+        for folder, target in SOURCE_FOLDERS.items()
+        for path in (ROOT / folder).rglob("*")
+        if path.suffix in (".py", ".sql") and "__pycache__" not in path.parts
+    }
+    assert expected - set(wheel_names) == set()
+    assert "derivd/py.typed" in wheel_names
+    assert "derivd/sql/queries.sql" in wheel_names
+    assert any(n.startswith("derivd/sql/migrations/0001_") for n in wheel_names)
+
+
+def test_console_script_and_handler_entry_points_name_derivd(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        text = archive.read(name).decode()
+    assert "derivd = derivd.cli:main" in text
+    section = text.split("[derivd.handlers]")[1].split("[")[0]
+    handlers = dict(line.split(" = ") for line in section.strip().splitlines())
+    assert set(handlers) >= {"vips", "pillow", "noop"}
+    assert all(value.startswith("derivd.handlers.") for value in handlers.values())
