@@ -8,17 +8,11 @@ PYTEST_WORKERS ?= 2
 
 .PHONY: install run test pytest test-unit test-integration test-acceptance lint typecheck chaos bench clean system-deps
 
-# PostgreSQL server binaries are the one thing pip cannot bring; install them when absent
-# and we may (root with apt-get), otherwise say what to install.
+# What pip cannot bring: PostgreSQL's server (required), pgbouncer, chromium and faketime
+# (optional; their tests skip). Installed when missing as root with apt-get, otherwise
+# one line each says what to install.
 system-deps:
-	@if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
-	    && ! [ -x "$$(pg_config --bindir 2>/dev/null)/initdb" ]; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
-	  else \
-	    echo "derivd needs PostgreSQL server binaries: apt-get install postgresql (or your OS's package)"; exit 1; \
-	  fi; \
-	fi
+	@sh etc/system-deps.sh
 
 # The folders supervisor/, handlers/ and sql/ install as derivd, derivd.handlers and
 # derivd.sql (setup.cfg's package_dir). A strict editable install links every file into

@@ -1,0 +1,55 @@
+#!/bin/sh
+# The programs pip cannot bring (`make system-deps` runs this before every install).
+# Root with apt-get: install what is missing, with one `apt-get update` at most.
+# Otherwise: one line per missing program saying what to install. PostgreSQL's server is
+# required (exit 1 without it); pgbouncer, chromium and faketime are optional (the tests
+# that need them skip, each with one line).
+set -u
+
+has_postgres() {
+    command -v initdb >/dev/null 2>&1 && return 0
+    ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && return 0
+    bindir=$(pg_config --bindir 2>/dev/null) && [ -x "$bindir/initdb" ]
+}
+# Debian puts pgbouncer in /usr/sbin, which a non-root PATH often lacks.
+has_pgbouncer() { command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ]; }
+# The browser tests run /usr/bin/chromium headless, so that exact path is what counts.
+has_chromium() { [ -x /usr/bin/chromium ]; }
+has_faketime() { command -v faketime >/dev/null 2>&1; }
+
+missing() {
+    out=""
+    has_postgres || out="$out postgresql"
+    has_pgbouncer || out="$out pgbouncer"
+    has_chromium || out="$out chromium"
+    has_faketime || out="$out faketime"
+    echo "$out"
+}
+
+todo=$(missing)
+[ -z "$todo" ] && exit 0
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "derivd: installing system packages:$todo"
+    export DEBIAN_FRONTEND=noninteractive
+    # Recommends would pull ~100 desktop packages in with chromium; headless needs none.
+    # shellcheck disable=SC2086 # the package list is meant to split into words
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends $todo >/dev/null
+    todo=$(missing)
+fi
+
+status=0
+for pkg in $todo; do
+    case $pkg in
+        postgresql)
+            echo "derivd needs PostgreSQL server binaries (initdb): apt-get install postgresql (or your OS's package)"
+            status=1 ;;
+        pgbouncer)
+            echo "optional: pgbouncer not found: apt-get install pgbouncer (its tests skip without it)" ;;
+        chromium)
+            echo "optional: /usr/bin/chromium not found: apt-get install chromium (its tests skip without it)" ;;
+        faketime)
+            echo "optional: faketime not found: apt-get install faketime (its tests skip without it)" ;;
+    esac
+done
+exit $status
