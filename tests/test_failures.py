@@ -15,20 +15,18 @@ import multiprocessing
 import os
 import random
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import boto3
-import psycopg
 import pytest
 from botocore.config import Config as BotoConfig
 from configs import make_config
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY
+from helpers import sql, wait_for
 from PIL import Image
-from psycopg.rows import dict_row
 
 from derivd.config import Config
 from derivd.errors import CorruptContent
@@ -59,12 +57,6 @@ def jpeg(width: int = 96, height: int = 72) -> bytes:
     return buffer.getvalue()
 
 
-def sql(dsn: str, query: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
-    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        cur = conn.execute(query, params)  # type: ignore[arg-type]
-        return cur.fetchall() if cur.description else []
-
-
 def row(dsn: str, file_id: int) -> dict[str, Any]:
     (found,) = sql(dsn, "SELECT * FROM archive_files WHERE id = %s", (file_id,))
     return found
@@ -93,15 +85,6 @@ def retry_delay_of(dsn: str, file_id: int) -> float:
 def make_due(dsn: str, file_id: int) -> None:
     """Let the retry delay pass (the test controls time instead of sleeping through it)."""
     sql(dsn, "UPDATE archive_files SET available_at = now() WHERE id = %s", (file_id,))
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    """Poll a condition (a deadline only to never hang; it asserts nothing about speed)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.05)
 
 
 def lease_expired_or_final(dsn: str, file_id: int) -> bool:

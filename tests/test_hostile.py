@@ -23,7 +23,9 @@ import imagegen
 import psycopg
 import pytest
 from fixtures.cli import derivd_command
+from helpers import proc_title
 
+from derivd.processes.procutil import children_of
 from derivd.queue.db import QueueDB
 from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
@@ -67,18 +69,7 @@ def _peak_rss_mib(pid: int) -> float:
 
 
 def _worker_pids(parent: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2 :].split()[1]) == parent and b"worker" in cmdline:
-            pids.append(int(entry.name))
-    return pids
+    return [pid for pid in children_of(parent) if "worker" in proc_title(pid)]
 
 
 def _run_and_watch(argv: list[str], env: dict[str, str], log: Path) -> tuple[int, dict[int, float]]:

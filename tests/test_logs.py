@@ -18,8 +18,8 @@ from pathlib import Path
 import psycopg
 import pytest
 from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY, MotoServer
+from helpers import role_dsn
 from PIL import Image
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from derivd.ops import logs
 
@@ -94,15 +94,7 @@ def test_exception_text_only_at_debug() -> None:
 
 @pytest.fixture
 def password_dsn(dsn: str) -> str:
-    """`dsn` as a role that has a password. The test cluster trusts local connections,
-    so the password is accepted without being checked; it is in the DSN all the same."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (LOG_ROLE,)).fetchone()
-        if not exists:
-            conn.execute(f"CREATE ROLE {LOG_ROLE} LOGIN SUPERUSER PASSWORD '{DB_PASSWORD}'")
-    params = conninfo_to_dict(dsn)
-    params.update(user=LOG_ROLE, password=DB_PASSWORD)
-    return make_conninfo(**params)  # type: ignore[arg-type]
+    return role_dsn(dsn, LOG_ROLE, DB_PASSWORD)
 
 
 def _png(path: Path, size: tuple[int, int]) -> Path:

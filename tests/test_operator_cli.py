@@ -11,9 +11,8 @@ from pathlib import Path
 from subprocess import CompletedProcess
 from typing import Any
 
-import psycopg
 import pytest
-from psycopg.rows import dict_row
+from helpers import sql
 
 from derivd.errors import ErrorCode
 from derivd.queue.db import QueueDB
@@ -22,12 +21,6 @@ from derivd.storage.fs import FsStorage
 
 RunCli = Callable[..., CompletedProcess[str]]
 LEASE = 60.0
-
-
-def sql(dsn: str, query: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
-    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        cur = conn.execute(query, params)  # type: ignore[arg-type]
-        return cur.fetchall() if cur.description else []
 
 
 @pytest.fixture

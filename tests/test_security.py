@@ -18,10 +18,10 @@ import psycopg
 import pytest
 from fixtures.cli import derivd_command
 from fixtures.s3 import TEST_ACCESS_KEY, TEST_REGION, TEST_SECRET_KEY, MotoServer
+from helpers import proc_title, role_dsn
 from PIL import Image
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from derivd.processes.procutil import children_of
 from derivd.storage.base import InvalidKey, ObjectMissing
 from derivd.storage.fs import FsStorage
 
@@ -266,38 +266,7 @@ SEC_ROLE = "derivd_security_test"
 
 @pytest.fixture
 def password_dsn(dsn: str) -> str:
-    """`dsn` as a role with a password (the test cluster trusts local connections, so it
-    is not checked, but it is in the DSN all the same)."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (SEC_ROLE,)).fetchone():
-            conn.execute(
-                sql.SQL("CREATE ROLE {} LOGIN SUPERUSER PASSWORD {}").format(
-                    sql.Identifier(SEC_ROLE), sql.Literal(DB_PASSWORD)
-                )
-            )
-    params = conninfo_to_dict(dsn)
-    params.update(user=SEC_ROLE, password=DB_PASSWORD)
-    return make_conninfo(**params)  # type: ignore[arg-type]
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+    return role_dsn(dsn, SEC_ROLE, DB_PASSWORD)
 @pytest.mark.acceptance
 def test_credentials_never_reach_logs_events_rows_or_process_titles(
     password_dsn: str, s3_server: MotoServer, s3_bucket: str, tmp_path: Path
@@ -331,9 +300,9 @@ def test_credentials_never_reach_logs_events_rows_or_process_titles(
     try:
         deadline = time.monotonic() + 120  # bounds a hang; nothing is timed
         while True:
-            titles[proc.pid] = _cmdline(proc.pid)
-            for pid in _children(proc.pid):
-                titles[pid] = _cmdline(pid)
+            titles[proc.pid] = proc_title(proc.pid)
+            for pid in children_of(proc.pid):
+                titles[pid] = proc_title(pid)
             with psycopg.connect(password_dsn) as conn:
                 names |= {
                     r[0] or ""

@@ -12,11 +12,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
 import pytest
 from fixtures.cli import derivd_command
+from helpers import alive, proc_title, wait_for
 
 from derivd.config import ConfigError, load_config
 from derivd.processes.procutil import Pidfile, children_of, sd_notify, watchdog_interval
@@ -25,7 +26,6 @@ from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
 
 TESTS_DIR = Path(__file__).resolve().parent
-T = TypeVar("T")
 
 # Lease and deadlines small enough for tests, within the 80% cross-check.
 FAST = {
@@ -39,34 +39,6 @@ FAST = {
     },
     "supervisor": {"job_timeout": "3.8", "kill_grace": "1", "shutdown_grace": "20"},
 }
-
-
-def wait_for(check: Callable[[], T | None], what: str, timeout: float = 30.0) -> T:
-    """Poll `check` until it returns something truthy; fail naming `what` at the deadline
-    (a liveness bound, generous on purpose: the machine is shared and noisy)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.02)
-
-
-def title(pid: int) -> str:
-    try:
-        return (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")).decode().strip()
-    except OSError:
-        return ""
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 class Supervisor:
@@ -119,16 +91,16 @@ class Supervisor:
         return self.log_path.read_text(errors="replace")
 
     def workers(self) -> list[int]:
-        return [p for p in children_of(self.pid) if "derivd: worker" in title(p)]
+        return [p for p in children_of(self.pid) if "derivd: worker" in proc_title(p)]
 
     def ready_workers(self, n: int = 1) -> list[int] | None:
         """Worker pids once `n` of them have announced themselves idle or busy."""
-        pids = [p for p in self.workers() if "booting" not in title(p)]
+        pids = [p for p in self.workers() if "booting" not in proc_title(p)]
         return pids if len(pids) >= n else None
 
     def worker_on_job(self, file_id: int) -> int | None:
         for pid in self.workers():
-            if title(pid).endswith(f" job {file_id}"):
+            if proc_title(pid).endswith(f" job {file_id}"):
                 return pid
         return None
 
@@ -206,11 +178,11 @@ def test_jobs_run_and_sigterm_stops_cleanly(supervisor: Callable[..., Supervisor
     ids = sup.enqueue("ok", "ok", "sleep 0.2")
     for file_id in ids:
         wait_for(lambda f=file_id: sup.status_is(f, "ready"), f"file {file_id} ready")
-    parent_title = title(sup.pid)
+    parent_title = proc_title(sup.pid)
     assert parent_title == "derivd: supervisor (2 workers)"
     workers = wait_for(lambda: sup.ready_workers(2), "two ready workers")
-    assert all(title(p).startswith("derivd: worker ") for p in workers)
-    assert {title(p).split()[2] for p in workers} == {"1", "2"}  # slots
+    assert all(proc_title(p).startswith("derivd: worker ") for p in workers)
+    assert {proc_title(p).split()[2] for p in workers} == {"1", "2"}  # slots
     sup.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
     assert sup.wait_exit() == 0
     assert not any(alive(p) for p in workers)
@@ -314,7 +286,7 @@ def test_second_sigterm_escalates(supervisor: Callable[..., Supervisor]) -> None
     [file_id] = sup.enqueue("hang")
     wait_for(lambda: sup.worker_on_job(file_id), "a worker on the job")
     sup.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-    wait_for(lambda: "stopping" in title(sup.pid), "the supervisor to start stopping")
+    wait_for(lambda: "stopping" in proc_title(sup.pid), "the supervisor to start stopping")
     sup.proc.send_signal(signal.SIGINT)  # type: ignore[union-attr]
     # Far below the 60 s grace: the second signal did not wait for it.
     assert sup.wait_exit(timeout=30) == 0
@@ -403,7 +375,7 @@ def test_sighup_reloads_and_invalid_config_is_kept(
         ),
         "two new workers",
     )
-    assert title(sup.pid) == "derivd: supervisor (2 workers)"
+    assert proc_title(sup.pid) == "derivd: supervisor (2 workers)"
     sup.ini.write_text(text.replace("workers = 1", "workers = -1"))
     sup.proc.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
     wait_for(lambda: "reload refused" in sup.log(), "the refusal in the log")

@@ -8,16 +8,15 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import boto3
-import psycopg
 import pytest
 from botocore.config import Config as BotoConfig
 from configs import make_config
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY
-from psycopg.rows import dict_row
+from helpers import sql
 
 from derivd.ops.sweep import Sweeper, SweepReport, sweep_once
 from derivd.queue.db import Job, QueueDB, StoredVariant
@@ -29,12 +28,6 @@ if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
 LEASE = 60.0
-
-
-def sql(dsn: str, query: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
-    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        cur = conn.execute(query, params)  # type: ignore[arg-type]
-        return cur.fetchall() if cur.description else []
 
 
 def age_orphans(dsn: str, seconds: int) -> None:

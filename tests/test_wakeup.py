@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ import psycopg
 import pytest
 from configs import write_ini
 from fixtures.cli import derivd_command
+from helpers import wait_for
 
 from derivd.jobs import NOTIFY_CHANNEL
 from derivd.queue.db import QueueDB
@@ -150,15 +150,6 @@ def _idle_workers(conn: psycopg.Connection[Any]) -> bool:
     return listening and bool(workers) and claimed
 
 
-def _wait(predicate: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _queue_original(producer: psycopg.Connection[Any], tmp_path: Path) -> int:
     """Store an original in the daemon's fs store and queue it, as an upload API would."""
     version = FsStorage(tmp_path / "objects").put("originals/wake", b"x", "image/x")
@@ -216,12 +207,17 @@ def test_idle_daemon_picks_up_a_new_row_without_waiting_for_the_poll(
     def log_text() -> str:
         return (tmp_path / "derivd.log").read_text(errors="replace")
 
-    assert _wait(lambda: _idle_workers(producer), 30.0), log_text()
+    wait_for(lambda: _idle_workers(producer), "idle, listening workers", 30.0, detail=log_text)
     assert idle_daemon.poll() is None, log_text()
     file_id = _queue_original(producer, tmp_path)
 
     # Far below the 60 s poll: only the NOTIFY can have woken the worker.
-    assert _wait(lambda: _status(producer, file_id) == "ready", LIVENESS_S), log_text()
+    wait_for(
+        lambda: _status(producer, file_id) == "ready",
+        "the row to be ready",
+        LIVENESS_S,
+        detail=log_text,
+    )
 
 
 def _listen_pids(conn: psycopg.Connection[Any]) -> set[int]:
@@ -240,12 +236,22 @@ def test_lost_listen_connection_is_replaced(
     def log_text() -> str:
         return (tmp_path / "derivd.log").read_text(errors="replace")
 
-    assert _wait(lambda: _idle_workers(producer), 30.0), log_text()
+    wait_for(lambda: _idle_workers(producer), "idle, listening workers", 30.0, detail=log_text)
     (old,) = _listen_pids(producer)
     producer.execute("SELECT pg_terminate_backend(%s)", (old,))
-    assert _wait(lambda: bool(_listen_pids(producer) - {old}), LIVENESS_S), log_text()
+    wait_for(
+        lambda: bool(_listen_pids(producer) - {old}),
+        "a new LISTEN connection",
+        LIVENESS_S,
+        detail=log_text,
+    )
     file_id = _queue_original(producer, tmp_path)
-    assert _wait(lambda: _status(producer, file_id) == "ready", LIVENESS_S), log_text()
+    wait_for(
+        lambda: _status(producer, file_id) == "ready",
+        "the row to be ready",
+        LIVENESS_S,
+        detail=log_text,
+    )
 
 
 # --------------------------------------------------------------------------- claim path

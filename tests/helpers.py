@@ -1,0 +1,81 @@
+"""Small helpers the test modules share: one SQL helper, one wait loop, one /proc reader.
+
+Import them (`from helpers import sql, wait_for`) rather than writing another copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+import pytest
+from psycopg import sql as pgsql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import dict_row
+
+T = TypeVar("T")
+
+
+def sql(dsn: str, query: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+    """Run one statement on its own autocommit connection; its rows as dicts."""
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        cur = conn.execute(query, params)
+        return cur.fetchall() if cur.description else []
+
+
+def wait_for(
+    check: Callable[[], T | None],
+    what: str,
+    timeout: float = 60.0,
+    *,
+    detail: Callable[[], str] | None = None,
+) -> T:
+    """Poll `check` until it returns something truthy, and return that. The deadline
+    only keeps a broken test from hanging (generous on purpose: the machine is shared);
+    it asserts nothing about speed. At the deadline the test fails naming `what`, plus
+    `detail()` (e.g. the daemon's log) when given."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            more = f"\n{detail()}" if detail is not None else ""
+            pytest.fail(f"timed out after {timeout:g}s waiting for {what}{more}")
+        time.sleep(0.02)
+
+
+def proc_title(pid: int) -> str:
+    """The process title (/proc/PID/cmdline, which setproctitle rewrites); "" once gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def role_dsn(dsn: str, role: str, password: str) -> str:
+    """`dsn` as `role` (created once, superuser) with `password` in the DSN. The test
+    cluster trusts local connections, so the password is not checked; it is in the DSN
+    all the same, which is what redaction tests need."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone():
+            conn.execute(
+                pgsql.SQL("CREATE ROLE {} LOGIN SUPERUSER PASSWORD {}").format(
+                    pgsql.Identifier(role), pgsql.Literal(password)
+                )
+            )
+    params = conninfo_to_dict(dsn)
+    params.update(user=role, password=password)
+    return make_conninfo(**params)  # type: ignore[arg-type]
