@@ -20,7 +20,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def die(message: str, code: int = 1) -> NoReturn:
-    click.echo(f"derivd: {message}", err=True)
+    from derivd.redact import redact
+
+    click.echo(f"derivd: {redact(message)}", err=True)
     sys.exit(code)
 
 
@@ -54,7 +56,8 @@ class State:
     def config(self) -> Config:
         if self._config is None:
             self._config = load_config(self.config_path, required=self.explicit)
-            from derivd.ops.logs import dsn_password, setup_logging
+            from derivd.ops.logs import setup_logging
+            from derivd.redact import dsn_password
 
             setup_logging(
                 self.log_level or self._config.logging.level,

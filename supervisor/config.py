@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
+from derivd.redact import mask_dsn, parse_dsn
 
 DEFAULT_CONFIG = Path("etc/derivd.ini")
 Check = Callable[[Any], str | None]  # returns a problem, or None when the value is fine
@@ -106,11 +107,22 @@ def check_variants(value: str) -> str | None:
     return None
 
 
+def check_dsn(value: str) -> str | None:
+    # libpq's own complaint may quote a word of the password: it is not repeated here.
+    if not value or parse_dsn(value) is not None:
+        return None
+    return (
+        "not a libpq connection string or URL that libpq can read (a value with spaces "
+        "needs single quotes: password='a b'; in a URL, percent-encode it)"
+    )
+
+
 @dataclass(frozen=True)
 class DatabaseSettings:
     dsn: str = setting(
         "",
         "libpq connection string or URL; empty: a private PostgreSQL cluster under state_dir",
+        check=check_dsn,
         secret=True,
     )
 
@@ -508,11 +520,3 @@ def render_ini(config: Config | None = None, *, mask_secrets: bool = False) -> s
             lines.append(f"{spec.name} = {value}".rstrip())
     return "\n".join(lines) + "\n"
 
-
-_PASSWORD_KV = re.compile(r"(password\s*=\s*)(\S+)", re.IGNORECASE)
-_PASSWORD_URL = re.compile(r"(://[^:/@]+:)([^@]+)(@)")
-
-
-def mask_dsn(dsn: str) -> str:
-    """Hide the password of a conninfo string or URL (for logs and `config show`)."""
-    return _PASSWORD_URL.sub(r"\1***\3", _PASSWORD_KV.sub(r"\1***", dsn))

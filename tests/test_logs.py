@@ -21,6 +21,7 @@ from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY, MotoServer
 from helpers import role_dsn
 from PIL import Image
 
+from derivd import redact
 from derivd.ops import logs
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
@@ -53,7 +54,7 @@ def test_json_lines_carry_the_fields() -> None:
 
 def test_formatters_redact_secrets_passwords_and_signed_urls() -> None:
     secret = f"secret-{uuid.uuid4().hex}"
-    logs.register_secret(secret)
+    redact.register_secret(secret)
     signed = (
         "https://b.s3.amazonaws.com/k?X-Amz-Algorithm=AWS4-HMAC-SHA256"
         "&X-Amz-Credential=AKIAEXAMPLE%2F20240101&X-Amz-Signature=0123abcdef&x=1"
@@ -73,9 +74,9 @@ def test_setup_logging_registers_the_environment_credentials() -> None:
     token = f"token-{uuid.uuid4().hex}"
     logs.setup_logging("info", "text", env={"AWS_SESSION_TOKEN": token})
     assert token not in logs.TextFormatter().format(record(f"token {token}"))
-    assert logs.dsn_password(f"host=x password={DB_PASSWORD}") == DB_PASSWORD
-    assert logs.dsn_password("postgresql://u:pw@h/db") == "pw"
-    assert logs.dsn_password("host=x") is None
+    assert redact.dsn_password(f"host=x password={DB_PASSWORD}") == DB_PASSWORD
+    assert redact.dsn_password("postgresql://u:pw@h/db") == "pw"
+    assert redact.dsn_password("host=x") is None
 
 
 def test_exception_text_only_at_debug() -> None:

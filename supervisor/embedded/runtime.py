@@ -6,8 +6,9 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from derivd.config import Config, mask_dsn
+from derivd.config import Config
 from derivd.queue.db import migrate
+from derivd.redact import mask_dsn
 
 log = logging.getLogger("derivd")
 

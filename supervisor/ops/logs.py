@@ -4,10 +4,11 @@ Call sites pass structured fields with `extra={"fields": {...}}` (see `event`). 
 safe values go there: ids, codes, durations. Exception text of user content is logged at
 DEBUG only, and credentials never reach a log record (DSNs are masked before logging).
 
-As a second line of defence every formatted line is redacted: the values of known secrets
-(the AWS secret key and session token, PGPASSWORD, the DSN's password: see
-`register_secret`), `password=` in conninfo strings and URLs, and the signature and
-credential parameters of presigned S3 URLs become `***`.
+As a second line of defence every formatted line goes through `derivd.redact` (the one
+masker, which `config show` and the error messages use too): the values of known secrets
+(the AWS secret key and session token, PGPASSWORD, the DSN's password), `password=` in
+conninfo strings and URLs, and the signature and credential parameters of presigned S3
+URLs become `***`.
 """
 
 from __future__ import annotations
@@ -15,50 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import sys
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-_SECRETS: set[str] = set()
-_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "PGPASSWORD")
-_PRESIGNED = re.compile(
-    r"((?:X-Amz-(?:Signature|Credential|Security-Token)|Signature|AWSAccessKeyId)=)[^&\s\"']+",
-    re.IGNORECASE,
-)
-_PASSWORD_KV = re.compile(r"(password\s*=\s*)('[^']*'|[^\s\"',;]+)", re.IGNORECASE)
-_PASSWORD_URL = re.compile(r"(://[^:/@\s]+:)([^@\s]+)(@)")
-# Shorter values would redact ordinary words; real secrets are far longer.
-_MIN_SECRET = 6
-
-
-def register_secret(value: str | None) -> None:
-    """Never let `value` reach the log (it survives fork, and setup_logging again)."""
-    if value and len(value) >= _MIN_SECRET:
-        _SECRETS.add(value)
-
-
-def dsn_password(dsn: str) -> str | None:
-    """The password of a conninfo string or URL, if it has one."""
-    if not dsn:
-        return None
-    try:
-        from psycopg.conninfo import conninfo_to_dict
-
-        password = conninfo_to_dict(dsn).get("password")
-    except Exception:  # a malformed DSN fails later, with its own message
-        return None
-    return str(password) if password else None
-
-
-def redact(text: str) -> str:
-    for secret in _SECRETS:
-        if secret in text:
-            text = text.replace(secret, "***")
-    text = _PRESIGNED.sub(r"\1***", text)
-    text = _PASSWORD_KV.sub(r"\1***", text)
-    return _PASSWORD_URL.sub(r"\1***\3", text)
+from derivd.redact import SECRET_ENV, redact, register_secret
 
 
 class TextFormatter(logging.Formatter):
@@ -117,7 +80,7 @@ def setup_logging(
     `secrets` (e.g. the DSN's password) and the credentials in the environment are
     redacted from every line from now on."""
     env = os.environ if env is None else env
-    for value in (*secrets, *(env.get(name) for name in _SECRET_ENV)):
+    for value in (*secrets, *(env.get(name) for name in SECRET_ENV)):
         register_secret(value)
     root = logging.getLogger()
     for handler in list(root.handlers):

@@ -12,6 +12,7 @@ import sys
 from derivd.config import Config
 from derivd.embedded.runtime import database
 from derivd.processes.arbiter import Arbiter
+from derivd.redact import redact
 
 
 def run_daemon(config: Config, *, burst: bool = False, dsn: str | None = None) -> int:
@@ -25,6 +26,6 @@ def run_daemon(config: Config, *, burst: bool = False, dsn: str | None = None) -
         with database(config) as opened:
             outcome = Arbiter(config, opened, burst=burst).run()
     if outcome.message:
-        sys.stderr.write(f"derivd: {outcome.message}\n")
+        sys.stderr.write(f"derivd: {redact(outcome.message)}\n")
         sys.stderr.flush()
     return outcome.code

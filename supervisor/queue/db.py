@@ -22,6 +22,7 @@ from psycopg.rows import dict_row
 
 from derivd.errors import ErrorCode, Transient
 from derivd.queue.sqlfiles import migrations, queries
+from derivd.redact import redact
 
 
 class DatabaseUnavailable(Transient):
@@ -76,9 +77,9 @@ class QueueStats:
 
 
 def one_line(error: BaseException) -> str:
-    """The first line of a driver error: enough to act on, no multi-line dumps."""
+    """The first line of a driver error, secrets masked: enough to act on, no dumps."""
     text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
+    return redact(text[0]) if text else type(error).__name__
 
 
 def connect(dsn: str, *, application_name: str = "derivd") -> psycopg.Connection[Any]:
