@@ -62,5 +62,9 @@ bench: install
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/claim_scale.py
 
+# As root, the demo's cluster may live outside var/ (see supervisor/embedded/pghome.py):
+# stop it and remove that directory too.
 clean:
+	@if [ -d var ] && [ -x $(BIN)/python ]; then $(BIN)/python -c \
+	  'from pathlib import Path; from derivd.embedded.pgcluster import discard; discard(Path("var/pg"))'; fi
 	rm -rf $(VENV) var build *.egg-info

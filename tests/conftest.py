@@ -30,7 +30,7 @@ from fixtures.s3 import (
     aws_test_env,
 )
 
-from derivd.embedded.pgcluster import EmbeddedCluster
+from derivd.embedded.pgcluster import EmbeddedCluster, discard
 from derivd.processes.procutil import pid_alive
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def tier_of(item: pytest.Item) -> str:
     fixtures = set(getattr(item, "fixturenames", ()))
     if item.get_closest_marker("acceptance") or fixtures & PROCESS_FIXTURES:
         return "acceptance"
-    if fixtures & SERVICE_FIXTURES:
+    if item.get_closest_marker("integration") or fixtures & SERVICE_FIXTURES:
         return "integration"
     return "unit"
 
@@ -89,10 +89,8 @@ def _sweep_stale_pg_roots() -> None:
         pid = root.name.removeprefix(_PG_ROOT_PREFIX).split("-")[1]
         if not pid.isdigit() or pid_alive(int(pid)):
             continue
-        data = root / "pgdata"
-        if (data / "postmaster.pid").exists():
-            with contextlib.suppress(Exception):
-                EmbeddedCluster(data).stop("immediate")
+        with contextlib.suppress(Exception):
+            discard(root / "pgdata")  # also its home, if the cluster had to move out
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -116,7 +114,7 @@ def pg_cluster(pg_root: Path) -> Iterator[EmbeddedCluster]:
     try:
         yield cluster
     finally:
-        cluster.stop("immediate")
+        discard(pg_root / "pgdata")
 
 
 @pytest.fixture(scope="session")

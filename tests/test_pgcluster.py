@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import stat
 import subprocess
 import sys
@@ -12,11 +13,12 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from derivd.embedded import pgcluster
+from derivd.embedded import pgcluster, pghome
 from derivd.embedded.pgcluster import (
     EmbeddedCluster,
     EmbeddedClusterError,
     PostgresNotFound,
+    discard,
     find_server_bindir,
 )
 
@@ -110,13 +112,91 @@ def test_create_and_drop_database(pg_cluster: EmbeddedCluster) -> None:
         psycopg.connect(pg_cluster.dsn("scratch_db"), connect_timeout=5).close()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to build an untraversable parent")
-def test_untraversable_parent_is_named(tmp_path_factory: pytest.TempPathFactory) -> None:
+_NEEDS_ROOT = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root: the server then runs as another user, postgres"
+)
+
+
+@pytest.fixture
+def private_root_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A root-owned mode-700 directory, like /root in containers and cloud images."""
     locked = Path(tmp_path_factory.mktemp("locked"))
     locked.chmod(0o700)
-    cluster = EmbeddedCluster(locked / "state" / "pgdata", fast=True)
-    with pytest.raises(EmbeddedClusterError, match="cannot traverse"):
-        cluster.start()
+    return locked
+
+
+@_NEEDS_ROOT
+@pytest.mark.integration
+def test_state_dir_in_a_private_root_dir_gets_a_home_postgres_reaches(
+    private_root_dir: Path,
+) -> None:
+    data = private_root_dir / "clone" / "var" / "pg"
+    cluster = EmbeddedCluster(data, fast=True)
+    try:
+        with cluster:
+            with psycopg.connect(cluster.dsn()) as conn:
+                conn.execute("CREATE TABLE kept (v text)")
+                conn.execute("INSERT INTO kept VALUES ('still here')")
+            home = cluster.home
+            assert home is not None and cluster.data_dir.is_relative_to(home)
+            st = os.stat(home)
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (pwd.getpwnam("postgres").pw_uid, 0o700)
+        # The user's own directory is left exactly as it was.
+        st = os.stat(private_root_dir)
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o700)
+        # A later run finds the same cluster through the record in the state directory.
+        assert (data.parent / pghome.RECORD_NAME).read_text().strip() == str(home)
+        with EmbeddedCluster(data, fast=True) as again, psycopg.connect(again.dsn()) as conn:
+            assert again.home == home
+            assert conn.execute("SELECT v FROM kept").fetchall() == [("still here",)]
+    finally:
+        discard(data)
+    assert not home.exists() and not (data.parent / pghome.RECORD_NAME).exists()
+
+
+@_NEEDS_ROOT
+def test_existing_cluster_out_of_reach_is_named_not_moved(private_root_dir: Path) -> None:
+    data = private_root_dir / "state" / "pgdata"
+    data.mkdir(parents=True)
+    (data / "PG_VERSION").write_text("15\n")  # moving it would start an empty database
+    with pytest.raises(EmbeddedClusterError, match="cannot traverse") as err:
+        EmbeddedCluster(data, fast=True).start()
+    assert str(data) in str(err.value) and "\n" not in str(err.value)
+    assert not (data.parent / pghome.RECORD_NAME).exists()
+
+
+def _me(home: Path) -> pghome.RunAs:
+    return pghome.RunAs(os.geteuid(), os.getegid(), "me", tuple(os.getgroups()), str(home))
+
+
+def test_homes_whose_state_dir_was_removed_are_swept(tmp_path: Path) -> None:
+    run_as = _me(tmp_path / "server-home")
+    (tmp_path / "server-home").mkdir()
+    states = [tmp_path / name for name in ("kept", "removed")]
+    for state in states:
+        state.mkdir()
+    homes = [pghome.make_home(state, run_as) for state in states]
+    assert [pghome.recorded_home(state) for state in states] == homes
+    for home in homes:
+        assert home.parent == tmp_path / "server-home"
+        assert stat.S_IMODE(os.stat(home).st_mode) == 0o700
+    shutil.rmtree(states[1])  # `rm -rf var` in the other clone
+    third = tmp_path / "third"
+    third.mkdir()
+    pghome.make_home(third, run_as)
+    assert homes[0].exists() and not homes[1].exists()
+
+
+def test_a_recorded_home_that_is_not_private_is_refused(tmp_path: Path) -> None:
+    run_as = _me(tmp_path)
+    state = tmp_path / "state"
+    state.mkdir()
+    home = pghome.make_home(state, run_as)
+    home.chmod(0o755)
+    with pytest.raises(EmbeddedClusterError, match="not a private"):
+        pghome.check_home(home, run_as)
+    shutil.rmtree(home)
+    assert pghome.check_home(home, run_as) is False  # gone: the caller makes a new one
 
 
 def test_initdb_failure_is_one_line_with_log(pg_root: Path) -> None:

@@ -9,7 +9,9 @@ Used by the product when `[database] dsn` is empty and by the test suite. Layout
     <state>/pgcluster.lock  flock(2) held while starting or stopping
 
 PostgreSQL refuses to run as root, so when derivd runs as root every server binary runs
-as the `postgres` system user instead.
+as the `postgres` system user instead; when that user cannot reach the state directory,
+data, socket and log move to a private home recorded in `<state>/pgcluster.home`
+(pghome.py).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import logging
 import os
-import pwd
 import re
 import shutil
 import socket
@@ -28,7 +30,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Final, Literal
@@ -36,8 +37,14 @@ from typing import IO, Final, Literal
 import psycopg
 from psycopg.conninfo import make_conninfo
 
+from derivd.embedded import pghome
+from derivd.embedded.pghome import EmbeddedClusterError, RunAs
 from derivd.processes.procutil import pid_alive
 from derivd.queue.db import ClusterAdmin
+
+__all__ = ["EmbeddedCluster", "EmbeddedClusterError", "PostgresNotFound", "discard"]
+
+log = logging.getLogger("derivd")
 
 SUPERUSER: Final = "derivd"
 DEFAULT_DB: Final = "derivd"
@@ -61,10 +68,6 @@ StopMode = Literal["smart", "fast", "immediate"]
 
 class PostgresNotFound(RuntimeError):
     """No PostgreSQL server binaries on this machine."""
-
-
-class EmbeddedClusterError(RuntimeError):
-    """initdb, pg_ctl or the cluster's set-up failed; the message is one line for humans."""
 
 
 # --------------------------------------------------------------------------- binaries
@@ -110,53 +113,6 @@ def find_server_bindir() -> Path:
     raise PostgresNotFound(INSTALL_HINT)
 
 
-# --------------------------------------------------------------------------- identity
-
-
-@dataclass(frozen=True)
-class _RunAs:
-    """Who runs the server binaries: ourselves, or `postgres` when we are root."""
-
-    uid: int
-    gid: int
-    name: str
-    groups: tuple[int, ...]
-    home: str
-
-    @property
-    def switch(self) -> bool:
-        return self.uid != os.geteuid()
-
-    @classmethod
-    def detect(cls) -> _RunAs:
-        if os.geteuid() != 0:
-            pw = pwd.getpwuid(os.geteuid())
-            return cls(os.geteuid(), os.getegid(), pw.pw_name, tuple(os.getgroups()), pw.pw_dir)
-        try:
-            pw = pwd.getpwnam("postgres")
-        except KeyError:
-            raise EmbeddedClusterError(
-                "running as root, but PostgreSQL refuses root and there is no 'postgres' "
-                "system user to run it as (apt-get install postgresql creates one)"
-            ) from None
-        groups = tuple(sorted(set(os.getgrouplist(pw.pw_name, pw.pw_gid))))
-        return cls(pw.pw_uid, pw.pw_gid, pw.pw_name, groups, pw.pw_dir)
-
-    def can_traverse(self, directory: Path) -> bool:
-        st = directory.stat()
-        if self.uid == 0:
-            return True
-        if st.st_uid == self.uid:
-            return bool(st.st_mode & stat.S_IXUSR)
-        if st.st_gid in self.groups or st.st_gid == self.gid:
-            return bool(st.st_mode & stat.S_IXGRP)
-        return bool(st.st_mode & stat.S_IXOTH)
-
-    def chown(self, path: Path) -> None:
-        if self.switch:
-            os.chown(path, self.uid, self.gid, follow_symlinks=False)
-
-
 # --------------------------------------------------------------------------- cluster
 
 
@@ -189,18 +145,20 @@ class EmbeddedCluster:
         settings: Mapping[str, str] | None = None,
         bindir: Path | None = None,
     ) -> None:
-        self.data_dir = Path(data_dir).absolute()
-        self.state_dir = self.data_dir.parent
+        self.state_dir = Path(data_dir).absolute().parent
+        self._in_place = (
+            Path(data_dir).absolute(),
+            Path(log_file).absolute() if log_file else self.state_dir / "postgres.log",
+        )
         self.listen_tcp = listen_tcp
-        self.log_file = Path(log_file).absolute() if log_file else self.state_dir / "postgres.log"
         self.fast = fast
         self.settings = dict(settings or {})
         self._bindir = bindir
         self._port_requested = port
         self._port: int | None = port
-        self._socket_dir = self._choose_socket_dir()
         self._started_here = False
-        self._run_as: _RunAs | None = None
+        self._run_as: RunAs | None = None
+        self._use_home(pghome.recorded_home(self.state_dir))
 
     # -- public API
 
@@ -224,6 +182,7 @@ class EmbeddedCluster:
         """initdb on first use, start the server (or adopt a running one), create `derivd`."""
         run_as = self._identity()
         with self._locked():
+            self._place(run_as)
             self._prepare_dirs(run_as)
             if not (self.data_dir / "PG_VERSION").exists():
                 self._initdb(run_as)
@@ -297,10 +256,43 @@ class EmbeddedCluster:
 
     # -- set-up
 
-    def _identity(self) -> _RunAs:
+    def _identity(self) -> RunAs:
         if self._run_as is None:
-            self._run_as = _RunAs.detect()
+            self._run_as = RunAs.detect()
         return self._run_as
+
+    def _use_home(self, home: Path | None) -> None:
+        """Data, socket and log inside `home`, or where the caller asked when None."""
+        self.home = home
+        if home is None:
+            self.data_dir, self.log_file = self._in_place
+            self._socket_dir = self._choose_socket_dir()
+        else:
+            self.data_dir, self.log_file = home / "data", home / "postgres.log"
+            self._socket_dir = home / "sock"
+
+    def _place(self, run_as: RunAs) -> None:
+        # Under the lock, so that two processes on one state dir agree on one home.
+        home = pghome.recorded_home(self.state_dir)
+        if home is not None and not pghome.check_home(home, run_as):
+            log.warning("embedded PostgreSQL's home %s is gone; starting a new cluster", home)
+            pghome.discard_home(self.state_dir)
+            home = None
+        if home is None and run_as.switch and self._out_of_reach(run_as):
+            home = pghome.make_home(self.state_dir, run_as)
+        self._use_home(home)
+
+    def _out_of_reach(self, run_as: RunAs) -> bool:
+        """True when the server's user could not reach a new cluster in place. An existing
+        one stays where it is (moving it would start an empty one); _prepare_dirs names
+        what blocks it."""
+        self._use_home(None)
+        if (self.data_dir / "PG_VERSION").exists():
+            return False
+        dirs = (self.data_dir.parent, self.log_file.parent, self._socket_dir.parent)
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        return any(run_as.first_blocked(d) is not None for d in dirs)
 
     def _choose_socket_dir(self) -> Path:
         preferred = self.state_dir / "sock"
@@ -336,8 +328,8 @@ class EmbeddedCluster:
         finally:
             os.close(fd)
 
-    def _prepare_dirs(self, run_as: _RunAs) -> None:
-        self._check_traversable(run_as, self.state_dir)
+    def _prepare_dirs(self, run_as: RunAs) -> None:
+        self._check_traversable(run_as, self.data_dir.parent)
         self._check_traversable(run_as, self.log_file.parent)
         self._check_traversable(run_as, self._socket_dir.parent)
         if not self.data_dir.exists():
@@ -351,16 +343,16 @@ class EmbeddedCluster:
         os.close(fd)
         run_as.chown(self.log_file)
 
-    def _check_traversable(self, run_as: _RunAs, directory: Path) -> None:
+    def _check_traversable(self, run_as: RunAs, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        for d in reversed([directory, *directory.parents]):
-            if not run_as.can_traverse(d):
-                raise EmbeddedClusterError(
-                    f"user {run_as.name!r} cannot traverse {d} (needed to reach "
-                    f"{self.data_dir}); chmod o+x {d} or choose another state directory"
-                )
+        blocked = run_as.first_blocked(directory)
+        if blocked is not None:
+            raise EmbeddedClusterError(
+                f"user {run_as.name!r} cannot traverse {blocked} (needed to reach "
+                f"{self.data_dir}); choose a state directory it can reach"
+            )
 
-    def _prepare_socket_dir(self, run_as: _RunAs) -> None:
+    def _prepare_socket_dir(self, run_as: RunAs) -> None:
         # Trust authentication is safe only because nobody but the server's owner (and
         # root) can enter this directory, hence reach the socket in it. TCP (listen_tcp,
         # tests only) is open to every local user: never enable it in production.
@@ -376,7 +368,7 @@ class EmbeddedCluster:
         if st.st_mode & 0o077:
             os.chmod(self._socket_dir, 0o700)
 
-    def _initdb(self, run_as: _RunAs) -> None:
+    def _initdb(self, run_as: RunAs) -> None:
         argv = [
             str(self.bindir / "initdb"),
             "-D",
@@ -397,7 +389,7 @@ class EmbeddedCluster:
                 f"{_quote_conf(_CONF_NAME)}\n"
             )
 
-    def _write_conf(self, run_as: _RunAs) -> None:
+    def _write_conf(self, run_as: RunAs) -> None:
         conf: dict[str, str] = {
             "listen_addresses": _quote_conf("127.0.0.1" if self.listen_tcp else ""),
             "port": str(self.port),
@@ -439,7 +431,7 @@ class EmbeddedCluster:
             self._socket_dir = Path(sockdir)
         return True
 
-    def _start_server(self, run_as: _RunAs) -> None:
+    def _start_server(self, run_as: RunAs) -> None:
         attempts = 3 if self._port_requested is None and self.listen_tcp else 1
         for attempt in range(attempts):
             if self._port is None:
@@ -488,7 +480,7 @@ class EmbeddedCluster:
 
     def _run(
         self,
-        run_as: _RunAs,
+        run_as: RunAs,
         argv: list[str],
         *,
         what: str,
@@ -545,6 +537,15 @@ class EmbeddedCluster:
                 return f.read(64 * 1024).decode("utf-8", "replace")
         except OSError:
             return ""
+
+
+def discard(data_dir: Path) -> None:
+    """Stop the cluster of `data_dir` if it runs and remove its home outside the state
+    directory, if it has one (make clean, test teardown); the state dir is the caller's."""
+    cluster = EmbeddedCluster(data_dir)
+    if cluster.is_running():
+        cluster.stop("immediate")
+    pghome.discard_home(cluster.state_dir)
 
 
 def _append(f: IO[str], header: str, *chunks: str) -> None:
