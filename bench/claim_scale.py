@@ -64,11 +64,11 @@ def measure(dsn: str, claims: int) -> list[float]:
     with QueueDB.open(dsn, role="bench") as queue:
         for _ in range(claims):
             started = time.perf_counter()
-            job = queue.claim(lease_s=120.0, max_attempts=3)
+            jobs = queue.claim_many(limit=1, lease_s=120.0, max_attempts=3)
             times.append(time.perf_counter() - started)
-            if job is None:
+            if not jobs:
                 raise SystemExit("queue ran dry: seed more queued rows than claims")
-            queue.commit(job, [])
+            queue.commit_many([(jobs[0], [])])
     return times
 
 

@@ -23,7 +23,7 @@ from derivd.handlers.base import DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
 from derivd.ops.logs import event
 from derivd.queue.db import DatabaseUnavailable, Job, QueueDB, StoredVariant
-from derivd.queue.retry import retry_delay
+from derivd.queue.retry import record_failure
 from derivd.storage.base import Storage, derived_key, open_storage
 
 log = logging.getLogger("derivd.worker")
@@ -102,9 +102,6 @@ class IdleWait:
         for fd in ready:
             _drain_fd(fd)
 
-    def close(self) -> None:
-        return None
-
 
 def _drain_fd(fd: int) -> None:
     with contextlib.suppress(BlockingIOError, InterruptedError):
@@ -148,31 +145,12 @@ class Worker:
 
     # -- one job ---------------------------------------------------------------------
 
-    def claim(self) -> Job | None:
-        jobs = self.claim_many(1)
-        return jobs[0] if jobs else None
-
     def claim_many(self, limit: int) -> list[Job]:
         q = self.config.queue
         jobs = self.queue.claim_many(limit=limit, lease_s=q.lease, max_attempts=q.max_attempts)
         if jobs:
             self.hooks.jobs_claimed(jobs)
         return jobs
-
-    def run_once(self) -> JobResult | None:
-        """Claim and process one job; None when nothing is claimable."""
-        job = self.claim()
-        if job is None:
-            return None
-        return self.process(job)
-
-    def process(self, job: Job) -> JobResult:
-        """Run one claimed job and commit it at once."""
-        self._run_job(job)
-        with contextlib.suppress(DatabaseUnavailable):
-            self._commit_pending()  # on failure the attempt is reported `unknown`
-        reported = self.flush()
-        return next(r for r in reversed(reported) if r.job.id == job.id)
 
     def _run_job(self, job: Job) -> None:
         """Derive and store; a success waits in `_pending` for the batched commit, a
@@ -296,13 +274,9 @@ class Worker:
         ]
 
     def _fail(self, job: Job, *, retry: bool, code: ErrorCode) -> str:
-        q = self.config.queue
-        delay = retry_delay(
-            job.attempt, base=q.retry_base, cap=q.retry_max, jitter=q.retry_jitter, rng=self.rng
-        )
         try:
-            status = self.queue.fail(
-                job, retry=retry, code=code, max_attempts=q.max_attempts, delay_s=delay
+            status = record_failure(
+                self.queue, job, self.config.queue, retry=retry, code=code, rng=self.rng
             )
         except DatabaseUnavailable as error:
             # The row stays `processing`; its lease expires and the attempt is counted.
@@ -320,22 +294,32 @@ class Worker:
             event(log, "attempts exhausted", logging.WARNING, file_id=file_id)
         return ids
 
-    def release(self, job: Job) -> bool:
-        return self.queue.release(job)
-
     # -- the loop ----------------------------------------------------------------------
 
     def run_batch(self, should_stop: Callable[[], bool], *, max_jobs: int = 0) -> int:
-        """Claim up to `[queue] claim_batch` jobs and run them in claim order; returns how
-        many were claimed. A job is only started while its lease still covers a whole
-        job (job_timeout + kill_grace, counted from before the claim was sent); stopping
-        or running out of lease releases the rest at once."""
-        q, sup = self.config.queue, self.config.supervisor
-        limit = q.claim_batch
+        """Claim up to `[queue] claim_batch` jobs and run them (`run_claimed`); returns
+        how many were claimed."""
+        limit = self.config.queue.claim_batch
         if max_jobs:
             limit = max(1, min(limit, max_jobs - self.jobs_done))
         sent = time.monotonic()
         jobs = self.claim_many(limit)
+        self.run_claimed(jobs, should_stop, claimed_at=sent)
+        return len(jobs)
+
+    def run_claimed(
+        self,
+        jobs: Sequence[Job],
+        should_stop: Callable[[], bool] = lambda: False,
+        *,
+        claimed_at: float | None = None,
+    ) -> None:
+        """Run claimed jobs in claim order, commit them, report every outcome. A job is
+        only started while its lease still covers a whole job (job_timeout + kill_grace,
+        counted from `claimed_at`, taken before the claim was sent); stopping or running
+        out of lease releases the rest at once."""
+        q, sup = self.config.queue, self.config.supervisor
+        sent = time.monotonic() if claimed_at is None else claimed_at
         latest_start = sent + q.lease - (sup.job_timeout + sup.kill_grace)
         started = 0
         try:
@@ -358,7 +342,6 @@ class Worker:
             raise
         finally:
             self.flush()
-        return len(jobs)
 
     def run(
         self,

@@ -25,6 +25,7 @@ from botocore.config import Config as BotoConfig
 from configs import make_config
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY
+from fixtures.work import run_job, run_one
 from helpers import sql, wait_for
 from PIL import Image
 
@@ -313,7 +314,7 @@ def test_storage_outage_requeues_with_growing_jittered_delay_then_succeeds(
         proxy.reset_connections(p=1.0)
     delays = []
     for attempt, cap in ((1, 10.0), (2, 20.0)):
-        result = worker.run_once()
+        result = run_one(worker)
         assert result is not None and result.outcome == "retry" and result.job.attempt == attempt
         current = row(dsn, file_id)
         assert current["status"] == "queued" and current["lease_token"] is None
@@ -327,7 +328,7 @@ def test_storage_outage_requeues_with_growing_jittered_delay_then_succeeds(
     assert counts.get("errors" if fault == "503" else "resets", 0) >= 2
 
     proxy.pass_through()
-    result = worker.run_once()
+    result = run_one(worker)
     assert result is not None and result.outcome == "ready"
     done = row(dsn, file_id)
     assert done["status"] == "ready" and done["attempts"] == 3
@@ -357,12 +358,12 @@ def test_fixed_retry_delay_without_jitter(
     worker_cleanup.append(worker)
     proxy.fail(p=1.0)
     for _ in range(2):
-        result = worker.run_once()
+        result = run_one(worker)
         assert result is not None and result.outcome == "retry"
         assert retry_delay_of(dsn, file_id) == pytest.approx(7.0, abs=1e-6)
         make_due(dsn, file_id)
     # The last allowed attempt fails too: rejected, with the transient's code.
-    result = worker.run_once()
+    result = run_one(worker)
     assert result is not None and result.outcome == "rejected"
     final = row(dsn, file_id)
     assert (final["status"], final["error_code"], final["attempts"]) == (
@@ -382,12 +383,12 @@ def test_unknown_exception_retries_and_ends_processing_failed(
     worker_cleanup.append(worker)
     outcomes = []
     for _ in range(3):
-        result = worker.run_once()
+        result = run_one(worker)
         assert result is not None
         outcomes.append(result.outcome)
         make_due(dsn, file_id)
     assert outcomes == ["retry", "retry", "rejected"]
-    assert worker.run_once() is None
+    assert run_one(worker) is None
     assert row(dsn, file_id)["error_code"] == "processing_failed"
     assert [e[0] for e in events(dsn, file_id)] == ["retry", "retry", "rejected"]
 
@@ -400,7 +401,7 @@ def test_permanent_error_rejects_at_once(
     file_id, _ = enqueue_original(dsn, storage)
     worker = make_worker(config, dsn, storage, Raises(CorruptContent("truncated")))
     worker_cleanup.append(worker)
-    result = worker.run_once()
+    result = run_one(worker)
     assert result is not None and (result.outcome, result.code) == ("rejected", "corrupt_content")
     assert (row(dsn, file_id)["attempts"], events(dsn, file_id)) == (
         1,
@@ -430,10 +431,10 @@ def test_database_connection_killed_mid_job_retries(
     handler = Hook(pillow(config), kill_connection)
     worker = Worker(config, queue=queue, storage=storage, handler=handler)
     worker_cleanup.append(worker)
-    first = worker.run_once()
+    first = run_one(worker)
     assert first is not None and first.outcome == "retry"
     make_due(dsn, file_id)
-    second = worker.run_once()
+    second = run_one(worker)
     assert second is not None and second.outcome == "ready"
     assert [e[0] for e in events(dsn, file_id)] == ["retry", "ready"]
 
@@ -482,7 +483,7 @@ def test_crash_after_put_leaves_an_orphan_the_sweep_removes_after_the_guard(
 
     def child() -> None:
         storage = DiesAfterFirstPut(s3_storage(endpoint, s3_bucket))
-        make_worker(config, dsn, storage).run_once()
+        run_one(make_worker(config, dsn, storage))
 
     assert run_in_child(child) == 70
     crashed = row(dsn, file_id)
@@ -502,7 +503,7 @@ def test_crash_after_put_leaves_an_orphan_the_sweep_removes_after_the_guard(
     wait_for(lambda: lease_expired_or_final(dsn, file_id), "the crashed attempt's lease")
     worker = make_worker(config, dsn, s3_storage(endpoint, s3_bucket))
     worker_cleanup.append(worker)
-    result = worker.run_once()
+    result = run_one(worker)
     assert result is not None and result.outcome == "ready" and result.job.attempt == 2
     committed = {v.key: v.version for v in worker.queue.file_variants(file_id)}
     assert not set(committed) & set(orphan_keys)
@@ -540,7 +541,7 @@ def test_delete_while_processing_late_commit_changes_nothing_and_sweep_removes_a
 
     worker = make_worker(config, dsn, storage, Hook(pillow(config), delete_now))
     worker_cleanup.append(worker)
-    job = worker.claim()
+    job = worker.claim_many(1)[0]
     assert job is not None
     real_commit = worker.queue.commit_many
     commits: list[bool] = []
@@ -551,7 +552,7 @@ def test_delete_while_processing_late_commit_changes_nothing_and_sweep_removes_a
         return committed
 
     worker.queue.commit_many = recording_commit  # type: ignore[method-assign]
-    assert worker.process(job).outcome == "lease_lost"
+    assert run_job(worker, job).outcome == "lease_lost"
     assert commits == [False]
     deleting = row(dsn, file_id)
     assert deleting["status"] == "deleting"
@@ -630,14 +631,14 @@ def test_no_row_event_or_log_line_holds_exception_text_or_credentials(
     worker_cleanup.append(worker)
     proxy.fail(p=1.0, code="ServiceUnavailable")
     for _ in range(3):
-        result = worker.run_once()
+        result = run_one(worker)
         assert result is not None and result.job.id == retried_id
         make_due(dsn, retried_id)
     proxy.pass_through()
     # File 2: a permanent storage error with the same text.
     missing_id, _ = enqueue_original(dsn, real)
     flaky.script = [ObjectMissing(secret_text)]
-    result = worker.run_once()
+    result = run_one(worker)
     assert result is not None and (result.job.id, result.outcome) == (missing_id, "rejected")
 
     assert row(dsn, retried_id)["error_code"] == "processing_failed"

@@ -22,6 +22,7 @@ import pytest
 from fixtures.cli import derivd_command
 from fixtures.metrics import Samples, scrape, seed_queue
 from fixtures.s3 import free_port
+from fixtures.work import claim_one
 from PIL import Image
 
 from derivd.config import ConfigError
@@ -130,7 +131,7 @@ def test_queue_gauges_follow_the_latest_stats(metrics: Metrics, dsn: str) -> Non
         metrics.set_queue(queue.queue_stats())
         assert scrape(url_of(metrics)).value("derivd_queue_rows", status="queued") == 2
         for _ in range(2):
-            job = queue.claim(lease_s=60, max_attempts=3)
+            job = claim_one(queue, lease_s=60, max_attempts=3)
             assert job is not None
             queue.fail(job, retry=False, code="unsupported_content", max_attempts=3)
         metrics.set_queue(queue.queue_stats())

@@ -12,6 +12,7 @@ from subprocess import CompletedProcess
 from typing import Any
 
 import pytest
+from fixtures.work import claim_one, commit_one
 from helpers import sql
 
 from derivd.errors import ErrorCode
@@ -59,7 +60,7 @@ def new_file(queue: QueueDB, storage: FsStorage) -> int:
 
 def rejected_file(queue: QueueDB, storage: FsStorage, code: ErrorCode) -> int:
     file_id = new_file(queue, storage)
-    job = queue.claim(lease_s=LEASE, max_attempts=3)
+    job = claim_one(queue, lease_s=LEASE, max_attempts=3)
     assert job is not None and job.id == file_id
     assert queue.fail(job, retry=False, code=code, max_attempts=3) == "rejected"
     return file_id
@@ -67,9 +68,9 @@ def rejected_file(queue: QueueDB, storage: FsStorage, code: ErrorCode) -> int:
 
 def ready_file(queue: QueueDB, storage: FsStorage) -> int:
     file_id = new_file(queue, storage)
-    job = queue.claim(lease_s=LEASE, max_attempts=3)
+    job = claim_one(queue, lease_s=LEASE, max_attempts=3)
     assert job is not None and job.id == file_id
-    assert queue.commit(job, [])
+    assert commit_one(queue, job, [])
     return file_id
 
 
@@ -106,7 +107,7 @@ def test_retry_by_id_requeues_rejected_rows_and_names_the_operator(
     assert event["actor"] == expected_actor()
 
     # The retried row is an ordinary queued row again: a worker can claim it.
-    job = queue.claim(lease_s=LEASE, max_attempts=3)
+    job = claim_one(queue, lease_s=LEASE, max_attempts=3)
     assert job is not None and (job.id, job.attempt) == (rejected, 1)
 
 
@@ -156,7 +157,7 @@ def test_delete_then_sweep_removes_the_file_and_all_its_objects(
 ) -> None:
     storage = FsStorage(fs_root)
     file_id = new_file(queue, storage)
-    job = queue.claim(lease_s=LEASE, max_attempts=3)
+    job = claim_one(queue, lease_s=LEASE, max_attempts=3)
     assert job is not None
     key = derived_key(file_id, job.token, "thumb")
     queue.register_pending(job, [key])
@@ -167,7 +168,7 @@ def test_delete_then_sweep_removes_the_file_and_all_its_objects(
     assert result.returncode == 1
     assert lines(result) == [f"accepted (now deleting): {file_id}", "unknown: 999999"]
     # The running attempt lost its right to commit.
-    assert queue.commit(job, []) is False
+    assert commit_one(queue, job, []) is False
     (event,) = sql(
         queue.dsn or "",
         "SELECT actor FROM archive_events WHERE file_id = %s AND kind = 'delete_requested'",
@@ -199,7 +200,7 @@ def test_sweep_prints_the_orphans_it_removes(
 ) -> None:
     storage = FsStorage(fs_root)
     new_file(queue, storage)
-    job = queue.claim(lease_s=LEASE, max_attempts=3)
+    job = claim_one(queue, lease_s=LEASE, max_attempts=3)
     assert job is not None
     key = derived_key(job.id, job.token, "preview")
     queue.register_pending(job, [key])

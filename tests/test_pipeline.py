@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from configs import make_config
+from fixtures.work import run_job, run_one
 from PIL import Image
 
 from derivd.config import Config
@@ -50,7 +51,7 @@ def test_good_image_becomes_ready_with_every_variant(
     config = make_config(dsn, fs_root=fs_root, derive={"backend": backend})
     worker = make_worker(config, dsn)
     (file_id,) = enqueue_bytes(tmp_path, worker.storage, dsn, {"a.jpg": jpeg(2000, 1000)})
-    result = worker.run_once()
+    result = run_one(worker)
     assert result is not None and result.outcome == "ready"
     row = worker.queue.file_row(file_id)
     assert row is not None and row["status"] == "ready" and row["error_code"] is None
@@ -74,7 +75,7 @@ def test_corrupt_image_is_rejected_with_a_safe_code(
     good = jpeg(300, 200)
     ids = enqueue_bytes(tmp_path, worker.storage, dsn, {
         "truncated.jpg": good[: len(good) // 2], "page.jpg": b"<html>not an image</html>"})
-    outcomes = [worker.run_once() for _ in ids]
+    outcomes = [run_one(worker) for _ in ids]
     assert [r.outcome for r in outcomes if r] == ["rejected", "rejected"]
     codes = [worker.queue.file_row(i)["error_code"] for i in ids]  # type: ignore[index]
     assert codes == ["corrupt_content", "unsupported_content"]
@@ -88,15 +89,15 @@ def test_late_attempt_loses_and_its_objects_are_never_referenced(
     config = make_config(dsn, fs_root=fs_root, derive={"backend": "pillow"})
     worker_a, worker_b = make_worker(config, dsn), make_worker(config, dsn)
     (file_id,) = enqueue_bytes(tmp_path, worker_a.storage, dsn, {"a.jpg": jpeg(800, 600)})
-    job_a = worker_a.claim()
+    job_a = worker_a.claim_many(1)[0]
     assert job_a is not None
     worker_a.queue.conn.execute(
         "UPDATE archive_files SET lease_until = now() - interval '1 s' WHERE id = %s", (file_id,))
-    job_b = worker_b.claim()
+    job_b = worker_b.claim_many(1)[0]
     assert job_b is not None and job_b.id == file_id
 
-    assert worker_a.process(job_a).outcome == "lease_lost"
-    assert worker_b.process(job_b).outcome == "ready"
+    assert run_job(worker_a, job_a).outcome == "lease_lost"
+    assert run_job(worker_b, job_b).outcome == "ready"
 
     referenced = {v.key for v in worker_b.queue.file_variants(file_id)}
     assert all(str(job_b.token) in key for key in referenced)
@@ -124,7 +125,7 @@ def test_s3_pipeline_reads_originals_by_version(
     assert row is not None
     # Overwrite the original: the job must still derive the confirmed version.
     worker.storage.put(row["original_key"], b"garbage", "application/octet-stream")
-    result = worker.run_once()
+    result = run_one(worker)
     assert result is not None and result.outcome == "ready"
     (thumb,) = worker.queue.file_variants(file_id)
     assert (thumb.width, thumb.height) == (64, 48)

@@ -8,6 +8,7 @@ from collections import Counter
 
 import psycopg
 import pytest
+from fixtures.work import claim_one, commit_one
 
 from derivd.queue.db import QueueDB, StoredVariant, migrate
 
@@ -46,15 +47,15 @@ def test_migrate_is_idempotent(dsn: str) -> None:
 
 def test_claim_takes_oldest_due_row_and_counts_the_attempt(queue: QueueDB) -> None:
     first, second = queue.enqueue([("originals/a", "1"), ("originals/b", "2")])
-    job = queue.claim(lease_s=LONG, max_attempts=3)
+    job = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert job is not None and job.id == first and job.attempt == 1
     row = queue.file_row(first)
     assert row is not None
     assert row["status"] == "processing" and row["lease_token"] == job.token
     assert row["lease_until"] > row["claimed_at"]
-    other = queue.claim(lease_s=LONG, max_attempts=3)
+    other = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert other is not None and other.id == second and other.token != job.token
-    assert queue.claim(lease_s=LONG, max_attempts=3) is None
+    assert claim_one(queue, lease_s=LONG, max_attempts=3) is None
 
 
 def test_rows_not_yet_available_are_not_claimed(queue: QueueDB) -> None:
@@ -63,20 +64,20 @@ def test_rows_not_yet_available_are_not_claimed(queue: QueueDB) -> None:
         "UPDATE archive_files SET available_at = now() + interval '1 hour' WHERE id = %s",
         (file_id,),
     )
-    assert queue.claim(lease_s=LONG, max_attempts=3) is None
+    assert claim_one(queue, lease_s=LONG, max_attempts=3) is None
 
 
 def test_fencing_late_commit_of_expired_attempt_changes_nothing(queue: QueueDB) -> None:
     (file_id,) = queue.enqueue([("originals/a", "1")])
-    attempt_a = queue.claim(lease_s=LONG, max_attempts=3)
+    attempt_a = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert attempt_a is not None
     expire_lease(queue, file_id)
-    attempt_b = queue.claim(lease_s=LONG, max_attempts=3)
+    attempt_b = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert attempt_b is not None and attempt_b.id == file_id and attempt_b.attempt == 2
 
-    assert queue.commit(attempt_a, [variant(key="derived/1/A/preview.webp")]) is False
+    assert commit_one(queue, attempt_a, [variant(key="derived/1/A/preview.webp")]) is False
     assert queue.file_row(file_id)["status"] == "processing"  # type: ignore[index]
-    assert queue.commit(attempt_b, [variant(key="derived/1/B/preview.webp")]) is True
+    assert commit_one(queue, attempt_b, [variant(key="derived/1/B/preview.webp")]) is True
 
     row = queue.file_row(file_id)
     assert row is not None and row["status"] == "ready"
@@ -84,15 +85,15 @@ def test_fencing_late_commit_of_expired_attempt_changes_nothing(queue: QueueDB) 
     assert [v.key for v in queue.file_variants(file_id)] == ["derived/1/B/preview.webp"]
     assert events(queue, file_id) == [("lease_lost", 1), ("ready", 2)]
     # A second commit by the winner is fenced too: a row is committed once.
-    assert queue.commit(attempt_b, [variant()]) is False
+    assert commit_one(queue, attempt_b, [variant()]) is False
 
 
 def test_fail_and_release_are_fenced(queue: QueueDB) -> None:
     (file_id,) = queue.enqueue([("originals/a", "1")])
-    stale = queue.claim(lease_s=LONG, max_attempts=3)
+    stale = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert stale is not None
     expire_lease(queue, file_id)
-    current = queue.claim(lease_s=LONG, max_attempts=3)
+    current = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert current is not None
     assert queue.fail(stale, retry=False, code="corrupt_content", max_attempts=3) is None
     assert queue.release(stale) is False
@@ -102,7 +103,7 @@ def test_fail_and_release_are_fenced(queue: QueueDB) -> None:
 
 def test_permanent_failure_rejects_with_code(queue: QueueDB) -> None:
     (file_id,) = queue.enqueue([("originals/a", "1")])
-    job = queue.claim(lease_s=LONG, max_attempts=3)
+    job = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert job is not None
     assert queue.fail(job, retry=False, code="corrupt_content", max_attempts=3) == "rejected"
     row = queue.file_row(file_id)
@@ -113,15 +114,15 @@ def test_permanent_failure_rejects_with_code(queue: QueueDB) -> None:
 def test_transient_failure_retries_with_delay_then_rejects_at_cap(queue: QueueDB) -> None:
     (file_id,) = queue.enqueue([("originals/a", "1")])
     for attempt in (1, 2):
-        job = queue.claim(lease_s=LONG, max_attempts=3)
+        job = claim_one(queue, lease_s=LONG, max_attempts=3)
         assert job is not None and job.attempt == attempt
         status = queue.fail(job, retry=True, code="processing_failed", max_attempts=3,
                             delay_s=30)
         assert status == "queued"
-        assert queue.claim(lease_s=LONG, max_attempts=3) is None  # delayed 30 s
+        assert claim_one(queue, lease_s=LONG, max_attempts=3) is None  # delayed 30 s
         queue.conn.execute("UPDATE archive_files SET available_at = now() WHERE id = %s",
                            (file_id,))
-    job = queue.claim(lease_s=LONG, max_attempts=3)
+    job = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert job is not None and job.attempt == 3
     assert queue.fail(job, retry=True, code="processing_failed", max_attempts=3) == "rejected"
     row = queue.file_row(file_id)
@@ -130,21 +131,21 @@ def test_transient_failure_retries_with_delay_then_rejects_at_cap(queue: QueueDB
 
 def test_release_does_not_burn_an_attempt(queue: QueueDB) -> None:
     (file_id,) = queue.enqueue([("originals/a", "1")])
-    job = queue.claim(lease_s=LONG, max_attempts=3)
+    job = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert job is not None
     assert queue.release(job) is True
     row = queue.file_row(file_id)
     assert row is not None and row["status"] == "queued" and row["attempts"] == 0
-    again = queue.claim(lease_s=LONG, max_attempts=3)
+    again = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert again is not None and again.attempt == 1
 
 
 def test_expired_lease_at_the_cap_is_rejected_not_reclaimed(queue: QueueDB) -> None:
     (file_id,) = queue.enqueue([("originals/a", "1")])
     for _ in range(2):
-        assert queue.claim(lease_s=LONG, max_attempts=2) is not None
+        assert claim_one(queue, lease_s=LONG, max_attempts=2) is not None
         expire_lease(queue, file_id)
-    assert queue.claim(lease_s=LONG, max_attempts=2) is None
+    assert claim_one(queue, lease_s=LONG, max_attempts=2) is None
     assert queue.reject_exhausted(max_attempts=2) == [file_id]
     row = queue.file_row(file_id)
     assert row is not None and row["status"] == "rejected"
@@ -160,7 +161,7 @@ def test_database_enforces_closed_error_codes_and_states(queue: QueueDB) -> None
         )
     with pytest.raises(psycopg.errors.CheckViolation):
         queue.conn.execute("UPDATE archive_files SET status = 'done' WHERE id = %s", (file_id,))
-    job = queue.claim(lease_s=LONG, max_attempts=3)
+    job = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert job is not None and queue.release(job)  # leaves a `released` event
     with pytest.raises(psycopg.errors.RaiseException):
         queue.conn.execute("DELETE FROM archive_events")
@@ -171,7 +172,7 @@ def test_database_enforces_closed_error_codes_and_states(queue: QueueDB) -> None
 def _claim_all(dsn: str, results: multiprocessing.Queue[list[int]]) -> None:
     claimed: list[int] = []
     with QueueDB.open(dsn) as queue:
-        while (job := queue.claim(lease_s=LONG, max_attempts=3)) is not None:
+        while (job := claim_one(queue, lease_s=LONG, max_attempts=3)) is not None:
             claimed.append(job.id)
     results.put(claimed)
 
@@ -197,7 +198,7 @@ def test_claim_time_comes_from_the_database(queue: QueueDB) -> None:
     (file_id,) = queue.enqueue([("originals/a", "1")])
     before = queue.conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
     time.sleep(0.01)
-    job = queue.claim(lease_s=120, max_attempts=3)
+    job = claim_one(queue, lease_s=120, max_attempts=3)
     assert job is not None
     row = queue.file_row(file_id)
     assert row is not None

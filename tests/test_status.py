@@ -12,6 +12,7 @@ import pytest
 from configs import write_ini
 from fixtures.metrics import seed_queue
 from fixtures.s3 import free_port
+from fixtures.work import claim_one
 
 from derivd.ops.status import HEALTHY, UNAVAILABLE, UNHEALTHY
 from derivd.queue.db import QueueDB
@@ -88,7 +89,7 @@ def test_expired_lease_threshold_from_the_config_file(
     with QueueDB.open(seeded_dsn) as queue:
         # One more worker dies mid-job (its lease is already over). max_attempts=1 keeps
         # the claim off the expired rows, which claims would otherwise take first.
-        job = queue.claim(lease_s=-1.0, max_attempts=1)
+        job = claim_one(queue, lease_s=-1.0, max_attempts=1)
         assert job is not None and job.attempt == 1
     crossed = run_cli("-c", str(ini), "status", env={"DERIVD_DATABASE_DSN": seeded_dsn, **LENIENT})
     assert crossed.returncode == UNHEALTHY

@@ -190,8 +190,13 @@ def test_jobs_run_and_sigterm_stops_cleanly(supervisor: Callable[..., Supervisor
 
 def test_sigkill_worker_mid_job(supervisor: Callable[..., Supervisor], tmp_path: Path) -> None:
     sup = supervisor().start()
-    [file_id] = sup.enqueue(f"hang-once {tmp_path / 'marker'}")
+    marker = tmp_path / "marker"
+    [file_id] = sup.enqueue(f"hang-once {marker}")
     victim = wait_for(lambda: sup.worker_on_job(file_id), "a worker on the job")
+    # The title says "job N" from the job's start, before the handler runs: killed
+    # there, attempt 1 never made the marker and attempt 2 would hang (and time out)
+    # in its place. Kill once the handler is really hanging.
+    wait_for(marker.exists, "the handler to hang")
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     replacement = wait_for(
@@ -479,8 +484,10 @@ def test_batch_sigkill_worker_releases_unstarted_and_reclaims_running(
     supervisor: Callable[..., Supervisor], tmp_path: Path
 ) -> None:
     sup = supervisor(**BATCH).start()
-    first, *rest = sup.enqueue(f"hang-once {tmp_path / 'marker'}", "ok", "ok")
+    marker = tmp_path / "marker"
+    first, *rest = sup.enqueue(f"hang-once {marker}", "ok", "ok")
     victim = wait_for(lambda: sup.worker_on_job(first), "a worker on the first job")
+    wait_for(marker.exists, "the handler to hang")  # see test_sigkill_worker_mid_job
     os.kill(victim, signal.SIGKILL)
     for file_id in (first, *rest):
         wait_for(lambda f=file_id: sup.status_is(f, "ready"), f"file {file_id} ready")

@@ -16,6 +16,7 @@ from botocore.config import Config as BotoConfig
 from configs import make_config
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY
+from fixtures.work import claim_one, commit_one
 from helpers import sql
 
 from derivd.ops.sweep import Sweeper, SweepReport, sweep_once
@@ -69,7 +70,7 @@ def stored_original(queue: QueueDB, storage: Storage, versions: int = 1) -> tupl
 
 def attempt_with_objects(queue: QueueDB, storage: Storage, names: tuple[str, ...]) -> Job:
     """Claim, register and PUT like a worker, and stop there (the attempt is live)."""
-    job = queue.claim(lease_s=LEASE, max_attempts=3)
+    job = claim_one(queue, lease_s=LEASE, max_attempts=3)
     assert job is not None
     keys = [derived_key(job.id, job.token, name) for name in names]
     queue.register_pending(job, keys)
@@ -93,7 +94,7 @@ def ready_file(queue: QueueDB, storage: Storage) -> tuple[int, str]:
     assert job.id == file_id
     dkey = derived_key(job.id, job.token, "preview")
     version = storage.put(dkey, b"second version", "image/webp")
-    assert queue.commit(job, [StoredVariant("preview", dkey, version, "ab" * 32, 4, 3)])
+    assert commit_one(queue, job, [StoredVariant("preview", dkey, version, "ab" * 32, 4, 3)])
     return file_id, key
 
 
@@ -179,10 +180,10 @@ def test_expired_lease_on_the_last_attempt_is_rejected_by_the_sweep(
     storage = FsStorage(fs_root)
     file_id, _ = stored_original(queue, storage)
     for attempt in (1, 2, 3):
-        job = queue.claim(lease_s=LEASE, max_attempts=3)
+        job = claim_one(queue, lease_s=LEASE, max_attempts=3)
         assert job is not None and job.attempt == attempt
         sql(queue.dsn or "", "UPDATE archive_files SET lease_until = now() - interval '1 s'")
-    assert queue.claim(lease_s=LEASE, max_attempts=3) is None  # not a fourth run
+    assert claim_one(queue, lease_s=LEASE, max_attempts=3) is None  # not a fourth run
     report = sweeper(queue, storage).run_once()
     assert report.exhausted == [file_id]
     row = queue.file_row(file_id)

@@ -18,6 +18,7 @@ import psycopg
 import pytest
 from configs import write_ini
 from fixtures.cli import derivd_command
+from fixtures.work import claim_one, commit_one
 from helpers import wait_for
 
 from derivd.jobs import NOTIFY_CHANNEL
@@ -114,7 +115,7 @@ def test_release_back_to_queued_notifies(
     with QueueDB.open(dsn) as queue:
         queue.enqueue([("originals/a", "1")])
         assert listener.next_payload() == ""
-        job = queue.claim(lease_s=60, max_attempts=3)
+        job = claim_one(queue, lease_s=60, max_attempts=3)
         assert job is not None
         assert queue.release(job)
     assert listener.next_payload() == ""
@@ -263,9 +264,9 @@ def test_claim_skips_the_flush_wait_for_itself_only(dsn: str) -> None:
     with QueueDB.open(dsn) as queue:
         queue.enqueue([("originals/a", "1")])
         queue.conn.execute("SET synchronous_commit = on")  # the test cluster runs with off
-        job = queue.claim(lease_s=60, max_attempts=3)
+        job = claim_one(queue, lease_s=60, max_attempts=3)
         assert job is not None
         assert queue.conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
-        assert queue.commit(job, [])
+        assert commit_one(queue, job, [])
         row = queue.file_row(job.id)
         assert row is not None and row["status"] == "ready"

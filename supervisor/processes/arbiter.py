@@ -1,10 +1,10 @@
 """The prefork supervisor: keeps `[supervisor] workers` children alive and in line.
 
 The parent never imports pyvips and never holds a storage client: children build their
-own after fork (`derivd.processes.child`). The parent holds one database connection for the
-things only it can do: fail the attempt of a worker it killed past `job_timeout`,
-release the jobs of workers it killed at shutdown, reject exhausted rows, read queue
-stats for the metrics.
+own after fork (`derivd.processes.child`). Its own database work (fail the attempt of a
+worker it killed past `job_timeout`, release jobs, reject exhausted rows, queue stats,
+LISTEN) is `derivd.processes.upkeep`; what a worker's exit means is
+`derivd.processes.lifecycle`; the pipes are `derivd.processes.pipe`.
 
 Signal handlers only queue the signal and write to a wake-up pipe; the main loop
 (`run`) dispatches: SIGTERM/SIGINT stop gracefully (a second one escalates), SIGHUP
@@ -13,66 +13,57 @@ reloads the configuration, SIGCHLD just wakes the loop so it reaps at once.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import random
 import select
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
-from types import FrameType
 from typing import Any
 
-from derivd.config import Config, ConfigError, load_config
+from derivd.config import Config, ConfigError
 from derivd.ops.logs import event
 from derivd.ops.metrics import Metrics
-from derivd.processes.child import EXIT_BOOT_ERROR, WAKE, ChildSpec, run_child
+from derivd.processes.child import ChildSpec, run_child
+from derivd.processes.lifecycle import (
+    BootFailure,
+    Exit,
+    Slot,
+    back_off,
+    classify_exit,
+    deadline_action,
+    exit_text,
+    next_deadline,
+    on_boot_failure,
+    to_release,
+)
+from derivd.processes.pipe import WorkerProc
 from derivd.processes.procutil import (
-    Pidfile,
-    PidfileError,
+    SignalQueue,
     sd_notify,
     set_proctitle,
     watchdog_interval,
 )
 from derivd.processes.sweeper import SweepProcess
-from derivd.processes.workerproc import WorkerProc, exit_text, job_from_message
-from derivd.queue.db import DatabaseUnavailable, Job, QueueDB, QueueListener
-from derivd.queue.retry import retry_delay
+from derivd.processes.upkeep import Upkeep
+from derivd.queue.db import Job
 
 log = logging.getLogger("derivd.supervisor")
 
-RESTART_BASE = 0.5  # seconds; a slot's second crash in a row waits this, then doubles
-RESTART_MAX = 30.0
-HEALTHY_AFTER = 30.0  # a worker that lived this long resets its slot's backoff
 LOOP_MAX_SLEEP = 1.0
 # While a worker holds jobs the parent reads its progress pipe (job starts, which do not
 # wake the parent) at least this often: a deadline is enforced at most this late.
 PROGRESS_POLL = 0.2
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclass
-class Slot:
-    failures: int = 0  # crashes in a row
-    not_before: float = 0.0  # backoff: no respawn before this (monotonic)
-    drained: bool = False  # --burst: this slot's worker found nothing left to do
+class RunResult:
+    """How `derivd run` ends: its exit status and, when not 0, one line for stderr."""
 
-
-@dataclass
-class Outcome:
     code: int
-    message: str | None = None  # one line for the operator when code != 0
-
-
-@dataclass
-class Timers:
-    maintenance: float = 0.0
-    stats: float = 0.0
-    watchdog: float = 0.0
+    message: str | None = None
 
 
 class Arbiter:
@@ -83,13 +74,13 @@ class Arbiter:
         *,
         burst: bool = False,
         metrics: Metrics | None = None,
-        reload: Callable[[], Config] | None = None,
+        reload: Callable[[], Config],
     ) -> None:
         self.config = config
         self.dsn = dsn
         self.burst = burst
         self.metrics = metrics or Metrics()
-        self._reload = reload or _reload_from(config)
+        self._reload = reload
         self.pid = os.getpid()
         self.workers: dict[int, WorkerProc] = {}
         self.slots: dict[int, Slot] = {}
@@ -97,37 +88,19 @@ class Arbiter:
         self.ready_generations: set[int] = set()
         self.previous: tuple[Config, int] | None = None  # kept until a reload proves itself
         self.stop_deadline: float | None = None
-        self.signals: list[int] = []
-        self.outcome: Outcome | None = None
+        self.signals = SignalQueue((*STOP_SIGNALS, signal.SIGHUP), wake_only=(signal.SIGCHLD,))
+        self.outcome: RunResult | None = None  # set by halt(): stopping on an error
         self.notified_ready = False
-        self.timers = Timers()
         self.watchdog = watchdog_interval()
-        self.rng = random.Random()
+        self.watchdog_at = 0.0
         self.title = ""
-        self._queue: QueueDB | None = None
-        self._db_warned = False
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(self.wake_w, False)
-        # One LISTEN connection for the fleet (none in --burst: no worker ever idles).
-        self.listener = None if burst else QueueListener(dsn)
-        self.listen_retry_at = 0.0
+        self.upkeep = Upkeep(dsn, self.metrics, listen=not burst)
         self.sweeper = SweepProcess()
 
     # -- signals -----------------------------------------------------------------------
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if signum != signal.SIGCHLD:
-            self.signals.append(signum)
-        with contextlib.suppress(BlockingIOError):
-            os.write(self.wake_w, b"s")
-
-    def install_signals(self) -> dict[int, Any]:
-        return {sig: signal.signal(sig, self._on_signal) for sig in HANDLED_SIGNALS}
-
     def handle_signals(self) -> None:
-        while self.signals:
-            signum = self.signals.pop(0)
+        while (signum := self.signals.pop()) is not None:
             if signum == signal.SIGHUP:
                 self.handle_hup()
             else:
@@ -140,7 +113,7 @@ class Arbiter:
             sd_notify("STOPPING=1\nSTATUS=stopping: finishing running jobs")
             self.stop_deadline = time.monotonic() + grace
             for worker in self.workers.values():
-                self.ask_stop(worker)
+                worker.ask_stop()
         else:
             event(log, "stopping now", logging.WARNING, signal=name, busy=self.busy_count())
             self.stop_deadline = time.monotonic()
@@ -165,45 +138,34 @@ class Arbiter:
     # -- the fleet ---------------------------------------------------------------------
 
     def spawn_worker(self, slot: int) -> None:
-        status_r, status_w = os.pipe()
-        progress_r, progress_w = os.pipe()
-        cmd_r, cmd_w = os.pipe()
-        inherited = (*self._parent_fds(), status_r, progress_r, cmd_w)
-        spec = ChildSpec(
-            slot=slot,
-            config=self.config,
-            dsn=self.dsn,
-            status_w=status_w,
-            progress_w=progress_w,
-            cmd_r=cmd_r,
-            parent_pid=self.pid,
-            burst=self.burst,
-            inherited_fds=inherited,
-        )
-        pid = os.fork()
-        if pid == 0:
+        inherited = self._parent_fds()
+
+        def start(status_w: int, progress_w: int, cmd_r: int, own: tuple[int, ...]) -> None:
+            spec = ChildSpec(
+                slot=slot,
+                config=self.config,
+                dsn=self.dsn,
+                status_w=status_w,
+                progress_w=progress_w,
+                cmd_r=cmd_r,
+                parent_pid=self.pid,
+                burst=self.burst,
+                inherited_fds=(*inherited, *own),
+            )
             run_child(spec)  # never returns
-        os.close(status_w)
-        os.close(progress_w)
-        os.close(cmd_r)
-        os.set_blocking(status_r, False)
-        os.set_blocking(progress_r, False)
-        os.set_blocking(cmd_w, False)
-        with contextlib.suppress(OSError):
-            os.setpgid(pid, pid)  # the child does it too; whoever is first wins the race
-        self.workers[pid] = WorkerProc(
-            pid, slot, self.generation, status_r, progress_r, cmd_w, spawned_at=time.monotonic()
-        )
-        log.debug("spawned worker %s pid %s", slot, pid)
+
+        worker = WorkerProc.spawn(slot, self.generation, start)
+        self.workers[worker.pid] = worker
+        log.debug("spawned worker %s pid %s", slot, worker.pid)
 
     def _parent_fds(self) -> tuple[int, ...]:
         """Descriptors a forked child must close: the other children's pipes, the wake-up
         pipe, the LISTEN connection and the metrics socket are the parent's alone."""
-        fds = [fd for w in self.workers.values() for fd in (w.status_r, w.progress_r, w.cmd_w)]
-        fds += [self.wake_r, self.wake_w]
-        for shared in (self.listener.fileno() if self.listener else None, self.metrics.fileno()):
-            if shared is not None:
-                fds.append(shared)
+        fds = [fd for w in self.workers.values() for fd in w.fds()]
+        fds += [*self.signals.fds(), *self.upkeep.fds()]
+        metrics_fd = self.metrics.fileno()
+        if metrics_fd is not None:
+            fds.append(metrics_fd)
         return tuple(fds)
 
     def manage_workers(self) -> None:
@@ -218,41 +180,14 @@ class Arbiter:
                 continue
             self.spawn_worker(slot_no)
 
-    def ask_stop(self, worker: WorkerProc) -> None:
-        """Finish the current job, then exit."""
-        if worker.stop_sent:
-            return
-        worker.stop_sent = True
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(worker.pid, signal.SIGTERM)
-
-    def kill_worker(self, worker: WorkerProc, reason: str, grace: float) -> None:
-        """TERM the child's process group now, KILL it after `grace` (0: KILL at once)."""
-        if worker.kill_reason is None:
-            worker.kill_reason = reason
-        sig = signal.SIGKILL if grace <= 0 else signal.SIGTERM
-        worker.kill_at = time.monotonic() + grace
-        self._signal_group(worker, sig)
-
-    def _signal_group(self, worker: WorkerProc, sig: int) -> None:
-        if sig == signal.SIGKILL:
-            worker.killed = True
-        try:
-            os.killpg(worker.pid, sig)
-        except ProcessLookupError:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(worker.pid, sig)  # not yet in its own group
-
     def wake_idle(self, count: int = 1) -> int:
-        """Wake up to `count` idle workers (for issue 7's shared LISTEN connection)."""
+        """Wake up to `count` idle workers (rows were queued, or may have been)."""
         woken = 0
         for worker in self.workers.values():
             if woken >= count:
                 break
-            if worker.ready and not worker.held and not worker.stop_sent:
-                with contextlib.suppress(BlockingIOError, BrokenPipeError):
-                    os.write(worker.cmd_w, WAKE)
-                    woken += 1
+            if worker.ready and not worker.held and not worker.stop_sent and worker.wake():
+                woken += 1
         return woken
 
     def busy_count(self) -> int:
@@ -261,28 +196,14 @@ class Arbiter:
     # -- wake-up on NOTIFY -------------------------------------------------------------
 
     def keep_listening(self) -> None:
-        """(Re)open the LISTEN connection when `[queue] listen` is on (closed when a
-        reload turns it off). After a (re)connect every idle worker claims once:
-        notifications sent while nobody listened are lost."""
-        if self.listener is None:
-            return
-        if not self.config.queue.listen:
-            self.listener.close()
-            return
-        now = time.monotonic()
-        if self.listener.connected or now < self.listen_retry_at:
-            return
-        if self.listener.connect():
+        if self.upkeep.keep_listening(self.config, time.monotonic()):
             self.wake_idle(len(self.workers))
-        else:
-            self.listen_retry_at = now + min(self.config.queue.poll_interval, 5.0)
 
     def on_notify(self) -> None:
         """Rows entered `queued`: wake one idle worker per notification. Notifications of
         one transaction fold into one, so a bulk enqueue wakes one worker; each worker
         that then finds a job wakes the next idle one (dispatch, "claimed")."""
-        assert self.listener is not None
-        count = self.listener.drain()
+        count = self.upkeep.notifications()
         if count:
             # A worker that went idle before the row was queued has said so already
             # ("finished" precedes its empty claim): read that first, so it is woken.
@@ -304,34 +225,17 @@ class Arbiter:
 
     def dispatch(self, worker: WorkerProc, message: dict[str, Any]) -> None:
         kind = message.get("t")
+        finished = worker.apply(message)
         if kind == "ready":
-            worker.ready = True
             self.ready_generations.add(worker.generation)
-            event(
-                log,
-                "worker ready",
-                slot=worker.slot,
-                pid=worker.pid,
-                boot_s=time.monotonic() - worker.spawned_at,
-            )
+            boot_s = time.monotonic() - worker.spawned_at
+            event(log, "worker ready", slot=worker.slot, pid=worker.pid, boot_s=boot_s)
             self.on_generation_ready(worker.generation)
-        elif kind == "claimed":
-            for data in message["jobs"]:
-                job = job_from_message(data)
-                worker.held[job.id] = job
-            if self.listener is not None and self.listener.connected:
-                self.wake_idle(1)  # it found work: there may be more for an idle one
+        elif kind == "claimed" and self.upkeep.listen_fd() is not None:
+            self.wake_idle(1)  # it found work: there may be more for an idle one
         elif kind == "finished":
-            self.on_job_finished(worker, message)
-        elif kind == "exiting":
-            worker.exit_reason = str(message.get("reason"))
-        elif kind == "boot_error":
-            worker.boot_error = str(message.get("msg") or "unknown error")
-
-    def on_job_finished(self, worker: WorkerProc, message: dict[str, Any]) -> None:
-        self.slots.setdefault(worker.slot, Slot()).failures = 0
-        for file_id, outcome, code, duration_s, wait_s in message["results"]:
-            worker.held.pop(int(file_id), None)
+            self.slots.setdefault(worker.slot, Slot()).failures = 0
+        for _id, outcome, code, duration_s, wait_s in finished:
             self.metrics.job_finished(
                 outcome=str(outcome),
                 code=code,
@@ -347,7 +251,7 @@ class Arbiter:
             self.previous = None
             for worker in self.workers.values():
                 if worker.generation <= old_generation:
-                    self.ask_stop(worker)
+                    worker.ask_stop()
             event(log, "reloaded", generation=generation)
         if not self.notified_ready and self._generation_complete():
             self.notified_ready = True
@@ -370,45 +274,41 @@ class Arbiter:
             if done:
                 worker = self.workers.pop(pid)
                 self.read_status(worker)  # what it wrote just before dying
-                os.close(worker.status_r)
-                os.close(worker.progress_r)
-                os.close(worker.cmd_w)
+                worker.close()
                 self.on_worker_exit(worker, status)
 
     def on_worker_exit(self, worker: WorkerProc, status: int) -> None:
         slot = self.slots.setdefault(worker.slot, Slot())
         how = exit_text(status)
-        code = os.waitstatus_to_exitcode(status)
-        if worker.boot_error is not None or (code == EXIT_BOOT_ERROR and not worker.ready):
+        kind = classify_exit(worker, status, burst=self.burst)
+        if kind is Exit.BOOT_ERROR:
             self.on_boot_error(worker, worker.boot_error or how)
-        elif worker.kill_reason == "timeout":
+        elif kind is Exit.TIMEOUT:
             self.on_timeout(worker)
-        elif worker.kill_reason in ("shutdown", "aborted"):
+        elif kind is Exit.RELEASE:
             self.release(worker)
-        elif code == 0 and worker.exit_reason in ("max_jobs", "rss"):
+        elif kind is Exit.RECYCLED:
             event(
                 log, "worker recycled", slot=worker.slot, pid=worker.pid, reason=worker.exit_reason
             )
             self.metrics.worker_restarted("recycle")
-        elif code == 0 and worker.exit_reason == "drained" and self.burst:
+        elif kind is Exit.DRAINED:
             slot.drained = True
-        elif code == 0 and worker.stop_sent:
+        elif kind is Exit.STOPPED:
             if worker.generation != self.generation:
                 self.metrics.worker_restarted("reload")
         else:
             self.on_crash(worker, slot, how)
-        # Whatever it still held and did not run (unstarted, or derived but never
-        # committed) goes back without burning an attempt. The job that was running when
-        # it died stays `processing`: its lease expires and the next claim counts the
-        # attempt, so a job that kills workers cannot loop.
-        running = worker.running()
-        for job in list(worker.held.values()):
-            if running is None or job.token != running[0].token:
-                self.release_job(worker, job)
+        for job in to_release(worker):
+            self.release_job(worker, job)
 
     def on_boot_error(self, worker: WorkerProc, text: str) -> None:
-        if self.previous is not None and worker.generation == self.generation:
-            # A reloaded configuration that cannot boot: keep running the old one.
+        action = on_boot_failure(
+            reloading=self.previous is not None and worker.generation == self.generation,
+            booted_before=worker.generation in self.ready_generations,
+        )
+        if action is BootFailure.ABORT_RELOAD:
+            assert self.previous is not None
             log.error(
                 "reload aborted, keeping the running configuration: worker could not start: %s",
                 text,
@@ -418,37 +318,23 @@ class Arbiter:
             self.previous = None
             for other in self.workers.values():
                 if other.generation == failed:
-                    self.kill_worker(other, "aborted", 0)
+                    other.kill("aborted", 0)
             sd_notify(f"READY=1\nSTATUS={self.status_line()}")
-        elif worker.generation in self.ready_generations:
-            # This configuration booted before (a database blip, say): back off, retry.
+        elif action is BootFailure.RETRY:
             log.warning("worker %s could not start: %s", worker.slot, text)
-            self._back_off(self.slots.setdefault(worker.slot, Slot()))
+            back_off(self.slots.setdefault(worker.slot, Slot()), time.monotonic())
         elif self.outcome is None:
-            self.halt(Outcome(1, f"worker could not start: {text}"))
+            self.halt(RunResult(1, f"worker could not start: {text}"))
 
     def on_timeout(self, worker: WorkerProc) -> None:
         running = worker.running()
         self.metrics.worker_restarted("timeout")
         if running is None:
-            return  # it finished within the grace after all (on_worker_exit releases the rest)
+            return  # it finished within the grace after all (to_release has the rest)
         job = running[0]
         worker.held.pop(job.id, None)
         self.metrics.job_timed_out()
-        q = self.config.queue
-        delay = retry_delay(
-            job.attempt, base=q.retry_base, cap=q.retry_max, jitter=q.retry_jitter, rng=self.rng
-        )
-        status = self._db(
-            lambda db: db.fail(
-                job,
-                retry=True,
-                code="resource_limit",
-                max_attempts=q.max_attempts,
-                delay_s=delay,
-                extra_event="timeout",
-            )
-        )
+        status = self.upkeep.fail_timed_out(job, self.config)
         event(
             log,
             "job timed out",
@@ -465,10 +351,8 @@ class Arbiter:
             self.release_job(worker, job)
 
     def release_job(self, worker: WorkerProc, job: Job) -> None:
-        """Fenced: a row that moved on since (committed, reclaimed) just gets `lease_lost`."""
         worker.held.pop(job.id, None)
-        released = self._db(lambda db: db.release(job))
-        event(log, "job released", file_id=job.id, attempt=job.attempt, released=bool(released))
+        self.upkeep.release(job)
 
     def on_crash(self, worker: WorkerProc, slot: Slot, how: str) -> None:
         # The row stays `processing`; its lease expires and the next claim counts the
@@ -483,22 +367,14 @@ class Arbiter:
             file_id=running[0].id if (running := worker.running()) else "-",
         )
         self.metrics.worker_restarted("crash")
-        if time.monotonic() - worker.spawned_at >= HEALTHY_AFTER:
-            slot.failures = 0
-        self._back_off(slot)
+        now = time.monotonic()
+        back_off(slot, now, lived_s=now - worker.spawned_at)
 
-    def _back_off(self, slot: Slot) -> None:
-        slot.failures += 1
-        delay = (
-            0.0 if slot.failures <= 1 else min(RESTART_MAX, RESTART_BASE * 2 ** (slot.failures - 2))
-        )
-        slot.not_before = time.monotonic() + delay
-
-    def halt(self, outcome: Outcome) -> None:
+    def halt(self, outcome: RunResult) -> None:
         """Stop everything now (a boot failure): kill the fleet, release its jobs."""
         self.outcome = outcome
         for worker in self.workers.values():
-            self.kill_worker(worker, "shutdown", 0)
+            worker.kill("shutdown", 0)
 
     # -- deadlines ---------------------------------------------------------------------
 
@@ -508,85 +384,47 @@ class Arbiter:
         for worker in self.workers.values():
             if worker.held:
                 worker.read_progress()
-            running = worker.running()
-            if worker.kill_at is not None and now >= worker.kill_at and not worker.killed:
-                self._signal_group(worker, signal.SIGKILL)
-            elif (
-                running is not None
-                and worker.kill_reason is None
-                and now - running[1] >= sup.job_timeout
-            ):
-                self.kill_worker(worker, "timeout", sup.kill_grace)
+            action = deadline_action(worker, now, job_timeout=sup.job_timeout)
+            if action == "kill":
+                worker.signal_group(signal.SIGKILL)
+            elif action == "timeout":
+                worker.kill("timeout", sup.kill_grace)
         if self.stop_deadline is not None and now >= self.stop_deadline:
             for worker in self.workers.values():
                 if not worker.killed:
-                    self.kill_worker(worker, "shutdown", 0)
+                    worker.kill("shutdown", 0)
 
     def next_wakeup(self) -> float:
         now = time.monotonic()
         times = [now + LOOP_MAX_SLEEP]
         if self.outcome is None:  # halting: no more maintenance, only reaping
-            times.append(self.timers.maintenance)
-        sup = self.config.supervisor
-        for worker in self.workers.values():
-            if worker.kill_at is not None and not worker.killed:
-                times.append(worker.kill_at)
-            if worker.held and worker.kill_reason is None:
-                times.append(now + PROGRESS_POLL)  # a job start it has not read yet
-                running = worker.running()
-                if running is not None:
-                    times.append(running[1] + sup.job_timeout)
+            times.append(self.upkeep.maintenance_at)
+        timeout = self.config.supervisor.job_timeout
+        times += [
+            next_deadline(w, now, job_timeout=timeout, poll=PROGRESS_POLL)
+            for w in self.workers.values()
+        ]
         if self.stop_deadline is not None:
             times.append(self.stop_deadline)
         times += [s.not_before for s in self.slots.values() if s.not_before > now]
         if self.watchdog:
-            times.append(self.timers.watchdog)
+            times.append(self.watchdog_at)
         return max(0.0, min(times) - now)
 
     # -- maintenance -------------------------------------------------------------------
-
-    def _db(self, action: Callable[[QueueDB], Any]) -> Any:
-        """Run one queue call; a database outage is logged once and survived."""
-        try:
-            if self._queue is None:
-                self._queue = QueueDB.open(self.dsn, role="derivd-supervisor")
-            result = action(self._queue)
-        except DatabaseUnavailable as error:
-            if not self._db_warned:
-                log.warning("supervisor: %s", error)
-                self._db_warned = True
-            return None
-        self._db_warned = False
-        return result
 
     def maintenance(self) -> None:
         now = time.monotonic()
         busy = self.busy_count()
         self.metrics.set_workers(alive=sum(w.ready for w in self.workers.values()), busy=busy)
-        if self.watchdog and now >= self.timers.watchdog:
+        if self.watchdog and now >= self.watchdog_at:
             sd_notify("WATCHDOG=1")
-            self.timers.watchdog = now + self.watchdog
-        if self.outcome is not None or now < self.timers.maintenance:
+            self.watchdog_at = now + self.watchdog
+        if self.outcome is not None or not self.upkeep.due(now):
             return
-        self.timers.maintenance = now + self.config.queue.poll_interval
-        max_attempts = self.config.queue.max_attempts
-        for file_id in self._db(lambda db: db.reject_exhausted(max_attempts=max_attempts)) or []:
-            event(log, "attempts exhausted", logging.WARNING, file_id=file_id)
-        if now >= self.timers.stats:
-            self.timers.stats = now + self.config.metrics.interval
-            self.refresh_queue_metrics()
+        if self.upkeep.maintain(self.config, now):
             sd_notify(f"STATUS={self.status_line()}")
         self.run_sweep(now)
-
-    def refresh_queue_metrics(self) -> None:
-        """One stats query and one event count per interval, whatever the scrape rate."""
-        stats = self._db(lambda db: db.queue_stats())
-        if stats is not None:
-            self.metrics.set_queue(stats)
-        since = datetime.now(UTC) - timedelta(seconds=self.config.status.window)
-        counts = self._db(lambda db: db.event_counts(since))
-        if counts is not None:
-            self.metrics.set_event_counts(counts)
 
     def run_sweep(self, now: float) -> None:
         """Every [sweep] interval, one sweep pass in a short-lived child (not in --burst,
@@ -605,8 +443,8 @@ class Arbiter:
     # -- the loop ----------------------------------------------------------------------
 
     def wait(self, timeout: float) -> None:
-        fds = [self.wake_r] + [w.status_r for w in self.workers.values() if not w.eof]
-        listen_fd = self.listener.fileno() if self.listener else None
+        fds = [self.signals.wake_r] + [w.status_r for w in self.workers.values() if not w.eof]
+        listen_fd = self.upkeep.listen_fd()
         if listen_fd is not None:
             fds.append(listen_fd)
         try:
@@ -615,9 +453,8 @@ class Arbiter:
             return
         by_fd = {w.status_r: w for w in self.workers.values()}
         for fd in ready:
-            if fd == self.wake_r:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self.wake_r, 4096)
+            if fd == self.signals.wake_r:
+                self.signals.drain()
             elif fd != listen_fd:
                 self.read_status(by_fd[fd])
         if listen_fd is not None and listen_fd in ready:
@@ -631,23 +468,18 @@ class Arbiter:
         slots = range(1, self.config.worker_count + 1)
         return self.burst and all(self.slots.get(n, Slot()).drained for n in slots)
 
-    def run(self) -> Outcome:
-        previous = self.install_signals()
-        path = self.config.supervisor.pidfile
-        pidfile = Pidfile(Path(path)) if path else None
+    def run(self) -> RunResult:
+        """Supervise until stopped (or drained, or halted on a boot error)."""
+        self.signals.install()
+        event(
+            log,
+            "supervisor started",
+            pid=self.pid,
+            workers=self.config.worker_count,
+            backend=self.config.derive.backend,
+            burst=self.burst,
+        )
         try:
-            if pidfile:
-                pidfile.create()
-            if self.config.metrics.listen:
-                self.metrics.serve(self.config.metrics.listen)
-            event(
-                log,
-                "supervisor started",
-                pid=self.pid,
-                workers=self.config.worker_count,
-                backend=self.config.derive.backend,
-                burst=self.burst,
-            )
             while True:
                 self.handle_signals()
                 self.keep_listening()  # before the first fork: no window without it
@@ -663,31 +495,14 @@ class Arbiter:
                 if title != self.title:
                     set_proctitle(title)
                     self.title = title
-        except PidfileError as error:
-            return Outcome(1, str(error))
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            if pidfile:
-                pidfile.remove()
+            self.signals.restore()
             self.sweeper.stop()
-            if self._queue is not None:
-                self._queue.close()
-            if self.listener is not None:
-                self.listener.close()
-        outcome = self.outcome or Outcome(0)
+            self.upkeep.close()
+        outcome = self.outcome or RunResult(0)
         event(log, "supervisor stopped", code=outcome.code)
         return outcome
 
     def _title(self) -> str:
         state = " stopping" if self.stop_deadline is not None else ""
         return f"derivd: supervisor ({self.config.worker_count} workers){state}"
-
-
-def _reload_from(config: Config) -> Callable[[], Config]:
-    def reload() -> Config:
-        if config.source == "(defaults)":
-            return load_config()
-        return load_config(Path(config.source), required=True)
-
-    return reload

@@ -1,57 +1,32 @@
-"""The worker process side of the prefork supervisor.
+"""A worker process's main, from right after fork to its exit.
 
 After fork a child: leaves the parent's process group, resets signals, dies with the
 parent (PR_SET_PDEATHSIG), then opens its own database connection, storage client and
-image library (`Worker.create`). It reports to the parent over its status pipe, one JSON
-object per line (every line is kept below PIPE_BUF, split if need be, so writes are
-atomic):
-
-    {"t": "ready"}                                   booted, about to claim
-    {"t": "boot_error", "msg": "..."}                could not boot; exit EXIT_BOOT_ERROR
-    {"t": "claimed", "jobs": [{id, token, attempt}]} rows it now holds (one claim)
-    {"t": "finished", "results": [[id, outcome, code, duration_s, wait_s], ...], "rss_mb": ...}
-                                                     attempts that ended (one flush)
-    {"t": "exiting", "reason": "stopped|drained|max_jobs|rss"}
-
-and over its progress pipe, which the parent does not wait on (so a job start costs one
-small write and no wake-up of the parent), a fixed-size record per job start: the lease
-token and the CLOCK_MONOTONIC start time (the parent's deadline for that job).
-
-The parent writes to the child's command pipe to wake it from an idle wait (any byte
-wakes it); stopping is SIGTERM (finish the current job, release the unstarted ones,
-then exit), killing is SIGKILL to the child's process group.
+image library (`Worker.create`) and works until told to stop. It talks to the parent
+through `derivd.processes.pipe`; its exit status means what `derivd.processes.lifecycle`
+says.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
-import select
 import signal
-import struct
 import sys
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from derivd.config import Config
-from derivd.jobs import IdleWait, JobResult, Worker
-from derivd.processes.procutil import rss_mb, set_pdeathsig, set_proctitle
-from derivd.queue.db import Job, one_line
+from derivd.jobs import IdleWait, Worker
+from derivd.processes.lifecycle import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK
+from derivd.processes.pipe import Reporter
+from derivd.processes.procutil import set_pdeathsig, set_proctitle
+from derivd.queue.db import one_line
 
 log = logging.getLogger("derivd.worker")
-
-EXIT_OK = 0
-EXIT_CRASH = 1
-EXIT_BOOT_ERROR = 3  # gunicorn style: the parent halts instead of respawning
-WAKE = b"w"
-PROGRESS = struct.Struct("=16sd")  # lease token bytes, monotonic start time
-LINE_MAX = select.PIPE_BUF - 1  # bytes of one status line, newline excluded
 
 _RESET_SIGNALS = (
     signal.SIGTERM,
@@ -77,28 +52,6 @@ class ChildSpec:
     inherited_fds: tuple[int, ...]  # the parent's pipes to other children: close them
 
 
-def encode(message: dict[str, Any]) -> bytes:
-    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
-
-
-def job_to_dict(job: Job) -> dict[str, Any]:
-    """What the parent needs to fail or release the row."""
-    return {"id": job.id, "token": str(job.token), "attempt": job.attempt}
-
-
-def encode_lines(kind: str, key: str, items: Sequence[Any], **extra: Any) -> list[bytes]:
-    """`{"t": kind, key: items, **extra}` as one line or, when that would reach
-    PIPE_BUF, as several lines each carrying a share of `items` (each write stays
-    atomic: lines of two children never interleave, and none is ever cut)."""
-    line = encode({"t": kind, key: list(items), **extra})
-    if len(line) <= LINE_MAX or len(items) <= 1:
-        return [line]
-    half = len(items) // 2
-    return encode_lines(kind, key, items[:half], **extra) + encode_lines(
-        kind, key, items[half:], **extra
-    )
-
-
 class ChildStop:
     """SIGTERM/SIGINT in a child: finish the current job, then exit. The write to the
     self-pipe ends an idle wait at once."""
@@ -113,49 +66,6 @@ class ChildStop:
         self.requested = True
         with contextlib.suppress(BlockingIOError):
             os.write(self.wake_w, b"x")
-
-
-class Reporter:
-    """WorkerHooks over the status and progress pipes; also decides an RSS recycle after
-    each reported batch of outcomes."""
-
-    def __init__(self, spec: ChildSpec) -> None:
-        self.spec = spec
-        self.recycle = False
-
-    def send(self, message: dict[str, Any]) -> None:
-        self.write(encode(message))
-
-    def write(self, line: bytes) -> None:
-        with contextlib.suppress(OSError):  # the parent is gone; PR_SET_PDEATHSIG ends us
-            os.write(self.spec.status_w, line)
-
-    def idle(self) -> None:
-        set_proctitle(f"derivd: worker {self.spec.slot} idle")
-
-    def jobs_claimed(self, jobs: Sequence[Job]) -> None:
-        for line in encode_lines("claimed", "jobs", [job_to_dict(j) for j in jobs]):
-            self.write(line)
-
-    def job_started(self, job: Job) -> None:
-        set_proctitle(f"derivd: worker {self.spec.slot} job {job.id}")
-        # Blocking on purpose: the parent drains this pipe at least every few hundred ms;
-        # a dropped record would make it time the wrong job.
-        with contextlib.suppress(OSError):
-            os.write(self.spec.progress_w, PROGRESS.pack(job.token.bytes, time.monotonic()))
-
-    def jobs_finished(self, results: Sequence[JobResult]) -> None:
-        limit = self.spec.config.supervisor.max_worker_rss_mb
-        rss = rss_mb()
-        if limit and rss > limit:
-            self.recycle = True
-        rows = [
-            [r.job.id, r.outcome, r.code, round(r.duration_s, 6), round(r.job.wait_s, 6)]
-            for r in results
-        ]
-        for line in encode_lines("finished", "results", rows, rss_mb=round(rss, 1)):
-            self.write(line)
-        self.idle()
 
 
 def run_child(spec: ChildSpec) -> NoReturn:
@@ -210,9 +120,14 @@ def _jittered(n: int, rng: random.Random) -> int:
 def _main(spec: ChildSpec) -> int:
     stop = ChildStop()
     _after_fork(spec, stop)
-    reporter = Reporter(spec)
-    set_proctitle(f"derivd: worker {spec.slot} booting")
     config = spec.config
+    reporter = Reporter(
+        spec.status_w,
+        spec.progress_w,
+        slot=spec.slot,
+        max_rss_mb=config.supervisor.max_worker_rss_mb,
+    )
+    set_proctitle(f"derivd: worker {spec.slot} booting")
     try:
         worker = Worker.create(config, spec.dsn, hooks=reporter)
         worker.storage.check()
@@ -233,7 +148,6 @@ def _main(spec: ChildSpec) -> int:
     try:
         reason = worker.run(should_stop, idle=idle, burst=spec.burst, max_jobs=max_jobs)
     finally:
-        idle.close()
         worker.close()
     if reason == "stopped" and reporter.recycle and not stop.requested:
         reason = "rss"

@@ -1,17 +1,22 @@
 """`derivd run`: bring up the database, then run the prefork supervisor until stopped.
 
 The embedded database (an empty `[database] dsn`) is started here, in the parent, before
-any fork; the children connect to it like to any other PostgreSQL. See
-`derivd.processes.arbiter` for the fleet and `derivd.processes.child` for one worker process.
+any fork; the children connect to it like to any other PostgreSQL. The pidfile and the
+metrics endpoint live as long as the supervisor. See `derivd.processes.arbiter` for the
+fleet and `derivd.processes.child` for one worker process.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
-from derivd.config import Config
+from derivd.config import Config, load_config
 from derivd.embedded.runtime import database
-from derivd.processes.arbiter import Arbiter
+from derivd.ops.metrics import Metrics
+from derivd.processes.arbiter import Arbiter, RunResult
+from derivd.processes.procutil import Pidfile, PidfileError
 from derivd.redact import redact
 
 
@@ -21,11 +26,39 @@ def run_daemon(config: Config, *, burst: bool = False, dsn: str | None = None) -
     not start (bad configuration, database unreachable, missing library). A caller that
     already holds the database (`derivd demo`) passes its `dsn`."""
     if dsn is not None:
-        outcome = Arbiter(config, dsn, burst=burst).run()
+        result = _supervise(config, dsn, burst)
     else:
         with database(config) as opened:
-            outcome = Arbiter(config, opened, burst=burst).run()
-    if outcome.message:
-        sys.stderr.write(f"derivd: {redact(outcome.message)}\n")
+            result = _supervise(config, opened, burst)
+    if result.message:
+        sys.stderr.write(f"derivd: {redact(result.message)}\n")
         sys.stderr.flush()
-    return outcome.code
+    return result.code
+
+
+def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
+    path = config.supervisor.pidfile
+    pidfile = Pidfile(Path(path)) if path else None
+    try:
+        if pidfile:
+            pidfile.create()
+    except PidfileError as error:
+        return RunResult(1, str(error))
+    try:
+        metrics = Metrics()
+        if config.metrics.listen:
+            metrics.serve(config.metrics.listen)
+        arbiter = Arbiter(config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config))
+        return arbiter.run()
+    finally:
+        if pidfile:
+            pidfile.remove()
+
+
+def _reload_from(config: Config) -> Callable[[], Config]:
+    def reload() -> Config:
+        if config.source == "(defaults)":
+            return load_config()
+        return load_config(Path(config.source), required=True)
+
+    return reload

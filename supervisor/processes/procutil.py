@@ -1,4 +1,5 @@
-"""Small process helpers: parent-death signal, process titles, pidfile, sd_notify, RSS.
+"""Small process helpers: parent-death signal, process titles, pidfile, sd_notify, RSS,
+a queue for signals.
 
 Nothing here imports anything heavy; the supervisor uses all of it before and after fork.
 """
@@ -11,8 +12,10 @@ import errno
 import os
 import signal
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -145,3 +148,48 @@ def children_of(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] != "Z":
             found.append(int(entry.name))
     return sorted(found)
+
+
+class SignalQueue:
+    """Signal handlers that only queue the signal and write to a wake-up pipe, so a
+    loop blocked in select() returns at once; the loop dispatches from `pop`. Signals in
+    `wake_only` (SIGCHLD) just wake it."""
+
+    def __init__(self, signals: Sequence[int], wake_only: Sequence[int] = ()) -> None:
+        self.signals = tuple(signals)
+        self.wake_only = tuple(wake_only)
+        self.pending: list[int] = []
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum not in self.wake_only:
+            self.pending.append(signum)
+        self.wake()
+
+    def wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(self.wake_w, b"s")
+
+    def install(self) -> None:
+        for sig in (*self.signals, *self.wake_only):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def drain(self) -> None:
+        """Empty the wake-up pipe (after select() said it is readable)."""
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.wake_r, 4096):
+                pass
+
+    def pop(self) -> int | None:
+        return self.pending.pop(0) if self.pending else None
+
+    def fds(self) -> tuple[int, int]:
+        return self.wake_r, self.wake_w

@@ -2,8 +2,9 @@
 
 A sweep opens a storage client (boto3 for s3), and the parent must never hold one: the
 next fork would hand it to a worker. So every `[sweep] interval` the supervisor forks a
-child that runs one `sweep_once` pass and exits; one pass at a time, and a pass that
-hangs past the interval is killed.
+child that runs one `sweep_once` pass and exits; one pass at a time. A pass may outrun
+its interval (the next one just waits for it); one still running after two intervals is
+taken to hang and is killed.
 """
 
 from __future__ import annotations

@@ -228,10 +228,6 @@ class QueueDB:
 
     # -- the lease protocol ------------------------------------------------------------
 
-    def claim(self, *, lease_s: float, max_attempts: int) -> Job | None:
-        jobs = self.claim_many(limit=1, lease_s=lease_s, max_attempts=max_attempts)
-        return jobs[0] if jobs else None
-
     def claim_many(self, *, limit: int, lease_s: float, max_attempts: int) -> list[Job]:
         """Lease up to `limit` rows in one statement, in claim order; each row gets its
         own token and lease."""
@@ -252,10 +248,6 @@ class QueueDB:
 
     def register_pending(self, job: Job, keys: Sequence[str]) -> None:
         self._all("register_pending", {"id": job.id, "token": job.token, "keys": list(keys)})
-
-    def commit(self, job: Job, variants: Sequence[StoredVariant]) -> bool:
-        """Make the attempt's result official. False means the lease was lost."""
-        return job.id in self.commit_many([(job, variants)])
 
     def commit_many(self, results: Sequence[tuple[Job, Sequence[StoredVariant]]]) -> set[int]:
         """Commit several attempts in one durable statement, each fenced on its own

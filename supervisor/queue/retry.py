@@ -1,8 +1,15 @@
-"""Retry delays: exponential with full jitter (AWS architecture blog's "full jitter")."""
+"""Failed attempts: the retry delay (exponential with full jitter, the AWS architecture
+blog's "full jitter") and the one function that records a fenced failure with it. The
+worker (a job raised) and the supervisor (a job timed out) both go through
+`record_failure`."""
 
 from __future__ import annotations
 
 import random
+
+from derivd.config import QueueSettings
+from derivd.errors import ErrorCode
+from derivd.queue.db import Job, QueueDB
 
 
 def retry_delay(
@@ -23,3 +30,34 @@ def retry_delay(
     if not jitter:
         return ceiling
     return (rng or random).uniform(0.0, ceiling)
+
+
+def record_failure(
+    queue: QueueDB,
+    job: Job,
+    settings: QueueSettings,
+    *,
+    retry: bool,
+    code: ErrorCode,
+    rng: random.Random | None = None,
+    extra_event: str | None = None,
+) -> str | None:
+    """Fail `job`'s attempt, fenced on its token: back to `queued` after the retry delay
+    while attempts remain (`retry`), else `rejected` with `code`. Returns the row's new
+    status, or None when the lease was lost (a `lease_lost` event is recorded then).
+    Raises DatabaseUnavailable; the row then stays `processing` until its lease expires."""
+    delay = retry_delay(
+        job.attempt,
+        base=settings.retry_base,
+        cap=settings.retry_max,
+        jitter=settings.retry_jitter,
+        rng=rng,
+    )
+    return queue.fail(
+        job,
+        retry=retry,
+        code=code,
+        max_attempts=settings.max_attempts,
+        delay_s=delay,
+        extra_event=extra_event,
+    )

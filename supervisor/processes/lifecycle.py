@@ -1,0 +1,143 @@
+"""A worker's life as pure decisions: when to kill it, what its exit means, when its
+slot may fork again.
+
+The arbiter gathers the facts (the exit status from waitpid, what the child said on its
+pipe, why the arbiter itself signalled it) and acts on the answer; nothing here forks,
+signals or touches the database, so tests call these functions directly (as gunicorn's
+own tests drive its arbiter).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from dataclasses import dataclass
+from enum import StrEnum
+
+from derivd.processes.pipe import WorkerProc
+from derivd.queue.db import Job
+
+EXIT_OK = 0
+EXIT_CRASH = 1
+EXIT_BOOT_ERROR = 3  # gunicorn style: the parent halts instead of respawning
+
+RESTART_BASE = 0.5  # seconds; a slot's second crash in a row waits this, then doubles
+RESTART_MAX = 30.0
+HEALTHY_AFTER = 30.0  # a worker that lived this long resets its slot's backoff
+
+
+def deadline_action(worker: WorkerProc, now: float, *, job_timeout: float) -> str | None:
+    """ "kill": a TERM sent earlier has had its grace, SIGKILL now; "timeout": the
+    running job passed `job_timeout`, start killing; None: nothing due."""
+    if worker.kill_at is not None and now >= worker.kill_at and not worker.killed:
+        return "kill"
+    running = worker.running()
+    if running is not None and worker.kill_reason is None and now - running[1] >= job_timeout:
+        return "timeout"
+    return None
+
+
+def next_deadline(worker: WorkerProc, now: float, *, job_timeout: float, poll: float) -> float:
+    """When the arbiter must look at `worker` again: its KILL escalation, its running
+    job's deadline, and (while it holds jobs) `poll` from now, to read a job start it
+    was not woken for."""
+    times = [math.inf]
+    if worker.kill_at is not None and not worker.killed:
+        times.append(worker.kill_at)
+    if worker.held and worker.kill_reason is None:
+        times.append(now + poll)
+        running = worker.running()
+        if running is not None:
+            times.append(running[1] + job_timeout)
+    return min(times)
+
+
+class Exit(StrEnum):
+    BOOT_ERROR = "boot_error"  # never booted: halt, back off or abort a reload
+    TIMEOUT = "timeout"  # killed past job_timeout: fail its running attempt
+    LEASE_LOST = "lease_lost"  # killed by the heartbeat: its running job is not ours
+    RELEASE = "release"  # killed at shutdown or for an aborted reload: release its jobs
+    RECYCLED = "recycled"  # max_jobs or RSS: replace at once
+    DRAINED = "drained"  # --burst and nothing left: leave the slot empty
+    STOPPED = "stopped"  # asked to stop (shutdown, reload) and did
+    CRASH = "crash"  # anything else: replace, with backoff
+
+
+@dataclass
+class Slot:
+    """One of the `[supervisor] workers` places the arbiter keeps filled."""
+
+    failures: int = 0  # crashes in a row
+    not_before: float = 0.0  # backoff: no respawn before this (monotonic)
+    drained: bool = False  # --burst: this slot's worker found nothing left to do
+
+
+def classify_exit(worker: WorkerProc, status: int, *, burst: bool) -> Exit:
+    """Why `worker` ended, from its wait status and what the arbiter knows of it."""
+    code = os.waitstatus_to_exitcode(status)
+    if worker.boot_error is not None or (code == EXIT_BOOT_ERROR and not worker.ready):
+        return Exit.BOOT_ERROR
+    if worker.kill_reason == "timeout":
+        return Exit.TIMEOUT
+    if worker.kill_reason == "lease_lost":
+        return Exit.LEASE_LOST
+    if worker.kill_reason in ("shutdown", "aborted"):
+        return Exit.RELEASE
+    if code == EXIT_OK and worker.exit_reason in ("max_jobs", "rss"):
+        return Exit.RECYCLED
+    if code == EXIT_OK and worker.exit_reason == "drained" and burst:
+        return Exit.DRAINED
+    if code == EXIT_OK and worker.stop_sent:
+        return Exit.STOPPED
+    return Exit.CRASH
+
+
+def to_release(worker: WorkerProc) -> list[Job]:
+    """What a dead worker held and did not run (unstarted, or derived but never
+    committed): it goes back without burning an attempt. The job that was running stays
+    `processing`: its lease expires and the next claim counts the attempt, so a job that
+    kills workers cannot loop."""
+    running = worker.running()
+    return [j for j in worker.held.values() if running is None or j.token != running[0].token]
+
+
+def restart_delay(failures: int) -> float:
+    """Seconds before a slot with `failures` crashes in a row forks again: the first
+    crash respawns at once, then 0.5 s doubling to RESTART_MAX."""
+    if failures <= 1:
+        return 0.0
+    return min(RESTART_MAX, RESTART_BASE * 2.0 ** min(failures - 2, 64))
+
+
+def back_off(slot: Slot, now: float, *, lived_s: float | None = None) -> None:
+    """Count one more failure of `slot` and set when it may fork again. A worker that
+    lived HEALTHY_AFTER seconds (`lived_s`) first clears the count: an occasional crash
+    never accumulates into a long wait."""
+    if lived_s is not None and lived_s >= HEALTHY_AFTER:
+        slot.failures = 0
+    slot.failures += 1
+    slot.not_before = now + restart_delay(slot.failures)
+
+
+class BootFailure(StrEnum):
+    ABORT_RELOAD = "abort_reload"  # the reloaded configuration cannot boot: keep the old
+    RETRY = "retry"  # this configuration booted before (a database blip): back off
+    HALT = "halt"  # the configuration never booted: stop with one line
+
+
+def on_boot_failure(*, reloading: bool, booted_before: bool) -> BootFailure:
+    """`reloading`: the worker belongs to a reloaded generation not yet proven;
+    `booted_before`: a worker of its generation has been ready before."""
+    if reloading:
+        return BootFailure.ABORT_RELOAD
+    if booted_before:
+        return BootFailure.RETRY
+    return BootFailure.HALT
+
+
+def exit_text(status: int) -> str:
+    """`signal SIGKILL` or `exit 3`, for the log."""
+    if os.WIFSIGNALED(status):
+        return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit {os.waitstatus_to_exitcode(status)}"

@@ -1,0 +1,296 @@
+"""Both ends of the worker pipe protocol: what a child writes, and how the parent reads it.
+
+A child reports over its status pipe, one JSON object per line:
+
+    {"t": "ready"}                                   booted, about to claim
+    {"t": "boot_error", "msg": "..."}                could not boot; exit EXIT_BOOT_ERROR
+    {"t": "claimed", "jobs": [{id, token, attempt}]} rows it now holds (one claim)
+    {"t": "finished", "results": [[id, outcome, code, duration_s, wait_s], ...], "rss_mb": ...}
+                                                     attempts that ended (one flush)
+    {"t": "exiting", "reason": "stopped|drained|max_jobs|rss"}
+
+Each child has a pipe of its own, so lines of two children never mix; a line is still
+kept below PIPE_BUF (a long list is split over several lines) so that one write is one
+whole line: the parent never reads half a line from a child killed mid-write.
+
+Over its progress pipe, which the parent does not wait on (a job start costs one small
+write and no wake-up of the parent), the child writes a fixed-size record per job start:
+the lease token and the CLOCK_MONOTONIC start time (the parent's deadline for that job).
+
+The parent writes WAKE to the child's command pipe to end an idle wait; stopping is
+SIGTERM, killing is SIGKILL to the child's process group (the arbiter's business).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import struct
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from derivd.processes.procutil import rss_mb, set_proctitle
+from derivd.queue.db import Job
+
+if TYPE_CHECKING:
+    from derivd.jobs import JobResult
+
+log = logging.getLogger("derivd.supervisor")
+
+WAKE = b"w"
+PROGRESS = struct.Struct("=16sd")  # lease token bytes, monotonic start time
+LINE_MAX = select.PIPE_BUF - 1  # bytes of one status line, newline excluded
+
+
+# -- the child's end -------------------------------------------------------------------
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+def job_to_dict(job: Job) -> dict[str, Any]:
+    """What the parent needs to fail or release the row."""
+    return {"id": job.id, "token": str(job.token), "attempt": job.attempt}
+
+
+def encode_lines(kind: str, key: str, items: Sequence[Any], **extra: Any) -> list[bytes]:
+    """`{"t": kind, key: items, **extra}` as one line or, when that would reach
+    PIPE_BUF, as several lines each carrying a share of `items`."""
+    line = encode({"t": kind, key: list(items), **extra})
+    if len(line) <= LINE_MAX or len(items) <= 1:
+        return [line]
+    half = len(items) // 2
+    return encode_lines(kind, key, items[:half], **extra) + encode_lines(
+        kind, key, items[half:], **extra
+    )
+
+
+class Reporter:
+    """The worker's hooks (derivd.jobs.WorkerHooks) over the status and progress pipes;
+    also decides an RSS recycle after each reported batch of outcomes."""
+
+    def __init__(self, status_w: int, progress_w: int, *, slot: int, max_rss_mb: int) -> None:
+        self.status_w = status_w
+        self.progress_w = progress_w
+        self.slot = slot
+        self.max_rss_mb = max_rss_mb
+        self.recycle = False
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.write(encode(message))
+
+    def write(self, line: bytes) -> None:
+        with contextlib.suppress(OSError):  # the parent is gone; PR_SET_PDEATHSIG ends us
+            os.write(self.status_w, line)
+
+    def idle(self) -> None:
+        set_proctitle(f"derivd: worker {self.slot} idle")
+
+    def jobs_claimed(self, jobs: Sequence[Job]) -> None:
+        for line in encode_lines("claimed", "jobs", [job_to_dict(j) for j in jobs]):
+            self.write(line)
+
+    def job_started(self, job: Job) -> None:
+        # Blocking on purpose: the parent drains this pipe at least every few hundred ms;
+        # a dropped record would make it time the wrong job. The record goes before the
+        # title, so whoever sees "job N" in ps knows the supervisor can learn of it.
+        with contextlib.suppress(OSError):
+            os.write(self.progress_w, PROGRESS.pack(job.token.bytes, time.monotonic()))
+        set_proctitle(f"derivd: worker {self.slot} job {job.id}")
+
+    def jobs_finished(self, results: Sequence[JobResult]) -> None:
+        rss = rss_mb()
+        if self.max_rss_mb and rss > self.max_rss_mb:
+            self.recycle = True
+        rows = [
+            [r.job.id, r.outcome, r.code, round(r.duration_s, 6), round(r.job.wait_s, 6)]
+            for r in results
+        ]
+        for line in encode_lines("finished", "results", rows, rss_mb=round(rss, 1)):
+            self.write(line)
+        self.idle()
+
+
+# -- the parent's end ------------------------------------------------------------------
+
+
+@dataclass
+class WorkerProc:
+    """What the parent knows about one child (rq's WorkerData, with its jobs on it)."""
+
+    pid: int
+    slot: int
+    generation: int
+    status_r: int
+    progress_r: int
+    cmd_w: int
+    spawned_at: float
+    ready: bool = False
+    held: dict[int, Job] = field(default_factory=dict)  # claimed, no outcome yet
+    last_start: tuple[uuid.UUID, float] | None = None  # token, monotonic start
+    progress_buffer: bytes = b""
+    stop_sent: bool = False
+    kill_reason: str | None = None  # timeout | lease_lost | shutdown | aborted
+    kill_at: float | None = None  # when SIGTERM escalates to SIGKILL
+    killed: bool = False
+    exit_reason: str | None = None  # from the child's "exiting" message
+    boot_error: str | None = None
+    eof: bool = False
+    buffer: bytes = b""
+
+    @classmethod
+    def spawn(
+        cls, slot: int, generation: int, start: Callable[[int, int, int, tuple[int, ...]], None]
+    ) -> WorkerProc:
+        """Open the three pipes and fork; the child runs `start(status_w, progress_w,
+        cmd_r, own_parent_ends)`, which never returns."""
+        status_r, status_w = os.pipe()
+        progress_r, progress_w = os.pipe()
+        cmd_r, cmd_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            start(status_w, progress_w, cmd_r, (status_r, progress_r, cmd_w))
+        for fd in (status_w, progress_w, cmd_r):
+            os.close(fd)
+        for fd in (status_r, progress_r, cmd_w):
+            os.set_blocking(fd, False)
+        with contextlib.suppress(OSError):
+            os.setpgid(pid, pid)  # the child does it too; whoever is first wins the race
+        return cls(pid, slot, generation, status_r, progress_r, cmd_w, time.monotonic())
+
+    def fds(self) -> tuple[int, int, int]:
+        return self.status_r, self.progress_r, self.cmd_w
+
+    def wake(self) -> bool:
+        """End the child's idle wait (any byte on its command pipe)."""
+        try:
+            os.write(self.cmd_w, WAKE)
+        except (BlockingIOError, BrokenPipeError):
+            return False
+        return True
+
+    def ask_stop(self) -> None:
+        """SIGTERM: finish the current job, release the unstarted ones, exit."""
+        if self.stop_sent:
+            return
+        self.stop_sent = True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+
+    def kill(self, reason: str, grace: float) -> None:
+        """TERM the child's process group now, KILL it after `grace` (0: KILL at once).
+        The first reason given is the one its exit is judged by."""
+        if self.kill_reason is None:
+            self.kill_reason = reason
+        self.kill_at = time.monotonic() + grace
+        self.signal_group(signal.SIGKILL if grace <= 0 else signal.SIGTERM)
+
+    def signal_group(self, sig: int) -> None:
+        if sig == signal.SIGKILL:
+            self.killed = True
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)  # not yet in its own group
+
+    def running(self) -> tuple[Job, float] | None:
+        """The job the child last started, with its start time, while it holds it."""
+        if self.last_start is None:
+            return None
+        token, started = self.last_start
+        for job in self.held.values():
+            if job.token == token:
+                return job, started
+        return None
+
+    def read_messages(self) -> list[dict[str, Any]]:
+        """The complete status lines read so far, decoded; EOF sets `eof`. A line that is
+        not JSON is logged and skipped: a child cannot take its supervisor down."""
+        while True:
+            try:
+                chunk = os.read(self.status_r, 65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not chunk:
+                self.eof = True
+                break
+            self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        messages = []
+        for line in filter(None, lines):
+            try:
+                message = json.loads(line)
+            except ValueError:
+                message = None
+            if isinstance(message, dict):
+                messages.append(message)
+            else:
+                log.warning("worker %s sent an unreadable status line", self.slot)
+        return messages
+
+    def read_progress(self) -> None:
+        """The latest job start the child recorded. It is matched against the jobs held
+        by token whenever it is needed (`running`), so the order in which the two pipes
+        are read does not matter."""
+        while True:
+            try:
+                chunk = os.read(self.progress_r, 65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not chunk:
+                break
+            self.progress_buffer += chunk
+        size = PROGRESS.size
+        whole = len(self.progress_buffer) // size * size
+        if whole:
+            token, started = PROGRESS.unpack_from(self.progress_buffer, whole - size)
+            # CLOCK_MONOTONIC is system-wide: the child's start time is comparable.
+            self.last_start = (uuid.UUID(bytes=token), min(started, time.monotonic()))
+            self.progress_buffer = self.progress_buffer[whole:]
+
+    def apply(self, message: dict[str, Any]) -> list[list[Any]]:
+        """Take in one status message: what the child holds, whether it booted, why it
+        exits. Returns the outcome rows of a "finished" message ([] otherwise). Raises
+        ValueError, KeyError or TypeError on a malformed message."""
+        kind = message.get("t")
+        if kind == "ready":
+            self.ready = True
+        elif kind == "claimed":
+            for data in message["jobs"]:
+                job = job_from_message(data)
+                self.held[job.id] = job
+        elif kind == "finished":
+            rows: list[list[Any]] = message["results"]
+            for row in rows:
+                self.held.pop(int(row[0]), None)
+            return rows
+        elif kind == "exiting":
+            self.exit_reason = str(message.get("reason"))
+        elif kind == "boot_error":
+            self.boot_error = str(message.get("msg") or "unknown error")
+        return []
+
+    def close(self) -> None:
+        for fd in self.fds():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def job_from_message(data: dict[str, Any]) -> Job:
+    return Job(
+        id=int(data["id"]),
+        token=uuid.UUID(data["token"]),
+        attempt=int(data["attempt"]),
+        original_key=str(data.get("original_key") or ""),
+        original_version=data.get("original_version"),
+        wait_s=float(data.get("wait_s") or 0.0),
+    )
