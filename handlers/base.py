@@ -9,11 +9,14 @@ in the configured order, or raises an outcome from `derivd.errors`:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
 from derivd.errors import (  # re-exported for third-party handlers
     CorruptContent,
+    Outcome,
     Permanent,
     ResourceLimit,
     Transient,
@@ -97,3 +100,23 @@ def check_declared_size(width: int, height: int, frames: int, spec: DeriveSpec) 
         raise ResourceLimit(
             f"{width}x{height}x{frames} = {pixels} px > max_pixels {spec.max_pixels}"
         )
+
+
+@contextmanager
+def decoding() -> Iterator[None]:
+    """Classify whatever escapes a decoder while it parses the original's bytes.
+
+    Decoders raise far more than their documented errors on hostile input (Pillow: TypeError,
+    OverflowError, struct.error, IndexError, ...; libvips: pyvips.Error). Inside a handler
+    nothing but the content is parsed (storage and the database are the worker's), so any of
+    them is `corrupt_content`, final on the first attempt; MemoryError is `resource_limit`.
+    Outcomes a handler raised on purpose pass through. Usable as a decorator on `derive`.
+    """
+    try:
+        yield
+    except Outcome:
+        raise
+    except MemoryError:
+        raise ResourceLimit("out of memory while decoding") from None
+    except Exception as e:  # every escape is the content's: see the docstring
+        raise CorruptContent(f"decode failed: {type(e).__name__}: {e}"[:300]) from None

@@ -12,13 +12,11 @@ metadata is junk, and the derivative is stripped of it anyway.
 from __future__ import annotations
 
 import io
-import struct
 import warnings
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from PIL import Image, ImageCms, ImageFile, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageCms, ImageFile, ImageOps, TiffImagePlugin, UnidentifiedImageError
 
 from derivd.handlers.base import (
     CorruptContent,
@@ -28,16 +26,14 @@ from derivd.handlers.base import (
     UnsupportedContent,
     check_declared_size,
     check_input_size,
+    decoding,
     target_size,
 )
-from derivd.handlers.sniff import accepted_format, png_chunks_intact
+from derivd.handlers.sniff import TIFF_COMPRESSION, accepted_format, png_chunks_intact, tiff_tags
 
 # Pillow plugin ids. MPO (a JPEG with a multi-picture index) comes in through the JPEG
 # plugin, which returns an MpoImageFile: it is not an id of its own.
 ALLOWED_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "TIFF", "AVIF")
-
-# What Pillow's decoders raise on damaged data, beyond its own exceptions.
-_DECODE_ERRORS = (OSError, SyntaxError, ValueError, struct.error, EOFError, zlib.error)
 
 _ORIENTATION_TAG = 0x0112
 _SIDEWAYS = frozenset({5, 6, 7, 8})
@@ -73,8 +69,7 @@ def _classify_errors() -> Iterator[None]:
             raise  # an OSError too, but it means "not ours": the caller classifies it
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise ResourceLimit(f"decompression bomb: {e}") from None
-        except _DECODE_ERRORS as e:
-            raise CorruptContent(f"decode failed: {type(e).__name__}: {e}"[:300]) from None
+        # Anything else escapes to `decoding` around `derive`: corrupt content.
 
 
 def open_image(original: bytes) -> ImageFile.ImageFile:
@@ -87,6 +82,9 @@ def open_image(original: bytes) -> ImageFile.ImageFile:
         raise
     except UnidentifiedImageError:
         # Pillow says the same for a text file and for a TIFF whose IFD was cut off.
+        compression = tiff_tags(original).get(TIFF_COMPRESSION, (1, 0))[0]
+        if compression not in TiffImagePlugin.COMPRESSION_INFO:  # e.g. JPEG 2000 in TIFF
+            raise UnsupportedContent(f"TIFF compression {compression} has no decoder") from None
         if accepted_format(original):
             raise CorruptContent("accepted format by its magic, but unreadable") from None
         raise UnsupportedContent("not a recognised image format") from None
@@ -215,6 +213,7 @@ class PillowHandler:
         self.spec = spec
         configure(spec)
 
+    @decoding()
     def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
         check_input_size(original, spec)
         im = open_image(original)

@@ -64,3 +64,40 @@ def png_chunks_intact(data: bytes) -> bool:
             return True
         at = end + 4
     return False
+
+
+# Baseline TIFF tags read by `tiff_tags`.
+TIFF_COMPRESSION = 259
+TIFF_PHOTOMETRIC = 262
+TIFF_BITS_PER_SAMPLE = 258
+TIFF_SAMPLES_PER_PIXEL = 277
+_TIFF_SHORT, _TIFF_LONG = 3, 4
+
+
+def tiff_tags(data: bytes) -> dict[int, tuple[int, int]]:
+    """The integer tags of a classic TIFF's first IFD: tag -> (first value, where it is).
+
+    `where` is the byte offset of that first value (inside the entry, or where the entry
+    points), so a caller can rewrite it. Non-TIFF or damaged directories give what could
+    be read, possibly nothing; the decoders report the damage themselves.
+    """
+    order = {b"II*\x00": "<", b"MM\x00*": ">"}.get(data[:4])
+    if order is None or len(data) < 8:
+        return {}
+    (ifd,) = struct.unpack(order + "I", data[4:8])
+    if ifd + 2 > len(data):
+        return {}
+    (count,) = struct.unpack(order + "H", data[ifd : ifd + 2])
+    tags: dict[int, tuple[int, int]] = {}
+    for entry in range(ifd + 2, min(ifd + 2 + 12 * count, len(data) - 11), 12):
+        tag, kind, n = struct.unpack(order + "HHI", data[entry : entry + 8])
+        size = {_TIFF_SHORT: 2, _TIFF_LONG: 4}.get(kind)
+        if size is None or n < 1:
+            continue
+        where = entry + 8
+        if size * n > 4:  # the values do not fit the entry: it holds their offset
+            (where,) = struct.unpack(order + "I", data[where : where + 4])
+        if where + size <= len(data):
+            fmt = order + ("H" if size == 2 else "I")
+            tags[tag] = (struct.unpack(fmt, data[where : where + size])[0], where)
+    return tags

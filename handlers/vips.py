@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import struct
 from typing import Any
 
 import pyvips
@@ -22,12 +23,21 @@ from derivd.handlers.base import (
     CorruptContent,
     DerivedVariant,
     DeriveSpec,
+    Permanent,
     UnsupportedContent,
     check_declared_size,
     check_input_size,
+    decoding,
     target_size,
 )
-from derivd.handlers.sniff import accepted_format, gif_screen
+from derivd.handlers.sniff import (
+    TIFF_BITS_PER_SAMPLE,
+    TIFF_PHOTOMETRIC,
+    TIFF_SAMPLES_PER_PIXEL,
+    accepted_format,
+    gif_screen,
+    tiff_tags,
+)
 
 # The loaders we accept, by nickname (what find_load_buffer reports), and the loader class
 # families to leave unblocked. Everything else libvips could read (svg, matrix, csv, vips,
@@ -147,7 +157,8 @@ def _int_field(image: Any, name: str, default: int) -> int:
 def read_header(original: bytes, loader: str) -> Header:
     try:
         # Loaders are lazy: this parses the header and allocates no pixel memory.
-        image = pyvips.Operation.call(loader, original, access="sequential", fail_on="error")
+        source = cielab8_as_rgb(original) or original
+        image = pyvips.Operation.call(loader, source, access="sequential", fail_on="error")
     except pyvips.Error as e:
         raise CorruptContent(f"unreadable header: {_first_line(e)}") from None
     return Header(image, original)
@@ -160,7 +171,21 @@ def render(original: bytes, width: int, height: int, icc: bool, spec: DeriveSpec
     dimensions the Pillow backend produces; libvips' own fit may round the short edge the
     other way. The box never exceeds the upright original, so nothing is upscaled.
     """
-    image = pyvips.Image.thumbnail_buffer(
+    relabelled = cielab8_as_rgb(original)
+    if relabelled is not None:
+        image = lab_to_srgb(pyvips.Image.tiffload_buffer(relabelled, access="sequential",
+                                                         fail_on="error"))  # fmt: skip
+        image = image.thumbnail_image(width, height=height, size="force")
+    else:
+        image = _thumbnail(original, width, height, icc)
+    if image.width != width or image.height != height:  # cannot happen with size="force"
+        raise CorruptContent(f"thumbnail gave {image.width}x{image.height}")
+    data: bytes = image.webpsave_buffer(Q=spec.quality, effort=spec.effort, keep="none")
+    return data
+
+
+def _thumbnail(original: bytes, width: int, height: int, icc: bool) -> Any:
+    return pyvips.Image.thumbnail_buffer(
         original,
         width,
         height=height,
@@ -174,10 +199,43 @@ def render(original: bytes, width: int, height: int, icc: bool, spec: DeriveSpec
         # (or for CMYK, through its built-in CMYK profile) it goes through LittleCMS.
         **({"output_profile": "srgb", "intent": "relative"} if icc else {}),
     )
-    if image.width != width or image.height != height:  # cannot happen with size="force"
-        raise CorruptContent(f"thumbnail gave {image.width}x{image.height}")
-    data: bytes = image.webpsave_buffer(Q=spec.quality, effort=spec.effort, keep="none")
-    return data
+
+
+_CIELAB, _RGB = 8, 2  # TIFF PhotometricInterpretation values
+
+
+def cielab8_as_rgb(original: bytes) -> bytes | None:
+    """An 8-bit, 3-sample CIELAB TIFF relabelled as RGB; None for anything else.
+
+    libvips 8.18 refuses these ("bad labq format": its TIFF loader packs them into LabQ
+    and then rejects its own packing). Read as RGB the same samples load, and
+    `lab_to_srgb` gives them their meaning back. Only the first IFD, the page we derive.
+    """
+    tags = tiff_tags(original)
+    photometric = tags.get(TIFF_PHOTOMETRIC)
+    if photometric is None or photometric[0] != _CIELAB:
+        return None
+    if tags.get(TIFF_BITS_PER_SAMPLE, (1, 0))[0] != 8:
+        return None
+    if tags.get(TIFF_SAMPLES_PER_PIXEL, (1, 0))[0] != 3:
+        return None
+    where = photometric[1]
+    order = "<" if original[:2] == b"II" else ">"
+    return original[:where] + struct.pack(order + "H", _RGB) + original[where + 2 :]
+
+
+def lab_to_srgb(image: Any) -> Any:
+    """8-bit TIFF CIELAB samples (L* 0-255 for 0-100, a* and b* signed bytes) to sRGB.
+
+    TIFF CIELAB is relative to D50 (Adobe's TIFF notes; libtiff's default white point), as
+    an ICC PCS is; `icc_export` takes it as that PCS. `colourspace` would assume libvips'
+    own D65 Lab and shift every colour by ~3 levels (measured on tests/imagegen's scene).
+    """
+    lightness = image[0] * (100 / 255)
+    # Flipping the top bit turns a two's complement byte into an offset-128 one.
+    a, b = ((image[band] ^ 128).cast("short") - 128 for band in (1, 2))
+    lab = lightness.bandjoin([a, b]).copy(interpretation="lab")
+    return lab.icc_export(output_profile="srgb", intent="relative")
 
 
 class VipsHandler:
@@ -187,6 +245,7 @@ class VipsHandler:
         self.spec = spec
         configure(spec.concurrency)
 
+    @decoding()
     def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
         check_input_size(original, spec)
         loader = sniff_loader(original)
@@ -201,9 +260,21 @@ class VipsHandler:
             except pyvips.Error as e:
                 # Truncated or corrupt pixel data (fail_on="error"): never publish a
                 # half-decoded image. The message is for the log only.
-                raise CorruptContent(f"decode failed: {_first_line(e)}") from None
+                raise _decode_failure(e) from None
             out.append(DerivedVariant.of(variant.name, data, width, height))
         return out
+
+
+# libtiff's words for a codec this build lacks (LZMA in the bundled libtiff, JPEG 2000 in
+# TIFF): the file may well be valid, we cannot read it.
+_MISSING_CODEC = ("compression support is not configured", "decoding is not implemented")
+
+
+def _decode_failure(error: pyvips.Error) -> Permanent:
+    detail = getattr(error, "detail", "") or str(error)
+    if any(words in detail for words in _MISSING_CODEC):
+        return UnsupportedContent(f"codec not in this libvips: {_first_line(error)}")
+    return CorruptContent(f"decode failed: {_first_line(error)}")
 
 
 def _first_line(error: pyvips.Error) -> str:

@@ -18,6 +18,7 @@ agree closely, asymmetric so that a missing or wrong EXIF rotation is visible.
 from __future__ import annotations
 
 import io
+import lzma
 import os
 import struct
 import zlib
@@ -345,6 +346,69 @@ def tiff_huge() -> bytes:
     )
 
 
+def raw_tiff(
+    width: int,
+    height: int,
+    strip: bytes,
+    *,
+    compression: int = 1,
+    offsets_type: int = 4,
+) -> bytes:
+    """A one-strip little-endian 8-bit RGB TIFF built by hand, for what Pillow will not write
+    (a codec it cannot encode, a malformed directory). `offsets_type` is StripOffsets' TIFF
+    field type: 4 (LONG) is right; 11 (FLOAT) or 16 (LONG8) are the malformed cases."""
+    ifd_at, count = 8, 9
+    strip_at = ifd_at + 2 + 12 * count + 4
+    offset = struct.pack("<f", strip_at) if offsets_type == 11 else struct.pack("<I", strip_at)
+    entries = [  # (tag, type, value as the entry's 4 bytes), in tag order
+        (256, 3, struct.pack("<HH", width, 0)),  # ImageWidth
+        (257, 3, struct.pack("<HH", height, 0)),  # ImageLength
+        (258, 3, struct.pack("<HH", 8, 0)),  # BitsPerSample (one value for all three)
+        (259, 3, struct.pack("<HH", compression, 0)),  # Compression
+        (262, 3, struct.pack("<HH", 2, 0)),  # Photometric: RGB
+        (273, offsets_type, offset),  # StripOffsets
+        (277, 3, struct.pack("<HH", 3, 0)),  # SamplesPerPixel
+        (278, 3, struct.pack("<HH", height, 0)),  # RowsPerStrip
+        (279, 4, struct.pack("<I", len(strip))),  # StripByteCounts
+    ]
+    ifd = b"".join(struct.pack("<HHI", tag, kind, 1) + value for tag, kind, value in entries)
+    return b"II*\x00" + struct.pack("<IH", ifd_at, count) + ifd + b"\x00" * 4 + strip
+
+
+def tiff_lzma() -> bytes:
+    """Compression 34925 (LZMA2 in an .xz stream, as libtiff writes it): valid, and Pillow
+    decodes it, but the libtiff bundled with libvips has no LZMA codec."""
+    strip = lzma.compress(scene(64, 48).tobytes(), format=lzma.FORMAT_XZ, check=lzma.CHECK_NONE)
+    return raw_tiff(64, 48, strip, compression=34925)
+
+
+def tiff_jpeg2000() -> bytes:
+    """Compression 34712 (JPEG 2000 in TIFF): neither backend has that codec."""
+    return raw_tiff(64, 48, b"\x00" * 64, compression=34712)
+
+
+def tiff_offsets_float() -> bytes:
+    """StripOffsets typed FLOAT: Pillow's loader raises TypeError when it seeks there."""
+    return raw_tiff(64, 48, scene(64, 48).tobytes(), offsets_type=11)
+
+
+def tiff_offsets_long8() -> bytes:
+    """StripOffsets typed LONG8 in a classic TIFF: Pillow raises OverflowError on seek."""
+    return raw_tiff(64, 48, scene(64, 48).tobytes(), offsets_type=16)
+
+
+def tiff_cielab() -> bytes:
+    """8-bit CIELAB (Photometric 8, D50 as in Photoshop's), no ICC profile: libvips' loader
+    refuses it ("bad labq format") unless the handler reads it another way."""
+    to_lab = ImageCms.buildTransform(
+        ImageCms.createProfile("sRGB"), ImageCms.createProfile("LAB"), "RGB", "LAB"
+    )
+    lab = ImageCms.applyTransform(scene(), to_lab)
+    assert lab is not None
+    lab.info.pop("icc_profile", None)
+    return _save(lab, "TIFF", compression="tiff_lzw")
+
+
 def _gif(width: int, height: int, blocks: list[bytes]) -> bytes:
     """GIF89a with a 2-colour global palette (black, white) and the given frame blocks."""
     screen = struct.pack("<HHBBB", width, height, 0x80, 0, 0)
@@ -526,6 +590,7 @@ CASES: list[tuple[str, Factory, str]] = [
     ("webp_animated", webp_animated, READY),
     ("tiff_rgb", tiff_rgb, READY),
     ("tiff_cmyk", tiff_cmyk, READY),
+    ("tiff_cielab", tiff_cielab, READY),
     ("avif", avif, READY),
     # limits, checked from the header
     ("png_pixel_flood", png_pixel_flood, "resource_limit"),
@@ -548,6 +613,7 @@ CASES: list[tuple[str, Factory, str]] = [
     ("ppm", ppm, "unsupported_content"),
     ("ico", ico, "unsupported_content"),
     ("matrix_text", matrix_text, "unsupported_content"),
+    ("tiff_jpeg2000", tiff_jpeg2000, "unsupported_content"),  # no codec on either backend
     # damaged
     ("jpeg_truncated", truncated(jpeg, 0.5), "corrupt_content"),
     ("jpeg_progressive_truncated", truncated(jpeg_progressive, 0.5), "corrupt_content"),
@@ -556,6 +622,9 @@ CASES: list[tuple[str, Factory, str]] = [
     ("webp_truncated", truncated(webp_lossy, 0.6), "corrupt_content"),
     ("gif_truncated", truncated(gif_still, 0.5), "corrupt_content"),
     ("tiff_truncated", truncated(tiff_rgb, 0.5), "corrupt_content"),
+    # what escapes a decoder beyond its documented errors is still the content's fault
+    ("tiff_offsets_float", tiff_offsets_float, "corrupt_content"),
+    ("tiff_offsets_long8", tiff_offsets_long8, "corrupt_content"),
 ]
 
 DISPLAY_SIZE: dict[str, tuple[int, int]] = {

@@ -52,7 +52,7 @@ def test_every_case_we_expect_is_here() -> None:
         "jpeg_pixel_flood", "png_pixel_flood", "gif_pixel_flood", "png_bomb", "gif_bomb",
         "gif_10000_frames", "empty", "random_bytes", "svg", "pdf", "html_named_jpg",
         "jpeg_truncated", "png_truncated", "webp_truncated", "tiff_huge", "jpeg_bad_exif",
-        "jpeg_exif_ifd_loop",
+        "jpeg_exif_ifd_loop", "tiff_offsets_float", "tiff_offsets_long8", "tiff_jpeg2000",
     }  # fmt: skip
     assert wanted <= names, wanted - names
 
