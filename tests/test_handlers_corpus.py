@@ -1,12 +1,11 @@
-"""Both backends on the shared corpus (PngSuite, EXIF orientation samples).
+"""Both backends on the image corpus in tests/corpus (PngSuite, EXIF orientation samples).
 
-The corpus lives outside the repository: `$DERIVD_CORPUS`, else `../shared/corpus` next to
-the checkout. Every test here skips cleanly when it is absent.
+The corpus is part of the repository (see tests/corpus/README.md for sources and
+licences), so these tests never skip: a missing file is a failure.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -18,18 +17,9 @@ from derivd.handlers.registry import create_handler
 pytestmark = pytest.mark.corpus
 
 
-def _corpus() -> Path:
-    env = os.environ.get("DERIVD_CORPUS")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "corpus"
-
-
-def _files(sub: str, pattern: str) -> list[Path]:
-    return sorted((_corpus() / sub).glob(pattern))
-
-
-PNGSUITE = _files("pngsuite", "*.png")
-ORIENTATION = _files("exif-orientation", "*_[1-8].jpg")
-needs = pytest.mark.skipif
+CORPUS = Path(__file__).resolve().parent / "corpus"
+PNGSUITE = sorted((CORPUS / "pngsuite").glob("*.png"))
+ORIENTATION = sorted((CORPUS / "exif-orientation").glob("*_[1-8].jpg"))
 
 # Photos, not smooth generated content: a sideways file is a re-encode of transposed pixels
 # (another JPEG block grid), so it differs more from _0 than the generated cases do.
@@ -37,12 +27,22 @@ needs = pytest.mark.skipif
 PHOTO_ORIENTATION_MAD = 6.0
 
 
+def test_the_corpus_is_complete_and_licensed() -> None:
+    """Parametrized tests over an empty glob would pass by running nothing."""
+    assert len(PNGSUITE) == 175
+    assert len([p for p in PNGSUITE if p.name.startswith("x")]) == 14
+    assert len(ORIENTATION) == 16
+    uprights = {p.with_name(p.name.rsplit("_", 1)[0] + "_0.jpg") for p in ORIENTATION}
+    assert len(uprights) == 2 and all(p.is_file() for p in uprights)
+    for folder in ("pngsuite", "exif-orientation"):
+        assert (CORPUS / folder / "LICENSE").stat().st_size > 100
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
 def handler(request: pytest.FixtureRequest) -> Handler:
     return create_handler(request.param, SPEC)
 
 
-@needs(not PNGSUITE, reason="pngsuite corpus absent")
 @pytest.mark.parametrize("path", [p for p in PNGSUITE if not p.name.startswith("x")],
                          ids=lambda p: p.name)  # fmt: skip
 def test_pngsuite_valid_files_derive(handler: Handler, path: Path) -> None:
@@ -51,7 +51,6 @@ def test_pngsuite_valid_files_derive(handler: Handler, path: Path) -> None:
     assert all(v.data[:4] == b"RIFF" for v in out)
 
 
-@needs(not PNGSUITE, reason="pngsuite corpus absent")
 @pytest.mark.parametrize("path", [p for p in PNGSUITE if p.name.startswith("x")],
                          ids=lambda p: p.name)  # fmt: skip
 def test_pngsuite_broken_files_are_rejected(handler: Handler, path: Path) -> None:
@@ -60,7 +59,6 @@ def test_pngsuite_broken_files_are_rejected(handler: Handler, path: Path) -> Non
     assert caught.value.code in ("corrupt_content", "unsupported_content")
 
 
-@needs(not ORIENTATION, reason="exif-orientation corpus absent")
 @pytest.mark.parametrize("path", ORIENTATION, ids=lambda p: p.name)
 def test_exif_orientation_matches_the_upright_original(handler: Handler, path: Path) -> None:
     """Landscape_n / Portrait_n with orientation n must derive like the untagged _0 file,
