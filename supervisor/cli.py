@@ -14,7 +14,7 @@ import click
 
 from derivd import __version__
 from derivd.config import DEFAULT_CONFIG, Config, ConfigError, load_config, render_ini
-from derivd.errors import ERROR_CODES
+from derivd.states import ERROR_CODES
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -6,23 +6,8 @@ The message of an outcome goes to the log only; the database receives the `code`
 
 from __future__ import annotations
 
-from typing import Final, Literal
-
-ErrorCode = Literal[
-    "unsupported_content",
-    "corrupt_content",
-    "resource_limit",
-    "attempts_exhausted",
-    "processing_failed",
-]
-
-ERROR_CODES: Final[tuple[ErrorCode, ...]] = (
-    "unsupported_content",
-    "corrupt_content",
-    "resource_limit",
-    "attempts_exhausted",
-    "processing_failed",
-)
+# Re-exported: the codes themselves live with the other states, in derivd.states.
+from derivd.states import ErrorCode as ErrorCode
 
 
 class Outcome(Exception):

@@ -23,16 +23,18 @@ from prometheus_client.exposition import generate_latest, start_http_server
 
 from derivd.config import ConfigError, Problem, split_host_port
 from derivd.queue.db import QueueStats
+from derivd.states import STATUSES, EventKind
 
 # `*_created` series double the page and no dashboard uses them (process-wide switch; the
 # supervisor has no other Prometheus user).
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
-# Every status a row can have: each gets a gauge (0 included), so a status that empties
-# does not keep its last value.
-STATUSES = ("pending", "queued", "processing", "ready", "rejected", "deleting", "deleted")
 RESTART_REASONS = ("crash", "timeout", "recycle", "reload")
 OUTCOMES = ("ready", "retry", "rejected", "lease_lost", "released", "unknown")
+# The event kinds whose recent-window gauge always exists (0 included).
+COUNTED_EVENTS: tuple[EventKind, ...] = (
+    "ready", "retry", "rejected", "lease_lost", "timeout", "exhausted"
+)
 
 # Image jobs take from a few ms (noop, thumbnails) to minutes (huge TIFFs near the timeout).
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -133,7 +135,8 @@ class Metrics:
         self.workers_busy.set(busy)
 
     def set_queue(self, stats: QueueStats) -> None:
-        """Queue gauges from the periodic stats query."""
+        """Queue gauges from the periodic stats query. Every status gets a gauge (0
+        included), so a status that empties does not keep its last value."""
         for status in sorted({*STATUSES, *stats.counts}):
             self.rows.labels(status).set(stats.counts.get(status, 0))
         self.oldest.set(stats.oldest_claimable_age_s or 0.0)
@@ -187,8 +190,8 @@ class Metrics:
         """The exposition text, as a scrape would see it."""
         return generate_latest(self.registry)
 
-    def _known_event_kinds(self) -> tuple[str, ...]:
-        return ("ready", "retry", "rejected", "lease_lost", "timeout", "exhausted")
+    def _known_event_kinds(self) -> tuple[EventKind, ...]:
+        return COUNTED_EVENTS
 
 
 def split_listen(listen: str) -> tuple[str, int]:

@@ -27,13 +27,25 @@ import psycopg
 
 from derivd.config import Config, StatusSettings
 from derivd.queue.db import DatabaseUnavailable, QueueDB, QueueStats, one_line
+from derivd.states import EventKind, Status
 
 HEALTHY = 0
 UNHEALTHY = 1
 UNAVAILABLE = 3
 
-# The order rows are listed in: the live states first.
-STATUS_ORDER = ("queued", "processing", "ready", "rejected", "pending", "deleting", "deleted")
+# The order rows are listed in: the live states first (every status, see test_states).
+STATUS_ORDER: tuple[Status, ...] = (
+    "queued", "processing", "ready", "rejected", "pending", "deleting", "deleted"
+)
+# The recent events the table sums up, with their labels.
+RECENT_EVENTS: tuple[tuple[str, EventKind], ...] = (
+    ("ready", "ready"),
+    ("retries", "retry"),
+    ("rejected", "rejected"),
+    ("exhausted", "exhausted"),
+    ("lease lost", "lease_lost"),
+    ("timeouts", "timeout"),
+)
 
 
 class StatusUnavailable(Exception):
@@ -225,17 +237,7 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
         row("rejected share (all rows)", _percent(stats.rejected_ratio), "", None),
         "",
         f"last {window}: "
-        + "  ".join(
-            f"{label} {report.events.get(kind, 0)}"
-            for label, kind in (
-                ("ready", "ready"),
-                ("retries", "retry"),
-                ("rejected", "rejected"),
-                ("exhausted", "exhausted"),
-                ("lease lost", "lease_lost"),
-                ("timeouts", "timeout"),
-            )
-        ),
+        + "  ".join(f"{label} {report.events.get(kind, 0)}" for label, kind in RECENT_EVENTS),
     ]
     if report.rejected_by_code:
         codes = sorted(report.rejected_by_code.items(), key=lambda kv: (-kv[1], kv[0]))

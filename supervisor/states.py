@@ -1,0 +1,37 @@
+"""The queue's vocabulary: row statuses, event kinds and error codes, once in Python.
+
+The database is the authority: the CHECK constraints of sql/migrations/0001_initial.sql
+(archive_files_status_check, archive_files_error_code_check, archive_events_kind_check,
+archive_events_error_code_check). These literals are their one Python copy; every other
+module imports from here, and tests/test_states.py reads the constraints back from a
+migrated database (pg_get_constraintdef) and fails when the two disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal, get_args
+
+Status = Literal["pending", "queued", "processing", "ready", "rejected", "deleting", "deleted"]
+EventKind = Literal[
+    "ready",
+    "retry",
+    "rejected",
+    "lease_lost",
+    "timeout",
+    "released",
+    "exhausted",
+    "delete_requested",
+    "deleted",
+    "operator_retry",
+]
+ErrorCode = Literal[
+    "unsupported_content",
+    "corrupt_content",
+    "resource_limit",
+    "attempts_exhausted",
+    "processing_failed",
+]
+
+STATUSES: Final[tuple[Status, ...]] = get_args(Status)
+EVENT_KINDS: Final[tuple[EventKind, ...]] = get_args(EventKind)
+ERROR_CODES: Final[tuple[ErrorCode, ...]] = get_args(ErrorCode)

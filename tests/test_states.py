@@ -1,0 +1,65 @@
+"""One source for statuses, event kinds and error codes: the migration's CHECK constraints.
+
+The constraints are read back from a migrated database (pg_get_constraintdef), so a
+migration that adds a status or a code fails here until derivd.states says the same; every
+other Python copy is checked against derivd.states.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import get_args
+
+import click
+from helpers import sql
+
+from derivd import errors, states
+from derivd.cli import retry
+from derivd.ops import metrics, status
+
+# constraint name -> the vocabulary it must equal
+CONSTRAINTS = {
+    "archive_files_status_check": states.STATUSES,
+    "archive_files_error_code_check": states.ERROR_CODES,
+    "archive_events_kind_check": states.EVENT_KINDS,
+    "archive_events_error_code_check": states.ERROR_CODES,
+}
+
+
+def constraint_values(dsn: str) -> dict[str, set[str]]:
+    """Each CHECK constraint's quoted literals (`status = ANY (ARRAY['a'::text, ...])`)."""
+    rows = sql(
+        dsn,
+        "SELECT conname, pg_get_constraintdef(oid) AS def FROM pg_constraint "
+        "WHERE contype = 'c' AND conname = ANY(%s)",
+        (list(CONSTRAINTS),),
+    )
+    return {r["conname"]: set(re.findall(r"'([a-z_]+)'", r["def"])) for r in rows}
+
+
+def test_the_python_vocabulary_is_the_databases(dsn: str) -> None:
+    found = constraint_values(dsn)
+    assert set(found) == set(CONSTRAINTS), "a constraint was renamed or dropped"
+    for name, values in CONSTRAINTS.items():
+        assert found[name] == set(values), name
+        assert len(values) == len(set(values)), f"{name}: a value listed twice"
+
+
+def test_every_python_copy_agrees_with_derivd_states() -> None:
+    assert get_args(errors.ErrorCode) == states.ERROR_CODES
+    assert sorted(status.STATUS_ORDER) == sorted(states.STATUSES)  # a permutation
+    assert {kind for _label, kind in status.RECENT_EVENTS} <= set(states.EVENT_KINDS)
+    assert set(metrics.COUNTED_EVENTS) <= set(states.EVENT_KINDS)
+    code = next(p for p in retry.params if p.name == "code")
+    assert isinstance(code.type, click.Choice)
+    assert tuple(code.type.choices) == states.ERROR_CODES
+
+
+def test_every_status_gets_a_gauge_and_a_table_row() -> None:
+    from derivd.queue.db import QueueStats
+
+    m = metrics.Metrics()
+    m.set_queue(QueueStats(counts={}, oldest_claimable_age_s=None, expired_leases=0))
+    page = m.render().decode()
+    for name in states.STATUSES:
+        assert f'derivd_queue_rows{{status="{name}"}} 0.0' in page, name
