@@ -16,6 +16,10 @@ CREATE TABLE IF NOT EXISTS derivd_migrations (
 -- name: migrations_applied
 SELECT name FROM derivd_migrations ORDER BY name;
 
+-- name: migrations_exists
+-- Whether the ledger exists at all (a database never migrated has none).
+SELECT to_regclass('derivd_migrations') IS NOT NULL AS present;
+
 -- name: migrations_record
 INSERT INTO derivd_migrations (name) VALUES (%(name)s);
 

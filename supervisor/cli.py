@@ -33,12 +33,15 @@ def friendly_errors(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from derivd.embedded.pgcluster import EmbeddedClusterError, PostgresNotFound
         from derivd.errors import Transient
+        from derivd.queue.db import SchemaMismatch
         from derivd.storage.base import StorageConfigError
 
         try:
             return fn(*args, **kwargs)
         except ConfigError as error:
             die(f"bad configuration:\n{error}", 2)
+        except SchemaMismatch as error:
+            die(str(error), 3)  # as `derivd status` says it
         except (Transient, StorageConfigError, EmbeddedClusterError, PostgresNotFound) as error:
             die(str(error))
 
@@ -130,10 +133,12 @@ def run(state: State, burst: bool, workers: int | None) -> None:
 def migrate(state: State) -> None:
     """Create or upgrade the schema (idempotent; safe from two hosts at once)."""
     from derivd.embedded.runtime import database
+    from derivd.queue.db import check_schema
     from derivd.queue.db import migrate as apply_migrations
 
-    with database(state.config, auto_migrate=False) as dsn:
+    with database(state.config, auto_migrate=False, check=False) as dsn:
         applied = apply_migrations(dsn)
+        check_schema(dsn)  # a schema newer than this version is refused, not "up to date"
     click.echo(f"applied: {', '.join(applied)}" if applied else "schema is up to date")
 
 
@@ -157,9 +162,10 @@ def enqueue(state: State, paths: tuple[Path, ...], quiet: bool) -> None:
     from derivd.storage.base import open_storage
 
     files = list(expand_paths(paths))
-    storage = open_storage(state.config)
-    storage.check()
+    # The database (and its schema) first: nothing is uploaded for a row that cannot exist.
     with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-enqueue") as queue:
+        storage = open_storage(state.config)
+        storage.check()
         with click.progressbar(
             length=len(files), label="uploading", file=sys.stderr, hidden=quiet or len(files) < 2
         ) as bar:

@@ -7,21 +7,26 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from derivd.config import Config
-from derivd.queue.db import migrate
+from derivd.queue.db import check_schema, migrate
 from derivd.redact import mask_dsn
 
 log = logging.getLogger("derivd")
 
 
 @contextmanager
-def database(config: Config, *, auto_migrate: bool = True) -> Iterator[str]:
+def database(
+    config: Config, *, auto_migrate: bool = True, check: bool = True
+) -> Iterator[str]:
     """Yield a DSN. An empty `[database] dsn` starts the private cluster under state_dir
     (and stops it on exit if this process started it); derivd owns that database, so its
     schema is brought up to date at once. A configured database is migrated only by
-    `derivd migrate`.
+    `derivd migrate`. With `check` (every command but `migrate`) the schema must be this
+    version's, else SchemaMismatch before the caller does anything.
     """
     if config.database.dsn:
         log.debug("database %s", mask_dsn(config.database.dsn))
+        if check:
+            check_schema(config.database.dsn)
         yield config.database.dsn
         return
     from derivd.embedded.pgcluster import EmbeddedCluster
@@ -33,4 +38,6 @@ def database(config: Config, *, auto_migrate: bool = True) -> Iterator[str]:
             applied = migrate(dsn)
             if applied:
                 log.info("embedded database migrated: %s", ", ".join(applied))
+        if check:
+            check_schema(dsn)
         yield dsn

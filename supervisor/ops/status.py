@@ -26,7 +26,14 @@ import click
 import psycopg
 
 from derivd.config import Config, StatusSettings
-from derivd.queue.db import DatabaseUnavailable, QueueDB, QueueStats, one_line
+from derivd.queue.db import (
+    NO_SCHEMA,
+    DatabaseUnavailable,
+    QueueDB,
+    QueueStats,
+    SchemaMismatch,
+    one_line,
+)
 from derivd.states import EventKind, Status
 
 HEALTHY = 0
@@ -100,8 +107,8 @@ def collect(queue: QueueDB, window_s: float) -> Report:
         )
     except DatabaseUnavailable as error:
         raise StatusUnavailable(str(error)) from None
-    except psycopg.errors.UndefinedTable:
-        raise StatusUnavailable("the database has no derivd schema; run `derivd migrate`") from None
+    except psycopg.errors.UndefinedTable:  # dropped since the check at start
+        raise StatusUnavailable(NO_SCHEMA) from None
     except psycopg.Error as error:
         raise StatusUnavailable(f"database error: {one_line(error)}") from None
 
@@ -291,7 +298,13 @@ def run_status(
                 click.echo(text)
                 return code
             return _watch(queue, config.status, as_json_out, interval, count)
-    except (StatusUnavailable, DatabaseUnavailable, EmbeddedClusterError, PostgresNotFound) as e:
+    except (
+        StatusUnavailable,
+        DatabaseUnavailable,
+        SchemaMismatch,
+        EmbeddedClusterError,
+        PostgresNotFound,
+    ) as e:
         click.echo(f"derivd: {e}", err=True)
         return UNAVAILABLE
 

@@ -20,6 +20,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from derivd import __version__
 from derivd.errors import ErrorCode, Transient
 from derivd.queue.sqlfiles import migrations, queries
 from derivd.redact import redact
@@ -121,6 +122,52 @@ def migrate(dsn: str) -> list[str]:
                 conn.execute(_q("migrations_record"), {"name": migration.name})
                 applied.append(migration.name)
     return applied
+
+
+NO_SCHEMA = "the database has no derivd schema; run `derivd migrate`"
+
+
+class SchemaMismatch(Exception):
+    """The database's schema is not the one this derivd was built for (one line, which
+    says what to do). Commands exit 3 on it, as `derivd status` does."""
+
+
+def check_schema(dsn: str) -> None:
+    """Raise SchemaMismatch unless the database has every packaged migration and no
+    migration this version does not know; DatabaseUnavailable when it cannot be asked.
+
+    Every command that uses the schema calls this first, before it touches storage, so
+    that a missing or foreign schema is one line instead of a traceback halfway through.
+    """
+    with connect(dsn, application_name="derivd-check") as conn:
+        try:
+            row = conn.execute(_q("migrations_exists")).fetchone()
+            present = bool(row and row[0])
+            applied = {r[0] for r in conn.execute(_q("migrations_applied"))} if present else set()
+        except psycopg.Error as error:
+            raise DatabaseUnavailable(f"database error: {one_line(error)}") from None
+    problem = schema_problem(applied, {m.name for m in migrations()})
+    if problem:
+        raise SchemaMismatch(problem)
+
+
+def schema_problem(applied: set[str], packaged: set[str]) -> str | None:
+    """What is wrong with a database that has `applied` for this version's `packaged`."""
+    if not applied:
+        return NO_SCHEMA
+    newer = sorted(applied - packaged)
+    if newer:
+        return (
+            f"the database schema is newer than this derivd ({__version__}) knows "
+            f"(unknown migrations: {', '.join(newer)}); upgrade derivd on this host"
+        )
+    missing = sorted(packaged - applied)
+    if missing:
+        return (
+            f"the database schema is behind this derivd (missing: {', '.join(missing)}); "
+            "run `derivd migrate`"
+        )
+    return None
 
 
 class QueueListener:
