@@ -308,9 +308,11 @@ def test_sigkill_supervisor_takes_children_along(
     wait_for(lambda: not any(alive(p) for p in workers), "every worker to die", timeout=10)
 
 
-def test_worker_that_cannot_boot_stops_supervisor(
+def test_unreachable_database_stops_run_in_one_line(
     supervisor: Callable[..., Supervisor],
 ) -> None:
+    """The schema check at start meets it, before any worker is forked (a worker that
+    cannot boot stops the supervisor too: test_unknown_handler_module_is_a_boot_error)."""
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -323,7 +325,7 @@ def test_worker_that_cannot_boot_stops_supervisor(
     assert code != 0
     lines = [line for line in log.splitlines() if line.startswith("derivd: ")]
     assert len(lines) == 1, log
-    assert lines[0].startswith("derivd: worker could not start: database unavailable:")
+    assert lines[0].startswith("derivd: database unavailable:"), lines
     assert "Traceback" not in log
 
 
