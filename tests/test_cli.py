@@ -112,6 +112,6 @@ def test_demo_processes_its_samples_and_shows_a_real_webp(
     assert "rejected bad-truncated.jpg: corrupt_content" in result.stdout
     assert "rejected bad-not-an-image.jpg: unsupported_content" in result.stdout
     example = Path(result.stdout.split("e.g. ")[1].strip())
-    assert example.is_relative_to(tmp_path / "store")
+    assert example.is_relative_to(tmp_path / "store") and example.suffix == ".webp"
     with Image.open(example) as im:
         assert im.format == "WEBP" and max(im.size) <= 1600

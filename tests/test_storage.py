@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import uuid
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from derivd.errors import ResourceLimit
 from derivd.storage.base import (
@@ -78,6 +80,34 @@ def test_fs_keeps_every_version(fs_root: Path) -> None:
     assert list(store.list_keys()) == ["originals/abc"]
     assert store.delete_all_versions("originals/abc") == 2
     assert list(store.list_keys()) == []
+
+
+def test_fs_objects_keep_their_key_extension_on_disk(fs_root: Path) -> None:
+    # A person browsing the store must find .webp files that open as WebP.
+    store = FsStorage(fs_root)
+    key = derived_key(3, uuid.uuid4(), "preview")
+    image = io.BytesIO()
+    Image.new("RGB", (8, 8), "red").save(image, "WEBP")
+    versions = [store.put(key, image.getvalue(), "image/webp") for _ in range(2)]
+    on_disk = sorted(fs_root.rglob("*.webp"))
+    assert on_disk == sorted(store.path_of(key, v) for v in versions)
+    for path in on_disk:
+        assert path.is_relative_to(fs_root) and path.is_file()
+        with Image.open(path) as im:
+            assert im.format == "WEBP"
+    assert [store.get(key, v) for v in versions] == [image.getvalue()] * 2
+    with pytest.raises(ObjectMissing):
+        store.get(key, versions[0] + ".webp")  # a version id, not a file name
+    assert list(store.list_keys("derived/")) == [key]
+
+
+def test_fs_reads_versions_stored_before_they_kept_the_extension(fs_root: Path) -> None:
+    store = FsStorage(fs_root)
+    key = derived_key(4, uuid.uuid4(), "preview")
+    folder = fs_root / (key + ".versions")
+    folder.mkdir(parents=True)
+    (folder / "0001abc").write_bytes(b"old layout")
+    assert store.get(key, "0001abc") == b"old layout"
 
 
 def test_fs_prefix_delete_removes_all_attempts(fs_root: Path) -> None:

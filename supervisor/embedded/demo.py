@@ -141,7 +141,7 @@ def run_demo(config: Config, *, count: int) -> int:
     )
     example = next((row for row in rows if row and row["derived_key"]), None)
     if example is not None and isinstance(storage, FsStorage):
-        # The fs store keeps versions as <key>.versions/<version id>: show one for real.
+        # The fs store keeps versions as <key>.versions/<version id>.webp: show one for real.
         path = storage.path_of(example["derived_key"], example["derived_version"])
         click.echo(f"  e.g. {path}")
     unfinished = len(statuses) - ready - len(rejected)

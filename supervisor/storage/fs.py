@@ -1,8 +1,11 @@
 """`fs`: a directory store with S3's version semantics, for one host and the demo.
 
-Layout: `<root>/<key>.versions/<version id>`. A version id sorts by creation time; each
-PUT writes a temporary file and renames it into place, so a reader never sees half an
-object. Keys are validated and resolved paths are checked to stay inside the root.
+Layout: `<root>/<key>.versions/<version id><the key's extension>`, e.g.
+`derived/7/<token>/preview.webp.versions/0001764…a3f1.webp`: every stored object keeps
+its key's extension, so a person browsing the store opens it as what it is (a WebP in an
+image viewer). A version id sorts by creation time; each PUT writes a temporary file and
+renames it into place, so a reader never sees half an object. Keys are validated and
+resolved paths are checked to stay inside the root.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from derivd.storage.base import (
     RESERVED_SUFFIX,
@@ -47,13 +50,11 @@ class FsStorage:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temp, folder / version)
+        os.replace(temp, folder / (version + PurePosixPath(key).suffix))
         return version
 
     def get(self, key: str, version: str, *, max_bytes: int | None = None) -> bytes:
-        if not version or not version.isalnum():
-            raise ObjectMissing("no such version")
-        path = self._versions_dir(key) / version
+        path = self.path_of(key, version)
         try:
             refuse_oversize(path.stat().st_size, max_bytes)
             return path.read_bytes()
@@ -75,8 +76,14 @@ class FsStorage:
                 yield key
 
     def path_of(self, key: str, version: str) -> Path:
-        """Where a version lives on disk (for the demo summary and tests)."""
-        return self._versions_dir(key) / version
+        """Where a version lives on disk (get, the demo summary, tests)."""
+        if not version or not version.isalnum():
+            raise ObjectMissing("no such version")
+        folder = self._versions_dir(key)
+        path = folder / (version + PurePosixPath(key).suffix)
+        # Stores written before versions kept the extension name them by id alone.
+        legacy = folder / version
+        return legacy if not path.exists() and legacy.exists() else path
 
 
 def _remove_tree(folder: Path) -> int:
