@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import imagegen
 from fixtures.faultproxy import FaultProxy
+from fixtures.pgbouncer import PgBouncer
 from fixtures.s3 import (
     AWS_ENV_UNSET,
     TEST_ACCESS_KEY,
@@ -148,7 +149,13 @@ def job_of(text: str) -> int | None:
 
 class World:
     def __init__(
-        self, root: Path, seed: int, backend: str, worker_count: int, claim_batch: int = 1
+        self,
+        root: Path,
+        seed: int,
+        backend: str,
+        worker_count: int,
+        claim_batch: int = 1,
+        pooler: bool = False,
     ) -> None:
         self.root = root
         self.seed = seed
@@ -156,6 +163,8 @@ class World:
         self.worker_count = worker_count
         self.claim_batch = claim_batch
         self.pg = EmbeddedCluster(root / "pg" / "pgdata", listen_tcp=True, fast=True)
+        self.pooler = pooler
+        self.bouncer: PgBouncer | None = None
         self.moto = MotoServer(root / "moto.log")
         self.proxy: FaultProxy | None = None
         self.bucket = f"chaos-{uuid.uuid4().hex[:12]}"
@@ -188,6 +197,11 @@ class World:
         (self.root / "pg").mkdir()
         (self.root / "pg").chmod(0o711)
         self.pg.start()
+        if self.pooler:  # derivd (not the checks) goes through PgBouncer, transaction mode
+            self.bouncer = PgBouncer(
+                self.root / "pg" / "pgbouncer", pg_host="127.0.0.1", pg_port=self.pg.port,
+                user="derivd",
+            ).start()
         migrate(self.dsn)
         self.moto.start()
         client = self.s3()
@@ -201,7 +215,11 @@ class World:
     def write_ini(self) -> None:
         assert self.proxy is not None
         sections = {
-            "database": {"dsn": self.dsn},
+            "database": (
+                {"dsn": self.bouncer.dsn(self.dsn), "listen_dsn": self.dsn}
+                if self.bouncer
+                else {"dsn": self.dsn}
+            ),
             "storage": {
                 "backend": "s3",
                 "bucket": self.bucket,
@@ -304,6 +322,8 @@ class World:
         if self.proxy is not None:
             self.proxy.stop()
         self.moto.stop()
+        if self.bouncer is not None:
+            self.bouncer.stop()
         with contextlib.suppress(Exception):
             self.pg.stop("immediate")
 
@@ -720,6 +740,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--backend", default="vips", choices=["vips", "pillow"])
     parser.add_argument("--claim-batch", type=int, default=1, help="[queue] claim_batch")
+    parser.add_argument(
+        "--pooler", action="store_true", help="derivd through PgBouncer (transaction mode)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (kept on failure)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
@@ -731,10 +754,10 @@ def main(argv: list[str] | None = None) -> int:
     root.chmod(0o711)  # the embedded server may run as `postgres`: it must traverse
     say(
         f"chaos seed={seed} images={plan.images} workers={args.workers} backend={args.backend} "
-        f"claim_batch={args.claim_batch} "
+        f"claim_batch={args.claim_batch} pooler={'yes' if args.pooler else 'no'} "
         f"chaos={plan.chaos_s:g}s in {root}"
     )
-    world = World(root, seed, args.backend, args.workers, args.claim_batch)
+    world = World(root, seed, args.backend, args.workers, args.claim_batch, args.pooler)
     ok = False
     try:
         inputs = make_inputs(rng, plan.images)

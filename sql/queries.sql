@@ -323,27 +323,119 @@ SELECT id FROM done ORDER BY id;
 -- as unknown).
 SELECT id, status FROM archive_files WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id;
 
--- name: sweep_try_lock
--- One sweep at a time across every host: a session-level advisory lock, released by
--- sweep_unlock or when the sweeper's connection ends (a crashed sweeper frees it).
-SELECT pg_try_advisory_lock(hashtext('derivd.sweep')) AS locked;
+-- name: lease_take
+-- Take (or renew, for the same holder) a named lease such as the sweep's: one statement,
+-- so it holds through a transaction-mode pooler. Another holder's lease is taken only
+-- once it has expired; two racing takers serialise on the row and the second sees the
+-- first's lease. No row returned: someone else holds it.
+INSERT INTO derivd_leases AS l (name, holder, until)
+VALUES (%(name)s, %(holder)s, now() + make_interval(secs => %(ttl_s)s))
+ON CONFLICT (name) DO UPDATE
+   SET holder = EXCLUDED.holder, until = EXCLUDED.until
+ WHERE l.until < now() OR l.holder = EXCLUDED.holder
+RETURNING holder;
 
--- name: sweep_unlock
-SELECT pg_advisory_unlock(hashtext('derivd.sweep')) AS unlocked;
+-- name: lease_drop
+-- Give a lease back (fenced on the holder: a lease taken over meanwhile stays).
+DELETE FROM derivd_leases WHERE name = %(name)s AND holder = %(holder)s;
+
+-- name: backend_pid
+-- The server process behind this statement. Through a pooler it differs from the
+-- process id the connection was given at start-up (the pooler makes that one up).
+SELECT pg_backend_pid() AS pid;
+
+-- name: event_partitions
+-- Create the daily archive_events partitions from `first` (default: today, UTC, database
+-- time) for `days` days (the sweep keeps a week ahead). Returns the ones created.
+SELECT derivd_event_partitions(
+           coalesce(%(first)s::date, (now() AT TIME ZONE 'UTC')::date), %(days)s) AS created;
+
+-- name: drop_event_partitions
+-- Drop whole the partitions of events older than `days` days (none when days is 0).
+SELECT derivd_drop_event_partitions(now() - make_interval(days => %(days)s)) AS dropped
+ WHERE %(days)s > 0;
+
+-- name: purge_deleted
+-- Remove `deleted` rows (no objects left, nothing to show) finished more than `days`
+-- days ago, a batch at a time; their variants are gone already, events stay.
+DELETE FROM archive_files
+ WHERE id IN (SELECT id FROM archive_files
+               WHERE status = 'deleted'
+                 AND finished_at < now() - make_interval(days => %(days)s)
+               ORDER BY finished_at
+               LIMIT %(limit)s)
+RETURNING id;
 
 -- name: queue_stats
--- Queue health in one round trip. Counts per status read the whole table once; the
--- other signals use the partial claim indexes.
-SELECT
-    (SELECT coalesce(jsonb_object_agg(status, n), '{}'::jsonb)
-       FROM (SELECT status, count(*) AS n FROM archive_files GROUP BY status) AS s
-    ) AS counts,
-    (SELECT extract(epoch FROM now() - min(available_at))::float8
-       FROM archive_files WHERE status = 'queued' AND available_at <= now()
-    ) AS oldest_claimable_age_s,
-    (SELECT count(*) FROM archive_files
-      WHERE status = 'processing' AND lease_until < now()
-    )::int AS expired_leases;
+-- Queue health whose cost does not grow with history, cached for the fleet: the first
+-- host to find the cached row older than max_age_s recomputes it under the row's lock
+-- (the others wait for that one computation, then return the row as their snapshot saw
+-- it: at most one interval older). Counts of the live states are exact, from their
+-- partial indexes; the final states (ready, rejected, deleted) are exact while the
+-- table is small (planner statistics say under 50,000 rows) and planner estimates
+-- beyond (`estimated` lists which counts are). max_age_s = 0 always recomputes.
+WITH refreshed AS (
+    UPDATE derivd_stats_cache
+       SET computed_at = now(),
+           payload = (
+               WITH size AS (
+                   SELECT c.reltuples
+                          * CASE WHEN c.relpages > 0
+                                 THEN pg_relation_size(c.oid)
+                                      / current_setting('block_size')::float8 / c.relpages
+                                 ELSE 1 END AS rows
+                     FROM pg_class AS c WHERE c.oid = 'archive_files'::regclass
+               ), small AS (
+                   SELECT rows < 50000 AS yes FROM size
+               ), exact_all AS (
+                   SELECT status, count(*) AS n FROM archive_files
+                    WHERE (SELECT yes FROM small)
+                    GROUP BY status
+               ), live AS (
+                   SELECT 'pending' AS status,
+                          (SELECT count(*) FROM archive_files WHERE status = 'pending') AS n
+                   UNION ALL SELECT 'queued',
+                          (SELECT count(*) FROM archive_files WHERE status = 'queued')
+                   UNION ALL SELECT 'processing',
+                          (SELECT count(*) FROM archive_files WHERE status = 'processing')
+                   UNION ALL SELECT 'deleting',
+                          (SELECT count(*) FROM archive_files WHERE status = 'deleting')
+               ), final AS (
+                   SELECT m.status, round(m.freq * (SELECT rows FROM size))::bigint AS n
+                     FROM pg_stats AS s,
+                          unnest(s.most_common_vals::text::text[], s.most_common_freqs)
+                              AS m(status, freq)
+                    WHERE s.schemaname = current_schema() AND s.tablename = 'archive_files'
+                      AND s.attname = 'status'
+                      AND m.status IN ('ready', 'rejected', 'deleted')
+               ), counts AS (
+                   SELECT status, n FROM exact_all
+                   UNION ALL
+                   SELECT status, n FROM live WHERE NOT (SELECT yes FROM small) AND n > 0
+                   UNION ALL
+                   SELECT status, n FROM final WHERE NOT (SELECT yes FROM small) AND n > 0
+               )
+               SELECT jsonb_build_object(
+                   'counts', (SELECT coalesce(jsonb_object_agg(status, n), '{}'::jsonb)
+                                FROM counts),
+                   'estimated', CASE WHEN (SELECT yes FROM small) THEN '[]'::jsonb
+                                ELSE '["ready", "rejected", "deleted"]'::jsonb END,
+                   'oldest_claimable_age_s',
+                       (SELECT extract(epoch FROM now() - min(available_at))::float8
+                          FROM archive_files
+                         WHERE status = 'queued' AND available_at <= now()),
+                   'expired_leases',
+                       (SELECT count(*) FROM archive_files
+                         WHERE status = 'processing' AND lease_until < now()))
+           )
+     WHERE name = 'queue'
+       AND computed_at <= now() - make_interval(secs => %(max_age_s)s)
+    RETURNING payload
+)
+SELECT payload FROM refreshed
+UNION ALL
+SELECT payload FROM derivd_stats_cache
+ WHERE name = 'queue' AND NOT EXISTS (SELECT 1 FROM refreshed);
 
 -- name: event_counts
 -- How many events of each kind (lease_lost, timeout, ...) since the given time.

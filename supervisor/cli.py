@@ -65,7 +65,10 @@ class State:
             setup_logging(
                 self.log_level or self._config.logging.level,
                 self._config.logging.format,
-                secrets=[dsn_password(self._config.database.dsn)],
+                secrets=[
+                    dsn_password(self._config.database.dsn),
+                    dsn_password(self._config.database.listen_dsn),
+                ],
             )
         return self._config
 

@@ -125,6 +125,11 @@ class DatabaseSettings:
         check=check_dsn,
         secret=True,
     )
+    listen_dsn: str = setting(
+        "",
+        "direct connection for LISTEN when dsn is a transaction pooler (PgBouncer); empty: dsn",
+        secret=True,
+    )
 
 
 @dataclass(frozen=True)
@@ -232,6 +237,16 @@ class SweepSettings:
     )
     interval: float = setting(
         60.0, "seconds between the supervisor's sweeps; 0: off", check=non_negative
+    )
+    events_retention_days: int = setting(
+        90,
+        "days archive_events keeps (whole days are dropped by the sweep); 0: keep forever",
+        check=non_negative,
+    )
+    purge_deleted_days: int = setting(
+        0,
+        "days after which `deleted` rows are removed from archive_files; 0: keep them",
+        check=non_negative,
     )
 
 

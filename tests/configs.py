@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fixtures.pgbouncer import DIRECT_FOR
+
 from derivd.config import Config
 
 
@@ -17,7 +19,8 @@ def make_config(
 ) -> Config:
     """A Config on the test database and an fs root (or s3 settings), plus overrides
     given per section: make_config(dsn, fs_root=p, queue={"lease": 5})."""
-    config = Config().replace("database", dsn=dsn)
+    # Through the test pooler, LISTEN gets the direct connection, as a deployment would.
+    config = Config().replace("database", dsn=dsn, listen_dsn=DIRECT_FOR.get(dsn, ""))
     if s3 is not None:
         config = config.replace("storage", backend="s3", **s3)
     elif fs_root is not None:

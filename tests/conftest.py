@@ -21,6 +21,7 @@ import boto3
 import pytest
 from fixtures.cli import run_cli as _run_cli
 from fixtures.faultproxy import FaultProxy
+from fixtures.pgbouncer import DIRECT_FOR, PgBouncer
 from fixtures.s3 import (
     AWS_ENV_UNSET,
     TEST_ACCESS_KEY,
@@ -48,7 +49,7 @@ TEMPLATE_DB = "derivd_template"
 # fail, which proves that the unit tier needs none.
 SERVICE_FIXTURES = frozenset(
     {"pg_root", "pg_cluster", "pg_template", "dsn", "s3_server", "s3_client", "s3_bucket",
-     "s3_bucket_unversioned", "faulty_s3"}
+     "s3_bucket_unversioned", "faulty_s3", "pgbouncer", "direct_dsn"}
 )
 PROCESS_FIXTURES = frozenset({"run_cli", "supervisor", "idle_daemon"})
 
@@ -128,20 +129,52 @@ def pg_template(pg_cluster: EmbeddedCluster) -> str:
     return TEMPLATE_DB
 
 
+@pytest.fixture(scope="session")
+def pgbouncer(pg_cluster: EmbeddedCluster, pg_root: Path) -> Iterator[PgBouncer]:
+    """PgBouncer in transaction mode (pool of 3 per database) in front of the cluster."""
+    bouncer = PgBouncer(
+        pg_root / "pgbouncer", pg_host="127.0.0.1", pg_port=pg_cluster.port, user="derivd"
+    ).start()
+    try:
+        yield bouncer
+    finally:
+        bouncer.stop()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # Modules marked `pooler` run each test on `dsn` twice: direct and through PgBouncer.
+    if "dsn" in metafunc.fixturenames and metafunc.definition.get_closest_marker("pooler"):
+        metafunc.parametrize("dsn", ["direct", "pgbouncer"], indirect=True)
+
+
 _db_numbers = itertools.count(1)
 
 
 @pytest.fixture
-def dsn(pg_cluster: EmbeddedCluster, pg_template: str) -> Iterator[str]:
-    """A fresh, migrated, otherwise empty database for this test only."""
+def dsn(
+    request: pytest.FixtureRequest, pg_cluster: EmbeddedCluster, pg_template: str
+) -> Iterator[str]:
+    """A fresh, migrated, otherwise empty database for this test only (reached through
+    PgBouncer when the test is parametrized so: see `pooler`)."""
     name = f"test_{next(_db_numbers)}"
     if not pg_cluster.is_running():  # a chaos test may have left it stopped
         pg_cluster.start()
     pg_cluster.create_database(name, template=pg_template)
-    yield pg_cluster.dsn(name)
+    direct = pg_cluster.dsn(name)
+    if getattr(request, "param", "direct") == "pgbouncer":
+        bouncer: PgBouncer = request.getfixturevalue("pgbouncer")
+        yield bouncer.dsn(direct)
+    else:
+        yield direct
     if not pg_cluster.is_running():
         pg_cluster.start()
     pg_cluster.drop_database(name)
+
+
+@pytest.fixture
+def direct_dsn(dsn: str) -> str:
+    """The test database without the pooler (what LISTEN and `listen_dsn` need)."""
+    return DIRECT_FOR.get(dsn, dsn)
 
 
 # --------------------------------------------------------------------------- S3 (moto)

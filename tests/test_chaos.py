@@ -34,9 +34,10 @@ CHAOS = Path(__file__).resolve().parent.parent / "bench" / "chaos.py"
 
 
 @pytest.mark.slow
-def test_short_chaos_run_keeps_every_invariant() -> None:
+@pytest.mark.parametrize("pooler", [[], ["--pooler"]], ids=["direct", "pgbouncer"])
+def test_short_chaos_run_keeps_every_invariant(pooler: list[str]) -> None:
     run = subprocess.run(
-        [sys.executable, str(CHAOS), "--seed", "20240611"],
+        [sys.executable, str(CHAOS), "--seed", "20240611", *pooler],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,

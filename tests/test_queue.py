@@ -12,6 +12,9 @@ from fixtures.work import claim_one, commit_one
 
 from derivd.queue.db import QueueDB, StoredVariant, migrate
 
+# Each test on `dsn` runs direct and through PgBouncer (transaction mode).
+pytestmark = pytest.mark.pooler
+
 LONG = 60.0
 
 

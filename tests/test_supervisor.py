@@ -25,6 +25,9 @@ from derivd.queue.db import QueueDB
 from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
 
+# Each test on `dsn` runs direct and through PgBouncer (transaction mode).
+pytestmark = pytest.mark.pooler
+
 TESTS_DIR = Path(__file__).resolve().parent
 
 # Lease and deadlines small enough for tests, within the 80% cross-check.

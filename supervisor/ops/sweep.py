@@ -1,6 +1,6 @@
 """The sweeper: the cleanup duties that keep storage and the queue honest.
 
-One pass (`Sweeper.run_once`) does three things, each safe to repeat:
+One pass (`Sweeper.run_once`) does these things, each safe to repeat:
 
 1. Rejects rows whose lease expired on their last allowed attempt (`attempts_exhausted`):
    workers do it when idle, but a queue that is never idle still needs it done.
@@ -10,17 +10,23 @@ One pass (`Sweeper.run_once`) does three things, each safe to repeat:
    a crash in between repeats the deletes instead of leaking the objects.
 3. Completes deletions older than `delete_guard`: every version of the original and
    everything under `derived/<id>/`, then the row becomes `deleted`.
+4. Keeps the event log bounded: creates the daily archive_events partitions a week
+   ahead, drops whole the days past `events_retention_days`, and removes `deleted` rows
+   older than `purge_deleted_days` (when set).
 
 Every step is idempotent (deleting what is gone is a no-op; the final UPDATEs are fenced
-on the state they leave). On top of that one cluster-wide advisory lock lets only one
-sweeper work at a time, so two hosts never race on the same objects; the other one skips
-its pass. The lock belongs to a session, so a sweeper that dies frees it.
+on the state they leave). On top of that one cluster-wide lease (a row in
+derivd_leases, not a session lock: it must hold through a transaction-mode pooler) lets
+only one sweeper work at a time, so two hosts never race on the same objects; the other
+one skips its pass. The sweeper renews the lease before each batch and stops if it lost
+it; one that dies frees it after LEASE_TTL_S.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,6 +37,15 @@ from derivd.queue.db import DatabaseUnavailable, QueueDB
 from derivd.storage.base import Storage, StorageUnavailable, derived_prefix, open_storage
 
 log = logging.getLogger("derivd.sweep")
+
+LEASE_NAME = "sweep"
+# Long enough for one batch of storage deletes; the lease is renewed before each batch.
+LEASE_TTL_S = 300.0
+PARTITIONS_AHEAD_DAYS = 8
+
+
+class SweepLeaseLost(DatabaseUnavailable):
+    """Another sweeper took the lease over (ours expired mid-pass): stop this pass."""
 
 
 @dataclass
@@ -43,12 +58,20 @@ class SweepReport:
     orphans_deleted: list[str] = field(default_factory=list)
     deletions_completed: list[int] = field(default_factory=list)
     objects_deleted: int = 0
+    partitions_dropped: list[str] = field(default_factory=list)
+    purged: list[int] = field(default_factory=list)
     skipped: bool = False
     error: str | None = None
 
     @property
     def did_something(self) -> bool:
-        return bool(self.exhausted or self.orphans_deleted or self.deletions_completed)
+        return bool(
+            self.exhausted
+            or self.orphans_deleted
+            or self.deletions_completed
+            or self.partitions_dropped
+            or self.purged
+        )
 
 
 class Sweeper:
@@ -60,6 +83,8 @@ class Sweeper:
         orphan_guard: float,
         delete_guard: float,
         max_attempts: int,
+        events_retention_days: int = 0,
+        purge_deleted_days: int = 0,
         batch: int = 500,
     ) -> None:
         self.queue = queue
@@ -67,7 +92,10 @@ class Sweeper:
         self.orphan_guard = orphan_guard
         self.delete_guard = delete_guard
         self.max_attempts = max_attempts
+        self.events_retention_days = events_retention_days
+        self.purge_deleted_days = purge_deleted_days
         self.batch = batch
+        self.holder = uuid.uuid4()  # this sweeper's fence on the shared lease
 
     @classmethod
     def from_config(
@@ -85,6 +113,8 @@ class Sweeper:
             orphan_guard=config.sweep.orphan_guard if orphan_guard is None else orphan_guard,
             delete_guard=config.sweep.delete_guard if delete_guard is None else delete_guard,
             max_attempts=config.queue.max_attempts,
+            events_retention_days=config.sweep.events_retention_days,
+            purge_deleted_days=config.sweep.purge_deleted_days,
         )
 
     def run_once(self) -> SweepReport:
@@ -92,17 +122,18 @@ class Sweeper:
         so, and the next pass picks up where this one stopped."""
         report = SweepReport()
         try:
-            if not self.queue.try_sweep_lock():
+            if not self.queue.take_lease(LEASE_NAME, self.holder, ttl_s=LEASE_TTL_S):
                 report.skipped = True
-                log.debug("another sweeper holds the lock; pass skipped")
+                log.debug("another sweeper holds the lease; pass skipped")
                 return report
             try:
                 self._reject_exhausted(report)
                 self._delete_orphans(report)
                 self._complete_deletions(report)
+                self._bound_tables(report)
             finally:
                 with contextlib.suppress(DatabaseUnavailable):
-                    self.queue.sweep_unlock()
+                    self.queue.drop_lease(LEASE_NAME, self.holder)
         except (StorageUnavailable, DatabaseUnavailable) as error:
             # Both messages are built by derivd from error codes: safe to show.
             report.error = str(error)
@@ -112,10 +143,17 @@ class Sweeper:
         self._log(report)
         return report
 
-    # -- the three duties --------------------------------------------------------------
+    # -- the duties --------------------------------------------------------------------
+
+    def _renew(self) -> None:
+        """Before each batch: still ours? A sweeper whose lease was taken over stops,
+        so at most one works on the same objects at a time."""
+        if not self.queue.take_lease(LEASE_NAME, self.holder, ttl_s=LEASE_TTL_S):
+            raise SweepLeaseLost("sweep lease lost to another sweeper")
 
     def _reject_exhausted(self, report: SweepReport) -> None:
         while True:
+            self._renew()
             ids = self.queue.reject_exhausted(max_attempts=self.max_attempts, limit=self.batch)
             report.exhausted += ids
             if len(ids) < self.batch:
@@ -123,6 +161,7 @@ class Sweeper:
 
     def _delete_orphans(self, report: SweepReport) -> None:
         while True:
+            self._renew()
             keys = self.queue.orphans_due(guard_s=self.orphan_guard, limit=self.batch)
             for key in keys:
                 report.objects_deleted += self.storage.delete_all_versions(key)
@@ -134,6 +173,7 @@ class Sweeper:
 
     def _complete_deletions(self, report: SweepReport) -> None:
         while True:
+            self._renew()
             due = self.queue.deletions_due(guard_s=self.delete_guard, limit=self.batch)
             for file_id, original_key in due:
                 report.objects_deleted += self.storage.delete_all_versions(original_key)
@@ -146,12 +186,30 @@ class Sweeper:
             if len(due) < self.batch:
                 return
 
+    def _bound_tables(self, report: SweepReport) -> None:
+        self._renew()
+        self.queue.create_event_partitions(PARTITIONS_AHEAD_DAYS)
+        if self.events_retention_days:
+            report.partitions_dropped += self.queue.drop_event_partitions(
+                older_than_days=self.events_retention_days
+            )
+        while self.purge_deleted_days:
+            self._renew()
+            ids = self.queue.purge_deleted(
+                older_than_days=self.purge_deleted_days, limit=self.batch
+            )
+            report.purged += ids
+            if len(ids) < self.batch:
+                return
+
     def _log(self, report: SweepReport) -> None:
         fields = {
             "exhausted": len(report.exhausted),
             "orphans": len(report.orphans_deleted),
             "deletions": len(report.deletions_completed),
             "objects": report.objects_deleted,
+            "event_partitions_dropped": len(report.partitions_dropped),
+            "purged": len(report.purged),
         }
         if report.error:
             event(log, "sweep stopped early", logging.WARNING, reason=report.error, **fields)

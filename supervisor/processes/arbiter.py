@@ -94,7 +94,9 @@ class Arbiter:
         self.watchdog = watchdog_interval()
         self.watchdog_at = 0.0
         self.title = ""
-        self.upkeep = Upkeep(dsn, self.metrics, listen=not burst)
+        self.upkeep = Upkeep(
+            dsn, self.metrics, listen=not burst, listen_dsn=config.database.listen_dsn
+        )
         self.sweeper = SweepProcess()
 
     # -- signals -----------------------------------------------------------------------
@@ -430,6 +432,7 @@ class Arbiter:
         """Every [sweep] interval, one sweep pass in a short-lived child (not in --burst,
         and not while stopping)."""
         self.sweeper.reap(self.config)
+        self.upkeep.give_back_leases(self.sweeper.abandoned, "sweep")
         if self.burst or self.stop_deadline is not None:
             return
         self.sweeper.schedule(self.config, now)
@@ -498,6 +501,7 @@ class Arbiter:
         finally:
             self.signals.restore()
             self.sweeper.stop()
+            self.upkeep.give_back_leases(self.sweeper.abandoned, "sweep")
             self.upkeep.close()
         outcome = self.outcome or RunResult(0)
         event(log, "supervisor stopped", code=outcome.code)

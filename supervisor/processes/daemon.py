@@ -17,7 +17,30 @@ from derivd.embedded.runtime import database
 from derivd.ops.metrics import Metrics
 from derivd.processes.arbiter import Arbiter, RunResult
 from derivd.processes.procutil import Pidfile, PidfileError
+from derivd.queue.db import DatabaseUnavailable, connect, is_pooled
 from derivd.redact import redact
+
+
+def listen_problem(config: Config, dsn: str, *, burst: bool = False) -> str | None:
+    """Why LISTEN would silently hear nothing, or None. Through a transaction-mode
+    pooler a LISTEN lands on whichever server connection ran it and its notifications
+    reach nobody: wake-ups would be lost without a word, so refuse to start instead."""
+    if burst or not config.queue.listen:
+        return None
+    target = config.database.listen_dsn or dsn
+    try:
+        with connect(target, application_name="derivd-check") as conn:
+            pooled = is_pooled(conn)
+    except DatabaseUnavailable:
+        return None  # the workers' boot reports an unreachable database
+    if not pooled:
+        return None
+    setting = "listen_dsn" if config.database.listen_dsn else "dsn"
+    return (
+        f"[database] {setting} goes through a connection pooler, where LISTEN hears "
+        "nothing: set [database] listen_dsn to a direct connection to PostgreSQL "
+        "(or [queue] listen = no to poll)"
+    )
 
 
 def run_daemon(config: Config, *, burst: bool = False, dsn: str | None = None) -> int:
@@ -37,6 +60,9 @@ def run_daemon(config: Config, *, burst: bool = False, dsn: str | None = None) -
 
 
 def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
+    problem = listen_problem(config, dsn, burst=burst)
+    if problem is not None:
+        return RunResult(2, problem)
     path = config.supervisor.pidfile
     pidfile = Pidfile(Path(path)) if path else None
     try:

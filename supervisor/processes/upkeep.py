@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
@@ -26,14 +27,17 @@ T = TypeVar("T")
 
 
 class Upkeep:
-    def __init__(self, dsn: str, metrics: Metrics, *, listen: bool) -> None:
+    def __init__(
+        self, dsn: str, metrics: Metrics, *, listen: bool, listen_dsn: str = ""
+    ) -> None:
         self.dsn = dsn
         self.metrics = metrics
         self.rng = random.Random()
         self._queue: QueueDB | None = None
         self._warned = False
         # One LISTEN connection for the fleet (none in --burst: no worker ever idles).
-        self.listener = QueueListener(dsn) if listen else None
+        # LISTEN needs a session of its own: a direct connection when dsn is a pooler.
+        self.listener = QueueListener(listen_dsn or dsn) if listen else None
         self.listen_retry_at = 0.0
         self.maintenance_at = 0.0  # monotonic
         self.stats_at = 0.0
@@ -118,13 +122,23 @@ class Upkeep:
 
     def refresh_queue_metrics(self, config: Config) -> None:
         """One stats query and one event count per interval, whatever the scrape rate."""
-        stats = self._db(lambda db: db.queue_stats())
+        # Shared gauges: reuse what another host computed within the interval.
+        max_age = config.metrics.interval
+        stats = self._db(lambda db: db.queue_stats(max_age_s=max_age))
         if stats is not None:
             self.metrics.set_queue(stats)
         since = datetime.now(UTC) - timedelta(seconds=config.status.window)
         counts: dict[str, int] | None = self._db(lambda db: db.event_counts(since))
         if counts is not None:
             self.metrics.set_event_counts(counts)
+
+    def give_back_leases(self, abandoned: list[uuid.UUID], name: str) -> None:
+        """Drop leases their holders could not (a sweep pass killed mid-way), fenced on
+        each holder's id, so the next holder need not wait for them to expire."""
+        while abandoned:
+            if self._db(lambda db: db.drop_lease(name, abandoned[0])) is None:
+                return  # database unreachable: retried next time (or the lease expires)
+            abandoned.pop(0)
 
     def fds(self) -> list[int]:
         """Descriptors a forked child must close."""

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any, LiteralString
 
 import psycopg
@@ -70,6 +70,7 @@ class QueueStats:
     counts: dict[str, int]
     oldest_claimable_age_s: float | None
     expired_leases: int
+    estimated: tuple[str, ...] = ()  # statuses whose count is a planner estimate
 
     @property
     def rejected_ratio(self) -> float:
@@ -84,16 +85,33 @@ def one_line(error: BaseException) -> str:
 
 
 def connect(dsn: str, *, application_name: str = "derivd") -> psycopg.Connection[Any]:
-    """Open an autocommit connection, or raise DatabaseUnavailable with one line."""
+    """Open an autocommit connection, or raise DatabaseUnavailable with one line.
+
+    Through a transaction-mode pooler the next statement may run on another server
+    connection, where a statement prepared on this one does not exist: there psycopg
+    prepares nothing (`prepare_threshold = None`). A direct connection keeps psycopg's
+    prepared statements, which spare the server a parse and plan per call.
+    """
     try:
-        return psycopg.connect(
+        conn = psycopg.connect(
             dsn,
             autocommit=True,
             application_name=application_name,
             connect_timeout=10,
         )
+        if is_pooled(conn):
+            conn.prepare_threshold = None
+        return conn
     except psycopg.OperationalError as error:
         raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
+
+
+def is_pooled(conn: psycopg.Connection[Any]) -> bool:
+    """Whether `conn` goes through a connection pooler: the server process that answers
+    is not the one the connection was told about at start-up (a pooler such as PgBouncer
+    hands out a process id of its own)."""
+    row = conn.execute(_q("backend_pid"), prepare=False).fetchone()
+    return row is None or int(row[0]) != conn.info.backend_pid
 
 
 def _q(name: str) -> LiteralString:
@@ -362,13 +380,26 @@ class QueueDB:
         row = self._one("mark_deleted", {"id": file_id})
         return bool(row and row["deleted"])
 
-    def try_sweep_lock(self) -> bool:
-        """Take the cluster-wide sweep lock for this connection; False if another holds it."""
-        row = self._one("sweep_try_lock")
-        return bool(row and row["locked"])
+    def take_lease(self, name: str, holder: uuid.UUID, *, ttl_s: float) -> bool:
+        """Take or renew the cluster-wide lease `name` for `holder` (one statement, so it
+        holds through a pooler); False while another holder's lease is unexpired."""
+        params = {"name": name, "holder": holder, "ttl_s": ttl_s}
+        return self._one("lease_take", params) is not None
 
-    def sweep_unlock(self) -> None:
-        self._all("sweep_unlock")
+    def drop_lease(self, name: str, holder: uuid.UUID) -> None:
+        self._all("lease_drop", {"name": name, "holder": holder})
+
+    def create_event_partitions(self, days: int, *, first: date | None = None) -> list[str]:
+        rows = self._all("event_partitions", {"first": first, "days": days})
+        return [str(r["created"]) for r in rows]
+
+    def drop_event_partitions(self, *, older_than_days: int) -> list[str]:
+        rows = self._all("drop_event_partitions", {"days": older_than_days})
+        return [str(r["dropped"]) for r in rows]
+
+    def purge_deleted(self, *, older_than_days: int, limit: int = 1000) -> list[int]:
+        rows = self._all("purge_deleted", {"days": older_than_days, "limit": limit})
+        return [int(r["id"]) for r in rows]
 
     # -- producers and operators -------------------------------------------------------
 
@@ -394,12 +425,16 @@ class QueueDB:
         params = {"ids": list(ids) if ids is not None else None, "code": code, "actor": actor}
         return [r["id"] for r in self._all("operator_retry", params)]
 
-    def queue_stats(self) -> QueueStats:
-        row = self._one("queue_stats") or {}
+    def queue_stats(self, *, max_age_s: float = 0.0) -> QueueStats:
+        """Queue health; a result another host computed less than `max_age_s` ago is
+        reused (0: compute now)."""
+        row = self._one("queue_stats", {"max_age_s": max_age_s}) or {}
+        payload: dict[str, Any] = row.get("payload") or {}
         return QueueStats(
-            counts={str(k): int(v) for k, v in (row.get("counts") or {}).items()},
-            oldest_claimable_age_s=row.get("oldest_claimable_age_s"),
-            expired_leases=int(row.get("expired_leases") or 0),
+            counts={str(k): int(v) for k, v in (payload.get("counts") or {}).items()},
+            oldest_claimable_age_s=payload.get("oldest_claimable_age_s"),
+            expired_leases=int(payload.get("expired_leases") or 0),
+            estimated=tuple(str(s) for s in payload.get("estimated") or ()),
         )
 
     def event_counts(self, since: datetime) -> dict[str, int]:

@@ -1,0 +1,235 @@
+"""derivd through a real PgBouncer in transaction mode: what a pooler changes.
+
+(The queue, supervisor, sweep and chaos suites also run through it: see `pooler` in
+tests/conftest.py.) Here: prepared statements, migrations, the sweep's single runner,
+LISTEN through `listen_dsn`, the refusal of a pooled `dsn` without one, two supervisors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from configs import write_ini
+from fixtures.cli import derivd_command
+from fixtures.pgbouncer import PgBouncer
+
+from derivd.embedded.pgcluster import EmbeddedCluster
+from derivd.queue.db import QueueDB, connect, is_pooled, migrate
+from derivd.storage.fs import FsStorage
+
+LIVENESS_S = 10.0
+_names = itertools.count(1)
+
+
+@pytest.fixture
+def pooled(dsn: str, pgbouncer: PgBouncer) -> str:
+    """The test database through PgBouncer (`dsn` stays the direct one)."""
+    return pgbouncer.dsn(dsn)
+
+
+def _wait(predicate: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_a_pooled_connection_prepares_nothing_and_a_direct_one_does(
+    dsn: str, pooled: str
+) -> None:
+    with connect(pooled) as through, connect(dsn) as direct:
+        assert is_pooled(through) and through.prepare_threshold is None
+        assert not is_pooled(direct) and direct.prepare_threshold is not None
+    # Many executions of every statement of a job never trip over a statement prepared
+    # on another server connection (psycopg prepares after 5 by default).
+    with QueueDB.open(pooled) as queue:
+        queue.enqueue([(f"originals/{i}", "1") for i in range(30)])
+        for _ in range(30):
+            job = queue.claim(lease_s=60, max_attempts=3)
+            assert job is not None and queue.commit(job, [])
+        assert queue.queue_stats().counts == {"ready": 30}
+
+
+def test_migrations_run_through_the_pooler(
+    pg_cluster: EmbeddedCluster, pgbouncer: PgBouncer
+) -> None:
+    """One transaction under a transaction-scoped lock: nothing needs a session."""
+    name = f"pooled_migrate_{next(_names)}"
+    pg_cluster.create_database(name)
+    try:
+        through = pgbouncer.dsn(pg_cluster.dsn(name))
+        first = migrate(through)
+        assert first and first[0] == "0001_initial"
+        assert migrate(through) == []
+        with QueueDB.open(through) as queue:
+            assert queue.enqueue([("originals/a", "1")])
+    finally:
+        pg_cluster.drop_database(name)
+
+
+def test_two_sweepers_racing_through_the_pooler_never_both_hold_the_lease(pooled: str) -> None:
+    holders: list[list[bool]] = [[], []]
+    start = threading.Barrier(2)
+
+    def race(slot: int) -> None:
+        with QueueDB.open(pooled) as queue:
+            for _ in range(20):
+                start.wait()
+                me = uuid.uuid4()
+                got = queue.take_lease("sweep", me, ttl_s=60)
+                holders[slot].append(got)
+                start.wait()  # both have tried before either gives it back
+                if got:
+                    queue.drop_lease("sweep", me)
+
+    threads = [threading.Thread(target=race, args=(n,)) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert len(holders[0]) == len(holders[1]) == 20
+    # Exactly one winner per round: never both, never neither.
+    assert all(a != b for a, b in zip(holders[0], holders[1], strict=True))
+
+
+def test_run_refuses_a_pooled_dsn_without_listen_dsn(
+    pooled: str, tmp_path: Path, run_cli: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
+    env = {
+        "DERIVD_DATABASE_DSN": pooled,
+        "DERIVD_STORAGE_BACKEND": "fs",
+        "DERIVD_STORAGE_ROOT": str(tmp_path / "objects"),
+        "DERIVD_SUPERVISOR_STATE_DIR": str(tmp_path / "state"),
+        "DERIVD_DERIVE_BACKEND": "noop",
+    }
+    result = run_cli("run", env=env)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "[database] listen_dsn" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    # The same with listen = no polls instead: nothing to refuse (a burst run here).
+    polled = run_cli("run", "--burst", env={**env, "DERIVD_QUEUE_LISTEN": "no"})
+    assert polled.returncode == 0, polled.stderr
+
+
+def _start(ini: Path, log: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*derivd_command(), "-c", str(ini), "run", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def pooled_daemon(
+    dsn: str, pooled: str, tmp_path: Path
+) -> Iterator[subprocess.Popen[str]]:
+    """`derivd run` through the pooler, LISTEN on the direct `listen_dsn`, 60 s poll."""
+    ini = write_ini(
+        tmp_path / "derivd.ini",
+        {
+            "database": {"dsn": pooled, "listen_dsn": dsn},
+            "storage": {"backend": "fs", "root": tmp_path / "objects"},
+            "supervisor": {"workers": 1, "state_dir": tmp_path / "state"},
+            "queue": {"poll_interval": 60, "listen": "yes"},
+            "derive": {"backend": "noop"},
+        },
+    )
+    proc = _start(ini, tmp_path / "derivd.log")
+    try:
+        yield proc
+    finally:
+        _stop(proc)
+
+
+def _listening_and_claimed(conn: psycopg.Connection[Any]) -> bool:
+    """A direct LISTEN session exists, and a claim has run (and found nothing): from now
+    on only a wake-up, or the 60 s poll, makes the worker claim again."""
+    rows = conn.execute(
+        "SELECT query, state FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    ).fetchall()
+    listening = any("LISTEN DERIVD_QUEUED" in str(r[0]).upper() for r in rows)
+    claimed = any("gen_random_uuid()" in str(r[0]) and r[1] == "idle" for r in rows)
+    return listening and claimed
+
+
+def test_an_idle_daemon_behind_the_pooler_wakes_through_listen_dsn(
+    pooled_daemon: subprocess.Popen[str], dsn: str, tmp_path: Path
+) -> None:
+    def log_text() -> str:
+        return (tmp_path / "derivd.log").read_text(errors="replace")
+
+    with psycopg.connect(dsn, autocommit=True) as producer:
+        assert _wait(lambda: _listening_and_claimed(producer), 30.0), log_text()
+        assert pooled_daemon.poll() is None, log_text()
+        version = FsStorage(tmp_path / "objects").put("originals/wake", b"x", "image/x")
+        row = producer.execute(
+            "INSERT INTO archive_files (status, original_key, original_version)"
+            " VALUES ('queued', 'originals/wake', %s) RETURNING id",
+            (version,),
+        ).fetchone()
+        assert row is not None
+
+        def ready() -> bool:
+            got = producer.execute("SELECT status FROM archive_files WHERE id = %s", row)
+            return got.fetchone() == ("ready",)
+
+        # Far below the 60 s poll: only the NOTIFY heard on listen_dsn can have woken it.
+        assert _wait(ready, LIVENESS_S), log_text()
+
+
+def test_two_supervisors_through_the_pooler_finish_every_row_once(
+    dsn: str, pooled: str, tmp_path: Path
+) -> None:
+    with QueueDB.open(dsn) as queue:
+        ids = queue.enqueue([(f"originals/{i}", "1") for i in range(300)])
+    procs = []
+    for n in (1, 2):
+        ini = write_ini(
+            tmp_path / f"derivd{n}.ini",
+            {
+                "database": {"dsn": pooled, "listen_dsn": dsn},
+                "storage": {"backend": "fs", "root": tmp_path / "objects"},
+                "supervisor": {"workers": 2, "state_dir": tmp_path / f"state{n}"},
+                "derive": {"backend": "noop"},
+            },
+        )
+        procs.append(_start(ini, tmp_path / f"derivd{n}.log", "--burst"))
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0
+    with psycopg.connect(dsn) as conn:
+        statuses = conn.execute(
+            "SELECT status, count(*) FROM archive_files WHERE id = ANY(%s) GROUP BY status",
+            (ids,),
+        ).fetchall()
+        assert statuses == [("ready", 300)]
+        events = conn.execute(
+            "SELECT kind, count(DISTINCT file_id), count(*) FROM archive_events GROUP BY kind"
+        ).fetchall()
+        assert events == [("ready", 300, 300)]
