@@ -128,6 +128,7 @@ class DatabaseSettings:
     listen_dsn: str = setting(
         "",
         "direct connection for LISTEN when dsn is a transaction pooler (PgBouncer); empty: dsn",
+        check=check_dsn,
         secret=True,
     )
 
