@@ -3,7 +3,11 @@
     pgqueuer_drain.py --dsn DSN seed --jobs 20000
     pgqueuer_drain.py --dsn DSN drain --processes 2 --batch 10 [--driver asyncpg|psycopg]
 
+    pgqueuer_drain.py --dsn DSN claims --samples 2000 --batch 1
+
 `seed` installs pgqueuer's schema and enqueues the no-op jobs in batches of 1,000.
+`claims` times `samples` dequeues of up to `batch` jobs from one connection (each
+batch marked done after), and prints their durations in ms (bench/fleet.py).
 `drain` starts that many processes, each one QueueManager in drain mode (the documented
 `run(mode=drain)`) with its own connection and no concurrency cap, and prints one JSON
 line: the earliest start and latest end over the processes (time.time(), after imports
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import time
@@ -52,7 +57,8 @@ def _asyncpg_dsn(dsn: str) -> str:
 async def seed(dsn: str, jobs: int, kind: str) -> None:
     driver, conn = await _driver(dsn, kind)
     queries = Queries(driver)
-    await queries.install()
+    with contextlib.suppress(Exception):  # already installed (a second seed)
+        await queries.install()
     for start in range(0, jobs, 1000):
         n = min(1000, jobs - start)
         await queries.enqueue([ENTRYPOINT] * n, [None] * n, [0] * n)
@@ -98,6 +104,35 @@ def drain(dsn: str, processes: int, batch: int, kind: str) -> dict[str, float]:
     }
 
 
+async def claims(dsn: str, samples: int, batch: int, kind: str) -> list[float]:
+    driver, conn = await _driver(dsn, kind)
+    queries = Queries(driver)
+    times: list[float] = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        jobs = await queries.dequeue(
+            batch_size=batch, entrypoints={ENTRYPOINT: _entrypoint_settings()},
+            queue_manager_id=_QM_ID, global_concurrency_limit=None,
+        )
+        times.append((time.perf_counter() - started) * 1000)
+        if not jobs:
+            break
+        await queries.log_jobs([(job, "successful", None) for job in jobs])
+    await conn.close()
+    return times
+
+
+_QM_ID = __import__("uuid").uuid4()
+
+
+def _entrypoint_settings() -> Any:
+    from datetime import timedelta
+
+    from pgqueuer.queries import EntrypointExecutionParameter
+
+    return EntrypointExecutionParameter(timedelta(seconds=300), False, 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dsn", required=True)
@@ -108,10 +143,16 @@ def main() -> None:
     drain_p = sub.add_parser("drain")
     drain_p.add_argument("--processes", type=int, default=1)
     drain_p.add_argument("--batch", type=int, default=10)
+    claims_p = sub.add_parser("claims")
+    claims_p.add_argument("--samples", type=int, default=2000)
+    claims_p.add_argument("--batch", type=int, default=1)
     args = parser.parse_args()
     if args.command == "seed":
         asyncio.run(seed(args.dsn, args.jobs, args.driver))
         print(json.dumps({"seeded": args.jobs}))
+    elif args.command == "claims":
+        ms = asyncio.run(claims(args.dsn, args.samples, args.batch, args.driver))
+        print(json.dumps({"ms": ms}))
     else:
         print(json.dumps(drain(args.dsn, args.processes, args.batch, args.driver)))
 
