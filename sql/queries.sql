@@ -337,7 +337,7 @@ RETURNING holder;
 
 -- name: lease_drop
 -- Give a lease back (fenced on the holder: a lease taken over meanwhile stays).
-DELETE FROM derivd_leases WHERE name = %(name)s AND holder = %(holder)s;
+DELETE FROM derivd_leases WHERE name = %(name)s AND holder = %(holder)s RETURNING holder;
 
 -- name: backend_pid
 -- The server process behind this statement. Through a pooler it differs from the

@@ -40,7 +40,8 @@ log = logging.getLogger("derivd.sweep")
 
 LEASE_NAME = "sweep"
 # Long enough for one batch of storage deletes; the lease is renewed before each batch.
-LEASE_TTL_S = 300.0
+# (A pass the supervisor kills has its lease given back at once: see processes.sweeper.)
+LEASE_TTL_S = 120.0
 PARTITIONS_AHEAD_DAYS = 8
 
 
@@ -86,6 +87,7 @@ class Sweeper:
         events_retention_days: int = 0,
         purge_deleted_days: int = 0,
         batch: int = 500,
+        holder: uuid.UUID | None = None,
     ) -> None:
         self.queue = queue
         self.storage = storage
@@ -95,7 +97,7 @@ class Sweeper:
         self.events_retention_days = events_retention_days
         self.purge_deleted_days = purge_deleted_days
         self.batch = batch
-        self.holder = uuid.uuid4()  # this sweeper's fence on the shared lease
+        self.holder = holder or uuid.uuid4()  # this sweeper's fence on the shared lease
 
     @classmethod
     def from_config(
@@ -106,6 +108,7 @@ class Sweeper:
         *,
         orphan_guard: float | None = None,
         delete_guard: float | None = None,
+        holder: uuid.UUID | None = None,
     ) -> Sweeper:
         return cls(
             queue,
@@ -115,6 +118,7 @@ class Sweeper:
             max_attempts=config.queue.max_attempts,
             events_retention_days=config.sweep.events_retention_days,
             purge_deleted_days=config.sweep.purge_deleted_days,
+            holder=holder,
         )
 
     def run_once(self) -> SweepReport:
@@ -224,23 +228,29 @@ def open_sweeper(
     *,
     orphan_guard: float | None = None,
     delete_guard: float | None = None,
+    holder: uuid.UUID | None = None,
 ) -> Iterator[Sweeper]:
     """A sweeper with its own connection and store, closed on exit, so a caller (the
     supervisor) holds neither between passes."""
     storage = open_storage(config)
     with QueueDB.open(dsn, role="derivd-sweep") as queue:
         yield Sweeper.from_config(
-            config, queue, storage, orphan_guard=orphan_guard, delete_guard=delete_guard
+            config,
+            queue,
+            storage,
+            orphan_guard=orphan_guard,
+            delete_guard=delete_guard,
+            holder=holder,
         )
 
 
-def sweep_once(config: Config, dsn: str) -> SweepReport:
+def sweep_once(config: Config, dsn: str, *, holder: uuid.UUID | None = None) -> SweepReport:
     """One pass with fresh connections (what the supervisor calls every [sweep] interval).
 
     Never raises for an unreachable database or store: `report.error` says what stopped it.
     """
     try:
-        with open_sweeper(config, dsn) as sweeper:
+        with open_sweeper(config, dsn, holder=holder) as sweeper:
             return sweeper.run_once()
     except DatabaseUnavailable as error:  # could not even connect
         report = SweepReport(error=str(error))

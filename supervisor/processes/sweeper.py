@@ -4,7 +4,9 @@ A sweep opens a storage client (boto3 for s3), and the parent must never hold on
 next fork would hand it to a worker. So every `[sweep] interval` the supervisor forks a
 child that runs one `sweep_once` pass and exits; one pass at a time. A pass may outrun
 its interval (the next one just waits for it); one still running after two intervals is
-taken to hang and is killed.
+taken to hang and is killed. The pass's lease id is chosen here, before the fork: a pass
+killed with its lease taken leaves it to the supervisor to give back (`abandoned`), so
+the next pass need not wait for the lease to expire.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import os
 import signal
 import time
+import uuid
 
 from derivd.config import Config
 from derivd.ops.logs import event
@@ -27,6 +30,8 @@ class SweepProcess:
         self.pid: int | None = None
         self.started = 0.0
         self.next_at = 0.0  # monotonic; the first pass runs one interval after start
+        self.holder: uuid.UUID | None = None  # the running pass's lease id
+        self.abandoned: list[uuid.UUID] = []  # leases of killed passes, to give back
 
     def schedule(self, config: Config, now: float) -> None:
         if not self.next_at:
@@ -38,9 +43,10 @@ class SweepProcess:
     def start(self, config: Config, dsn: str, inherited_fds: tuple[int, ...] = ()) -> None:
         now = time.monotonic()
         self.next_at = now + config.sweep.interval
+        self.holder = uuid.uuid4()
         pid = os.fork()
         if pid == 0:
-            _child(config, dsn, inherited_fds)
+            _child(config, dsn, self.holder, inherited_fds)
         self.pid, self.started = pid, now
 
     def reap(self, config: Config) -> None:
@@ -58,6 +64,8 @@ class SweepProcess:
         elif config.sweep.interval and time.monotonic() - self.started > 2 * config.sweep.interval:
             event(log, "sweep pass overran; killing it", logging.WARNING, pid=self.pid)
             os.kill(self.pid, signal.SIGKILL)
+            if self.holder is not None:
+                self.abandoned.append(self.holder)
 
     def stop(self) -> None:
         if self.pid is None:
@@ -65,9 +73,11 @@ class SweepProcess:
         os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
         self.pid = None
+        if self.holder is not None:
+            self.abandoned.append(self.holder)
 
 
-def _child(config: Config, dsn: str, inherited_fds: tuple[int, ...]) -> None:
+def _child(config: Config, dsn: str, holder: uuid.UUID, inherited_fds: tuple[int, ...]) -> None:
     code = 1
     try:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
@@ -79,7 +89,7 @@ def _child(config: Config, dsn: str, inherited_fds: tuple[int, ...]) -> None:
         set_proctitle("derivd: sweeper")
         from derivd.ops.sweep import sweep_once
 
-        report = sweep_once(config, dsn)
+        report = sweep_once(config, dsn, holder=holder)
         code = 0 if report.error is None else 1
     finally:
         os._exit(code)

@@ -386,8 +386,9 @@ class QueueDB:
         params = {"name": name, "holder": holder, "ttl_s": ttl_s}
         return self._one("lease_take", params) is not None
 
-    def drop_lease(self, name: str, holder: uuid.UUID) -> None:
-        self._all("lease_drop", {"name": name, "holder": holder})
+    def drop_lease(self, name: str, holder: uuid.UUID) -> bool:
+        """Give the lease back; False when it was not (or no longer) this holder's."""
+        return bool(self._all("lease_drop", {"name": name, "holder": holder}))
 
     def create_event_partitions(self, days: int, *, first: date | None = None) -> list[str]:
         rows = self._all("event_partitions", {"first": first, "days": days})
