@@ -22,6 +22,7 @@ import pytest
 from configs import write_ini
 from fixtures.cli import derivd_command
 from fixtures.pgbouncer import PgBouncer
+from fixtures.work import claim_one, commit_one
 
 from derivd.embedded.pgcluster import EmbeddedCluster
 from derivd.queue.db import QueueDB, connect, is_pooled, migrate
@@ -57,8 +58,8 @@ def test_a_pooled_connection_prepares_nothing_and_a_direct_one_does(
     with QueueDB.open(pooled) as queue:
         queue.enqueue([(f"originals/{i}", "1") for i in range(30)])
         for _ in range(30):
-            job = queue.claim(lease_s=60, max_attempts=3)
-            assert job is not None and queue.commit(job, [])
+            job = claim_one(queue, lease_s=60, max_attempts=3)
+            assert job is not None and commit_one(queue, job, [])
         assert queue.queue_stats().counts == {"ready": 30}
 
 

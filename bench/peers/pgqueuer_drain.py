@@ -22,6 +22,7 @@ import contextlib
 import json
 import multiprocessing
 import time
+from datetime import timedelta
 from typing import Any
 
 from pgqueuer import PgQueuer
@@ -113,6 +114,7 @@ async def claims(dsn: str, samples: int, batch: int, kind: str) -> list[float]:
         jobs = await queries.dequeue(
             batch_size=batch, entrypoints={ENTRYPOINT: _entrypoint_settings()},
             queue_manager_id=_QM_ID, global_concurrency_limit=None,
+            heartbeat_timeout=timedelta(seconds=30),
         )
         times.append((time.perf_counter() - started) * 1000)
         if not jobs:
@@ -126,11 +128,9 @@ _QM_ID = __import__("uuid").uuid4()
 
 
 def _entrypoint_settings() -> Any:
-    from datetime import timedelta
-
     from pgqueuer.queries import EntrypointExecutionParameter
 
-    return EntrypointExecutionParameter(timedelta(seconds=300), False, 0)
+    return EntrypointExecutionParameter(concurrency_limit=0)
 
 
 def main() -> None:
