@@ -388,7 +388,8 @@ class Chaos:
 
     def restart_postgres(self) -> None:
         say("restarting PostgreSQL")
-        self.world.pg.restart()
+        self.world.pg.stop()  # the same instance starts again on its port and socket
+        self.world.pg.start()
         self.tally.pg_restarts += 1
 
     def freeze_past_lease(self, feed: Callable[[], None]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -419,11 +418,5 @@ def retry(state: State, ids: tuple[int, ...], all_rejected: bool, code: str | No
         sys.exit(1)
 
 
-def _restore_sigpipe() -> None:
-    # `derivd enqueue ... | head` should end quietly, like any Unix tool.
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-
-
-if __name__ == "__main__":
-    _restore_sigpipe()
+if __name__ == "__main__":  # python -m derivd.cli (the console script calls main itself)
     main()

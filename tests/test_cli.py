@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import io
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from subprocess import CompletedProcess
 
 import psycopg
+import pytest
 from configs import write_ini
+from fixtures.cli import derivd_command
 from PIL import Image
 
 RunCli = Callable[..., CompletedProcess[str]]
@@ -115,3 +118,24 @@ def test_demo_processes_its_samples_and_shows_a_real_webp(
     assert example.is_relative_to(tmp_path / "store") and example.suffix == ".webp"
     with Image.open(example) as im:
         assert im.format == "WEBP" and max(im.size) <= 1600
+
+
+@pytest.mark.acceptance
+def test_a_closed_stdout_ends_quietly(tmp_path: Path) -> None:
+    """`derivd ... | head` where head has gone: no traceback, no BrokenPipeError noise.
+    Click does this for the console script (the old `_restore_sigpipe` was never called
+    from it, and SIGPIPE's default action would also kill the supervisor whenever it
+    wrote to a dead worker's pipe)."""
+    proc = subprocess.Popen(
+        [*derivd_command(), "config", "show", "--defaults"],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()  # the reader is gone before the first write
+    _out, err = proc.communicate(timeout=60)
+    assert err == ""
+    assert proc.returncode == 1  # click's answer to EPIPE: quiet, and not success

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from helpers import sql
 
+from derivd.config import Config
 from derivd.embedded import pgcluster, pghome
 from derivd.embedded.pgcluster import (
     EmbeddedCluster,
@@ -21,6 +23,7 @@ from derivd.embedded.pgcluster import (
     discard,
     find_server_bindir,
 )
+from derivd.embedded.runtime import database
 
 
 def _postmaster_pid(cluster: EmbeddedCluster) -> int:
@@ -76,19 +79,22 @@ def test_socket_dir_is_private(pg_cluster: EmbeddedCluster) -> None:
     assert stat.S_IMODE(st.st_mode) == 0o700
 
 
-def test_restart_keeps_data_and_port(pg_root: Path, tmp_path: Path) -> None:
-    # Its own cluster: restarting the shared one would cut the other tests' connections.
-    cluster = EmbeddedCluster(pg_root / f"restart-{os.getpid()}" / "pgdata", fast=True)
-    with cluster:
-        with psycopg.connect(cluster.dsn()) as conn:
-            conn.execute("CREATE TABLE kept (v text)")
-            conn.execute("INSERT INTO kept VALUES ('still here')")
-        port, socket_dir = cluster.port, cluster.socket_dir
-        cluster.restart()
-        assert (cluster.port, cluster.socket_dir) == (port, socket_dir)
-        with psycopg.connect(cluster.dsn()) as conn:
-            assert conn.execute("SELECT v FROM kept").fetchall() == [("still here",)]
-    assert not cluster.is_running()
+def test_embedded_database_keeps_its_data_from_one_command_to_the_next(pg_root: Path) -> None:
+    """What every command does with an empty [database] dsn (runtime.database): start the
+    private cluster (initdb the first time), migrate, work, stop it on the way out; the
+    next command starts it again from the same state_dir and finds the data."""
+    state = pg_root / f"state-{os.getpid()}"
+    config = Config().replace("supervisor", state_dir=str(state))
+    try:
+        with database(config) as dsn:
+            sql(dsn, "INSERT INTO archive_files (status, original_key) VALUES ('queued', 'k')")
+        assert not EmbeddedCluster(state / "pg").is_running()  # it started it: stopped
+        with database(config) as dsn:
+            rows = sql(dsn, "SELECT status, original_key FROM archive_files")
+        assert rows == [{"status": "queued", "original_key": "k"}]
+        assert not EmbeddedCluster(state / "pg").is_running()
+    finally:
+        discard(state / "pg")
 
 
 def test_second_instance_adopts_running_cluster(pg_cluster: EmbeddedCluster) -> None:

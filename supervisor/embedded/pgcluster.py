@@ -216,11 +216,6 @@ class EmbeddedCluster:
             )
         self._started_here = False
 
-    def restart(self) -> None:
-        """Stop and start again on the same port and socket (connections are cut)."""
-        self.stop()
-        self.start()
-
     def is_running(self) -> bool:
         fields = self._read_pidfile()
         return fields is not None and pid_alive(int(fields[0]))

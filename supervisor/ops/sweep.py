@@ -2,8 +2,10 @@
 
 One pass (`Sweeper.run_once`) does these things, each safe to repeat:
 
-1. Rejects rows whose lease expired on their last allowed attempt (`attempts_exhausted`):
-   workers do it when idle, but a queue that is never idle still needs it done.
+1. Rejects rows whose lease expired on their last allowed attempt (`attempts_exhausted`).
+   A running supervisor does it on its maintenance timer (every poll_interval), and
+   `run --burst` workers before they call the queue drained; the pass does it too, so
+   that `derivd sweep` ends such rows where no supervisor runs.
 2. Deletes orphans: objects written by attempts that never committed (a crash after
    PUT, a lost lease), once their write-ahead entry is older than `orphan_guard` and
    their attempt's token can no longer commit. Objects go first, the entries after:
