@@ -24,6 +24,7 @@ from derivd.errors import (  # re-exported for third-party handlers
 )
 
 __all__ = [
+    "FORMATS",
     "CorruptContent",
     "DeriveSpec",
     "DerivedVariant",
@@ -36,12 +37,42 @@ __all__ = [
 ]
 
 
+# Output formats: name -> (file extension, Content-Type).
+FORMATS: dict[str, tuple[str, str]] = {
+    "webp": ("webp", "image/webp"),
+    "avif": ("avif", "image/avif"),
+    "jpeg": ("jpg", "image/jpeg"),
+    "png": ("png", "image/png"),
+}
+ANIMATED_FORMATS = frozenset({"webp", "avif"})
+FITS = ("inside", "cover")
+GRAVITIES = ("centre", "attention", "entropy")
+
+
 @dataclass(frozen=True)
 class VariantSpec:
-    """One output: `name` (a key segment, e.g. `thumb`) and its long edge in pixels."""
+    """One named output (`name` is a key segment, e.g. `thumb`), in one or more formats.
+
+    `VariantSpec("thumb", 320)` is the shorthand `thumb:320`: long edge 320, fit inside,
+    WebP. A box (`box=(w, h)`) replaces the long edge; `fit="cover"` fills the box exactly
+    and crops the rest at `gravity`. `quality=None` means `DeriveSpec.quality`.
+    """
 
     name: str
-    long_edge: int
+    long_edge: int = 0
+    box: tuple[int, int] | None = None
+    fit: str = "inside"
+    gravity: str = "centre"
+    formats: tuple[str, ...] = ("webp",)
+    quality: int | None = None
+    lossless: bool = False
+    upscale: bool = False
+    animated: bool = False
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """The box the output must fit (inside) or fill (cover)."""
+        return self.box or (self.long_edge, self.long_edge)
 
 
 @dataclass(frozen=True)
@@ -65,10 +96,18 @@ class DerivedVariant:
     height: int
     sha256: str
     content_type: str = "image/webp"
+    format: str = "webp"  # a key of FORMATS
 
     @classmethod
-    def of(cls, name: str, data: bytes, width: int, height: int) -> DerivedVariant:
-        return cls(name, data, width, height, hashlib.sha256(data).hexdigest())
+    def of(
+        cls, name: str, data: bytes, width: int, height: int, fmt: str = "webp"
+    ) -> DerivedVariant:
+        digest = hashlib.sha256(data).hexdigest()
+        return cls(name, data, width, height, digest, FORMATS[fmt][1], fmt)
+
+    @property
+    def extension(self) -> str:
+        return FORMATS[self.format][0] if self.format in FORMATS else self.format
 
 
 class Handler(Protocol):

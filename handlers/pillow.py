@@ -1,9 +1,10 @@
 """`pillow`: the Pillow backend, same contract as `vips` (see handlers/base.py).
 
 Per job: open with only the accepted plugins (so Pillow never hands EPS to Ghostscript or
-guesses at TGA), check the limits from the header, decode the first frame once (JPEG
-shrunk on load by `draft`), orient, convert to 8-bit sRGB, then resize each variant from
-that one decoded image and encode WebP with metadata stripped.
+guesses at TGA), check the limits from the header, decode once (the first frame, or every
+frame when a variant is animated; JPEG shrunk on load by `draft` to the size the largest
+variant needs), orient, convert to 8-bit sRGB, then shape and encode each variant from that
+one decoded image (`pillow_variants`), with metadata stripped.
 
 Malformed EXIF is treated as orientation 1, as libvips does: the pixels are fine, only the
 metadata is junk, and the derivative is stripped of it anyway.
@@ -27,8 +28,9 @@ from derivd.handlers.base import (
     check_declared_size,
     check_input_size,
     decoding,
-    target_size,
 )
+from derivd.handlers.geometry import base_size
+from derivd.handlers.pillow_variants import Decoded, derive_variants
 from derivd.handlers.sniff import TIFF_COMPRESSION, accepted_format, png_chunks_intact, tiff_tags
 
 # Pillow plugin ids. MPO (a JPEG with a multi-picture index) comes in through the JPEG
@@ -37,11 +39,6 @@ ALLOWED_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "TIFF", "AVIF")
 
 _ORIENTATION_TAG = 0x0112
 _SIDEWAYS = frozenset({5, 6, 7, 8})
-
-# Above 1.0 Pillow first reduces by an integer factor (box filter, cheap) to within this
-# multiple of the target, then resamples with Lanczos; Pillow's docs call 3.0 or more
-# indistinguishable from fair resampling in most cases, and it keeps big reductions fast.
-_REDUCING_GAP = 3.0
 
 _SRGB = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB"))
 
@@ -176,34 +173,33 @@ def _colour_managed(im: Image.Image, icc: bytes) -> Image.Image:
     return out if out is not None else im
 
 
-def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> tuple[Image.Image, tuple[int, int]]:
-    """The first frame, upright and sRGB, plus the upright size of the *original*.
+def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> Decoded:
+    """Upright 8-bit sRGB frames: the first only, unless an animated variant wants all.
 
     Variant sizes come from the original's size, not from the drafted one, so they match
     the libvips backend exactly.
     """
     stored = im.size
-    if im.format in ("JPEG", "MPO"):
-        # DCT-domain downscale to the smallest power-of-two reduction still at least as
-        # large as the biggest variant; it does not touch orientation, so box in stored axes.
-        longest = max(v.long_edge for v in spec.variants)
-        im.draft(im.mode, target_size(*stored, longest))
-    im.load()
     turn = orientation(im)
     upright = (stored[1], stored[0]) if turn in _SIDEWAYS else stored
-    oriented = ImageOps.exif_transpose(im) if turn != 1 else im
-    return to_srgb(oriented), upright
-
-
-def encode(base: Image.Image, size: tuple[int, int], spec: DeriveSpec) -> bytes:
-    image = base
-    if base.size != size:
-        image = base.resize(size, Image.Resampling.LANCZOS, reducing_gap=_REDUCING_GAP)
-    buf = io.BytesIO()
-    # No exif/icc_profile/xmp arguments: Pillow's WebP writer takes metadata only from
-    # them, so the output carries none (tests check the RIFF chunks).
-    image.save(buf, "WEBP", quality=spec.quality, method=spec.effort)
-    return buf.getvalue()
+    if im.format in ("JPEG", "MPO"):
+        # DCT-domain downscale to the smallest power-of-two reduction still at least as
+        # large as the base the variants need; draft works in stored axes.
+        base_w, base_h = base_size(*upright, spec.variants)
+        im.draft(im.mode, (base_h, base_w) if turn in _SIDEWAYS else (base_w, base_h))
+    animated = any(v.animated for v in spec.variants)
+    count = int(getattr(im, "n_frames", 1)) if animated else 1
+    frames, durations = [], []
+    for index in range(count):
+        if index:
+            im.seek(index)
+        im.load()
+        oriented = ImageOps.exif_transpose(im) if turn != 1 else im
+        frame = to_srgb(oriented)
+        # to_srgb may hand back the file image itself, whose pixels the next seek replaces.
+        frames.append(frame.copy() if frame is im and count > 1 else frame)
+        durations.append(int(im.info.get("duration", 100) or 100))
+    return Decoded(frames, durations, int(im.info.get("loop", 0) or 0), upright)
 
 
 class PillowHandler:
@@ -222,12 +218,6 @@ class PillowHandler:
                 raise CorruptContent("PNG chunk CRC mismatch or chunk past the end")
             with _classify_errors():
                 check_limits(im, spec)
-                base, upright = decode(im, spec)
-                out = []
-                for variant in spec.variants:
-                    width, height = target_size(*upright, variant.long_edge)
-                    data = encode(base, (width, height), spec)
-                    out.append(DerivedVariant.of(variant.name, data, width, height))
-                return out
+                return derive_variants(decode(im, spec), spec)
         finally:
             im.close()

@@ -4,10 +4,11 @@ This is the only module that imports pyvips, and the registry imports it lazily,
 (its thread pool, its caches) is first touched in a worker after fork.
 
 Per job: sniff the loader from the first bytes (allowlist), read the header only, check the
-limits, then one `thumbnail_buffer` per variant. Thumbnail does shrink-on-load (JPEG DCT
-scaling, WebP/HEIF scaled decode), EXIF autorotation, colour management to sRGB (embedded
-profile, or libvips' built-in CMYK profile for unprofiled CMYK) and 16-bit to 8-bit, and
-streams, so memory stays near one output-sized buffer plus a few scanlines of input.
+limits, then one `thumbnail_buffer` to the base the largest variant needs, from which every
+variant is derived (`vips_variants`). Thumbnail does shrink-on-load (JPEG DCT scaling,
+WebP/HEIF scaled decode), EXIF autorotation, colour management to sRGB (embedded profile, or
+libvips' built-in CMYK profile for unprofiled CMYK) and 16-bit to 8-bit, and streams, so
+memory stays near one base-sized buffer plus a few scanlines of input.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from derivd.handlers.base import (
     check_declared_size,
     check_input_size,
     decoding,
-    target_size,
 )
+from derivd.handlers.geometry import base_size
 from derivd.handlers.sniff import (
     TIFF_BITS_PER_SAMPLE,
     TIFF_PHOTOMETRIC,
@@ -38,6 +39,7 @@ from derivd.handlers.sniff import (
     gif_screen,
     tiff_tags,
 )
+from derivd.handlers.vips_variants import checked_base, derive_variants, load_base
 
 # The loaders we accept, by nickname (what find_load_buffer reports), and the loader class
 # families to leave unblocked. Everything else libvips could read (svg, matrix, csv, vips,
@@ -164,41 +166,16 @@ def read_header(original: bytes, loader: str) -> Header:
     return Header(image, original)
 
 
-def render(original: bytes, width: int, height: int, icc: bool, spec: DeriveSpec) -> bytes:
-    """Decode (shrunk on load), orient, convert to sRGB, resize to exactly width x height, encode.
-
-    `size="force"` with the box computed by `target_size` pins the output to the same
-    dimensions the Pillow backend produces; libvips' own fit may round the short edge the
-    other way. The box never exceeds the upright original, so nothing is upscaled.
-    """
+def decode_base(original: bytes, size: tuple[int, int], header: Header, all_frames: bool
+                ) -> tuple[Any, int]:  # fmt: skip
+    """The decoded base every variant is derived from, and its page height (see
+    `vips_variants.load_base`); 8-bit CIELAB TIFF takes its own path (`cielab8_as_rgb`)."""
     relabelled = cielab8_as_rgb(original)
-    if relabelled is not None:
-        image = lab_to_srgb(pyvips.Image.tiffload_buffer(relabelled, access="sequential",
-                                                         fail_on="error"))  # fmt: skip
-        image = image.thumbnail_image(width, height=height, size="force")
-    else:
-        image = _thumbnail(original, width, height, icc)
-    if image.width != width or image.height != height:  # cannot happen with size="force"
-        raise CorruptContent(f"thumbnail gave {image.width}x{image.height}")
-    data: bytes = image.webpsave_buffer(Q=spec.quality, effort=spec.effort, keep="none")
-    return data
-
-
-def _thumbnail(original: bytes, width: int, height: int, icc: bool) -> Any:
-    return pyvips.Image.thumbnail_buffer(
-        original,
-        width,
-        height=height,
-        size="force",
-        # The loader must get fail_on through option_string: thumbnail_buffer's own
-        # `fail_on` argument does not reach it (libvips 8.18), and truncated JPEG/PNG
-        # would then come out half grey. tests/test_handlers.py holds both cases.
-        option_string="fail_on=error",
-        fail_on="error",
-        # Without a profile libvips still converts any colourspace to sRGB; with one
-        # (or for CMYK, through its built-in CMYK profile) it goes through LittleCMS.
-        **({"output_profile": "srgb", "intent": "relative"} if icc else {}),
-    )
+    if relabelled is None:
+        return load_base(original, size, header.needs_icc, all_frames)
+    image = lab_to_srgb(pyvips.Image.tiffload_buffer(relabelled, access="sequential",
+                                                     fail_on="error"))  # fmt: skip
+    return checked_base(image.thumbnail_image(size[0], height=size[1], size="force"), size)
 
 
 _CIELAB, _RGB = 8, 2  # TIFF PhotometricInterpretation values
@@ -251,18 +228,17 @@ class VipsHandler:
         loader = sniff_loader(original)
         header = read_header(original, loader)
         check_declared_size(header.width, header.height, header.frames, spec)
-        upright_w, upright_h = header.upright
-        out = []
-        for variant in spec.variants:
-            width, height = target_size(upright_w, upright_h, variant.long_edge)
-            try:
-                data = render(original, width, height, header.needs_icc, spec)
-            except pyvips.Error as e:
-                # Truncated or corrupt pixel data (fail_on="error"): never publish a
-                # half-decoded image. The message is for the log only.
-                raise _decode_failure(e) from None
-            out.append(DerivedVariant.of(variant.name, data, width, height))
-        return out
+        upright = header.upright
+        all_frames = header.frames > 1 and any(v.animated for v in spec.variants)
+        try:
+            base, page_height = decode_base(
+                original, base_size(*upright, spec.variants), header, all_frames
+            )
+            return derive_variants(base, page_height, upright, spec)
+        except pyvips.Error as e:
+            # Truncated or corrupt pixel data (fail_on="error"): never publish a
+            # half-decoded image. The message is for the log only.
+            raise _decode_failure(e) from None
 
 
 # libtiff's words for a codec this build lacks (LZMA in the bundled libtiff, JPEG 2000 in

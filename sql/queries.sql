@@ -122,14 +122,18 @@ WITH input AS (
        AND f.id = ANY(%(ids)s::bigint[])  -- by primary key (the JSON hides the row count)
     RETURNING f.id, f.attempts, i.token, i.variants
 ), variants AS (
-    INSERT INTO archive_variants (file_id, name, key, version, sha256, width, height, lease_token)
-    SELECT d.id, v.name, v.key, v.version, v.sha256, v.width, v.height, d.token
+    INSERT INTO archive_variants (file_id, name, format, content_type, key, version, sha256,
+                                  width, height, lease_token)
+    SELECT d.id, v.name, v.format, v.content_type, v.key, v.version, v.sha256, v.width,
+           v.height, d.token
       FROM done AS d,
            jsonb_to_recordset(d.variants)
-               AS v(name text, key text, version text, sha256 text, width int, height int)
-    ON CONFLICT (file_id, name) DO UPDATE
+               AS v(name text, format text, content_type text, key text, version text,
+                    sha256 text, width int, height int)
+    ON CONFLICT (file_id, name, format) DO UPDATE
        SET key = EXCLUDED.key, version = EXCLUDED.version, sha256 = EXCLUDED.sha256,
            width = EXCLUDED.width, height = EXCLUDED.height,
+           content_type = EXCLUDED.content_type,
            lease_token = EXCLUDED.lease_token, created_at = now()
     RETURNING 1
 ), registered AS (
@@ -459,8 +463,8 @@ SELECT id, status, attempts, available_at, lease_token, lease_until, original_ke
   FROM archive_files WHERE id = %(id)s;
 
 -- name: file_variants
-SELECT name, key, version, sha256, width, height
-  FROM archive_variants WHERE file_id = %(id)s ORDER BY name;
+SELECT name, key, version, sha256, width, height, format, content_type
+  FROM archive_variants WHERE file_id = %(id)s ORDER BY name, format;
 
 -- name: database_exists
 -- Cluster administration (the embedded cluster and the test suite): run on the

@@ -11,7 +11,6 @@ from __future__ import annotations
 import configparser
 import dataclasses
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,6 +18,14 @@ from typing import Any, get_type_hints
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
 from derivd.redact import mask_dsn, parse_dsn
+from derivd.variants import (
+    SECTION_PREFIX,
+    build_variants,
+    check_formats,
+    check_listed,
+    check_size,
+    is_variant_section,
+)
 
 DEFAULT_CONFIG = Path("etc/derivd.ini")
 Check = Callable[[Any], str | None]  # returns a problem, or None when the value is fine
@@ -80,31 +87,13 @@ def check_handler(value: str) -> str | None:
     return None if value in known else f"unknown backend {value!r}; known: {', '.join(known)}"
 
 
-_VARIANT = re.compile(r"^([a-z0-9][a-z0-9_-]{0,31}):([0-9]{1,5})$")
-
-
 def parse_variants(text: str) -> tuple[VariantSpec, ...]:
-    """`preview:1600, thumb:320` -> variants in order; names are key segments."""
-    variants: list[VariantSpec] = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        match = _VARIANT.match(item)
-        if not match:
-            raise ValueError(f"{item!r} is not name:long_edge (e.g. thumb:320)")
-        name, edge = match.group(1), int(match.group(2))
-        if edge < 1:
-            raise ValueError(f"{item!r}: the long edge must be at least 1 px")
-        if any(v.name == name for v in variants):
-            raise ValueError(f"variant {name!r} is listed twice")
-        variants.append(VariantSpec(name, edge))
-    return tuple(variants)
-
-
-def check_variants(value: str) -> str | None:
-    try:
-        parse_variants(value)
-    except ValueError as error:
-        return str(error)
-    return None
+    """`preview:1600, thumb:320` -> variants in order (shorthand only: no sections)."""
+    problem = check_listed(text)
+    specs, problems = build_variants(text, {})
+    if problem or problems:
+        raise ValueError(problem or problems[0][2])
+    return specs
 
 
 def check_dsn(value: str) -> str | None:
@@ -202,10 +191,11 @@ class DeriveSettings:
     )
     variants: str = setting(
         "preview:1600, thumb:320",
-        "name:long_edge in px, comma-separated; never upscaled",
-        check=check_variants,
+        "comma-separated; name:EDGE (long edge in px, fit inside, webp) or the NAME of a "
+        "[variant:NAME] section; the first is the primary",
+        check=check_listed,
     )
-    quality: int = setting(80, "WebP quality, 1-100", check=in_range(1, 100))
+    quality: int = setting(80, "quality, 1-100 (a variant may set its own)", check=in_range(1, 100))
     effort: int = setting(4, "WebP effort (CPU spent on compression), 0-6", check=in_range(0, 6))
     max_input_mb: float = setting(50.0, "largest original accepted, in MiB", check=positive)
     max_pixels: int = setting(
@@ -214,9 +204,11 @@ class DeriveSettings:
     max_frames: int = setting(100, "most frames (pages) an original may declare", check=positive)
     concurrency: int = setting(1, "libvips threads per worker", check=in_range(1, 64))
 
-    def spec(self) -> DeriveSpec:
+    def spec(self, variants: tuple[VariantSpec, ...] | None = None) -> DeriveSpec:
+        """The handlers' spec; `variants` from `Config.derive_spec` when there are
+        `[variant:NAME]` sections, else the shorthand list alone."""
         return DeriveSpec(
-            variants=parse_variants(self.variants),
+            variants=parse_variants(self.variants) if variants is None else variants,
             quality=self.quality,
             effort=self.effort,
             max_input_bytes=int(self.max_input_mb * 1024 * 1024),
@@ -224,6 +216,33 @@ class DeriveSettings:
             max_frames=self.max_frames,
             concurrency=self.concurrency,
         )
+
+
+@dataclass(frozen=True)
+class VariantSettings:
+    """`[variant:NAME]`: one named output (combinations are checked by derivd.variants)."""
+
+    size: str = setting("", "EDGE (long edge) or WxH (a box), in px", check=check_size)
+    fit: str = setting(
+        "inside",
+        "inside (whole image within the box) or cover (fill the box exactly, crop the rest)",
+        check=one_of("inside", "cover"),
+    )
+    gravity: str = setting(
+        "centre",
+        "cover only: centre, or a smart crop: attention or entropy",
+        check=one_of("centre", "attention", "entropy"),
+    )
+    format: str = setting(
+        "webp", "one or more of webp, avif, jpeg, png, comma-separated; each is stored",
+        check=check_formats,
+    )  # fmt: skip
+    quality: int = setting(0, "1-100; 0: [derive] quality", check=in_range(0, 100))
+    lossless: bool = setting(False, "webp only: lossless (yes/no)")
+    upscale: bool = setting(False, "grow originals smaller than the box (yes/no)")
+    animated: bool = setting(
+        False, "keep the animation of GIF/WebP originals (webp, avif), else the first frame"
+    )
 
 
 @dataclass(frozen=True)
@@ -311,6 +330,8 @@ class Config:
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     status: StatusSettings = field(default_factory=StatusSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
+    # `[variant:NAME]` sections by NAME, in file order.
+    variant_sections: Mapping[str, VariantSettings] = field(default_factory=dict)
     source: str = "(defaults)"
 
     @property
@@ -327,6 +348,13 @@ class Config:
     def worker_count(self) -> int:
         return self.supervisor.workers or os.cpu_count() or 1
 
+    def derive_spec(self) -> DeriveSpec:
+        """`[derive]` with every listed variant, sections included (validated at load)."""
+        specs, problems = build_variants(self.derive.variants, self.variant_sections)
+        if problems:
+            raise ValueError("; ".join(f"[{s}] {k}: {m}" for s, k, m in problems))
+        return self.derive.spec(specs)
+
     def replace(self, section: str, **values: Any) -> Config:
         """A copy with some settings of one section changed (tests, `demo`)."""
         current = getattr(self, section)
@@ -336,7 +364,7 @@ class Config:
 SECTIONS: dict[str, type[Any]] = {
     f.name: f.default_factory  # type: ignore[misc]
     for f in fields(Config)
-    if f.name != "source"
+    if f.name not in ("source", "variant_sections")
 }
 
 
@@ -407,8 +435,9 @@ def _section_values(
     env: Mapping[str, str],
     where: str,
     problems: list[Problem],
+    cls: type[Any] | None = None,
 ) -> Any:
-    cls = SECTIONS[name]
+    cls = cls or SECTIONS[name]
     hints = get_type_hints(cls)
     declared = {f.name: f for f in fields(cls)}
     for key in raw:
@@ -492,17 +521,27 @@ def load_config(
     else:
         where = "(defaults)"
     for name in raw:
-        if name not in SECTIONS:
+        if name not in SECTIONS and not is_variant_section(name):
             problems.append(
                 Problem(where, name, "-", f"unknown section; known: {', '.join(SECTIONS)}")
             )
     sections = {
         name: _section_values(name, raw.get(name, {}), env, where, problems) for name in SECTIONS
     }
+    # No environment overrides for variant sections: their names hold a NAME of the file's.
+    variant_sections = {
+        name.removeprefix(SECTION_PREFIX): _section_values(
+            name, values, {}, where, problems, VariantSettings
+        )
+        for name, values in raw.items()
+        if is_variant_section(name)
+    }
     if problems:
         raise ConfigError(problems)
-    config = Config(**sections, source=where)
+    config = Config(**sections, variant_sections=variant_sections, source=where)
     problems = _cross_checks(config, where)
+    _, variant_problems = build_variants(config.derive.variants, variant_sections)
+    problems += [Problem(where, *p) for p in variant_problems]
     if problems:
         raise ConfigError(problems)
     return config
@@ -534,5 +573,19 @@ def render_ini(config: Config | None = None, *, mask_secrets: bool = False) -> s
                 value = mask_dsn(value)
             lines.append(f"# {spec.metadata['doc']}")
             lines.append(f"{spec.name} = {value}".rstrip())
+    lines += _render_variants(config)
     return "\n".join(lines) + "\n"
 
+
+def _render_variants(config: Config) -> list[str]:
+    """The `[variant:NAME]` sections; with none, a commented example of every key."""
+    lines: list[str] = []
+    sections: Mapping[str, VariantSettings | None] = config.variant_sections or {"NAME": None}
+    for name, values in sections.items():
+        prefix = "" if values is not None else "# "
+        lines += ["", f"{prefix}[{SECTION_PREFIX}{name}]"]
+        for spec in fields(VariantSettings):
+            value = _ini_value(getattr(values or VariantSettings(), spec.name))
+            lines.append(f"# {spec.metadata['doc']}")
+            lines.append(f"{prefix}{spec.name} = {value}".rstrip())
+    return lines

@@ -123,7 +123,7 @@ class Worker:
         self.queue = queue
         self.storage = storage
         self.handler = handler
-        self.spec: DeriveSpec = config.derive.spec()
+        self.spec: DeriveSpec = config.derive_spec()
         self.hooks: WorkerHooks = hooks or NoHooks()
         self.rng = rng or random.Random()
         self.jobs_done = 0
@@ -137,7 +137,7 @@ class Worker:
         """Open everything this process needs. Raises on a bad boot (caller reports it)."""
         queue = QueueDB.open(dsn, role=f"derivd-worker-{os.getpid()}")
         storage = open_storage(config)
-        handler = create_handler(config.derive.backend, config.derive.spec())
+        handler = create_handler(config.derive.backend, config.derive_spec())
         return cls(config, queue=queue, storage=storage, handler=handler, hooks=hooks)
 
     def close(self) -> None:
@@ -257,7 +257,7 @@ class Worker:
         return self.handler.derive(original, self.spec)
 
     def _store(self, job: Job, variants: Sequence[DerivedVariant]) -> list[StoredVariant]:
-        keys = [derived_key(job.id, job.token, v.name) for v in variants]
+        keys = [derived_key(job.id, job.token, v.name, v.extension) for v in variants]
         if keys:
             # Write-ahead: a crash after a PUT leaves a record for the orphan sweep.
             self.queue.register_pending(job, keys)
@@ -269,6 +269,8 @@ class Worker:
                 v.sha256,
                 v.width,
                 v.height,
+                v.format,
+                v.content_type,
             )
             for key, v in zip(keys, variants, strict=True)
         ]

@@ -48,6 +48,8 @@ class StoredVariant:
     sha256: str
     width: int
     height: int
+    format: str = "webp"
+    content_type: str = "image/webp"
 
 
 def _commit_row(job: Job, variants: Sequence[StoredVariant]) -> dict[str, Any]:

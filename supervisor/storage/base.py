@@ -66,9 +66,20 @@ def derived_prefix(file_id: int) -> str:
     return f"derived/{file_id}/"
 
 
-def derived_key(file_id: int, token: uuid.UUID, variant: str) -> str:
-    """Unique per attempt: the lease token is part of the key."""
-    return validate_key(f"{derived_prefix(file_id)}{token}/{variant}.webp")
+def derived_key(file_id: int, token: uuid.UUID, variant: str, extension: str = "webp") -> str:
+    """Unique per attempt: the lease token is part of the key; one key per variant and
+    format (`thumb.avif`, `thumb.webp`)."""
+    return validate_key(f"{derived_prefix(file_id)}{token}/{variant}.{extension}")
+
+
+# Derived keys are never written twice (the lease token is in the key), so caches and
+# browsers may keep them forever.
+IMMUTABLE = "public, max-age=31536000, immutable"
+
+
+def cache_control(key: str) -> str | None:
+    """The Cache-Control a store sends with `key`: immutable for derivatives only."""
+    return IMMUTABLE if key.startswith("derived/") else None
 
 
 class Storage(Protocol):

@@ -15,6 +15,7 @@ from derivd.storage.base import (
     ObjectMissing,
     StorageConfigError,
     StorageUnavailable,
+    cache_control,
     refuse_oversize,
     validate_key,
 )
@@ -97,6 +98,7 @@ class S3Storage:
             Key=self._full(key),
             Body=data,
             ContentType=content_type,
+            **({"CacheControl": cc} if (cc := cache_control(key)) else {}),
         )
         version = answer.get("VersionId")
         if not version or version == "null":

@@ -1,0 +1,76 @@
+"""Output geometry, shared by every backend so that all produce the same dimensions.
+
+Everything here is pure arithmetic on the upright size of the original (EXIF orientation
+applied). A handler decodes once, to `base_size` (the scale the largest variant needs, never
+above the original), then derives each variant from that base:
+
+- `inside`: the whole image scaled to fit the box (`EDGE` is an EDGE x EDGE box).
+- `cover`: a window of the box's aspect ratio is cut from the base (centred, or placed by a
+  smart-crop measure), then scaled to fill the box exactly. Cropping before scaling keeps an
+  upscaled cover of a 1 x 20000 strip at 320 x 320 pixels instead of 320 x 6 400 000.
+
+Without `upscale` nothing grows: an inside variant stops at the original's size and a cover
+variant of a small original is the largest part of the box the original can fill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from derivd.handlers.base import VariantSpec
+
+
+def _side(length: int, scale: float) -> int:
+    return max(1, round(length * scale))
+
+
+def scale_of(width: int, height: int, variant: VariantSpec) -> float:
+    """The factor this variant applies to the upright original."""
+    box_w, box_h = variant.bounds
+    if variant.fit == "cover":
+        scale = max(box_w / width, box_h / height)
+    else:
+        scale = min(box_w / width, box_h / height)
+    return scale if variant.upscale else min(1.0, scale)
+
+
+def output_size(width: int, height: int, variant: VariantSpec) -> tuple[int, int]:
+    """The exact (width, height) of the variant for an upright original of this size."""
+    scale = scale_of(width, height, variant)
+    out_w, out_h = _side(width, scale), _side(height, scale)
+    if variant.fit == "cover":
+        box_w, box_h = variant.bounds
+        return min(box_w, out_w), min(box_h, out_h)
+    return out_w, out_h
+
+
+def base_size(width: int, height: int, variants: tuple[VariantSpec, ...]) -> tuple[int, int]:
+    """The size to decode to: what the most demanding variant needs, at most the original."""
+    if not variants:
+        return width, height
+    scale = min(1.0, max(scale_of(width, height, v) for v in variants))
+    return _side(width, scale), _side(height, scale)
+
+
+@dataclass(frozen=True)
+class Window:
+    """The part of the base a cover variant keeps: its size, and how far it may move."""
+
+    width: int
+    height: int
+    slack_x: int  # base width - window width: the range of `left`
+    slack_y: int
+
+    def centred(self) -> tuple[int, int]:
+        return self.slack_x // 2, self.slack_y // 2
+
+
+def cover_window(original: tuple[int, int], base: tuple[int, int], variant: VariantSpec) -> Window:
+    """The window, in base pixels, that scales to the cover variant's output."""
+    out_w, out_h = output_size(*original, variant)
+    # Base pixels per output pixel: the base is the original at base/original, and the
+    # output is the original at `scale_of`.
+    per_out = (base[0] / original[0]) / scale_of(*original, variant)
+    win_w = min(base[0], max(1, round(out_w * per_out)))
+    win_h = min(base[1], max(1, round(out_h * per_out)))
+    return Window(win_w, win_h, base[0] - win_w, base[1] - win_h)

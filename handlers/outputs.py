@@ -1,0 +1,100 @@
+"""Encoder settings and the smart-crop measure that both built-in backends share.
+
+Encoder parameters are pinned here so that `vips` and `pillow` write comparable files:
+
+- webp: quality (the variant's, else `[derive] quality`); `[derive] effort` (0-6) as libvips
+  `effort` and Pillow `method`; `lossless` when the variant asks.
+- avif: quality; `avif_effort` e as libvips `effort` (0-9) and Pillow `speed` 9 - e, which
+  are the same aom `cpu-used` (9 - e); 8-bit, 4:2:0.
+- jpeg: quality; 4:2:0, optimised Huffman tables, alpha flattened onto white.
+- png: zlib level 6 (lossless, so no quality).
+
+AVIF is an order of magnitude slower to encode than WebP at equal effort (bench/RESULTS.md):
+`[derive] effort` 4 (the default) maps to AVIF effort 2 (aom cpu-used 7), which costs about
+three times the WebP encode; each step of `[derive] effort` adds one AVIF step.
+
+The smart-crop measure (`best_window`) places a cover window for `attention`/`entropy` where
+libvips' own `smartcrop` is not used (the Pillow backend; animations on both backends, where
+one position must hold for every frame). It scores candidate positions on a greyscale copy of
+at most `_MEASURE_EDGE` px, and takes the best one (the most central on ties):
+
+- `entropy`: the Shannon entropy of the window's grey histogram: busy detail beats flat sky.
+- `attention`: the window's mean edge strength (Pillow's FIND_EDGES) plus its mean colour
+  saturation: edges and saturated colour are what libvips' attention measure weighs most
+  (it adds skin tones, which we leave out).
+"""
+
+from __future__ import annotations
+
+from PIL import Image, ImageFilter, ImageStat
+
+from derivd.handlers.base import DeriveSpec, VariantSpec
+from derivd.handlers.geometry import Window
+
+PNG_COMPRESSION = 6
+JPEG_BACKGROUND = (255, 255, 255)
+_MEASURE_EDGE = 256
+_CANDIDATES = 17  # positions tried per free axis (both ends and the centre included)
+
+
+def quality_of(variant: VariantSpec, spec: DeriveSpec) -> int:
+    return variant.quality or spec.quality
+
+
+def avif_effort(spec: DeriveSpec) -> int:
+    """libvips heifsave `effort` (0-9) for `[derive] effort` (0-6); see the table above."""
+    return max(0, min(9, spec.effort - 2))
+
+
+def avif_speed(spec: DeriveSpec) -> int:
+    """Pillow/libavif `speed` with the same aom cpu-used as `avif_effort`."""
+    return 9 - avif_effort(spec)
+
+
+def best_window(image: Image.Image, window: Window, gravity: str) -> tuple[int, int]:
+    """(left, top) of the window in `image`'s pixels, chosen by `gravity`."""
+    if gravity == "centre" or (window.slack_x == 0 and window.slack_y == 0):
+        return window.centred()
+    factor = min(1.0, _MEASURE_EDGE / max(image.size))
+    small = image.convert("RGB")
+    if factor < 1.0:
+        small = small.resize(
+            (max(1, round(image.width * factor)), max(1, round(image.height * factor))),
+            Image.Resampling.BOX,
+        )
+    score_map = _score_map(small, gravity)
+    win = (max(1, round(window.width * factor)), max(1, round(window.height * factor)))
+    best: tuple[float, float, tuple[int, int]] | None = None
+    for left in _positions(window.slack_x):
+        for top in _positions(window.slack_y):
+            x, y = round(left * factor), round(top * factor)
+            box = (x, y, min(small.width, x + win[0]), min(small.height, y + win[1]))
+            score = _score(score_map, box, gravity)
+            # Prefer the higher score, then the position nearer the centre.
+            off_centre = abs(left - window.slack_x / 2) + abs(top - window.slack_y / 2)
+            if best is None or (score, -off_centre) > (best[0], best[1]):
+                best = (score, -off_centre, (left, top))
+    return best[2] if best else window.centred()
+
+
+def _positions(slack: int) -> list[int]:
+    if slack == 0:
+        return [0]
+    steps = min(slack, _CANDIDATES - 1)
+    return sorted({round(slack * i / steps) for i in range(steps + 1)})
+
+
+def _score_map(small: Image.Image, gravity: str) -> Image.Image:
+    grey = small.convert("L")
+    if gravity == "entropy":
+        return grey
+    edges = grey.filter(ImageFilter.FIND_EDGES)
+    saturation = small.convert("HSV").getchannel("S")
+    return Image.blend(edges, saturation, 0.5)
+
+
+def _score(score_map: Image.Image, box: tuple[int, int, int, int], gravity: str) -> float:
+    region = score_map.crop(box)
+    if gravity == "entropy":
+        return float(region.entropy())
+    return float(ImageStat.Stat(region).mean[0])

@@ -1,0 +1,171 @@
+"""The libvips backend's variants: one decode to a base image, every variant from it.
+
+`load_base` runs libvips' `thumbnail` once, to the size the most demanding variant needs
+(`geometry.base_size`): shrink-on-load, EXIF autorotation, colour management to sRGB and
+16-to-8-bit all happen there. When more than one output will read the base it is rendered
+to memory once (`copy_memory`): libvips pipelines are demand-driven, and without that
+every variant would decode the original again. A single output streams, as before.
+
+Each variant is then shaped from the base (`thumbnail_image` to resize, `crop` or
+`smartcrop` for cover) and encoded with the parameters pinned in `derivd.handlers.outputs`.
+libvips writes AVIF through libheif, which stores the pages of an animation as separate
+still images; an animated AVIF is therefore encoded by Pillow (a dependency of derivd
+anyway) from the frames libvips shaped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyvips
+from PIL import Image
+
+from derivd.handlers.base import CorruptContent, DerivedVariant, DeriveSpec, VariantSpec
+from derivd.handlers.geometry import cover_window, output_size
+from derivd.handlers.outputs import (
+    JPEG_BACKGROUND,
+    PNG_COMPRESSION,
+    avif_effort,
+    best_window,
+    quality_of,
+)
+from derivd.handlers.pillow_variants import encode as pillow_encode
+
+_PIL_MODES = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}
+
+
+def load_base(
+    original: bytes, size: tuple[int, int], icc: bool, all_frames: bool
+) -> tuple[Any, int]:
+    """The decoded base (every frame stacked vertically when `all_frames`) and its page
+    height. `size="force"` with the box computed by `geometry` pins the output to the
+    same dimensions the Pillow backend produces; libvips' own fit may round the short
+    edge the other way. The base never exceeds the upright original."""
+    options = "fail_on=error" + (",n=-1" if all_frames else "")
+    image = pyvips.Image.thumbnail_buffer(
+        original,
+        size[0],
+        height=size[1],
+        size="force",
+        # The loader must get fail_on through option_string: thumbnail_buffer's own
+        # `fail_on` argument does not reach it (libvips 8.18), and truncated JPEG/PNG
+        # would then come out half grey. tests/test_handlers.py holds both cases.
+        option_string=options,
+        fail_on="error",
+        # Without a profile libvips still converts any colourspace to sRGB; with one
+        # (or for CMYK, through its built-in CMYK profile) it goes through LittleCMS.
+        **({"output_profile": "srgb", "intent": "relative"} if icc else {}),
+    )
+    return checked_base(image, size)
+
+
+def checked_base(image: Any, size: tuple[int, int]) -> tuple[Any, int]:
+    """The base as 8-bit, with its page height; its size is what `size` asked for."""
+    page_height = _page_height(image)
+    if image.width != size[0] or page_height != size[1]:  # cannot happen with "force"
+        raise CorruptContent(f"thumbnail gave {image.width}x{page_height}")
+    if image.format != "uchar":
+        image = image.cast("uchar")
+    return image, page_height
+
+
+def _page_height(image: Any) -> int:
+    if image.get_typeof("page-height") == 0:
+        return int(image.height)
+    page_height = int(image.get("page-height"))
+    return page_height if 0 < page_height <= image.height else int(image.height)
+
+
+def derive_variants(
+    base: Any, page_height: int, upright: tuple[int, int], spec: DeriveSpec
+) -> list[DerivedVariant]:
+    outputs = sum(len(v.formats) for v in spec.variants)
+    if outputs > 1:
+        base = base.copy_memory()  # decode once; every variant reads these pixels
+    count = max(1, base.height // page_height)
+    frames = [base.crop(0, i * page_height, base.width, page_height) for i in range(count)]
+    out: list[DerivedVariant] = []
+    for variant in spec.variants:
+        animate = variant.animated and count > 1
+        shaped = shape(frames if animate else frames[:1], upright, variant)
+        image = _join(shaped, base) if animate else shaped[0]
+        if len(variant.formats) > 1:
+            image = image.copy_memory()
+        width, height = shaped[0].width, shaped[0].height
+        for fmt in variant.formats:
+            data = encode(image, shaped, fmt, variant, spec)
+            out.append(DerivedVariant.of(variant.name, data, width, height, fmt))
+    return out
+
+
+def shape(frames: list[Any], upright: tuple[int, int], variant: VariantSpec) -> list[Any]:
+    """Each frame resized (inside) or cut and resized (cover) to the variant's size."""
+    width, height = output_size(*upright, variant)
+    first = frames[0]
+    if variant.fit != "cover":
+        return [_resize(frame, width, height) for frame in frames]
+    window = cover_window(upright, (first.width, first.height), variant)
+    if variant.gravity != "centre" and len(frames) == 1:
+        cut = first.smartcrop(window.width, window.height, interesting=variant.gravity)
+        return [_resize(cut, width, height)]
+    # Centre, or an animation: one window for every frame, placed on the first.
+    left, top = best_window(to_pillow(first), window, variant.gravity)
+    return [
+        _resize(frame.crop(left, top, window.width, window.height), width, height)
+        for frame in frames
+    ]
+
+
+def _resize(image: Any, width: int, height: int) -> Any:
+    if image.width == width and image.height == height:
+        return image
+    # thumbnail_image premultiplies alpha around the resize, as thumbnail_buffer does.
+    return image.thumbnail_image(width, height=height, size="force", no_rotate=True)
+
+
+def _join(frames: list[Any], base: Any) -> Any:
+    joined = pyvips.Image.arrayjoin(frames, across=1).copy()
+    joined.set_type(pyvips.GValue.gint_type, "page-height", frames[0].height)
+    for name in ("delay", "loop"):
+        if base.get_typeof(name):
+            joined.set_type(base.get_typeof(name), name, base.get(name))
+    return joined
+
+
+def encode(image: Any, frames: list[Any], fmt: str, variant: VariantSpec, spec: DeriveSpec
+           ) -> bytes:  # fmt: skip
+    quality = quality_of(variant, spec)
+    data: bytes
+    if fmt == "webp":
+        data = image.webpsave_buffer(
+            Q=quality, effort=spec.effort, lossless=variant.lossless, keep="none"
+        )
+    elif fmt == "avif" and len(frames) > 1:
+        durations, loop = _timing(image, len(frames))
+        pil = [to_pillow(frame) for frame in frames]
+        data = pillow_encode(pil, durations, loop, "avif", variant, spec)
+    elif fmt == "avif":
+        data = image.heifsave_buffer(Q=quality, compression="av1", effort=avif_effort(spec),
+                                     bitdepth=8, subsample_mode="on", keep="none")  # fmt: skip
+    elif fmt == "jpeg":
+        flat = image.flatten(background=list(JPEG_BACKGROUND)) if image.hasalpha() else image
+        data = flat.jpegsave_buffer(Q=quality, subsample_mode="on", optimize_coding=True,
+                                    keep="none")  # fmt: skip
+    elif fmt == "png":
+        data = image.pngsave_buffer(compression=PNG_COMPRESSION, keep="none")
+    else:  # pragma: no cover - formats are validated with the config
+        raise ValueError(f"unknown format {fmt!r}")
+    return data
+
+
+def _timing(image: Any, count: int) -> tuple[list[int], int]:
+    delays = list(image.get("delay")) if image.get_typeof("delay") else []
+    delays = (delays + [100] * count)[:count]
+    loop = int(image.get("loop")) if image.get_typeof("loop") else 0
+    return [d if d > 0 else 100 for d in delays], loop
+
+
+def to_pillow(image: Any) -> Image.Image:
+    """An 8-bit libvips image as a Pillow image (for the smart-crop measure, AVIF frames)."""
+    mode = _PIL_MODES[image.bands]
+    return Image.frombytes(mode, (image.width, image.height), image.write_to_memory())

@@ -1,0 +1,266 @@
+"""Variants beyond the long-edge WebP: boxes, cover crops, formats, animation, one decode.
+
+Handler level (no database, no storage), both backends. Pixel comparisons use `mad` from
+test_handlers (worst-channel mean absolute difference, premultiplied); formats other than
+WebP are decoded by Pillow for it.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+
+import imagegen
+import pytest
+from PIL import Image, ImageChops, ImageDraw, ImageStat
+from test_handlers import PARITY_MAD
+
+from derivd.handlers.base import DeriveSpec, Handler, ResourceLimit, VariantSpec
+from derivd.handlers.geometry import output_size
+from derivd.handlers.registry import create_handler
+
+BACKENDS = ("vips", "pillow")
+MAGIC = {"webp": "WEBP", "avif": "AVIF", "jpeg": "JPEG", "png": "PNG"}
+CONTENT_TYPES = {"webp": "image/webp", "avif": "image/avif", "jpeg": "image/jpeg",
+                 "png": "image/png"}  # fmt: skip
+
+EVERY_OPTION = (
+    VariantSpec("preview", 1600),
+    VariantSpec("card", box=(300, 158), fit="cover", formats=("jpeg", "webp")),
+    VariantSpec("avatar", box=(96, 96), fit="cover", gravity="attention"),
+    VariantSpec("square", box=(120, 120), fit="cover", gravity="entropy", formats=("png",)),
+    VariantSpec("boxed", box=(200, 50), formats=("avif",), quality=50),
+    VariantSpec("lossless", 64, lossless=True),
+    VariantSpec("big", box=(900, 900), upscale=True),
+)
+SPEC = DeriveSpec(variants=EVERY_OPTION)
+# One variant in two formats: two different lossy encoders on the same pixels, each about
+# 1-3 off on small, busy crops (measured up to 4.1 for an 80 x 80 crop); a wrong colour
+# conversion or channel order is 10+ off.
+FORMAT_MAD = 6.0
+
+
+@pytest.fixture(scope="module")
+def both() -> dict[str, Handler]:
+    return {name: create_handler(name, SPEC) for name in BACKENDS}
+
+
+def decode(data: bytes) -> Image.Image:
+    """Premultiplied RGBA of any output format."""
+    rgba = Image.open(io.BytesIO(data)).convert("RGBA")
+    alpha = rgba.getchannel("A")
+    colour = Image.composite(rgba.convert("RGB"), Image.new("RGB", rgba.size), alpha)
+    return Image.merge("RGBA", (*colour.split(), alpha))
+
+
+def mad(a: bytes, b: bytes) -> float:
+    ia, ib = decode(a), decode(b)
+    assert ia.size == ib.size
+    return max(ImageStat.Stat(ImageChops.difference(ia, ib)).mean)
+
+
+def spec_of(*variants: VariantSpec, **limits: int) -> DeriveSpec:
+    return DeriveSpec(variants=variants, **limits)
+
+
+# --- geometry and formats, both backends -----------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["jpeg_baseline", "png_rgba", "jpeg_orientation_6",
+                                  "webp_lossy", "tiff_cmyk"])  # fmt: skip
+def test_every_option_same_dimensions_on_both_backends(both: dict[str, Handler], case: str
+                                                       ) -> None:  # fmt: skip
+    """Names, formats, dimensions identical, in the configured order (the primary first),
+    each object what its Content-Type says; the same pixels within PARITY_MAD (apart from
+    unprofiled CMYK, whose colour differs by design, see test_handlers)."""
+    data = imagegen.case(case)
+    upright = imagegen.DISPLAY_SIZE[case]
+    expected = [(v.name, f, *output_size(*upright, v)) for v in EVERY_OPTION for f in v.formats]
+    results = {b: both[b].derive(data, SPEC) for b in BACKENDS}
+    for out in results.values():
+        assert [(v.name, v.format, v.width, v.height) for v in out] == expected
+        for v in out:
+            with Image.open(io.BytesIO(v.data)) as im:
+                assert (im.format, im.size) == (MAGIC[v.format], (v.width, v.height))
+            assert v.content_type == CONTENT_TYPES[v.format]
+    if case != "tiff_cmyk":
+        for a, b in zip(results["vips"], results["pillow"], strict=True):
+            if a.name not in ("avatar", "square"):  # smart crops: each backend its measure
+                assert mad(a.data, b.data) <= PARITY_MAD, (a.name, a.format)
+
+
+def test_cover_and_inside_geometry() -> None:
+    cover = VariantSpec("c", box=(320, 320), fit="cover")
+    assert output_size(1600, 900, cover) == (320, 320)
+    assert output_size(200, 100, cover) == (200, 100)  # no upscale: what the image can fill
+    assert output_size(1, 20000, cover) == (1, 320)
+    assert output_size(1, 20000, VariantSpec("u", box=(320, 320), fit="cover", upscale=True)
+                       ) == (320, 320)  # fmt: skip
+    assert output_size(1600, 900, VariantSpec("i", box=(320, 320))) == (320, 180)
+    assert output_size(100, 50, VariantSpec("i", box=(320, 320), upscale=True)) == (320, 160)
+    assert output_size(100, 50, VariantSpec("i", 320)) == (100, 50)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("upscale", [False, True])
+def test_a_1x20000_strip_covered_to_320x320(backend: str, upscale: bool) -> None:
+    """The window is cut before any resize: an upscaled cover never builds the
+    320 x 6 400 000 intermediate that resize-then-crop would."""
+    data = imagegen._save(Image.new("RGB", (1, 20_000), (10, 200, 30)), "PNG")
+    spec = spec_of(VariantSpec("c", box=(320, 320), fit="cover", upscale=upscale,
+                               formats=("webp", "avif", "jpeg", "png")))  # fmt: skip
+    out = create_handler(backend, spec).derive(data, spec)
+    size = (320, 320) if upscale else (1, 320)
+    assert [(v.width, v.height) for v in out] == [size] * 4
+    for v in out:
+        pixel = decode(v.data).getpixel((0, size[1] // 2))
+        assert isinstance(pixel, tuple)
+        assert abs(pixel[1] - 200) < 12, (v.format, pixel)
+
+
+def _busy_right_half(width: int = 800, height: int = 300) -> bytes:
+    """Flat grey on the left, saturated noise and edges on the right."""
+    im = Image.new("RGB", (width, height), (128, 128, 128))
+    draw, rng = ImageDraw.Draw(im), random.Random(7)
+    for _ in range(600):
+        x, y = rng.randrange(width // 2 + 20, width), rng.randrange(height)
+        colour = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
+        draw.rectangle((x, y, x + rng.randrange(4, 20), y + rng.randrange(4, 20)), fill=colour)
+    return imagegen._save(im, "PNG")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("gravity", ["attention", "entropy"])
+def test_smart_crop_finds_the_busy_half(backend: str, gravity: str) -> None:
+    spec = spec_of(VariantSpec("c", box=(200, 200), fit="cover", gravity=gravity),
+                   VariantSpec("centre", box=(200, 200), fit="cover"))  # fmt: skip
+    smart, centre = create_handler(backend, spec).derive(_busy_right_half(), spec)
+    grey = (128, 128, 128, 255)
+    flat = [decode(v.data).getpixel((20, 100)) for v in (smart, centre)]
+    assert flat[1] == pytest.approx(grey, abs=3)  # the centre window starts on the flat half
+    assert max(abs(a - b) for a, b in zip(flat[0], grey, strict=False)) > 20
+
+
+# --- odd inputs through every format ---------------------------------------------------------
+
+EVERY_FORMAT = spec_of(
+    VariantSpec("v", 200, formats=("webp", "avif", "jpeg", "png")),
+    VariantSpec("c", box=(80, 80), fit="cover", formats=("webp", "avif", "jpeg", "png")),
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["jpeg_cmyk", "jpeg_cmyk_icc", "tiff_cmyk", "png_rgb16",
+                                  "png_grey16", "png_rgba"])  # fmt: skip
+def test_cmyk_and_16_bit_through_every_format(backend: str, case: str) -> None:
+    """Every format of a variant shows the same picture as its WebP (only the encoders'
+    own losses apart)."""
+    out = create_handler(backend, EVERY_FORMAT).derive(imagegen.case(case), EVERY_FORMAT)
+    assert len(out) == 8
+    for name in ("v", "c"):
+        of = {v.format: v for v in out if v.name == name}
+        for fmt, v in of.items():
+            with Image.open(io.BytesIO(v.data)) as im:
+                assert im.format == MAGIC[fmt]
+                assert im.mode in ("RGB", "RGBA", "L", "LA", "P")
+            # JPEG has no alpha: compare it with the WebP flattened on white.
+            reference = of["webp"].data
+            if fmt == "jpeg" and case == "png_rgba":
+                flat = Image.new("RGBA", (v.width, v.height), (255, 255, 255, 255))
+                flat.alpha_composite(Image.open(io.BytesIO(reference)).convert("RGBA"))
+                buf = io.BytesIO()
+                flat.save(buf, "PNG")
+                reference = buf.getvalue()
+            assert mad(v.data, reference) <= FORMAT_MAD, (name, fmt)
+
+
+# --- animation -------------------------------------------------------------------------------
+
+ANIMATED = spec_of(
+    VariantSpec("anim", 120, formats=("webp", "avif"), animated=True),
+    VariantSpec("still", 120),
+    VariantSpec("card", box=(60, 60), fit="cover", gravity="entropy", animated=True),
+)
+
+
+def frames_of(data: bytes) -> list[tuple[int, int]]:
+    """(mean red, duration ms) of every frame."""
+    with Image.open(io.BytesIO(data)) as im:
+        found = []
+        for index in range(getattr(im, "n_frames", 1)):
+            im.seek(index)
+            rgb = im.convert("RGB")
+            found.append((round(ImageStat.Stat(rgb).mean[0]), int(im.info.get("duration", 0))))
+        return found
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["gif_animated", "webp_animated"])
+def test_animation_kept_when_asked(backend: str, case: str) -> None:
+    count = {"gif_animated": 5, "webp_animated": 4}[case]
+    out = create_handler(backend, ANIMATED).derive(imagegen.case(case), ANIMATED)
+    assert [(v.name, v.format, v.width, v.height) for v in out] == [
+        ("anim", "webp", 120, 90), ("anim", "avif", 120, 90), ("still", "webp", 120, 90),
+        ("card", "webp", 60, 60)]  # fmt: skip
+    for v in out:
+        frames = frames_of(v.data)
+        assert len(frames) == (1 if v.name == "still" else count), (v.name, v.format)
+        assert abs(frames[0][0] - imagegen.FIRST_FRAME_RGB[0]) < 12  # frame 0 first
+        assert all(red < 40 for red, _ in frames[1:])  # then the blue ones, in order
+        if len(frames) > 1:
+            assert all(duration == 80 for _, duration in frames), frames
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "make", [imagegen.gif_10000_frames, imagegen.gif_many_frames,
+             imagegen.gif_frames_times_pixels, imagegen.gif_bomb],
+    ids=["10000_frames", "150_frames", "frames_times_pixels", "one_huge_frame"],
+)  # fmt: skip
+def test_animated_bombs_stop_at_the_header(backend: str, make: imagegen.Factory) -> None:
+    """Few bytes, many or huge frames: refused from the header, animated or not."""
+    with pytest.raises(ResourceLimit):
+        create_handler(backend, ANIMATED).derive(make(), ANIMATED)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frames_times_pixels_counts_every_frame(backend: str) -> None:
+    """5 frames of 240 x 180 = 216 000 px: allowed at exactly that, refused one below."""
+    data = imagegen.gif_animated()
+    exact = spec_of(*ANIMATED.variants, max_pixels=5 * 240 * 180)
+    assert len(create_handler(backend, exact).derive(data, exact)) == 4
+    below = spec_of(*ANIMATED.variants, max_pixels=5 * 240 * 180 - 1)
+    with pytest.raises(ResourceLimit):
+        create_handler(backend, below).derive(data, below)
+
+
+# --- one decode for all variants: parity with the per-variant call it replaced ---------------
+
+PER_VARIANT_CASES = [name for name, _, expected in imagegen.CASES
+                     if expected == "ready" and "animated" not in name]  # fmt: skip
+DEFAULT = DeriveSpec(variants=(VariantSpec("preview", 1600), VariantSpec("thumb", 320)))
+
+
+def per_variant_vips(original: bytes, width: int, height: int) -> bytes:
+    """What the vips handler did before one decode: one thumbnail_buffer per variant."""
+    import pyvips
+
+    from derivd.handlers.vips import read_header, sniff_loader
+
+    icc = read_header(original, sniff_loader(original)).needs_icc
+    image = pyvips.Image.thumbnail_buffer(
+        original, width, height=height, size="force", option_string="fail_on=error",
+        **({"output_profile": "srgb", "intent": "relative"} if icc else {}),
+    )  # fmt: skip
+    data: bytes = image.webpsave_buffer(Q=DEFAULT.quality, effort=DEFAULT.effort, keep="none")
+    return data
+
+
+@pytest.mark.parametrize("case", PER_VARIANT_CASES)
+def test_one_decode_matches_the_per_variant_output(case: str) -> None:
+    """vips derives the thumb from the decoded preview instead of decoding again; the
+    pixels stay within PARITY_MAD of the old per-variant output (Pillow always decoded
+    once, and its other tests pin it)."""
+    data = imagegen.case(case)
+    for v in create_handler("vips", DEFAULT).derive(data, DEFAULT):
+        assert mad(v.data, per_variant_vips(data, v.width, v.height)) <= PARITY_MAD, v.name
