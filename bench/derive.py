@@ -1,14 +1,20 @@
-"""Benchmark the image handlers against the plain library call doing the same work.
+"""Benchmark the image handlers against the plain per-variant library call.
 
-    .venv/bin/python bench/derive.py [--repeat N]
+    .venv/bin/python bench/derive.py [--repeat N] [--out bench/out/derive.json]
 
-For a few realistic generated inputs and both backends, runs our handler and the plain
-library call (same variants, same WebP parameters) each in a fresh subprocess: the median
-wall time of one derivation (all variants) over N runs after one warm-up, and the peak RSS
-of that subprocess (VmHWM from /proc/self/status, read by the child at its end; the
-interpreter and imports count on both sides alike). Not ru_maxrss: Linux carries the
-forking parent's peak across exec into it, which would hide the child's own.
-libvips runs with concurrency 1 on both sides, as a worker does.
+Three variants (1600 inside WebP, 320x320 cover WebP, 1200x630 cover JPEG) on a JPEG, a
+PNG with alpha, a TIFF and a WebP, both backends. "ours" is the handler (one decode at the
+scale the largest variant needs, every variant from it); "plain" is the naive code an
+application would write: per variant, one library call that decodes, resizes (or
+crops) and encodes (`thumbnail_buffer` with `crop=centre` for libvips; open, `draft`,
+`ImageOps.fit`/`thumbnail`, save for Pillow).
+
+Each cell runs in a fresh subprocess: the median wall time of one derivation (all
+variants) over N runs after one warm-up, and the peak RSS of that subprocess (VmHWM from
+/proc/self/status, read by the child at its end; the interpreter and imports count on both
+sides alike). Not ru_maxrss: Linux carries the forking parent's peak across exec into it,
+which would hide the child's own. libvips runs with concurrency 1 on both sides, as a
+worker does. The table is printed and written as JSON (for plots).
 """
 
 from __future__ import annotations
@@ -28,7 +34,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-VARIANTS = (("preview", 1600), ("thumb", 320))
+# (name, width, height, fit, format)
+VARIANTS = (
+    ("preview", 1600, 1600, "inside", "webp"),
+    ("card", 320, 320, "cover", "webp"),
+    ("og", 1200, 630, "cover", "jpeg"),
+)
 QUALITY, EFFORT = 80, 4
 MODES = ("vips", "vips-plain", "pillow", "pillow-plain")
 
@@ -54,9 +65,7 @@ def make_inputs(directory: Path) -> list[tuple[str, Path]]:
             compress_level=6,
         ),
         save("4K.webp", imagegen.scene(3840, 2160), "WEBP", quality=90),
-        save(
-            "12MP-progressive.jpg", imagegen.scene(4000, 3000), "JPEG", quality=90, progressive=True
-        ),
+        save("12MP.tiff", imagegen.scene(4240, 2832), "TIFF", compression="tiff_lzw"),
     ]
 
 
@@ -68,7 +77,9 @@ def _handler(backend: str) -> Callable[[bytes], object]:
     from derivd.handlers.registry import create_handler
 
     spec = DeriveSpec(
-        variants=tuple(VariantSpec(n, e) for n, e in VARIANTS),
+        variants=tuple(
+            VariantSpec(n, box=(w, h), fit=fit, formats=(fmt,)) for n, w, h, fit, fmt in VARIANTS
+        ),
         quality=QUALITY,
         effort=EFFORT,
         concurrency=1,
@@ -83,35 +94,36 @@ def _vips_plain() -> Callable[[bytes], object]:
     pyvips.cache_set_max(0)
     pyvips.concurrency_set(1)
 
-    def run(data: bytes) -> object:
-        return [
-            pyvips.Image.thumbnail_buffer(data, edge, height=edge, size="down").webpsave_buffer(
-                Q=QUALITY, effort=EFFORT, keep="none"
-            )
-            for _, edge in VARIANTS
-        ]
+    def one(data: bytes, width: int, height: int, fit: str, fmt: str) -> bytes:
+        crop = {"crop": "centre"} if fit == "cover" else {}
+        image = pyvips.Image.thumbnail_buffer(data, width, height=height, size="down", **crop)
+        if fmt == "jpeg":
+            flat = image.flatten(background=[255, 255, 255]) if image.hasalpha() else image
+            return flat.jpegsave_buffer(Q=QUALITY, keep="none")  # type: ignore[no-any-return]
+        return image.webpsave_buffer(Q=QUALITY, effort=EFFORT, keep="none")  # type: ignore[no-any-return]
 
-    return run
+    return lambda data: [one(data, w, h, fit, fmt) for _, w, h, fit, fmt in VARIANTS]
 
 
 def _pillow_plain() -> Callable[[bytes], object]:
     from PIL import Image, ImageOps
 
-    def run(data: bytes) -> object:
+    def one(data: bytes, width: int, height: int, fit: str, fmt: str) -> bytes:
         with Image.open(io.BytesIO(data)) as im:
-            edge = max(e for _, e in VARIANTS)
-            im.draft("RGB", (edge, edge))
-            base = ImageOps.exif_transpose(im)
-            out = []
-            for _, edge in VARIANTS:
-                small = base.copy()
-                small.thumbnail((edge, edge), Image.Resampling.LANCZOS, reducing_gap=3.0)
-                buf = io.BytesIO()
-                small.save(buf, "WEBP", quality=QUALITY, method=EFFORT)
-                out.append(buf.getvalue())
-            return out
+            im.draft("RGB", (width, height))
+            image = ImageOps.exif_transpose(im)
+            if fit == "cover":
+                image = ImageOps.fit(image, (width, height), Image.Resampling.LANCZOS)
+            else:
+                image.thumbnail((width, height), Image.Resampling.LANCZOS, reducing_gap=3.0)
+            buf = io.BytesIO()
+            if fmt == "jpeg":
+                image.convert("RGB").save(buf, "JPEG", quality=QUALITY)
+            else:
+                image.save(buf, "WEBP", quality=QUALITY, method=EFFORT)
+            return buf.getvalue()
 
-    return run
+    return lambda data: [one(data, w, h, fit, fmt) for _, w, h, fit, fmt in VARIANTS]
 
 
 def child(mode: str, path: str, repeat: int) -> None:
@@ -170,6 +182,7 @@ def versions() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "derive.json")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -179,6 +192,7 @@ def main() -> None:
     print(f"variants={VARIANTS} quality={QUALITY} effort={EFFORT} median of {args.repeat}")
     header = f"{'input':22} {'backend':7} {'ours ms':>8} {'plain ms':>9} {'ratio':>6}"
     print(header + f" {'ours MiB':>9} {'plain MiB':>10} {'idle MiB':>9}")
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in make_inputs(Path(tmp)):
             for backend in ("vips", "pillow"):
@@ -186,8 +200,20 @@ def main() -> None:
                 plain_t, plain_m, _ = measure(f"{backend}-plain", path, args.repeat)
                 print(
                     f"{name:22} {backend:7} {ours_t * 1000:8.0f} {plain_t * 1000:9.0f}"
-                    f" {ours_t / plain_t:6.2f} {ours_m:9.0f} {plain_m:10.0f} {idle_m:9.0f}"
+                    f" {ours_t / plain_t:6.2f} {ours_m:9.0f} {plain_m:10.0f} {idle_m:9.0f}",
+                    flush=True,
                 )
+                rows.append({"input": name, "backend": backend, "ours_ms": ours_t * 1000,
+                             "plain_ms": plain_t * 1000, "ratio": ours_t / plain_t,
+                             "ours_peak_mib": ours_m, "plain_peak_mib": plain_m,
+                             "idle_mib": idle_m})  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "bench": "derive", "versions": versions(), "repeat": args.repeat,
+        "variants": [dict(zip(("name", "width", "height", "fit", "format"), v, strict=True))
+                     for v in VARIANTS],
+        "quality": QUALITY, "effort": EFFORT, "rows": rows}, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

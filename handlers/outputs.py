@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from PIL import Image, ImageFilter, ImageStat
 
-from derivd.handlers.base import DeriveSpec, VariantSpec
+from derivd.handlers.base import AVIF_MAX_PIXELS, DeriveSpec, ResourceLimit, VariantSpec
 from derivd.handlers.geometry import Window
 
 PNG_COMPRESSION = 6
@@ -49,6 +49,14 @@ def avif_effort(spec: DeriveSpec) -> int:
 def avif_speed(spec: DeriveSpec) -> int:
     """Pillow/libavif `speed` with the same aom cpu-used as `avif_effort`."""
     return 9 - avif_effort(spec)
+
+
+def check_avif_size(frames: int, width: int, height: int) -> None:
+    """An animated AVIF counts every frame (a still one is bounded by the config check)."""
+    if frames * width * height > AVIF_MAX_PIXELS:
+        raise ResourceLimit(
+            f"avif of {frames} x {width}x{height} px > AVIF_MAX_PIXELS {AVIF_MAX_PIXELS}"
+        )
 
 
 def best_window(image: Image.Image, window: Window, gravity: str) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from derivd.handlers.outputs import (
     PNG_COMPRESSION,
     avif_speed,
     best_window,
+    check_avif_size,
     quality_of,
 )
 
@@ -102,6 +103,7 @@ def encode(
         first.save(buf, "WEBP", quality=quality, method=spec.effort, lossless=variant.lossless,
                    **animation)  # fmt: skip
     elif fmt == "avif":
+        check_avif_size(len(frames), *first.size)
         first.save(buf, "AVIF", quality=quality, speed=avif_speed(spec), subsampling="4:2:0",
                    max_threads=spec.concurrency, **animation)  # fmt: skip
     elif fmt == "jpeg":

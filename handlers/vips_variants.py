@@ -27,6 +27,7 @@ from derivd.handlers.outputs import (
     PNG_COMPRESSION,
     avif_effort,
     best_window,
+    check_avif_size,
     quality_of,
 )
 from derivd.handlers.pillow_variants import encode as pillow_encode
@@ -80,8 +81,10 @@ def derive_variants(
     base: Any, page_height: int, upright: tuple[int, int], spec: DeriveSpec
 ) -> list[DerivedVariant]:
     outputs = sum(len(v.formats) for v in spec.variants)
-    if outputs > 1:
-        base = base.copy_memory()  # decode once; every variant reads these pixels
+    # Decode once: every variant reads these pixels. A single output streams, unless it
+    # crops or grows the image (both read the base out of order).
+    if outputs > 1 or any(v.fit == "cover" or v.upscale for v in spec.variants):
+        base = base.copy_memory()
     count = max(1, base.height // page_height)
     frames = [base.crop(0, i * page_height, base.width, page_height) for i in range(count)]
     out: list[DerivedVariant] = []
@@ -145,6 +148,7 @@ def encode(image: Any, frames: list[Any], fmt: str, variant: VariantSpec, spec: 
         pil = [to_pillow(frame) for frame in frames]
         data = pillow_encode(pil, durations, loop, "avif", variant, spec)
     elif fmt == "avif":
+        check_avif_size(1, image.width, image.height)
         data = image.heifsave_buffer(Q=quality, compression="av1", effort=avif_effort(spec),
                                      bitdepth=8, subsample_mode="on", keep="none")  # fmt: skip
     elif fmt == "jpeg":

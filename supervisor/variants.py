@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from derivd.handlers.base import ANIMATED_FORMATS, FORMATS, VariantSpec
+from derivd.handlers.base import ANIMATED_FORMATS, AVIF_MAX_PIXELS, FORMATS, VariantSpec
 
 if TYPE_CHECKING:
     from derivd.config import VariantSettings
@@ -152,6 +152,9 @@ def _from_section(
     if values.animated and not set(formats) <= ANIMATED_FORMATS:
         problem("animated", f"{_others(formats, ANIMATED_FORMATS)} cannot hold an animation; "
                 "use webp or avif")  # fmt: skip
+    if "avif" in formats and _area(size) > AVIF_MAX_PIXELS:
+        problem("size", f"avif holds at most {AVIF_MAX_PIXELS:,} px (4096x4096); an EDGE "
+                "bounds EDGE x EDGE")  # fmt: skip
     if values.quality and formats == ("png",):
         problem("quality", "png is lossless: quality does not apply")
     problems.extend(found)
@@ -169,6 +172,10 @@ def _from_section(
         upscale=values.upscale,
         animated=values.animated,
     )
+
+
+def _area(size: int | tuple[int, int]) -> int:
+    return size[0] * size[1] if isinstance(size, tuple) else size * size
 
 
 def _others(formats: tuple[str, ...], allowed: frozenset[str] | set[str]) -> str:

@@ -59,6 +59,8 @@ BAD: list[tuple[dict[str, str], str]] = [
      "[variant:v] animated: png cannot hold an animation"),
     ({"size": "320", "format": "png", "quality": "50"}, "[variant:v] quality: png is lossless"),
     ({"size": "320", "quality": "101"}, "[variant:v] quality: must be between 0 and 100"),
+    ({"size": "4097x4096", "format": "webp, avif"}, "[variant:v] size: avif holds at most"),
+    ({"size": "5000", "format": "avif"}, "[variant:v] size: avif holds at most"),
 ]  # fmt: skip
 
 

@@ -8,14 +8,25 @@ WebP are decoded by Pillow for it.
 from __future__ import annotations
 
 import io
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import imagegen
 import pytest
 from PIL import Image, ImageChops, ImageDraw, ImageStat
 from test_handlers import PARITY_MAD
 
-from derivd.handlers.base import DeriveSpec, Handler, ResourceLimit, VariantSpec
+from derivd.config import SupervisorSettings
+from derivd.handlers.base import (
+    AVIF_MAX_PIXELS,
+    DeriveSpec,
+    Handler,
+    ResourceLimit,
+    VariantSpec,
+)
 from derivd.handlers.geometry import output_size
 from derivd.handlers.registry import create_handler
 
@@ -224,8 +235,11 @@ def test_animated_bombs_stop_at_the_header(backend: str, make: imagegen.Factory)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_frames_times_pixels_counts_every_frame(backend: str) -> None:
+def test_frames_times_pixels_counts_every_frame(backend: str, monkeypatch: pytest.MonkeyPatch
+                                                ) -> None:  # fmt: skip
     """5 frames of 240 x 180 = 216 000 px: allowed at exactly that, refused one below."""
+    # The Pillow handler sets this process-wide from max_pixels; undo it for later tests.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)
     data = imagegen.gif_animated()
     exact = spec_of(*ANIMATED.variants, max_pixels=5 * 240 * 180)
     assert len(create_handler(backend, exact).derive(data, exact)) == 4
@@ -264,3 +278,40 @@ def test_one_decode_matches_the_per_variant_output(case: str) -> None:
     data = imagegen.case(case)
     for v in create_handler("vips", DEFAULT).derive(data, DEFAULT):
         assert mad(v.data, per_variant_vips(data, v.width, v.height)) <= PARITY_MAD, v.name
+
+
+# --- AVIF at the largest size the config allows ------------------------------------------------
+
+AVIF_PEAK = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+import imagegen
+from derivd.handlers.base import DeriveSpec, VariantSpec
+from derivd.handlers.registry import create_handler
+
+def peak_mib():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+
+spec = DeriveSpec(variants=(VariantSpec("v", box=(4096, 4096), fit="cover", upscale=True,
+                                        formats=("avif",)),))
+handler = create_handler({backend!r}, spec)
+(out,) = handler.derive(imagegen._save(imagegen.scene(640, 640), "PNG"), spec)
+print(json.dumps({{"size": [out.width, out.height], "magic": out.data[4:12].decode(),
+                  "peak_mib": peak_mib()}}))
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_largest_allowed_avif_fits_the_worker_memory_bound(backend: str) -> None:
+    """4096 x 4096 (AVIF_MAX_PIXELS, the most `config check` lets an avif variant ask for)
+    encodes in a fresh process whose peak RSS stays under the default recycle bound."""
+    assert AVIF_MAX_PIXELS == 4096 * 4096
+    tests = str(Path(__file__).parent)
+    run = subprocess.run([sys.executable, "-c", AVIF_PEAK.format(tests=tests, backend=backend)],
+                         capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
+    result = json.loads(run.stdout)
+    assert result["size"] == [4096, 4096] and result["magic"] == "ftypavif"
+    assert result["peak_mib"] < SupervisorSettings().max_worker_rss_mb, result

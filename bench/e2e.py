@@ -1,0 +1,207 @@
+"""End to end: the whole daemon against a naive process-pool loop of the same library.
+
+    .venv/bin/python bench/e2e.py [--images 24] [--workers 2] [--backends vips pillow]
+
+A mixed set of photo-like originals (8-24 MP JPEG, 8-12 MP PNG: a scene with grain, so the
+encoders have texture to work on) is derived with the default variants
+(`preview:1600, thumb:320`, WebP quality 80 effort 4) twice per backend:
+
+- derivd: `derivd run --burst` with `[supervisor] workers = N`: the queue on an embedded
+  PostgreSQL (fsync on), the fs store (each object fsynced), fenced commits, the lot.
+  Time: first claim to last finish, from the rows (database clock).
+- naive: a `multiprocessing.Pool(N)` mapping one function over the files: per variant,
+  one library call that decodes, resizes and encodes (libvips `thumbnail_buffer` +
+  `webpsave_buffer` at its default concurrency; Pillow open, `draft`, `thumbnail`, save),
+  output written to a file. Time: the map, after the pool started.
+
+Same cores, same images, same encoder settings. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+from common import ROOT, cluster, fresh_db, machine, table
+
+from derivd.storage.fs import FsStorage
+
+DERIVD = Path(sys.executable).parent / "derivd"
+VARIANTS = (("preview", 1600), ("thumb", 320))
+QUALITY, EFFORT = 80, 4
+# (megapixels, width, height, format): cycled to make the set.
+SHAPES = (
+    (24, 6000, 4000, "JPEG"),
+    (12, 4240, 2832, "PNG"),
+    (8, 3464, 2309, "JPEG"),
+    (16, 4899, 3266, "JPEG"),
+    (8, 2309, 3464, "PNG"),
+    (12, 4240, 2832, "JPEG"),
+)
+
+
+def make_inputs(folder: Path, count: int) -> list[Path]:
+    """Photo-like originals, cached in `folder` between runs."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import imagegen
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for n in range(count):
+        _mp, width, height, fmt = SHAPES[n % len(SHAPES)]
+        path = folder / f"{n:03d}-{width}x{height}.{fmt.lower()}"
+        paths.append(path)
+        if path.exists():
+            continue
+        rng = random.Random(n)
+        scene = imagegen.scene(width, height)
+        grain = Image.effect_noise((width, height), 24 + rng.randrange(16)).convert("RGB")
+        photo = Image.blend(scene, grain, 0.25)
+        photo.save(path, fmt, **({"quality": 90} if fmt == "JPEG" else {"compress_level": 6}))
+    return paths
+
+
+# --- naive loop ---------------------------------------------------------------------------
+
+
+def _naive_vips(path: str, out: str) -> None:
+    import pyvips
+
+    data = Path(path).read_bytes()
+    for name, edge in VARIANTS:
+        image = pyvips.Image.thumbnail_buffer(data, edge, height=edge, size="down")
+        Path(f"{out}.{name}.webp").write_bytes(
+            image.webpsave_buffer(Q=QUALITY, effort=EFFORT, keep="none")
+        )
+
+
+def _naive_pillow(path: str, out: str) -> None:
+    from PIL import Image, ImageOps
+
+    data = Path(path).read_bytes()
+    for name, edge in VARIANTS:
+        with Image.open(io.BytesIO(data)) as im:
+            im.draft("RGB", (edge, edge))
+            image = ImageOps.exif_transpose(im)
+            image.thumbnail((edge, edge), Image.Resampling.LANCZOS, reducing_gap=3.0)
+            image.save(f"{out}.{name}.webp", "WEBP", quality=QUALITY, method=EFFORT)
+
+
+def _naive_task(args: tuple[str, str, str]) -> None:
+    backend, path, out = args
+    (_naive_vips if backend == "vips" else _naive_pillow)(path, out)
+
+
+def _warm(_: int) -> None:
+    import pyvips  # noqa: F401  # both libraries loaded before the clock starts
+    from PIL import Image  # noqa: F401
+
+
+def run_naive(backend: str, paths: list[Path], workers: int, work: Path) -> float:
+    out = work / f"naive-{backend}"
+    out.mkdir(exist_ok=True)
+    tasks = [(backend, str(p), str(out / p.stem)) for p in paths]
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(workers) as pool:
+        pool.map(_warm, range(workers))
+        started = time.perf_counter()
+        pool.map(_naive_task, tasks, chunksize=1)
+        return time.perf_counter() - started
+
+
+# --- derivd -------------------------------------------------------------------------------
+
+
+def run_derivd(pg: object, backend: str, paths: list[Path], workers: int, work: Path) -> float:
+    dsn = fresh_db(pg, f"e2e_{backend}")  # type: ignore[arg-type]
+    store = work / f"objects-{backend}"
+    storage = FsStorage(store)
+    rows = []
+    for path in paths:
+        key = f"originals/{path.stem}"
+        rows.append((key, storage.put(key, path.read_bytes(), "application/octet-stream")))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with conn.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO archive_files (status, original_key, original_version)"
+                " VALUES ('queued', %s, %s)",
+                rows,
+            )
+        conn.execute("VACUUM (ANALYZE) archive_files")
+    ini = work / f"derivd-{backend}.ini"
+    ini.write_text(
+        f"[database]\ndsn = {dsn}\n[storage]\nbackend = fs\nroot = {store}\n"
+        f"[supervisor]\nworkers = {workers}\nstate_dir = {work / 'state'}\n"
+        f"[derive]\nbackend = {backend}\nquality = {QUALITY}\neffort = {EFFORT}\n"
+        f"variants = {', '.join(f'{n}:{e}' for n, e in VARIANTS)}\n",
+        encoding="utf-8",
+    )
+    with (work / f"derivd-{backend}.log").open("w") as log:
+        subprocess.run([str(DERIVD), "-c", str(ini), "run", "--burst"], stdout=log,
+                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=True)  # fmt: skip
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*) FILTER (WHERE status = 'ready'),"
+            "       extract(epoch FROM max(finished_at) - min(claimed_at))::float8"
+            "  FROM archive_files"
+        ).fetchone()
+    assert row is not None
+    if row[0] != len(paths):
+        raise SystemExit(f"derivd ({backend}) left {len(paths) - row[0]} images unfinished")
+    return float(row[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=24)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--backends", nargs="+", default=["vips", "pillow"])
+    parser.add_argument("--inputs", type=Path, default=ROOT / "bench" / "out" / "e2e-inputs")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "e2e.json")
+    args = parser.parse_args()
+    print("generating inputs ...", file=sys.stderr, flush=True)
+    paths = make_inputs(args.inputs, args.images)
+    megapixels = sum(int(p.stem.split("-")[1].split("x")[0]) * int(p.stem.split("x")[1])
+                     for p in paths) / 1e6  # fmt: skip
+    results = []
+    with cluster() as pg, tempfile.TemporaryDirectory(prefix="derivd-e2e-") as tmp:
+        work = Path(tmp)
+        os.chmod(work, 0o755)
+        for backend in args.backends:
+            print(f"{backend}: naive pool ...", file=sys.stderr, flush=True)
+            naive = run_naive(backend, paths, args.workers, work)
+            print(f"{backend}: derivd ...", file=sys.stderr, flush=True)
+            ours = run_derivd(pg, backend, paths, args.workers, work)
+            results.append({"backend": backend, "images": len(paths), "workers": args.workers,
+                            "megapixels": megapixels, "derivd_s": ours, "naive_s": naive,
+                            "derivd_images_per_s": len(paths) / ours,
+                            "naive_images_per_s": len(paths) / naive,
+                            "speedup": naive / ours})  # fmt: skip
+        lines = machine(pg.dsn())
+    print("\n".join(lines))
+    print(f"{len(paths)} images, {megapixels:.0f} MP in all, {args.workers} workers / processes, "
+          f"variants {VARIANTS}, WebP q{QUALITY} effort {EFFORT}")  # fmt: skip
+    print(table(
+        ["backend", "derivd s", "naive s", "derivd img/s", "naive img/s", "derivd / naive"],
+        [[r["backend"], r["derivd_s"], r["naive_s"], r["derivd_images_per_s"],
+          r["naive_images_per_s"], f"{r['speedup']:.2f}x"] for r in results],
+    ))  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"bench": "e2e", "machine": lines, "results": results},
+                                   indent=2) + "\n")  # fmt: skip
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
