@@ -1,8 +1,9 @@
 """The handler contract shared by every backend.
 
 A handler is created once per worker process, after fork, and then called once per
-job with the original's bytes. It returns one `DerivedVariant` per configured variant,
-in the configured order, or raises an outcome from `derivd.errors`:
+job with the original's bytes. It returns one `DerivedVariant` per configured variant and
+format (`VariantSpec.formats`), in the configured order (the first is the primary), or
+raises an outcome from `derivd.errors`:
 `UnsupportedContent`, `CorruptContent`, `ResourceLimit` (permanent) or `Transient`.
 """
 
