@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from configs import make_config
+from fixtures.work import run_one
 from PIL import Image
 from test_pipeline import enqueue_bytes, jpeg
 
@@ -52,7 +53,7 @@ def test_every_variant_and_format_is_stored_and_recorded(  # type: ignore[no-unt
         derive={"backend": backend}))  # fmt: skip
     worker = make_worker(config, dsn)
     (file_id,) = enqueue_bytes(tmp_path, worker.storage, dsn, {"a.jpg": jpeg(640, 480)})
-    result = worker.run_once()
+    result = run_one(worker)
     assert result is not None and result.outcome == "ready"
     job_token = result.job.token
     stored = {(v.name, v.format): v for v in worker.queue.file_variants(file_id)}

@@ -250,8 +250,10 @@ def test_frames_times_pixels_counts_every_frame(backend: str, monkeypatch: pytes
 
 # --- one decode for all variants: parity with the per-variant call it replaced ---------------
 
-PER_VARIANT_CASES = [name for name, _, expected in imagegen.CASES
-                     if expected == "ready" and "animated" not in name]  # fmt: skip
+# CIELAB TIFF never went through a plain thumbnail_buffer (libvips refuses it; the handler
+# relabels it), so there is no per-variant call to compare it with.
+PER_VARIANT_CASES = [name for name, _, expected in imagegen.CASES if expected == "ready"
+                     and "animated" not in name and name != "tiff_cielab"]  # fmt: skip
 DEFAULT = DeriveSpec(variants=(VariantSpec("preview", 1600), VariantSpec("thumb", 320)))
 
 
