@@ -55,8 +55,15 @@ def env_for(fs_root: Path) -> Callable[[str], dict[str, str]]:
     return env
 
 
-def commands(original: Path) -> list[tuple[str, ...]]:
-    return [
+def assert_every_command_refuses(
+    run_cli: RunCli, env: dict[str, str], tmp_path: Path, fs_root: Path,
+    *words: str, also: tuple[tuple[str, ...], ...] = (),
+) -> None:
+    """Each command that needs the schema exits 3 with one line holding `words`, prints
+    nothing on stdout and leaves the store empty (enqueue uploads nothing)."""
+    original = tmp_path / "photo.jpg"
+    original.write_bytes(b"\xff\xd8\xff not really a jpeg")
+    commands = [
         ("run", "--burst"),
         ("enqueue", str(original)),
         ("retry", "1"),
@@ -64,28 +71,24 @@ def commands(original: Path) -> list[tuple[str, ...]]:
         ("delete", "1"),
         ("sweep",),
         ("status",),
+        *also,
     ]
-
-
-def one_line(result: subprocess.CompletedProcess[str]) -> str:
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
+    for args in commands:
+        result = run_cli(*args, env=env, cwd=tmp_path)
+        assert result.returncode == 3, (args, result.stderr)
+        assert "Traceback" not in result.stderr, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, (args, result.stderr)
+        assert all(word in lines[0] for word in words), (args, lines[0])
+        assert result.stdout == "", args
+    assert list(fs_root.rglob("*")) == [], "enqueue stored an object for a row it cannot add"
 
 
 def test_every_command_refuses_a_database_never_migrated(
     run_cli: RunCli, empty_dsn: str, env_for: Callable[[str], dict[str, str]], fs_root: Path,
     tmp_path: Path,
 ) -> None:
-    original = tmp_path / "photo.jpg"
-    original.write_bytes(b"\xff\xd8\xff not really a jpeg")
-    for args in commands(original):
-        result = run_cli(*args, env=env_for(empty_dsn), cwd=tmp_path)
-        assert result.returncode == 3, (args, result.stderr)
-        assert one_line(result) == NO_SCHEMA, args
-        assert result.stdout == "", args
-    assert list(fs_root.rglob("*")) == [], "enqueue stored an object for a row it cannot add"
+    assert_every_command_refuses(run_cli, env_for(empty_dsn), tmp_path, fs_root, NO_SCHEMA)
 
 
 def test_a_schema_behind_this_version_is_refused(
@@ -94,14 +97,9 @@ def test_a_schema_behind_this_version_is_refused(
 ) -> None:
     last = migrations()[-1].name
     sql(dsn, "DELETE FROM derivd_migrations WHERE name = %s", (last,))
-    original = tmp_path / "photo.jpg"
-    original.write_bytes(b"x")
-    for args in commands(original):
-        result = run_cli(*args, env=env_for(dsn), cwd=tmp_path)
-        assert result.returncode == 3, (args, result.stderr)
-        line = one_line(result)
-        assert "schema is behind" in line and last in line and "derivd migrate" in line, line
-    assert list(fs_root.rglob("*")) == []
+    assert_every_command_refuses(
+        run_cli, env_for(dsn), tmp_path, fs_root, "schema is behind", last, "derivd migrate"
+    )
 
 
 def test_a_schema_newer_than_this_version_is_refused(
@@ -109,14 +107,10 @@ def test_a_schema_newer_than_this_version_is_refused(
     tmp_path: Path,
 ) -> None:
     sql(dsn, "INSERT INTO derivd_migrations (name) VALUES (%s)", (FUTURE,))
-    original = tmp_path / "photo.jpg"
-    original.write_bytes(b"x")
-    for args in [*commands(original), ("migrate",)]:
-        result = run_cli(*args, env=env_for(dsn), cwd=tmp_path)
-        assert result.returncode == 3, (args, result.stderr)
-        line = one_line(result)
-        assert "schema is newer" in line and FUTURE in line and "upgrade derivd" in line, line
-    assert list(fs_root.rglob("*")) == []
+    assert_every_command_refuses(
+        run_cli, env_for(dsn), tmp_path, fs_root, "schema is newer", FUTURE, "upgrade derivd",
+        also=(("migrate",),),
+    )
 
 
 def test_a_current_schema_passes_the_check(

@@ -4,7 +4,6 @@ time, outages. Guards are crossed by ageing the rows' timestamps, never by sleep
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from fixtures.faultproxy import FaultProxy
 from fixtures.pgbouncer import DIRECT_FOR
 from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY
 from fixtures.work import claim_one, commit_one
-from helpers import sql
+from helpers import sql, wait_for
 
 from derivd.ops.sweep import Sweeper, SweepLeaseLost, SweepReport, sweep_once
 from derivd.queue.db import Job, QueueDB, StoredVariant
@@ -323,10 +322,7 @@ def test_sweep_once_uses_its_own_connection_and_closes_it(dsn: str, fs_root: Pat
         ))
 
     # A backend leaves pg_stat_activity shortly after its client hangs up.
-    deadline = time.monotonic() + 30
-    while sweep_sessions() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sweep_sessions() == 0
+    wait_for(lambda: sweep_sessions() == 0, "the sweep's session to end", 30)
 
 
 def test_sweep_once_reports_an_unreachable_database(fs_root: Path) -> None:
