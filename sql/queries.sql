@@ -480,3 +480,37 @@ CREATE DATABASE {name} TEMPLATE {template};
 
 -- name: drop_database
 DROP DATABASE IF EXISTS {name} WITH (FORCE);
+
+-- name: client_enqueue
+-- derivd.client.enqueue: one confirmed original (key and version id) becomes `queued`.
+-- The same statement any upload API may run in any language (see the README).
+INSERT INTO archive_files (status, original_key, original_version)
+VALUES ('queued', %(key)s, %(version)s)
+RETURNING id;
+
+-- name: listen_finished
+-- derivd.client.wait: sql/migrations/0007_finished_notify.sql notifies this channel with a
+-- row's id when it becomes ready, rejected, deleting or deleted.
+LISTEN derivd_finished;
+
+-- name: unlisten_finished
+UNLISTEN derivd_finished;
+
+-- name: client_status
+-- derivd.client.wait: the row's status now (no row: the id is unknown).
+SELECT status FROM archive_files WHERE id = %(id)s;
+
+-- name: client_result
+-- derivd.client.result: the row and every variant (format from the stored key's
+-- extension: keys are `derived/<id>/<token>/<variant>.<ext>`; only a ready row's
+-- variants are official). No row: unknown id.
+SELECT f.status, f.error_code,
+       coalesce((SELECT jsonb_agg(jsonb_build_object(
+                    'name', v.name, 'key', v.key, 'version', v.version,
+                    'format', lower(substring(v.key FROM '\.([A-Za-z0-9]+)$')),
+                    'width', v.width, 'height', v.height, 'sha256', v.sha256)
+                  ORDER BY v.name)
+                   FROM archive_variants AS v
+                  WHERE v.file_id = f.id AND f.status = 'ready'), '[]'::jsonb) AS variants
+  FROM archive_files AS f
+ WHERE f.id = %(id)s;

@@ -454,6 +454,29 @@ class QueueDB:
         return [StoredVariant(**r) for r in self._all("file_variants", {"id": file_id})]
 
 
+    # -- derivd.client: upload APIs, on the caller's own connection --------------------
+
+    def enqueue_one(self, key: str, version: str) -> int:
+        row = self._one("client_enqueue", {"key": key, "version": version})
+        assert row is not None  # INSERT … RETURNING always returns its row
+        return int(row["id"])
+
+    def listen_finished(self) -> None:
+        self._all("listen_finished")
+
+    def unlisten_finished(self) -> None:
+        self._all("unlisten_finished")
+
+    def status_of(self, file_id: int) -> str | None:
+        """The row's status, or None when no row has this id."""
+        row = self._one("client_status", {"id": file_id})
+        return None if row is None else str(row["status"])
+
+    def client_result(self, file_id: int) -> dict[str, Any] | None:
+        """Status, error code and (for a ready row) every variant; None: unknown id."""
+        return self._one("client_result", {"id": file_id})
+
+
 class ClusterAdmin:
     """Database-level statements on a maintenance connection (autocommit: CREATE
     DATABASE cannot run in a transaction). Names are composed as identifiers."""

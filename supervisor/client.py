@@ -1,0 +1,177 @@
+"""`derivd.client`: what a Python upload API needs, on connections it owns.
+
+    file_id = enqueue(conn, key, version)     # after the PUT to the versioned bucket
+    status = wait(conn, file_id, timeout=30)  # 'ready', 'rejected', ... or None
+    done = result(conn, file_id)              # status, error code, every variant
+
+Connections: any psycopg 3 connection, in autocommit mode or not.
+
+- autocommit: each call is its own statement, visible to derivd at once.
+- not autocommit: `enqueue` and `result` run inside the caller's transaction (the row is
+  claimable, and the wake-up sent, when the caller commits). `wait` needs the connection
+  outside a transaction (PostgreSQL delivers notifications only between transactions):
+  it raises ConnectionBusy otherwise, and commits the short transactions it opens itself.
+
+`wait` LISTENs on `derivd_finished` (sql/migrations/0007_finished_notify.sql: the payload
+is the row id only), reads the row, and sleeps on the connection until the row's id
+arrives, so a file that finished before `wait` began is seen by the read. Through a
+transaction-mode pooler (PgBouncer) LISTEN does not work: give `wait` a direct
+connection. It UNLISTENs before returning, and expects no notify handler on the
+connection (psycopg >= 3.2.4 then keeps notifications that arrive during a query for
+`notifies()`; with a handler it hands them to the handler only).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from derivd.queue.db import QueueDB
+
+CHANNEL = "derivd_finished"
+# `deleting` counts: a file on its way out will never become ready.
+FINAL = frozenset({"ready", "rejected", "deleting", "deleted"})
+
+__all__ = [
+    "CHANNEL",
+    "FINAL",
+    "ClientError",
+    "ConnectionBusy",
+    "MissingVersion",
+    "Result",
+    "UnknownFile",
+    "Variant",
+    "enqueue",
+    "result",
+    "wait",
+]
+
+
+class ClientError(Exception):
+    """Base class of the errors derivd.client raises for wrong use."""
+
+
+class MissingVersion(ClientError, ValueError):
+    """enqueue without the original's version id."""
+
+
+class UnknownFile(ClientError, LookupError):
+    """No row has this id."""
+
+
+class ConnectionBusy(ClientError):
+    """wait() on a connection inside a transaction: no notification could arrive."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    key: str
+    version: str
+    format: str
+    width: int
+    height: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Result:
+    id: int
+    status: str
+    error_code: str | None
+    variants: tuple[Variant, ...]
+
+
+def enqueue(conn: psycopg.Connection[Any], original_key: str, original_version: str) -> int:
+    """Queue a stored original, read later by key AND version id. Returns the row id."""
+    if not isinstance(original_key, str) or not original_key.strip():
+        raise ValueError("original_key is required: the key the original was stored under")
+    if not isinstance(original_version, str) or not original_version.strip():
+        raise MissingVersion(
+            "original_version is required: store the original in a versioned bucket and "
+            "pass the version id its PUT returned (derivd reads originals by version)"
+        )
+    return QueueDB(conn).enqueue_one(original_key, original_version)
+
+
+def wait(conn: psycopg.Connection[Any], file_id: int, timeout: float) -> str | None:
+    """Block until the file reaches a final status (ready, rejected, deleting, deleted)
+    and return it; None when `timeout` seconds pass first. UnknownFile at once for an id
+    no row has; ConnectionBusy when the connection is inside a transaction."""
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        raise ConnectionBusy(
+            "wait() needs a connection outside any transaction: commit or roll back first "
+            "(notifications are only delivered between transactions)"
+        )
+    deadline = time.monotonic() + max(0.0, timeout)
+    queue = QueueDB(conn)
+    with _own(conn):
+        queue.listen_finished()
+    try:
+        # Listening before reading: a file that finishes after the read notifies us; one
+        # that finished before is seen by the read.
+        while True:
+            with _own(conn):
+                status = queue.status_of(file_id)
+            if status is None:
+                raise UnknownFile(f"no file with id {file_id}")
+            if status in FINAL:
+                return status
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not _notified(conn, file_id, remaining):
+                return None
+    finally:
+        if not (conn.closed or conn.broken):
+            with _own(conn):
+                queue.unlisten_finished()
+
+
+def result(conn: psycopg.Connection[Any], file_id: int) -> Result:
+    """The file's status, error code and variants (empty unless ready). UnknownFile for
+    an id no row has."""
+    with _own(conn):
+        row = QueueDB(conn).client_result(file_id)
+    if row is None:
+        raise UnknownFile(f"no file with id {file_id}")
+    return Result(
+        id=file_id,
+        status=str(row["status"]),
+        error_code=row["error_code"],
+        variants=tuple(Variant(**v) for v in row["variants"]),
+    )
+
+
+def _notified(conn: psycopg.Connection[Any], file_id: int, timeout: float) -> bool:
+    """Sleep on the connection until `file_id` is announced (True) or `timeout` (False).
+    Each batch is read to its end: leaving psycopg's generator early drops the rest of a
+    packet, which may hold the caller's own notifications on other channels."""
+    deadline = time.monotonic() + timeout
+    wanted = str(file_id)
+    while (remaining := deadline - time.monotonic()) > 0:
+        seen = list(conn.notifies(timeout=remaining, stop_after=1))
+        if any(n.channel == CHANNEL and n.payload == wanted for n in seen):
+            return True
+    return False
+
+
+@contextmanager
+def _own(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """Around our statements: on a non-autocommit connection that was idle, end the
+    transaction they open (commit, or roll back on error), so none is left open behind
+    the caller and notifications keep arriving. Inside the caller's transaction, or in
+    autocommit, do nothing."""
+    owned = not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE
+    try:
+        yield
+    except BaseException:
+        if owned and not (conn.closed or conn.broken):
+            conn.rollback()
+        raise
+    if owned:
+        conn.commit()
