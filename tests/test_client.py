@@ -10,6 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from fixtures.work import claim_one, commit_one
 
 from derivd import client
 from derivd.queue.db import QueueDB, StoredVariant
@@ -39,10 +40,10 @@ def _variants(file_id: int) -> list[StoredVariant]:
 
 def _finish(queue: QueueDB, file_id: int, *, ok: bool = True) -> None:
     """What a worker does: claim the row, then commit it (or reject it)."""
-    job = queue.claim(lease_s=LONG, max_attempts=3)
+    job = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert job is not None and job.id == file_id
     if ok:
-        assert queue.commit(job, _variants(file_id))
+        assert commit_one(queue, job, _variants(file_id))
     else:
         assert queue.fail(job, retry=False, code="corrupt_content", max_attempts=3) == "rejected"
 
