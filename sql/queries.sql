@@ -514,3 +514,35 @@ SELECT f.status, f.error_code,
                   WHERE v.file_id = f.id AND f.status = 'ready'), '[]'::jsonb) AS variants
   FROM archive_files AS f
  WHERE f.id = %(id)s;
+
+-- name: dashboard_in_flight
+-- The dashboard's jobs in flight (every host), oldest lease first, through the partial
+-- index on processing rows: bounded by `limit` whatever the table's size.
+SELECT id, attempts,
+       extract(epoch FROM now() - claimed_at)::float8 AS age_s,
+       extract(epoch FROM lease_until - now())::float8 AS lease_left_s
+  FROM archive_files
+ WHERE status = 'processing'
+ ORDER BY lease_until
+ LIMIT %(limit)s;
+
+-- name: dashboard_minutes
+-- The dashboard's chart: jobs finished (ready, rejected, exhausted events) per minute
+-- over the last hour, with the median duration (claim to finish, from the row's last
+-- claim; exhausted rows have no meaningful duration). The window comes through the BRIN
+-- index on archive_events.at and is capped at `cap` events, so its cost is bounded
+-- however busy the hour was (the page says when the cap was reached).
+WITH recent AS (
+    SELECT file_id, at, kind
+      FROM archive_events
+     WHERE at >= now() - interval '1 hour' AND kind IN ('ready', 'rejected', 'exhausted')
+     LIMIT %(cap)s
+)
+SELECT least(floor(extract(epoch FROM now() - r.at) / 60), 59)::int AS minutes_ago,
+       count(*)::int AS finished,
+       (percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM r.at - f.claimed_at))
+            FILTER (WHERE r.kind <> 'exhausted' AND f.claimed_at <= r.at))::float8 AS median_s
+  FROM recent AS r
+  LEFT JOIN archive_files AS f ON f.id = r.file_id
+ GROUP BY 1
+ ORDER BY 1;

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,9 +18,10 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.exposition import generate_latest, start_http_server
+from prometheus_client.exposition import choose_encoder, generate_latest
 
 from derivd.config import ConfigError, Problem, split_host_port
+from derivd.ops.web import Response, Route, WebServer
 from derivd.queue.db import QueueStats
 from derivd.states import STATUSES, EventKind
 
@@ -45,7 +45,8 @@ WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 1800, 3600)
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        self._server: Any = None
+        self._server: WebServer | None = None
+        self.workers_now: tuple[int, int] = (0, 0)  # alive, busy
         r = self.registry
         self.jobs = Counter(
             "derivd_jobs_finished",
@@ -131,6 +132,7 @@ class Metrics:
 
     def set_workers(self, *, alive: int, busy: int) -> None:
         """Current fleet state."""
+        self.workers_now = (alive, busy)  # one tuple: the dashboard's thread reads it whole
         self.workers_alive.set(alive)
         self.workers_busy.set(busy)
 
@@ -150,41 +152,46 @@ class Metrics:
         for kind in sorted({*self._known_event_kinds(), *counts}):
             self.events.labels(kind).set(counts.get(kind, 0))
 
-    def serve(self, listen: str) -> None:
-        """Start the HTTP endpoint on host:port (a daemon thread in the supervisor).
+    def serve(self, listen: str, *, dashboard: Route | None = None) -> None:
+        """Start the HTTP endpoint on host:port (a daemon thread in the supervisor):
+        `/metrics`, and the dashboard at `/` when given (derivd.ops.web).
 
         Port 0 picks a free port (see `address`). A port that cannot be bound is a
         configuration problem: ConfigError naming [metrics] listen.
         """
         host, port = split_listen(listen)
+        routes: dict[str, Route] = {"/metrics": self._exposition}
+        if dashboard is not None:
+            routes["/"] = dashboard
         try:
-            self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server = WebServer(host, port, routes)
         except OSError as error:
             reason = error.strerror or str(error)
             raise ConfigError(
                 [Problem("startup", "metrics", "listen", f"cannot listen on {listen}: {reason}")]
             ) from None
 
+    def _exposition(self, headers: Mapping[str, str]) -> Response:
+        """The scrape, in the format the scraper asks for (text or OpenMetrics)."""
+        encoder, content_type = choose_encoder(headers.get("accept", ""))
+        return Response(encoder(self.registry), content_type)
+
     # -- helpers ------------------------------------------------------------------------
 
     @property
     def address(self) -> tuple[str, int] | None:
         """(host, port) actually bound by serve(), or None when not serving."""
-        if self._server is None:
-            return None
-        host, port = self._server.server_address[:2]
-        return str(host), int(port)
+        return None if self._server is None else self._server.address
 
     def close(self) -> None:
         """Stop the endpoint (tests, shutdown)."""
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()
-            server.server_close()
+            server.close()
 
     def fileno(self) -> int | None:
         """The listening socket, which a forked child must close (see spawn_worker)."""
-        return self._server.socket.fileno() if self._server is not None else None
+        return self._server.fileno() if self._server is not None else None
 
     def render(self) -> bytes:
         """The exposition text, as a scrape would see it."""

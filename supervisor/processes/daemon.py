@@ -2,8 +2,8 @@
 
 The embedded database (an empty `[database] dsn`) is started here, in the parent, before
 any fork; the children connect to it like to any other PostgreSQL. The pidfile and the
-metrics endpoint live as long as the supervisor. See `derivd.processes.arbiter` for the
-fleet and `derivd.processes.child` for one worker process.
+metrics endpoint (with the dashboard) live as long as the supervisor. See
+`derivd.processes.arbiter` for the fleet and `derivd.processes.child` for one worker.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from derivd.config import Config, load_config
 from derivd.embedded.runtime import database
+from derivd.ops.dashboard import Dashboard
 from derivd.ops.metrics import Metrics
 from derivd.processes.arbiter import Arbiter, RunResult
 from derivd.processes.procutil import Pidfile, PidfileError
@@ -72,10 +73,15 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
         return RunResult(1, str(error))
     try:
         metrics = Metrics()
-        if config.metrics.listen:
-            metrics.serve(config.metrics.listen)
         arbiter = Arbiter(config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config))
-        return arbiter.run()
+        if config.metrics.listen:
+            # The dashboard follows the supervisor's current config (SIGHUP reloads it).
+            dashboard = Dashboard(dsn, lambda: arbiter.config, metrics)
+            metrics.serve(config.metrics.listen, dashboard=dashboard.route)
+        try:
+            return arbiter.run()
+        finally:
+            metrics.close()
     finally:
         if pidfile:
             pidfile.remove()

@@ -476,6 +476,16 @@ class QueueDB:
         """Status, error code and (for a ready row) every variant; None: unknown id."""
         return self._one("client_result", {"id": file_id})
 
+    # -- the dashboard -----------------------------------------------------------------
+
+    def in_flight(self, *, limit: int) -> list[dict[str, Any]]:
+        """Processing rows (id, attempts, age_s, lease_left_s), oldest lease first."""
+        return self._all("dashboard_in_flight", {"limit": limit})
+
+    def finished_per_minute(self, *, cap: int) -> list[dict[str, Any]]:
+        """(minutes_ago, finished, median_s) over the last hour, from at most `cap` events."""
+        return self._all("dashboard_minutes", {"cap": cap})
+
 
 class ClusterAdmin:
     """Database-level statements on a maintenance connection (autocommit: CREATE

@@ -1,0 +1,182 @@
+"""The dashboard's data: what `derivd status` computes (derivd.ops.status: the same
+signals, thresholds and verdict), plus hosts, jobs in flight and the last hour per minute.
+
+Read at most once per `[metrics] interval`, whatever the number of open tabs: requests
+within the interval share one snapshot, and concurrent requests wait for the one read in
+progress instead of starting their own. Each read opens a short-lived connection and
+closes it, so the supervisor holds no extra connection between views and none lingers
+across a fork. Every query is bounded: counts as `derivd status` reads them, jobs in
+flight through the partial index on processing rows (LIMIT), the hour's events through
+the BRIN index on their time, capped at MAX_ROWS.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import psycopg
+
+from derivd.config import Config, StatusSettings
+from derivd.ops.metrics import Metrics
+from derivd.ops.status import Alarm, Report, StatusUnavailable, collect, evaluate
+from derivd.ops.web import Response
+from derivd.queue.db import DatabaseUnavailable, QueueDB, one_line
+
+MAX_ROWS = 1_000_000  # the most rows one dashboard query may read
+IN_FLIGHT_SHOWN = 100
+
+
+@dataclass(frozen=True)
+class HostView:
+    host: str
+    pid: int
+    alive: bool
+    workers: int
+    busy: int
+    heartbeat_age_s: float | None
+    this_host: bool
+
+    @property
+    def idle(self) -> int:
+        return max(0, self.workers - self.busy) if self.alive else 0
+
+
+@dataclass(frozen=True)
+class InFlight:
+    id: int
+    attempt: int
+    age_s: float
+    lease_left_s: float
+
+
+@dataclass(frozen=True)
+class Minute:
+    minutes_ago: int
+    finished: int
+    median_s: float | None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    taken_at: float  # unix time
+    host: str
+    refresh_s: float
+    job_timeout: float
+    limits: StatusSettings
+    report: Report | None  # None: the database could not answer (see error)
+    alarms: tuple[Alarm, ...] = ()
+    error: str | None = None
+    hosts: tuple[HostView, ...] = ()
+    in_flight: tuple[InFlight, ...] = ()
+    minutes: tuple[Minute, ...] = ()
+    minutes_capped: bool = False
+
+    @property
+    def healthy(self) -> bool | None:
+        """True/False as `derivd status` exits 0/1; None when it cannot tell (exit 3)."""
+        return None if self.report is None else not self.alarms
+
+
+def local_host(metrics: Metrics) -> HostView:
+    """This supervisor, from its own state (alive and busy workers as last published)."""
+    alive, busy = metrics.workers_now
+    return HostView(
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        alive=True,
+        workers=alive,
+        busy=busy,
+        heartbeat_age_s=None,
+        this_host=True,
+    )
+
+
+def read_snapshot(queue: QueueDB, config: Config, hosts: tuple[HostView, ...]) -> Snapshot:
+    """One look at the queue; StatusUnavailable when the database cannot answer."""
+    report = collect(queue, config.status.window)
+    try:
+        rows = queue.in_flight(limit=IN_FLIGHT_SHOWN)
+        minutes = queue.finished_per_minute(cap=MAX_ROWS)
+    except DatabaseUnavailable as error:
+        raise StatusUnavailable(str(error)) from None
+    except psycopg.Error as error:
+        raise StatusUnavailable(f"database error: {one_line(error)}") from None
+    return Snapshot(
+        taken_at=time.time(),
+        host=socket.gethostname(),
+        refresh_s=config.metrics.interval,
+        job_timeout=config.supervisor.job_timeout,
+        limits=config.status,
+        report=report,
+        alarms=tuple(evaluate(report, config.status)),
+        hosts=hosts,
+        in_flight=tuple(
+            InFlight(r["id"], r["attempts"], r["age_s"] or 0.0, r["lease_left_s"] or 0.0)
+            for r in rows
+        ),
+        minutes=tuple(Minute(r["minutes_ago"], r["finished"], r["median_s"]) for r in minutes),
+        minutes_capped=sum(r["finished"] for r in minutes) >= MAX_ROWS,
+    )
+
+
+class Dashboard:
+    """The `/` route of the supervisor's web endpoint."""
+
+    def __init__(
+        self,
+        dsn: str,
+        config: Callable[[], Config],
+        metrics: Metrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.dsn = dsn
+        self.config = config  # the supervisor's current one (a reload changes it)
+        self.metrics = metrics
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._cached: tuple[float, Snapshot] | None = None
+        self.reads = 0  # database reads so far (the cache's test counts them)
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            config = self.config()
+            now = self.clock()
+            if self._cached is not None and now - self._cached[0] < config.metrics.interval:
+                return self._cached[1]
+            snapshot = self._read(config)
+            self._cached = (self.clock(), snapshot)
+            return snapshot
+
+    def _read(self, config: Config) -> Snapshot:
+        hosts = (local_host(self.metrics),)
+        self.reads += 1
+        try:
+            with QueueDB.open(self.dsn, role="derivd-dashboard") as queue:
+                return read_snapshot(queue, config, hosts)
+        except (StatusUnavailable, DatabaseUnavailable) as error:
+            return Snapshot(
+                taken_at=time.time(),
+                host=socket.gethostname(),
+                refresh_s=config.metrics.interval,
+                job_timeout=config.supervisor.job_timeout,
+                limits=config.status,
+                report=None,
+                error=str(error),
+                hosts=hosts,
+            )
+
+    def route(self, headers: Mapping[str, str]) -> Response:
+        from derivd.ops.dashboard_page import render
+
+        snapshot = self.snapshot()
+        return Response(
+            render(snapshot).encode("utf-8"),
+            "text/html; charset=utf-8",
+            200 if snapshot.report is not None else 503,
+        )

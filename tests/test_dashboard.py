@@ -1,0 +1,255 @@
+"""The dashboard at `/` of `[metrics] listen`: its numbers against the database (the same
+signals and verdict as `derivd status`), its cache, escaping, and the endpoint's
+behaviour for other paths, query strings and HEAD. The browser test is in
+tests/test_dashboard_browser.py."""
+
+from __future__ import annotations
+
+import http.client
+import re
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from typing import Any
+
+import pytest
+from fixtures.metrics import seed_queue
+from helpers import sql
+
+from derivd.config import Config, load_config
+from derivd.ops.dashboard import Dashboard, HostView, Minute, Snapshot, read_snapshot
+from derivd.ops.dashboard_page import chart, render
+from derivd.ops.metrics import Metrics
+from derivd.ops.status import Report, evaluate
+from derivd.ops.web import Response
+from derivd.queue.db import QueueDB, QueueStats
+
+
+class Cells(HTMLParser):
+    """Every element's attributes by its data-* key, and the text of elements by id."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.attrs_by: dict[tuple[str, str], dict[str, str]] = {}
+        self.rows: dict[tuple[str, str], dict[str, str]] = {}  # (data-key, key) -> class: value
+        self.ids: dict[str, dict[str, str]] = {}
+        self.bars: list[dict[str, str]] = []
+        self._row: tuple[str, str] | None = None
+        self.feed(text)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if tag == "tr":
+            keys = [(k, v) for k, v in a.items() if k.startswith("data-")]
+            self._row = keys[0] if keys else None
+            if self._row:
+                self.rows[self._row] = {}
+        elif tag == "td" and self._row is not None and "data-value" in a:
+            for css in a.get("class", "").split():
+                self.rows[self._row][css] = a["data-value"]
+        if "id" in a:
+            self.ids[a["id"]] = a
+        if tag == "rect" and "bar" in a.get("class", ""):
+            self.bars.append(a)
+
+    def value(self, key: str, name: str, cell: str = "value") -> float:
+        return float(self.rows[(key, name)][cell])
+
+
+class Tags(HTMLParser):
+    """Every tag and attribute name of a document, as a browser's tokenizer sees them."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+        self.attributes: set[str] = set()
+        self.feed(text)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.names.add(tag)
+        self.attributes.update(k for k, _ in attrs)
+
+
+def defaults(**env: str) -> Config:
+    return load_config(None, env=env)
+
+
+@pytest.fixture
+def queue(dsn: str) -> Iterator[QueueDB]:
+    with QueueDB.open(dsn, role="test") as q:
+        yield q
+
+
+def test_numbers_match_the_database_and_the_status_verdict(dsn: str, queue: QueueDB) -> None:
+    seed_queue(queue, ready=4, rejected=2, queued=3, expired=2)
+    cfg = defaults(DERIVD_STATUS_MIN_FINISHED="5")
+    snap = read_snapshot(queue, cfg, ())
+    page = Cells(render(snap))
+
+    rows = sql(dsn, "SELECT status, count(*) n FROM archive_files GROUP BY 1")
+    counts = {r["status"]: r["n"] for r in rows}
+    for status, n in counts.items():
+        assert page.value("data-status", status, "n") == n
+    assert page.value("data-status", "deleted", "n") == 0
+    expired = sql(
+        dsn,
+        "SELECT count(*) n FROM archive_files WHERE status='processing' AND lease_until < now()",
+    )[0]["n"]
+    assert page.value("data-signal", "expired_leases") == expired == 2
+    codes = sql(
+        dsn,
+        "SELECT error_code, count(*) n FROM archive_events WHERE kind IN ('rejected','exhausted') "
+        "GROUP BY 1",
+    )
+    assert {c["error_code"]: c["n"] for c in codes} == {"corrupt_content": 2}
+    assert page.value("data-code", "corrupt_content", "n") == 2
+    # 6 finished in the window (4 ready, 2 rejected): a 33% rejected share, over 20%.
+    assert page.value("data-signal", "recent_rejected_ratio") == pytest.approx(2 / 6)
+    assert page.value("data-signal", "lease_lost") == 1
+    assert snap.report is not None and evaluate(snap.report, cfg.status)  # as derivd status
+    assert page.ids["verdict"]["class"].split()[-1] == "bad"
+    # Jobs in flight: the processing rows, oldest lease first.
+    processing = [r["id"] for r in sql(
+        dsn, "SELECT id FROM archive_files WHERE status='processing' ORDER BY lease_until"
+    )]
+    assert [j.id for j in snap.in_flight] == processing
+    assert {k for k, _ in page.rows if k == "data-file"} == {"data-file"}
+    assert float(page.ids["in-flight-total"]["data-value"]) == len(processing)
+    # The hour: every finishing event of the seed, all in the current minute.
+    finished = sql(
+        dsn,
+        "SELECT count(*) n FROM archive_events WHERE kind IN ('ready','rejected','exhausted') "
+        "AND at >= now() - interval '1 hour'",
+    )[0]["n"]
+    assert float(page.ids["finished-hour"]["data-value"]) == finished == 6
+    assert sum(int(b["data-finished"]) for b in page.bars) == finished
+    assert all(b["data-median"] for b in page.bars)
+
+
+def test_reads_are_cached_for_the_refresh_interval(dsn: str, queue: QueueDB) -> None:
+    seed_queue(queue, ready=1, rejected=0, queued=1)
+    cfg = defaults(DERIVD_METRICS_INTERVAL="10")
+    now = [1000.0]
+    board = Dashboard(dsn, lambda: cfg, Metrics(), clock=lambda: now[0])
+    first = board.snapshot()
+    queue.enqueue([("originals/late", "v")])
+    for _ in range(12):  # a dozen tabs within the interval: one read
+        assert board.snapshot() is first
+    assert board.reads == 1
+    now[0] += 10.5
+    later = board.snapshot()
+    assert board.reads == 2
+    assert later.report is not None and later.report.counts["queued"] == 2
+
+
+def test_database_down_says_cannot_tell(tmp_path: Any) -> None:
+    cfg = defaults()
+    board = Dashboard("postgresql://nobody@127.0.0.1:1/none", lambda: cfg, Metrics())
+    response = board.route({})
+    text = response.body.decode()
+    assert response.status == 503
+    assert 'id="verdict" class="verdict unknown"' in text
+    assert "database unavailable" in text
+    assert "Traceback" not in text
+
+
+def _report() -> Report:
+    stats = QueueStats(counts={"ready": 3}, oldest_claimable_age_s=None, expired_leases=0)
+    return Report(stats=stats, events={"ready": 3}, rejected_by_code={"<img src=x>": 1},
+                  window_s=3600)
+
+
+def test_everything_is_escaped() -> None:
+    cfg = defaults()
+    hostile = "<script>alert(1)</script>"
+    snap = Snapshot(
+        taken_at=0.0, host=hostile, refresh_s=5, job_timeout=60, limits=cfg.status,
+        report=_report(), error=f"database error: {hostile}",
+        hosts=(HostView(hostile, 1, True, 2, 1, None, True),),
+    )
+    text = render(snap)
+    assert "<script" not in text and "<img" not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    assert "&lt;img src=x&gt;" in text
+    # No external anything: no URL other than the SVG namespace.
+    assert Tags(text).names.isdisjoint({"script", "img", "link", "iframe", "a", "object"})
+    assert Tags(text).attributes.isdisjoint({"src", "href", "action", "onload", "onclick"})
+    assert set(re.findall(r"https?://[^\"' ]+", text)) == {"http://www.w3.org/2000/svg"}
+
+
+def test_chart_has_a_bar_per_minute_with_finishes() -> None:
+    svg = chart([Minute(0, 5, 0.2), Minute(59, 1, None), Minute(10, 2, 1.5)], 0.0)
+    bars = Cells(svg).bars
+    assert sorted(int(b["data-minutes-ago"]) for b in bars) == [0, 10, 59]
+    assert sum(int(b["data-finished"]) for b in bars) == 8
+    assert svg.count("<polyline") == 1
+
+
+# --------------------------------------------------------------------------- the endpoint
+
+
+@pytest.fixture
+def endpoint() -> Iterator[tuple[str, int]]:
+    calls: list[str] = []
+
+    def page(headers: Any) -> Response:
+        calls.append("page")
+        return Response(b"<!doctype html><p>hi</p>", "text/html; charset=utf-8")
+
+    metrics = Metrics()
+    metrics.serve("127.0.0.1:0", dashboard=page)
+    assert metrics.address is not None
+    yield metrics.address
+    metrics.close()
+
+
+def _request(address: tuple[str, int], method: str, path: str) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection(*address, timeout=10)
+    try:
+        conn.request(method, path)
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def test_the_dashboard_is_at_root_and_metrics_stay(endpoint: tuple[str, int]) -> None:
+    status, headers, body = _request(endpoint, "GET", "/")
+    assert (status, body) == (200, b"<!doctype html><p>hi</p>")
+    assert headers["content-type"] == "text/html; charset=utf-8"
+    assert "default-src 'none'" in headers["content-security-policy"]
+    status, headers, body = _request(endpoint, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert b"derivd_workers_alive" in body
+
+
+def test_query_strings_are_ignored_and_head_works(endpoint: tuple[str, int]) -> None:
+    assert _request(endpoint, "GET", "/?refresh=1&x=<script>")[2] == b"<!doctype html><p>hi</p>"
+    status, headers, body = _request(endpoint, "HEAD", "/")
+    assert (status, body) == (200, b"")
+    assert headers["content-length"] == str(len(b"<!doctype html><p>hi</p>"))
+    status, _, body = _request(endpoint, "HEAD", "/metrics?name[]=x")
+    assert (status, body) == (200, b"")
+
+
+@pytest.mark.parametrize(
+    "path", ["/nope", "/index.html", "//evil.example/", "/../etc/passwd", "/metrics/x"]
+)
+def test_other_paths_are_a_plain_404(endpoint: tuple[str, int], path: str) -> None:
+    status, headers, body = _request(endpoint, "GET", path)
+    assert (status, body) == (404, b"not found\n")
+    assert headers["content-type"].startswith("text/plain")
+
+
+def test_a_failing_page_is_a_plain_500_without_traceback() -> None:
+    def broken(headers: Any) -> Response:
+        raise RuntimeError("secret detail /etc/derivd.ini")
+
+    metrics = Metrics()
+    metrics.serve("127.0.0.1:0", dashboard=broken)
+    assert metrics.address is not None
+    try:
+        status, _, body = _request(metrics.address, "GET", "/")
+    finally:
+        metrics.close()
+    assert status == 500
+    assert b"Traceback" not in body and b"secret" not in body and b"RuntimeError" not in body
