@@ -56,11 +56,15 @@ test: lint typecheck pytest
 chaos: install
 	$(BIN)/python bench/chaos.py --full
 
+# Charts need matplotlib: setup.cfg's `bench` extra, installed here only (not a runtime
+# dependency). bench/plots.py draws from bench/out/*.json, skipping what is absent.
 bench: install
+	$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/pip install -q 'matplotlib>=3.7'
 	$(BIN)/python bench/derive.py
 	$(BIN)/python bench/queue_peers.py
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/claim_scale.py
+	$(BIN)/python bench/plots.py
 
 # As root, the demo's cluster may live outside var/ (see supervisor/embedded/pghome.py):
 # stop it and remove that directory too.

@@ -16,6 +16,7 @@ from pathlib import Path
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"  # machine-readable results (bench/plots.py draws from them)
 sys.path.insert(0, str(ROOT))
 
 from derivd.embedded.pgcluster import EmbeddedCluster  # noqa: E402
@@ -104,3 +105,13 @@ def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.2f}" if value < 100 else f"{value:.0f}"
     return str(value)
+
+
+def save_results(name: str, data: dict[str, object]) -> Path:
+    """Write bench/out/<name>.json (what bench/plots.py reads)."""
+    import json
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{name}.json"
+    path.write_text(json.dumps({"bench": name, **data}, indent=2) + "\n")
+    return path

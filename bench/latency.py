@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import psycopg
-from common import ROOT, cluster, fresh_db, machine, percentile, table
+from common import ROOT, cluster, fresh_db, machine, percentile, save_results, table
 
 from derivd.embedded.pgcluster import EmbeddedCluster
 from derivd.storage.fs import FsStorage
@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=20, help="rows per burst transaction")
     args = parser.parse_args()
     results = []
+    series = []  # every latency, for the distribution chart (bench/plots.py)
     with cluster() as pg, tempfile.TemporaryDirectory(prefix="derivd-bench-lat-") as tmp:
         work = Path(tmp)
         work.chmod(0o755)
@@ -151,6 +152,7 @@ def main() -> None:
                 ("one row per commit", single),
                 (f"{args.burst} rows per commit", bulk),
             ):
+                series.append({"listen": "yes" if listen else "no", "enqueue": label, "ms": values})
                 results.append(
                     [
                         "yes" if listen else "no",
@@ -170,6 +172,7 @@ def main() -> None:
     )
     print()
     print(table(["listen", "enqueue", "rows", "p50 ms", "p99 ms", "max ms"], results))
+    save_results("latency", {"machine": lines, "workers": args.workers, "series": series})
 
 
 if __name__ == "__main__":

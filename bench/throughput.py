@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
-from common import ROOT, cluster, fresh_db, machine, table
+from common import ROOT, cluster, fresh_db, machine, save_results, table
 
 from derivd.embedded.pgcluster import EmbeddedCluster
 from derivd.storage.fs import FsStorage
@@ -245,6 +245,8 @@ def main() -> None:
     )
     print()
     print(report(runs))
+    runs_out = [{**r.__dict__, "rate": r.rate} for r in runs]
+    save_results("throughput", {"machine": lines, "jobs": args.jobs, "runs": runs_out})
 
 
 if __name__ == "__main__":

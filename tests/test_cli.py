@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import subprocess
 from collections.abc import Callable
+from html.parser import HTMLParser
 from pathlib import Path
 from subprocess import CompletedProcess
 
@@ -114,10 +115,44 @@ def test_demo_processes_its_samples_and_shows_a_real_webp(
     assert "ready: 3  rejected: 2  other: 0" in result.stdout
     assert "rejected bad-truncated.jpg: corrupt_content" in result.stdout
     assert "rejected bad-not-an-image.jpg: unsupported_content" in result.stdout
-    example = Path(result.stdout.split("e.g. ")[1].strip())
+    example = Path(result.stdout.split("e.g. ")[1].splitlines()[0].strip())
     assert example.is_relative_to(tmp_path / "store") and example.suffix == ".webp"
     with Image.open(example) as im:
         assert im.format == "WEBP" and max(im.size) <= 1600
+    # The last line names the gallery; every image it shows exists beside it.
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("gallery: ")
+    page = Path(last.removeprefix("gallery: "))
+    assert page == tmp_path / "state" / "demo" / "index.html"
+    images = Images(page.read_text())
+    with psycopg.connect(dsn) as conn:
+        variants = conn.execute("SELECT count(*) FROM archive_variants").fetchone()
+    assert variants is not None and variants[0] >= 3
+    assert len(images.sources) == 5 + variants[0]  # every original and every variant
+    for src in images.sources:
+        assert not Path(src).is_absolute() and ".." not in Path(src).parts, src
+        assert (page.parent / src).is_file(), src
+    assert images.cards == {"ready": 3, "rejected": 2}
+    assert "rejected: corrupt_content" in page.read_text()
+    assert "rejected: unsupported_content" in page.read_text()
+
+
+class Images(HTMLParser):
+    """The gallery's <img src> values and its cards by status."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.sources: list[str] = []
+        self.cards: dict[str, int] = {}
+        self.feed(text)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        if tag == "img":
+            self.sources.append(found["src"] or "")
+        elif tag == "section" and found.get("class") == "card":
+            status = found.get("data-status") or ""
+            self.cards[status] = self.cards.get(status, 0) + 1
 
 
 @pytest.mark.acceptance

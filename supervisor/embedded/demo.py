@@ -14,6 +14,7 @@ import click
 from PIL import Image, ImageDraw
 
 from derivd.config import Config
+from derivd.embedded.gallery import Sample, write_gallery
 from derivd.embedded.runtime import database
 from derivd.ops.enqueue import upload_and_queue
 from derivd.processes.daemon import run_daemon
@@ -118,6 +119,7 @@ def run_demo(config: Config, *, count: int) -> int:
         progress.join()
         with QueueDB.open(dsn, role="derivd-demo") as queue:
             rows = [queue.file_row(i) for i in ids]
+            variants = [queue.file_variants(i) for i in ids]
     statuses = [row["status"] if row else "missing" for row in rows]
     ready = statuses.count("ready")
     rejected = [
@@ -144,5 +146,16 @@ def run_demo(config: Config, *, count: int) -> int:
         # The fs store keeps versions as <key>.versions/<version id>.webp: show one for real.
         path = storage.path_of(example["derived_key"], example["derived_version"])
         click.echo(f"  e.g. {path}")
+    gallery = write_gallery(
+        config.state_dir / "demo",
+        [
+            Sample(original, row["status"], row["error_code"], found)
+            if row
+            else Sample(original, "missing", None, ())
+            for original, row, found in zip(samples, rows, variants, strict=True)
+        ],
+        storage,
+    )
+    click.echo(f"gallery: {gallery}")  # the last line: the page to open
     unfinished = len(statuses) - ready - len(rejected)
     return code if unfinished == 0 else 1

@@ -1,0 +1,187 @@
+"""`python bench/plots.py`: PNG charts beside bench/RESULTS.md from the benchmarks'
+machine-readable outputs (bench/out/*.json), and the charts section of RESULTS.md.
+
+    throughput.json  (bench/queue_peers.py)  -> chart-throughput.png: derivd vs peers
+    latency.json     (bench/latency.py)      -> chart-latency.png: pickup latency CDF
+    derive.json      (bench/derive.py)       -> chart-derive.png: ours vs plain per input
+    e2e.json         (bench/e2e.py)          -> chart-e2e.png: derivd vs a naive pool
+    fleet.json       (bench/fleet.py)        -> chart-fleet.png: the fleet's figures
+
+A chart whose input is absent is skipped (and said so); the others are still drawn.
+matplotlib comes with the `bench` extra (`pip install -e '.[bench]'`), never with
+derivd itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on a server
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+BENCH = Path(__file__).resolve().parent
+OUT = BENCH / "out"
+RESULTS = BENCH / "RESULTS.md"
+BEGIN, END = "<!-- charts: written by bench/plots.py -->", "<!-- /charts -->"
+COLOURS = {"derivd": "#4a7bd0", "pgqueuer": "#d9822b", "procrastinate": "#7a9a3a"}
+
+Data = dict[str, Any]
+
+
+def throughput(data: Data) -> tuple[Figure, str]:
+    """Jobs/s per configuration, one group per process count."""
+    runs = data["runs"]
+    counts = sorted({r["processes"] for r in runs})
+    fig, axes = plt.subplots(1, len(counts), figsize=(5.2 * len(counts), 3.6), sharey=True,
+                             squeeze=False)  # fmt: skip
+    for ax, n in zip(axes[0], counts, strict=True):
+        these = [r for r in runs if r["processes"] == n]
+        labels = [f"{r['system']}\n{r['concurrency']}" for r in these]
+        rates = [r["jobs"] / r["drain_s"] if r["drain_s"] else 0.0 for r in these]
+        ax.bar(range(len(these)), rates, color=[COLOURS.get(r["system"], "#888") for r in these])
+        ax.set_xticks(range(len(these)), labels, fontsize=7, rotation=30, ha="right")
+        ax.set_title(f"{n} processes")
+        ax.grid(axis="y", alpha=0.3)
+        for i, rate in enumerate(rates):
+            ax.text(i, rate, f"{rate:,.0f}", ha="center", va="bottom", fontsize=7)
+    axes[0][0].set_ylabel("no-op jobs/s (drain)")
+    fig.suptitle("Queue throughput: derivd vs pgqueuer and procrastinate")
+    return fig, "Queue throughput, derivd vs peers (bench/queue_peers.py)"
+
+
+def latency(data: Data) -> tuple[Figure, str]:
+    """The distribution of pickup latency (enqueue commit to claim), as a CDF."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for series in data["series"]:
+        values = sorted(series["ms"])
+        if not values:
+            continue
+        share = [(i + 1) / len(values) for i in range(len(values))]
+        label = f"listen = {series['listen']}, {series['enqueue']}"
+        ax.step(values, share, where="post", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("pickup latency, ms (log)")
+    ax.set_ylabel("share of rows")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    ax.set_title("Pickup latency: claimed_at - created_at")
+    return fig, "Pickup latency distribution (bench/latency.py)"
+
+
+def derive(data: Data) -> tuple[Figure, str]:
+    """Per input: our handler's time beside a plain call of the same library."""
+    rows = data["rows"]
+    backends = sorted({r["backend"] for r in rows})
+    fig, axes = plt.subplots(len(backends), 1, figsize=(8, 2.6 * len(backends)), squeeze=False)
+    for ax, backend in zip(axes[:, 0], backends, strict=True):
+        these = [r for r in rows if r["backend"] == backend]
+        xs = range(len(these))
+        ax.bar([x - 0.2 for x in xs], [r["ours_ms"] for r in these], 0.4, label="derivd")
+        ax.bar([x + 0.2 for x in xs], [r["plain_ms"] for r in these], 0.4, label="plain")
+        ax.set_xticks(list(xs), [r["input"] for r in these], fontsize=7, rotation=20, ha="right")
+        ax.set_ylabel("ms (median)")
+        ax.set_title(backend, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Derive time per input: derivd's handler vs a plain library call")
+    return fig, "Derive time, ours vs plain, per input (bench/derive.py)"
+
+
+def e2e(data: Data) -> tuple[Figure, str]:
+    rows = data["results"]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["derivd_images_per_s"] for r in rows], 0.4, label="derivd")
+    ax.bar([x + 0.2 for x in xs], [r["naive_images_per_s"] for r in rows], 0.4,
+           label="naive pool")  # fmt: skip
+    ax.set_xticks(list(xs), [r["backend"] for r in rows])
+    ax.set_ylabel("images/s")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("End to end: derivd vs a naive process pool")
+    return fig, "End to end, derivd vs a naive pool (bench/e2e.py)"
+
+
+def fleet(data: Data) -> tuple[Figure, str]:
+    """Whatever numeric figures bench/fleet.py reports per run, one panel each."""
+    rows = next(data[k] for k in ("results", "runs", "rows") if isinstance(data.get(k), list))
+    skip = ("jobs", "processes", "batch")
+    numeric = [k for k in rows[0] if k not in skip and not isinstance(rows[0][k], bool)
+               and all(isinstance(r.get(k), int | float) for r in rows)]  # fmt: skip
+    labels = [" ".join(str(r[k]) for k in r if k not in numeric) for r in rows]
+    fig, axes = plt.subplots(1, len(numeric), figsize=(3.6 * len(numeric), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], numeric, strict=True):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color="#4a7bd0")
+        ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=35, ha="right")
+        ax.set_title(key.replace("_", " "), fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("Fleet: the database's cost per job")
+    return fig, "Fleet figures (bench/fleet.py)"
+
+
+CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
+    "throughput": throughput,
+    "latency": latency,
+    "derive": derive,
+    "e2e": e2e,
+    "fleet": fleet,
+}
+
+
+def draw(out: Path = OUT, into: Path = BENCH) -> list[tuple[str, str]]:
+    """Every chart whose input exists: [(png file name, caption)]."""
+    made = []
+    for name, plot in CHARTS.items():
+        source = out / f"{name}.json"
+        if not source.exists():
+            print(f"plots: {name}: skipped ({source.relative_to(out.parent)} absent)",
+                  file=sys.stderr)  # fmt: skip
+            continue
+        try:
+            fig, caption = plot(json.loads(source.read_text()))
+        except (KeyError, IndexError, StopIteration, TypeError, ValueError) as error:
+            print(f"plots: {name}: skipped ({source.name} not as expected: {error!r})",
+                  file=sys.stderr)  # fmt: skip
+            continue
+        png = into / f"chart-{name}.png"
+        fig.tight_layout()
+        fig.savefig(png, dpi=110, metadata={"Software": None})
+        plt.close(fig)
+        made.append((png.name, caption))
+        print(f"plots: wrote {png.relative_to(into.parent)}", file=sys.stderr)
+    return made
+
+
+def embed(results: Path, charts: list[tuple[str, str]]) -> None:
+    """Write the charts section of RESULTS.md (replaced on every run, kept in place)."""
+    lines = [BEGIN, "## Charts", ""]
+    lines += [f"![{caption}]({png})\n" for png, caption in charts] or ["(none yet)\n"]
+    block = "\n".join(lines) + END
+    text = results.read_text() if results.exists() else ""
+    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text)
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    results.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=OUT, help="where the JSON results are")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    embed(args.results, draw(args.out, args.results.parent))
+
+
+if __name__ == "__main__":
+    main()
