@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
-from common import ROOT, cluster, fresh_db, machine, percentile, table
+from common import ROOT, cluster, fresh_db, machine, percentile, save_results, table
 from throughput import PEERS_PYTHON, ensure_peers_venv
 
 sys.path.insert(0, str(ROOT / "tests"))
@@ -312,6 +312,13 @@ def main() -> None:
     if stats:
         print()
         print(table(["archive_files rows", "queue stats ms"], stats))
+    keys = ("system", "path", "batch", "jobs", "jobs_per_s", "server_cpu_ms_per_job",
+            "wal_bytes_per_job", "claim_p50_ms", "claim_p99_ms")  # fmt: skip
+    figures = [dict(zip(keys, r.row(), strict=True)) for r in results]
+    for figure in figures:
+        figure["label"] = f"{figure.pop('system')} {figure.pop('path')} batch {figure['batch']}"
+    save_results("fleet", {"machine": lines, "results": figures,
+                           "stats": [{"rows": n, "ms": ms} for n, ms in stats]})  # fmt: skip
 
 
 def bouncer_version() -> str:

@@ -117,9 +117,14 @@ def fleet(data: Data) -> tuple[Figure, str]:
     skip = ("jobs", "processes", "batch")
     numeric = [k for k in rows[0] if k not in skip and not isinstance(rows[0][k], bool)
                and all(isinstance(r.get(k), int | float) for r in rows)]  # fmt: skip
-    labels = [" ".join(str(r[k]) for k in r if k not in numeric) for r in rows]
-    fig, axes = plt.subplots(1, len(numeric), figsize=(3.6 * len(numeric), 3.4), squeeze=False)
-    for ax, key in zip(axes[0], numeric, strict=True):
+    labels = [str(r.get("label") or " ".join(str(r[k]) for k in r if k not in numeric))
+              for r in rows]  # fmt: skip
+    cols = min(3, len(numeric))
+    grid = (len(numeric) + cols - 1) // cols
+    fig, axes = plt.subplots(grid, cols, figsize=(3.8 * cols, 3.2 * grid), squeeze=False)
+    for ax in axes.flat[len(numeric):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, numeric, strict=False):
         ax.bar(range(len(rows)), [r[key] for r in rows], color="#4a7bd0")
         ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=35, ha="right")
         ax.set_title(key.replace("_", " "), fontsize=9)
