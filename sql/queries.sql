@@ -501,15 +501,13 @@ UNLISTEN derivd_finished;
 SELECT status FROM archive_files WHERE id = %(id)s;
 
 -- name: client_result
--- derivd.client.result: the row and every variant (format from the stored key's
--- extension: keys are `derived/<id>/<token>/<variant>.<ext>`; only a ready row's
--- variants are official). No row: unknown id.
+-- derivd.client.result: the row and every variant, one per variant and format (only a
+-- ready row's variants are official). No row: unknown id.
 SELECT f.status, f.error_code,
        coalesce((SELECT jsonb_agg(jsonb_build_object(
-                    'name', v.name, 'key', v.key, 'version', v.version,
-                    'format', lower(substring(v.key FROM '\.([A-Za-z0-9]+)$')),
+                    'name', v.name, 'key', v.key, 'version', v.version, 'format', v.format,
                     'width', v.width, 'height', v.height, 'sha256', v.sha256)
-                  ORDER BY v.name)
+                  ORDER BY v.name, v.format)
                    FROM archive_variants AS v
                   WHERE v.file_id = f.id AND f.status = 'ready'), '[]'::jsonb) AS variants
   FROM archive_files AS f

@@ -78,10 +78,10 @@ def _card(folder: Path, n: int, sample: Sample, storage: Storage) -> str:
     for variant in sample.variants:
         data = storage.get(variant.key, variant.version)
         ext = variant.key.rsplit(".", 1)[-1].lower()
-        name = f"files/{n:03d}-{_safe(variant.name)}.{_safe(ext)}"
+        name = f"files/{n:03d}-{_safe(variant.name)}-{_safe(variant.format)}.{_safe(ext)}"
         (folder / name).write_bytes(data)
         caption = (
-            f"{variant.width}x{variant.height} {ext}, {_describe_bytes(data)}, "
+            f"{variant.width}x{variant.height} {variant.format}, {_describe_bytes(data)}, "
             f"{_saving(len(data), len(original))}"
         )
         parts.append(_figure(name, f"{variant.name}", caption))
