@@ -153,6 +153,105 @@ WITH input AS (
 )
 SELECT id FROM done;
 
+-- name: commit_and_claim
+-- A worker's steady state in one round trip and one transaction: the fenced commit of
+-- its finished attempts (exactly the `commit` block above) and the claim of up to
+-- `limit` next rows (exactly the `claim` block, minus the rows being committed). Half
+-- the statements, transactions and commit records per job. Durable (the commit needs
+-- it, so the claim gets it too); every fence is unchanged: each committed row passes
+-- its own id + token + status check, each claimed row gets its own fresh token and
+-- lease. Rows: kind = 'committed' (id) or 'claimed' (the claim's columns).
+-- Keep in step with `commit` and `claim`: tests/test_queue.py runs both paths.
+WITH input AS (
+    SELECT *
+      FROM jsonb_to_recordset(%(jobs)s::jsonb)
+           AS j(id bigint, token uuid, attempt int, derived_key text, derived_version text,
+                sha256 text, width int, height int, variants jsonb)
+), done AS (
+    UPDATE archive_files AS f
+       SET status = 'ready',
+           derived_key = i.derived_key,
+           derived_version = i.derived_version,
+           sha256 = i.sha256,
+           width = i.width,
+           height = i.height,
+           error_code = NULL,
+           lease_token = NULL,
+           lease_until = NULL,
+           finished_at = now(),
+           updated_at = now()
+      FROM input AS i
+     WHERE f.id = i.id AND f.lease_token = i.token AND f.status = 'processing'
+       AND f.id = ANY(%(ids)s::bigint[])
+    RETURNING f.id, f.attempts, i.token, i.variants
+), variants AS (
+    INSERT INTO archive_variants (file_id, name, key, version, sha256, width, height, lease_token)
+    SELECT d.id, v.name, v.key, v.version, v.sha256, v.width, v.height, d.token
+      FROM done AS d,
+           jsonb_to_recordset(d.variants)
+               AS v(name text, key text, version text, sha256 text, width int, height int)
+    ON CONFLICT (file_id, name) DO UPDATE
+       SET key = EXCLUDED.key, version = EXCLUDED.version, sha256 = EXCLUDED.sha256,
+           width = EXCLUDED.width, height = EXCLUDED.height,
+           lease_token = EXCLUDED.lease_token, created_at = now()
+    RETURNING 1
+), registered AS (
+    DELETE FROM pending_objects
+     WHERE lease_token IN (SELECT token FROM done)
+    RETURNING 1
+), ready_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+    SELECT id, 'ready', attempts, token FROM done
+    RETURNING 1
+), lost_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+    SELECT i.id, 'lease_lost', i.attempt, i.token
+      FROM input AS i
+     WHERE NOT EXISTS (SELECT 1 FROM done AS d WHERE d.id = i.id)
+    RETURNING 1
+), expired AS (
+    SELECT id, lease_until AS claimable_since
+      FROM archive_files
+     WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
+       AND id <> ALL(%(ids)s::bigint[])  -- one statement must not update a row twice
+     ORDER BY lease_until
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), due AS (
+    SELECT id, available_at AS claimable_since
+      FROM archive_files
+     WHERE status = 'queued' AND available_at <= now()
+     ORDER BY available_at, id
+     LIMIT greatest(%(limit)s - (SELECT count(*) FROM expired), 0)
+       FOR UPDATE SKIP LOCKED
+), candidate AS (
+    SELECT id, claimable_since, 0 AS tier FROM expired
+    UNION ALL
+    SELECT id, claimable_since, 1 AS tier FROM due
+), claimed AS (
+    UPDATE archive_files AS f
+       SET status = 'processing',
+           lease_token = gen_random_uuid(),
+           lease_until = now() + make_interval(secs => %(lease_s)s),
+           attempts = f.attempts + 1,
+           claimed_at = now(),
+           updated_at = now()
+      FROM candidate AS c
+     WHERE f.id = c.id
+       AND f.id = ANY(ARRAY(SELECT id FROM candidate))
+    RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
+              extract(epoch FROM now() - c.claimable_since)::float8 AS wait_s,
+              c.tier, c.claimable_since
+)
+SELECT 'committed' AS kind, id, NULL::uuid AS lease_token, NULL::int AS attempts,
+       NULL::text AS original_key, NULL::text AS original_version, NULL::float8 AS wait_s,
+       NULL::int AS tier, NULL::timestamptz AS claimable_since
+  FROM done
+UNION ALL
+SELECT 'claimed', id, lease_token, attempts, original_key, original_version, wait_s, tier,
+       claimable_since
+  FROM claimed;
+
 -- name: fail
 -- The fenced failure. retry = true: back to `queued` after delay_s unless the attempts
 -- are used up; retry = false (content errors): `rejected` at once. `code` is the final

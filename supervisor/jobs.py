@@ -130,6 +130,8 @@ class Worker:
         # `noop` (reads_original = False) measures the queue itself: no GET.
         self.reads_original = bool(getattr(handler, "reads_original", True))
         self._pending: list[_Derived] = []
+        # Jobs claimed by the last commit (commit_and_claim), with when it was sent.
+        self._prefetched: tuple[list[Job], float] | None = None
         self._unreported: list[JobResult] = []
 
     @classmethod
@@ -216,6 +218,34 @@ class Worker:
             for d in pending:
                 self._finish(d.job, "unknown", None, d.duration_s)
             raise
+        self._record_commits(pending, committed)
+
+    def _commit_and_claim_next(self, max_jobs: int) -> None:
+        """The steady state: commit what is pending and claim the next batch in one
+        statement (one round trip and one transaction per job at claim_batch = 1, every
+        fence unchanged). The new jobs wait in `_prefetched` for the next run_batch."""
+        q = self.config.queue
+        pending, self._pending = self._pending, []
+        limit = self._claim_limit(max_jobs, pending=len(pending))
+        sent = time.monotonic()
+        try:
+            committed, jobs = self.queue.commit_and_claim(
+                [(d.job, d.stored) for d in pending],
+                limit=limit,
+                lease_s=q.lease,
+                max_attempts=q.max_attempts,
+            )
+        except DatabaseUnavailable:
+            for d in pending:
+                self._finish(d.job, "unknown", None, d.duration_s)
+            raise
+        self._record_commits(pending, committed)
+        self.flush()  # outcomes first: the supervisor then learns of the rows now held
+        if jobs:
+            self.hooks.jobs_claimed(jobs)
+        self._prefetched = (jobs, sent)
+
+    def _record_commits(self, pending: Sequence[_Derived], committed: set[int]) -> None:
         for d in pending:
             if d.job.id in committed:
                 self._finish(d.job, "ready", None, d.duration_s)
@@ -298,16 +328,41 @@ class Worker:
 
     # -- the loop ----------------------------------------------------------------------
 
-    def run_batch(self, should_stop: Callable[[], bool], *, max_jobs: int = 0) -> int:
-        """Claim up to `[queue] claim_batch` jobs and run them (`run_claimed`); returns
-        how many were claimed."""
+    def _claim_limit(self, max_jobs: int, *, pending: int = 0) -> int:
         limit = self.config.queue.claim_batch
         if max_jobs:
-            limit = max(1, min(limit, max_jobs - self.jobs_done))
-        sent = time.monotonic()
-        jobs = self.claim_many(limit)
-        self.run_claimed(jobs, should_stop, claimed_at=sent)
+            limit = max(1, min(limit, max_jobs - self.jobs_done - pending))
+        return limit
+
+    def run_batch(self, should_stop: Callable[[], bool], *, max_jobs: int = 0) -> int:
+        """Run up to `[queue] claim_batch` jobs (`run_claimed`): the ones the previous
+        batch's commit claimed, else a fresh claim. Returns how many were claimed (0:
+        nothing was claimable when asked)."""
+        if self._prefetched is not None:
+            jobs, sent = self._prefetched
+            self._prefetched = None
+        else:
+            sent = time.monotonic()
+            jobs = self.claim_many(self._claim_limit(max_jobs))
+        self.run_claimed(jobs, should_stop, claimed_at=sent, max_jobs=max_jobs, claim_next=True)
         return len(jobs)
+
+    def _may_claim_next(self, should_stop: Callable[[], bool], max_jobs: int) -> bool:
+        if not self._pending or should_stop():
+            return False
+        return not (max_jobs and self.jobs_done + len(self._pending) >= max_jobs)
+
+    def release_prefetched(self) -> None:
+        """Give back jobs claimed for a next batch that will not run (stopping)."""
+        if self._prefetched is None:
+            return
+        jobs, _ = self._prefetched
+        self._prefetched = None
+        try:
+            self._release_unstarted(jobs)
+        finally:
+            with contextlib.suppress(DatabaseUnavailable):
+                self.flush()
 
     def run_claimed(
         self,
@@ -315,11 +370,14 @@ class Worker:
         should_stop: Callable[[], bool] = lambda: False,
         *,
         claimed_at: float | None = None,
+        max_jobs: int = 0,
+        claim_next: bool = False,
     ) -> None:
         """Run claimed jobs in claim order, commit them, report every outcome. A job is
         only started while its lease still covers a whole job (job_timeout + kill_grace,
         counted from `claimed_at`, taken before the claim was sent); stopping or running
-        out of lease releases the rest at once."""
+        out of lease releases the rest at once. With `claim_next`, a batch that ran whole
+        is committed together with the claim of the next one."""
         q, sup = self.config.queue, self.config.supervisor
         sent = time.monotonic() if claimed_at is None else claimed_at
         latest_start = sent + q.lease - (sup.job_timeout + sup.kill_grace)
@@ -336,7 +394,10 @@ class Worker:
                     self.flush()
                 self._run_job(job)
                 started += 1
-            self._commit_pending()
+            if claim_next and started == len(jobs) and self._may_claim_next(should_stop, max_jobs):
+                self._commit_and_claim_next(max_jobs)
+            else:
+                self._commit_pending()
             self._release_unstarted(jobs[started:])
         except DatabaseUnavailable:
             for job in jobs[started:]:
@@ -353,8 +414,16 @@ class Worker:
         burst: bool = False,
         max_jobs: int = 0,
     ) -> str:
-        """Work until told to stop. Returns why it stopped: stopped, drained, max_jobs."""
-        idle = idle or IdleWait()
+        """Work until told to stop. Returns why it stopped: stopped, drained, max_jobs.
+        Jobs claimed for a batch that will not run are given back on the way out."""
+        try:
+            return self._loop(should_stop, idle or IdleWait(), burst=burst, max_jobs=max_jobs)
+        finally:
+            self.release_prefetched()
+
+    def _loop(
+        self, should_stop: Callable[[], bool], idle: IdleWait, *, burst: bool, max_jobs: int
+    ) -> str:
         while not should_stop():
             if max_jobs and self.jobs_done >= max_jobs:
                 return "max_jobs"

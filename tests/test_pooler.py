@@ -25,6 +25,7 @@ from fixtures.pgbouncer import PgBouncer
 from fixtures.work import claim_one, commit_one
 
 from derivd.embedded.pgcluster import EmbeddedCluster
+from derivd.ops.budget import connection_budget
 from derivd.queue.db import QueueDB, connect, is_pooled, migrate
 from derivd.storage.fs import FsStorage
 
@@ -234,3 +235,11 @@ def test_two_supervisors_through_the_pooler_finish_every_row_once(
             "SELECT kind, count(DISTINCT file_id), count(*) FROM archive_events GROUP BY kind"
         ).fetchall()
         assert events == [("ready", 300, 300)]
+
+
+def test_connection_budget_counts_every_role() -> None:
+    budget = connection_budget(8)
+    assert (budget.dsn, budget.total) == (10, 11)
+    assert budget.describe() == "11 = 8 workers + 1 supervisor + 1 sweep + 1 listen"
+    quiet = connection_budget(2, listen=False, sweeps=False)
+    assert (quiet.dsn, quiet.total) == (3, 3)

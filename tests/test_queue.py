@@ -266,6 +266,40 @@ def test_batched_commit_is_fenced_per_row(queue: QueueDB) -> None:
     assert queue.commit_many([(thief, [])]) == {b}
 
 
+def test_commit_and_claim_commits_fenced_and_claims_the_next_rows(queue: QueueDB) -> None:
+    a, b, c, d = queue.enqueue([(f"originals/{n}", "1") for n in range(4)])
+    first, second = queue.claim_many(limit=2, lease_s=LONG, max_attempts=3)
+    assert (first.id, second.id) == (a, b)
+    expire_lease(queue, b)
+    [thief] = queue.claim_many(limit=1, lease_s=LONG, max_attempts=3)  # b, stolen
+    expire_lease(queue, a)  # expired but still ours: the commit must not reclaim it
+    committed, claimed = queue.commit_and_claim(
+        [(first, [variant(key=f"derived/{a}/{first.token}/preview.webp")]), (second, [])],
+        limit=2,
+        lease_s=LONG,
+        max_attempts=3,
+    )
+    assert committed == {a}
+    assert [j.id for j in claimed] == [c, d]  # oldest due first, the committed row left alone
+    assert len({j.token for j in claimed} | {first.token, thief.token}) == 4
+    row = queue.file_row(a)
+    assert row is not None and (row["status"], row["lease_token"]) == ("ready", None)
+    assert events(queue, a) == [("ready", 1)]
+    assert [v.name for v in queue.file_variants(a)] == ["preview"]
+    row = queue.file_row(b)  # the thief keeps it: the stale attempt changed nothing
+    assert row is not None and (row["status"], row["lease_token"]) == ("processing", thief.token)
+    assert events(queue, b) == [("lease_lost", 1)]
+    for job in claimed:
+        row = queue.file_row(job.id)
+        assert row is not None and (row["status"], row["lease_token"]) == ("processing", job.token)
+        assert row["attempts"] == job.attempt == 1
+    # The new leases fence like any claim: an empty commit_and_claim still commits them.
+    committed, claimed = queue.commit_and_claim(
+        [(j, []) for j in claimed], limit=1, lease_s=LONG, max_attempts=3
+    )
+    assert committed == {c, d} and claimed == []
+
+
 def test_query_blocks_lose_their_description_but_keep_inline_comments() -> None:
     from derivd.queue.sqlfiles import parse_blocks, queries
 

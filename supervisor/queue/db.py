@@ -67,6 +67,22 @@ def _commit_row(job: Job, variants: Sequence[StoredVariant]) -> dict[str, Any]:
     }
 
 
+def _jobs(rows: list[dict[str, Any]]) -> list[Job]:
+    """Claimed rows as jobs, in claim order (RETURNING has none)."""
+    rows.sort(key=lambda r: (r["tier"], r["claimable_since"], r["id"]))
+    return [
+        Job(
+            id=row["id"],
+            token=row["lease_token"],
+            attempt=row["attempts"],
+            original_key=row["original_key"],
+            original_version=row["original_version"],
+            wait_s=max(0.0, row["wait_s"] or 0.0),
+        )
+        for row in rows
+    ]
+
+
 @dataclass(frozen=True)
 class QueueStats:
     counts: dict[str, int]
@@ -299,19 +315,7 @@ class QueueDB:
         """Lease up to `limit` rows in one statement, in claim order; each row gets its
         own token and lease."""
         params = {"limit": limit, "lease_s": lease_s, "max_attempts": max_attempts}
-        rows = self._all("claim", params)
-        rows.sort(key=lambda r: (r["tier"], r["claimable_since"], r["id"]))
-        return [
-            Job(
-                id=row["id"],
-                token=row["lease_token"],
-                attempt=row["attempts"],
-                original_key=row["original_key"],
-                original_version=row["original_version"],
-                wait_s=max(0.0, row["wait_s"] or 0.0),
-            )
-            for row in rows
-        ]
+        return _jobs(self._all("claim", params))
 
     def register_pending(self, job: Job, keys: Sequence[str]) -> None:
         self._all("register_pending", {"id": job.id, "token": job.token, "keys": list(keys)})
@@ -330,6 +334,30 @@ class QueueDB:
             },
         )
         return {int(r["id"]) for r in rows}
+
+    def commit_and_claim(
+        self,
+        results: Sequence[tuple[Job, Sequence[StoredVariant]]],
+        *,
+        limit: int,
+        lease_s: float,
+        max_attempts: int,
+    ) -> tuple[set[int], list[Job]]:
+        """`commit_many` and `claim_many` in one durable statement (one round trip, one
+        transaction): the ids that committed, and the newly claimed jobs in claim order.
+        Every fence is the same as in the two separate calls."""
+        rows = self._all(
+            "commit_and_claim",
+            {
+                "jobs": json.dumps([_commit_row(j, v) for j, v in results]),
+                "ids": [j.id for j, _ in results],
+                "limit": limit,
+                "lease_s": lease_s,
+                "max_attempts": max_attempts,
+            },
+        )
+        committed = {int(r["id"]) for r in rows if r["kind"] == "committed"}
+        return committed, _jobs([r for r in rows if r["kind"] == "claimed"])
 
     def fail(
         self,

@@ -1,0 +1,41 @@
+"""How many database connections a host holds, by role (README "Running many hosts").
+
+`derivd status` shows it per host; the same formula sizes PostgreSQL's
+`max_connections` (no pooler) or PgBouncer's `max_client_conn` (with one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ConnectionBudget:
+    workers: int  # one `dsn` connection per worker, held for the worker's life
+    supervisor: int  # maintenance, shared stats, heartbeat: one `dsn` connection
+    sweep: int  # one `dsn` connection while a sweep pass runs
+    listen: int  # one session on `listen_dsn` (or `dsn`) while `[queue] listen = yes`
+
+    @property
+    def dsn(self) -> int:
+        """Connections to `[database] dsn` (the pooler, when there is one)."""
+        return self.workers + self.supervisor + self.sweep
+
+    @property
+    def total(self) -> int:
+        return self.dsn + self.listen
+
+    def describe(self) -> str:
+        return (
+            f"{self.total} = {self.workers} workers + 1 supervisor + {self.sweep} sweep"
+            f" + {self.listen} listen"
+        )
+
+
+def connection_budget(
+    workers: int, *, listen: bool = True, sweeps: bool = True
+) -> ConnectionBudget:
+    """The most connections one host opens at once (CLI commands add one each)."""
+    return ConnectionBudget(
+        workers=workers, supervisor=1, sweep=1 if sweeps else 0, listen=1 if listen else 0
+    )
