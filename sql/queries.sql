@@ -182,17 +182,21 @@ WITH input AS (
            updated_at = now()
       FROM input AS i
      WHERE f.id = i.id AND f.lease_token = i.token AND f.status = 'processing'
-       AND f.id = ANY(%(ids)s::bigint[])
+       AND f.id = ANY(%(ids)s::bigint[])  -- by primary key (the JSON hides the row count)
     RETURNING f.id, f.attempts, i.token, i.variants
 ), variants AS (
-    INSERT INTO archive_variants (file_id, name, key, version, sha256, width, height, lease_token)
-    SELECT d.id, v.name, v.key, v.version, v.sha256, v.width, v.height, d.token
+    INSERT INTO archive_variants (file_id, name, format, content_type, key, version, sha256,
+                                  width, height, lease_token)
+    SELECT d.id, v.name, v.format, v.content_type, v.key, v.version, v.sha256, v.width,
+           v.height, d.token
       FROM done AS d,
            jsonb_to_recordset(d.variants)
-               AS v(name text, key text, version text, sha256 text, width int, height int)
-    ON CONFLICT (file_id, name) DO UPDATE
+               AS v(name text, format text, content_type text, key text, version text,
+                    sha256 text, width int, height int)
+    ON CONFLICT (file_id, name, format) DO UPDATE
        SET key = EXCLUDED.key, version = EXCLUDED.version, sha256 = EXCLUDED.sha256,
            width = EXCLUDED.width, height = EXCLUDED.height,
+           content_type = EXCLUDED.content_type,
            lease_token = EXCLUDED.lease_token, created_at = now()
     RETURNING 1
 ), registered AS (
@@ -218,6 +222,8 @@ WITH input AS (
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
 ), due AS (
+    -- Only looked at (and locked) for what the expired leases leave of the limit:
+    -- LIMIT 0 never reads its input.
     SELECT id, available_at AS claimable_since
       FROM archive_files
      WHERE status = 'queued' AND available_at <= now()

@@ -11,6 +11,7 @@ import pytest
 from fixtures.work import claim_one, commit_one
 
 from derivd.queue.db import QueueDB, StoredVariant, migrate
+from derivd.queue.sqlfiles import queries
 
 # Each test on `dsn` runs direct and through PgBouncer (transaction mode).
 pytestmark = pytest.mark.pooler
@@ -311,3 +312,17 @@ def test_query_blocks_lose_their_description_but_keep_inline_comments() -> None:
     assert all(not q.startswith("--") for q in queries().values())
     with pytest.raises(ValueError, match="duplicate"):
         parse_blocks("-- name: a\nSELECT 1;\n-- name: a\nSELECT 2;\n")
+
+
+def test_commit_and_claim_holds_the_commit_and_claim_blocks_unchanged() -> None:
+    """commit_and_claim repeats the `commit` block and the `claim` block's selection: a
+    change to either that is not made to it too fails here, not in production."""
+    blocks = queries()
+    combined = blocks["commit_and_claim"]
+    commit = blocks["commit"]
+    assert commit.removesuffix("SELECT id FROM done;").rstrip() + ", expired AS (" in combined
+    claim = blocks["claim"]
+    due = claim[claim.index("), due AS (") : claim.index("), candidate AS (")]
+    assert due in combined
+    lease = claim[claim.index("   SET status = 'processing',") : claim.index("  FROM candidate")]
+    assert "\n".join("    " + line for line in lease.rstrip().splitlines()) in combined
