@@ -254,7 +254,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--queued", type=int, default=100_000)
     parser.add_argument("--ready", type=int, default=1_000_000)
-    parser.add_argument("--paths", nargs="+", default=["direct", "pgbouncer"])
+    parser.add_argument("--paths", nargs="*", default=["direct", "pgbouncer"])
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--pgqueuer-batch", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--stats-rows", type=int, nargs="*", default=[1_000_000, 10_000_000])

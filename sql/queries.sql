@@ -483,6 +483,7 @@ RETURNING id;
 -- partial indexes; the final states (ready, rejected, deleted) are exact while the
 -- table is small (planner statistics say under 50,000 rows) and planner estimates
 -- beyond (`estimated` lists which counts are). max_age_s = 0 always recomputes.
+-- Measured (bench/fleet.py): a few ms at 1M and 10M rows.
 WITH refreshed AS (
     UPDATE derivd_stats_cache
        SET computed_at = now(),
@@ -497,8 +498,11 @@ WITH refreshed AS (
                ), small AS (
                    SELECT rows < 50000 AS yes FROM size
                ), exact_all AS (
-                   SELECT status, count(*) AS n FROM archive_files
-                    WHERE (SELECT yes FROM small)
+                   -- LIMIT: the plan of a scan this branch never runs on a big table
+                   -- must not look big either (the planner would JIT-compile it).
+                   SELECT status, count(*) AS n
+                     FROM (SELECT status FROM archive_files
+                            WHERE (SELECT yes FROM small) LIMIT 50000) AS few
                     GROUP BY status
                ), live AS (
                    SELECT 'pending' AS status,
