@@ -9,12 +9,15 @@ application would write: per variant, one library call that decodes, resizes (or
 crops) and encodes (`thumbnail_buffer` with `crop=centre` for libvips; open, `draft`,
 `ImageOps.fit`/`thumbnail`, save for Pillow).
 
-Each cell runs in a fresh subprocess: the median wall time of one derivation (all
-variants) over N runs after one warm-up, and the peak RSS of that subprocess (VmHWM from
-/proc/self/status, read by the child at its end; the interpreter and imports count on both
-sides alike). Not ru_maxrss: Linux carries the forking parent's peak across exec into it,
-which would hide the child's own. libvips runs with concurrency 1 on both sides, as a
-worker does. The table is printed and written as JSON (for plots).
+Each cell runs in a fresh subprocess: the median CPU time (process_time: every thread of
+the process) and wall time of one derivation (all variants) over N runs after one
+warm-up, and the peak RSS of that subprocess (VmHWM from /proc/self/status, read by the
+child at its end; the interpreter and imports count on both sides alike). Not ru_maxrss:
+Linux carries the forking parent's peak across exec into it, which would hide the child's
+own. libvips runs with concurrency 1 on both sides, as a worker does. The ratio is of CPU
+times: on a shared machine (load average 15-18 on 2 cores while these ran) wall times
+swing 2x between identical runs, CPU times by ~10%.
+The table is printed and written as JSON (for plots).
 """
 
 from __future__ import annotations
@@ -136,16 +139,14 @@ def child(mode: str, path: str, repeat: int) -> None:
     idle_kib = _vm_hwm_kib()  # interpreter, libraries, handler: before any image
     data = Path(path).read_bytes()
     run(data)  # warm-up: first-call costs (plugin init, thread pool) are not per-image
-    times = []
+    times, cpu = [], []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         run(data)
         times.append(time.perf_counter() - start)
-    print(
-        json.dumps(
-            {"median_s": statistics.median(times), "peak_kib": _vm_hwm_kib(), "idle_kib": idle_kib}
-        )
-    )
+        cpu.append(time.process_time() - start_cpu)
+    print(json.dumps({"median_s": statistics.median(times), "cpu_s": statistics.median(cpu),
+                      "peak_kib": _vm_hwm_kib(), "idle_kib": idle_kib}))  # fmt: skip
 
 
 def _vm_hwm_kib() -> int:
@@ -158,14 +159,14 @@ def _vm_hwm_kib() -> int:
 # --- the parent ------------------------------------------------------------------------------
 
 
-def measure(mode: str, path: Path, repeat: int) -> tuple[float, float, float]:
+def measure(mode: str, path: Path, repeat: int) -> tuple[float, float, float, float]:
     env = {**os.environ, "VIPS_CONCURRENCY": "1"}
     cmd = [sys.executable, __file__, "--child", mode, str(path), "--repeat", str(repeat)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{mode} on {path.name} failed ({proc.returncode})")
     result = json.loads(proc.stdout)
-    return result["median_s"], result["peak_kib"] / 1024, result["idle_kib"] / 1024
+    return result["cpu_s"], result["median_s"], result["peak_kib"] / 1024, result["idle_kib"] / 1024
 
 
 def versions() -> str:
@@ -190,21 +191,24 @@ def main() -> None:
         return
     print(versions())
     print(f"variants={VARIANTS} quality={QUALITY} effort={EFFORT} median of {args.repeat}")
-    header = f"{'input':22} {'backend':7} {'ours ms':>8} {'plain ms':>9} {'ratio':>6}"
-    print(header + f" {'ours MiB':>9} {'plain MiB':>10} {'idle MiB':>9}")
+    header = f"{'input':16} {'backend':7} {'ours cpu ms':>11} {'plain cpu ms':>12} {'ratio':>6}"
+    print(header + f" {'ours wall':>9} {'plain wall':>10} {'ours MiB':>9} {'plain MiB':>10}"
+          f" {'idle MiB':>9}")  # fmt: skip
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in make_inputs(Path(tmp)):
             for backend in ("vips", "pillow"):
-                ours_t, ours_m, idle_m = measure(backend, path, args.repeat)
-                plain_t, plain_m, _ = measure(f"{backend}-plain", path, args.repeat)
+                ours_t, ours_w, ours_m, idle_m = measure(backend, path, args.repeat)
+                plain_t, plain_w, plain_m, _ = measure(f"{backend}-plain", path, args.repeat)
                 print(
-                    f"{name:22} {backend:7} {ours_t * 1000:8.0f} {plain_t * 1000:9.0f}"
-                    f" {ours_t / plain_t:6.2f} {ours_m:9.0f} {plain_m:10.0f} {idle_m:9.0f}",
+                    f"{name:16} {backend:7} {ours_t * 1000:11.0f} {plain_t * 1000:12.0f}"
+                    f" {ours_t / plain_t:6.2f} {ours_w * 1000:9.0f} {plain_w * 1000:10.0f}"
+                    f" {ours_m:9.0f} {plain_m:10.0f} {idle_m:9.0f}",
                     flush=True,
                 )
-                rows.append({"input": name, "backend": backend, "ours_ms": ours_t * 1000,
-                             "plain_ms": plain_t * 1000, "ratio": ours_t / plain_t,
+                rows.append({"input": name, "backend": backend, "ours_cpu_ms": ours_t * 1000,
+                             "plain_cpu_ms": plain_t * 1000, "ratio": ours_t / plain_t,
+                             "ours_wall_ms": ours_w * 1000, "plain_wall_ms": plain_w * 1000,
                              "ours_peak_mib": ours_m, "plain_peak_mib": plain_m,
                              "idle_mib": idle_m})  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

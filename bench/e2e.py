@@ -14,7 +14,10 @@ encoders have texture to work on) is derived with the default variants
   `webpsave_buffer` at its default concurrency; Pillow open, `draft`, `thumbnail`, save),
   output written to a file. Time: the map, after the pool started.
 
-Same cores, same images, same encoder settings. Prints a table and writes JSON.
+Same cores, same images, same encoder settings. Also reported: the CPU seconds each side's
+processes used (getrusage of waited-for children; derivd's boot and the naive pool's
+start-up included, PostgreSQL's own CPU not): on a shared machine the wall-clock ratio
+swings with the neighbours' load, the CPU ratio much less. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import multiprocessing
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -108,22 +112,36 @@ def _warm(_: int) -> None:
     from PIL import Image  # noqa: F401
 
 
-def run_naive(backend: str, paths: list[Path], workers: int, work: Path) -> float:
+def children_cpu() -> float:
+    """CPU seconds (user + system) of every waited-for descendant so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_naive(backend: str, paths: list[Path], workers: int, work: Path) -> tuple[float, float]:
+    """(wall seconds of the map, CPU seconds of the pool's processes, start-up included)."""
     out = work / f"naive-{backend}"
     out.mkdir(exist_ok=True)
     tasks = [(backend, str(p), str(out / p.stem)) for p in paths]
     ctx = multiprocessing.get_context("fork")
+    cpu = children_cpu()
     with ctx.Pool(workers) as pool:
         pool.map(_warm, range(workers))
         started = time.perf_counter()
         pool.map(_naive_task, tasks, chunksize=1)
-        return time.perf_counter() - started
+        wall = time.perf_counter() - started
+        pool.close()
+        pool.join()
+    return wall, children_cpu() - cpu
 
 
 # --- derivd -------------------------------------------------------------------------------
 
 
-def run_derivd(pg: object, backend: str, paths: list[Path], workers: int, work: Path) -> float:
+def run_derivd(pg: object, backend: str, paths: list[Path], workers: int, work: Path
+               ) -> tuple[float, float]:  # fmt: skip
+    """(first claim to last finish from the rows, CPU seconds of derivd's processes:
+    supervisor and workers, boot included; PostgreSQL's own CPU is not counted)."""
     dsn = fresh_db(pg, f"e2e_{backend}")  # type: ignore[arg-type]
     store = work / f"objects-{backend}"
     storage = FsStorage(store)
@@ -147,9 +165,11 @@ def run_derivd(pg: object, backend: str, paths: list[Path], workers: int, work: 
         f"variants = {', '.join(f'{n}:{e}' for n, e in VARIANTS)}\n",
         encoding="utf-8",
     )
+    cpu = children_cpu()
     with (work / f"derivd-{backend}.log").open("w") as log:
         subprocess.run([str(DERIVD), "-c", str(ini), "run", "--burst"], stdout=log,
                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=True)  # fmt: skip
+    cpu = children_cpu() - cpu
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
             "SELECT count(*) FILTER (WHERE status = 'ready'),"
@@ -159,7 +179,7 @@ def run_derivd(pg: object, backend: str, paths: list[Path], workers: int, work: 
     assert row is not None
     if row[0] != len(paths):
         raise SystemExit(f"derivd ({backend}) left {len(paths) - row[0]} images unfinished")
-    return float(row[1])
+    return float(row[1]), cpu
 
 
 def main() -> None:
@@ -180,22 +200,26 @@ def main() -> None:
         os.chmod(work, 0o755)
         for backend in args.backends:
             print(f"{backend}: naive pool ...", file=sys.stderr, flush=True)
-            naive = run_naive(backend, paths, args.workers, work)
+            naive, naive_cpu = run_naive(backend, paths, args.workers, work)
             print(f"{backend}: derivd ...", file=sys.stderr, flush=True)
-            ours = run_derivd(pg, backend, paths, args.workers, work)
+            ours, ours_cpu = run_derivd(pg, backend, paths, args.workers, work)
             results.append({"backend": backend, "images": len(paths), "workers": args.workers,
                             "megapixels": megapixels, "derivd_s": ours, "naive_s": naive,
+                            "derivd_cpu_s": ours_cpu, "naive_cpu_s": naive_cpu,
                             "derivd_images_per_s": len(paths) / ours,
                             "naive_images_per_s": len(paths) / naive,
-                            "speedup": naive / ours})  # fmt: skip
+                            "speedup": naive / ours,
+                            "cpu_speedup": naive_cpu / ours_cpu})  # fmt: skip
         lines = machine(pg.dsn())
     print("\n".join(lines))
     print(f"{len(paths)} images, {megapixels:.0f} MP in all, {args.workers} workers / processes, "
           f"variants {VARIANTS}, WebP q{QUALITY} effort {EFFORT}")  # fmt: skip
     print(table(
-        ["backend", "derivd s", "naive s", "derivd img/s", "naive img/s", "derivd / naive"],
+        ["backend", "derivd s", "naive s", "derivd img/s", "naive img/s", "derivd / naive",
+         "derivd cpu s", "naive cpu s", "by cpu"],
         [[r["backend"], r["derivd_s"], r["naive_s"], r["derivd_images_per_s"],
-          r["naive_images_per_s"], f"{r['speedup']:.2f}x"] for r in results],
+          r["naive_images_per_s"], f"{r['speedup']:.2f}x", r["derivd_cpu_s"],
+          r["naive_cpu_s"], f"{r['cpu_speedup']:.2f}x"] for r in results],
     ))  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "e2e", "machine": lines, "results": results},

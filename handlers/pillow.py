@@ -30,7 +30,7 @@ from derivd.handlers.base import (
     decoding,
 )
 from derivd.handlers.geometry import base_size
-from derivd.handlers.pillow_variants import Decoded, derive_variants
+from derivd.handlers.pillow_variants import REDUCING_GAP, Decoded, derive_variants
 from derivd.handlers.sniff import TIFF_COMPRESSION, accepted_format, png_chunks_intact, tiff_tags
 
 # Pillow plugin ids. MPO (a JPEG with a multi-picture index) comes in through the JPEG
@@ -182,11 +182,11 @@ def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> Decoded:
     stored = im.size
     turn = orientation(im)
     upright = (stored[1], stored[0]) if turn in _SIDEWAYS else stored
+    base = base_size(*upright, spec.variants)
     if im.format in ("JPEG", "MPO"):
         # DCT-domain downscale to the smallest power-of-two reduction still at least as
         # large as the base the variants need; draft works in stored axes.
-        base_w, base_h = base_size(*upright, spec.variants)
-        im.draft(im.mode, (base_h, base_w) if turn in _SIDEWAYS else (base_w, base_h))
+        im.draft(im.mode, (base[1], base[0]) if turn in _SIDEWAYS else base)
     animated = any(v.animated for v in spec.variants)
     count = int(getattr(im, "n_frames", 1)) if animated else 1
     frames, durations = [], []
@@ -195,11 +195,30 @@ def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> Decoded:
             im.seek(index)
         im.load()
         oriented = ImageOps.exif_transpose(im) if turn != 1 else im
-        frame = to_srgb(oriented)
+        frame = _to_base(oriented, base)
         # to_srgb may hand back the file image itself, whose pixels the next seek replaces.
         frames.append(frame.copy() if frame is im and count > 1 else frame)
         durations.append(int(im.info.get("duration", 100) or 100))
     return Decoded(frames, durations, int(im.info.get("loop", 0) or 0), upright)
+
+
+# Modes Pillow resamples with Lanczos as they are; palettes and 16-bit go to sRGB first.
+_RESIZABLE = frozenset({"L", "LA", "RGB", "RGBA", "CMYK"})
+
+
+def _to_base(image: Image.Image, base: tuple[int, int]) -> Image.Image:
+    """Down to the base size once, as libvips' thumbnail does, and to 8-bit sRGB: every
+    variant then resamples a base-sized image instead of the (drafted) original, and the
+    colour transform runs on the base's pixels, not the original's (also as libvips)."""
+    if image.size != base and image.mode in _RESIZABLE:
+        icc = image.info.get("icc_profile")
+        image = image.resize(base, Image.Resampling.LANCZOS, reducing_gap=REDUCING_GAP)
+        if icc:
+            image.info["icc_profile"] = icc
+    image = to_srgb(image)
+    if image.size != base:
+        image = image.resize(base, Image.Resampling.LANCZOS, reducing_gap=REDUCING_GAP)
+    return image
 
 
 class PillowHandler:
