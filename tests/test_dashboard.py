@@ -16,7 +16,14 @@ from fixtures.metrics import seed_queue
 from helpers import sql
 
 from derivd.config import Config, load_config
-from derivd.ops.dashboard import Dashboard, HostView, Minute, Snapshot, read_snapshot
+from derivd.ops.dashboard import (
+    Dashboard,
+    HostView,
+    Minute,
+    Snapshot,
+    read_snapshot,
+    registry_hosts,
+)
 from derivd.ops.dashboard_page import chart, render
 from derivd.ops.metrics import Metrics
 from derivd.ops.status import Report, evaluate
@@ -253,3 +260,23 @@ def test_a_failing_page_is_a_plain_500_without_traceback() -> None:
         metrics.close()
     assert status == 500
     assert b"Traceback" not in body and b"secret" not in body and b"RuntimeError" not in body
+
+
+def test_hosts_come_from_the_registry_when_there_is_one() -> None:
+    local = HostView("web-1", 41, True, 2, 1, None, True)
+    assert registry_hosts([], local) == (local,)
+    rows = [
+        {"host": "web-1", "pid": 41, "alive": True, "workers": 2, "busy": 1,
+         "heartbeat_age_s": 0.4},
+        {"host": "web-2", "pid": 7, "alive": False, "workers": 4, "busy": 0,
+         "heartbeat_age_s": 95.0},
+    ]  # fmt: skip
+    hosts = registry_hosts(rows, local)
+    assert [(h.host, h.this_host, h.alive, h.idle) for h in hosts] == [
+        ("web-1", True, True, 1),
+        ("web-2", False, False, 0),
+    ]
+    page = Cells(render(Snapshot(taken_at=0.0, host="web-1", refresh_s=1, job_timeout=1,
+                                 limits=defaults().status, report=None, hosts=hosts)))
+    assert page.rows[("data-host", "web-2")]["workers"] == "4"
+    assert page.rows[("data-host", "web-1")]["busy"] == "1"

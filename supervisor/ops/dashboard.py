@@ -16,8 +16,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 
@@ -96,9 +97,32 @@ def local_host(metrics: Metrics) -> HostView:
     )
 
 
+def registry_hosts(rows: Sequence[Mapping[str, Any]], local: HostView) -> tuple[HostView, ...]:
+    """The host registry's rows (`derivd status`'s `hosts`) as host views, this
+    supervisor marked; without a registry, this supervisor alone."""
+    if not rows:
+        return (local,)
+    return tuple(
+        HostView(
+            host=str(row["host"]),
+            pid=int(row["pid"]),
+            alive=bool(row["alive"]),
+            workers=int(row["workers"]),
+            busy=int(row["busy"]),
+            heartbeat_age_s=float(row["heartbeat_age_s"]),
+            this_host=(int(row["pid"]), str(row["host"])) == (local.pid, local.host),
+        )
+        for row in rows
+    )
+
+
 def read_snapshot(queue: QueueDB, config: Config, hosts: tuple[HostView, ...]) -> Snapshot:
     """One look at the queue; StatusUnavailable when the database cannot answer."""
     report = collect(queue, config.status.window)
+    # The host registry, once `derivd status` reports it (Report.hosts).
+    registry: list[dict[str, Any]] = list(getattr(report, "hosts", None) or [])
+    if registry and len(hosts) == 1:
+        hosts = registry_hosts(registry, hosts[0])
     try:
         rows = queue.in_flight(limit=IN_FLIGHT_SHOWN)
         minutes = queue.finished_per_minute(cap=MAX_ROWS)

@@ -180,7 +180,8 @@ def _rejections(report: Report) -> str:
 
 def _hosts(hosts: Sequence[HostView]) -> str:
     rows = "".join(
-        f'<tr data-host="{esc(h.host)}"><td>{esc(h.host)}</td>'
+        f'<tr data-host="{esc(h.host)}"><td>{esc(h.host)}'
+        f'{" <span class=muted>(this)</span>" if h.this_host else ""}</td>'
         f'<td class="num pid" data-value="{h.pid}">{h.pid}</td>'
         f'<td class="state {"ok" if h.alive else "bad"}">{"alive" if h.alive else "stale"}</td>'
         f'<td class="num workers" data-value="{h.workers}">{h.workers}</td>'
