@@ -73,7 +73,10 @@ def latency(data: Data) -> tuple[Figure, str]:
     ax.set_ylabel("share of rows")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    ax.set_title("Pickup latency: claimed_at - created_at")
+    first = sorted(data["series"][0]["ms"])
+    p50, p99 = first[len(first) // 2], first[min(len(first) - 1, int(len(first) * 0.99))]
+    ax.set_title(f"Pickup latency: claimed_at - created_at (listen = yes, one row: "
+                 f"p50 {p50:.1f} ms, p99 {p99:.1f} ms)", fontsize=10)  # fmt: skip
     return fig, "Pickup latency distribution (bench/latency.py)"
 
 
@@ -168,7 +171,10 @@ def draw(out: Path = OUT, into: Path = BENCH) -> list[tuple[str, str]]:
 
 def embed(results: Path, charts: list[tuple[str, str]]) -> None:
     """Write the charts section of RESULTS.md (replaced on every run, kept in place)."""
-    lines = [BEGIN, "## Charts", ""]
+    lines = [BEGIN, "## Charts", "",
+             "Drawn by bench/plots.py from the machine-readable results of the latest runs "
+             "(bench/out/*.json); a run made on a busier machine than the tables above "
+             "shows its own figures in the chart's title.", ""]  # fmt: skip
     lines += [f"![{caption}]({png})\n" for png, caption in charts] or ["(none yet)\n"]
     block = "\n".join(lines) + END
     text = results.read_text() if results.exists() else ""
