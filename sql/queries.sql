@@ -76,6 +76,7 @@ UPDATE archive_files AS f
        lease_until = now() + make_interval(secs => %(lease_s)s),
        attempts = f.attempts + 1,
        claimed_at = now(),
+       claimed_by = %(host)s,
        updated_at = now()
   FROM candidate AS c, no_flush_wait
  WHERE f.id = c.id
@@ -653,3 +654,81 @@ SELECT least(floor(extract(epoch FROM now() - r.at) / 60), 59)::int AS minutes_a
   LEFT JOIN archive_files AS f ON f.id = r.file_id
  GROUP BY 1
  ORDER BY 1;
+
+-- Host registry and heartbeat (issue 12; migration 0004) -----------------------------
+
+-- name: heartbeat
+-- One statement per host every [queue] heartbeat: which of the jobs this host holds
+-- (`jobs`: a JSON array of {id, token}, running and claimed-unstarted) still hold their
+-- lease, fenced by id + token + `processing`; with `renew`, exactly those leases are
+-- extended to now() + lease_s. The host's registry row is refreshed (created if pruned).
+-- Returns the ids whose lease still holds; every other id sent is lost. Database time
+-- throughout: no host clock enters a lease decision.
+WITH held AS (
+    SELECT * FROM jsonb_to_recordset(%(jobs)s::jsonb) AS j(id bigint, token uuid)
+), checked AS (
+    SELECT f.id
+      FROM archive_files AS f
+      JOIN held AS h ON f.id = h.id AND f.lease_token = h.token
+     WHERE NOT %(renew)s AND f.status = 'processing'
+       AND f.id = ANY(%(ids)s::bigint[])  -- by primary key (the JSON hides the row count)
+), renewed AS (
+    UPDATE archive_files AS f
+       SET lease_until = now() + make_interval(secs => %(lease_s)s)
+      FROM held AS h
+     WHERE %(renew)s AND f.id = h.id AND f.lease_token = h.token AND f.status = 'processing'
+       AND f.id = ANY(%(ids)s::bigint[])
+    RETURNING f.id
+), host AS (
+    INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
+    VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, %(busy)s,
+            %(heartbeat_s)s)
+    ON CONFLICT (host) DO UPDATE
+       SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
+           workers = EXCLUDED.workers, busy = EXCLUDED.busy,
+           heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now()
+    RETURNING 1
+)
+SELECT id FROM checked
+UNION ALL
+SELECT id FROM renewed;
+
+-- name: register_host
+-- A supervisor starts: its registry row, started now (replacing a row its previous run
+-- left behind).
+INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
+VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, 0, %(heartbeat_s)s)
+ON CONFLICT (host) DO UPDATE
+   SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
+       workers = EXCLUDED.workers, busy = 0, heartbeat_s = EXCLUDED.heartbeat_s,
+       started_at = now(), last_heartbeat = now();
+
+-- name: deregister_host
+-- A clean stop. Fenced on the pid: a newer supervisor under the same name keeps its row.
+DELETE FROM derivd_hosts WHERE host = %(host)s AND pid = %(pid)s;
+
+-- name: prune_hosts
+-- Rows of hosts that stopped heartbeating (stale) for longer than the guard.
+DELETE FROM derivd_hosts
+ WHERE last_heartbeat < now() - make_interval(secs => greatest(%(guard_s)s, 3 * heartbeat_s))
+RETURNING host;
+
+-- name: hosts
+-- The registry for `derivd status` and the metrics: alive = a heartbeat within three of
+-- its intervals; in_flight = rows it holds in `processing` (via the partial index).
+SELECT h.host, h.pid, h.version, h.backend, h.workers, h.busy, h.started_at,
+       extract(epoch FROM now() - h.last_heartbeat)::float8 AS heartbeat_age_s,
+       h.last_heartbeat >= now() - make_interval(secs => 3 * h.heartbeat_s) AS alive,
+       (SELECT count(*) FROM archive_files AS f
+         WHERE f.status = 'processing' AND f.claimed_by = h.host)::int AS in_flight
+  FROM derivd_hosts AS h
+ ORDER BY h.host;
+
+-- name: record_lease_lost
+-- The supervisor killed a job whose lease the heartbeat found gone: a `lease_lost`
+-- event, unless the lease is (still) this attempt's after all.
+INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+SELECT %(id)s, 'lease_lost', %(attempt)s, %(token)s
+ WHERE NOT EXISTS (SELECT 1 FROM archive_files
+                    WHERE id = %(id)s AND lease_token = %(token)s AND status = 'processing')
+RETURNING 1;

@@ -11,6 +11,7 @@ from __future__ import annotations
 import configparser
 import dataclasses
 import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -106,6 +107,18 @@ def check_dsn(value: str) -> str | None:
     )
 
 
+HOST_ID_MAX_BYTES = 200
+HEARTBEAT_AUTO_MAX = 10.0  # seconds: a dead host is called stale within 30 s by default
+
+
+def check_host_id(value: str) -> str | None:
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        return "must not contain control characters"
+    if len(value.encode()) > HOST_ID_MAX_BYTES:
+        return f"must be at most {HOST_ID_MAX_BYTES} bytes"
+    return None
+
+
 @dataclass(frozen=True)
 class DatabaseSettings:
     dsn: str = setting(
@@ -138,8 +151,9 @@ class StorageSettings:
 class SupervisorSettings:
     workers: int = setting(0, "worker processes; 0: one per CPU", check=non_negative)
     job_timeout: float = setting(
-        60.0,
-        "seconds one job may run before its worker is killed (well below the lease)",
+        30.0,
+        "seconds one job may run before its worker is killed "
+        "(below the lease unless [queue] renew = yes)",
         check=positive,
     )
     kill_grace: float = setting(
@@ -160,11 +174,32 @@ class SupervisorSettings:
     state_dir: str = setting(
         "var", "directory for the embedded database, the fs store and runtime files"
     )
+    host_id: str = setting(
+        "",
+        "this supervisor's name in the host registry and on its claims; empty: the OS host "
+        "name (set one per supervisor to run several on one machine)",
+        check=check_host_id,
+    )
 
 
 @dataclass(frozen=True)
 class QueueSettings:
-    lease: float = setting(120.0, "seconds a claim stays valid (database time)", check=positive)
+    lease: float = setting(
+        45.0,
+        "seconds a claim stays valid (database time); a dead host's jobs come back after it",
+        check=positive,
+    )
+    heartbeat: float = setting(
+        0.0,
+        "seconds between a supervisor's lease checks (one statement for all its jobs) and "
+        "host registry updates, at most lease / 3; 0: the smaller of 10 and lease / 3",
+        check=non_negative,
+    )
+    renew: bool = setting(
+        False,
+        "the heartbeat also extends each held lease to now + lease, so job_timeout may "
+        "exceed the lease (yes/no)",
+    )
     max_attempts: int = setting(
         3, "attempts per file, crashes and timeouts included", check=in_range(1, 100)
     )
@@ -182,6 +217,11 @@ class QueueSettings:
         "rows claimed per round trip; raise for very short jobs; each row keeps its own lease",
         check=in_range(1, 100),
     )
+
+    @property
+    def heartbeat_s(self) -> float:
+        """The heartbeat interval in effect (`heartbeat`, or its automatic value)."""
+        return self.heartbeat or min(HEARTBEAT_AUTO_MAX, self.lease / 3)
 
 
 @dataclass(frozen=True)
@@ -355,6 +395,11 @@ class Config:
             raise ValueError("; ".join(f"[{s}] {k}: {m}" for s, k, m in problems))
         return self.derive.spec(specs)
 
+    @property
+    def host_id(self) -> str:
+        """This supervisor's name in the host registry and on its claims."""
+        return self.supervisor.host_id or socket.gethostname()
+
     def replace(self, section: str, **values: Any) -> Config:
         """A copy with some settings of one section changed (tests, `demo`)."""
         current = getattr(self, section)
@@ -468,20 +513,8 @@ def _section_values(
 
 
 def _cross_checks(config: Config, where: str) -> list[Problem]:
-    problems: list[Problem] = []
-    sup, queue = config.supervisor, config.queue
-    # The supervisor must be able to kill a job and record its failure while the lease
-    # is still ours; otherwise a second worker could reclaim a job that is still running.
-    if sup.job_timeout + sup.kill_grace > 0.8 * queue.lease:
-        problems.append(
-            Problem(
-                where,
-                "supervisor",
-                "job_timeout",
-                f"job_timeout + kill_grace ({sup.job_timeout + sup.kill_grace:g}s) must be at most "
-                f"80% of [queue] lease ({0.8 * queue.lease:g}s)",
-            )
-        )
+    queue = config.queue
+    problems = _lease_checks(config, where)
     if config.sweep.orphan_guard <= queue.lease:
         problems.append(
             Problem(
@@ -495,6 +528,36 @@ def _cross_checks(config: Config, where: str) -> list[Problem]:
         problems.append(Problem(where, "queue", "retry_max", "must be at least retry_base"))
     if config.storage.backend == "s3" and not config.storage.bucket:
         problems.append(Problem(where, "storage", "bucket", "required when backend = s3"))
+    return problems
+
+
+def _lease_checks(config: Config, where: str) -> list[Problem]:
+    sup, queue = config.supervisor, config.queue
+    problems: list[Problem] = []
+    # Without renewal the supervisor must be able to kill a job and record its failure
+    # while the lease is still ours; otherwise a second worker could reclaim a job that
+    # is still running. With renewal the heartbeat keeps the lease ahead of the job.
+    if not queue.renew and sup.job_timeout + sup.kill_grace > 0.8 * queue.lease:
+        problems.append(
+            Problem(
+                where,
+                "supervisor",
+                "job_timeout",
+                f"job_timeout + kill_grace ({sup.job_timeout + sup.kill_grace:g}s) must be at most "
+                f"80% of [queue] lease ({0.8 * queue.lease:g}s), or set [queue] renew = yes",
+            )
+        )
+    # Three heartbeats per lease: one late or lost heartbeat never loses a renewed lease,
+    # and a host is called stale (3 missed heartbeats) no later than its leases expire.
+    if queue.heartbeat_s > queue.lease / 3:
+        problems.append(
+            Problem(
+                where,
+                "queue",
+                "heartbeat",
+                f"must be at most a third of [queue] lease ({queue.lease / 3:g}s)",
+            )
+        )
     return problems
 
 

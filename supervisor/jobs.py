@@ -149,7 +149,9 @@ class Worker:
 
     def claim_many(self, limit: int) -> list[Job]:
         q = self.config.queue
-        jobs = self.queue.claim_many(limit=limit, lease_s=q.lease, max_attempts=q.max_attempts)
+        jobs = self.queue.claim_many(
+            limit=limit, lease_s=q.lease, max_attempts=q.max_attempts, host=self.config.host_id
+        )
         if jobs:
             self.hooks.jobs_claimed(jobs)
         return jobs
@@ -380,7 +382,10 @@ class Worker:
         is committed together with the claim of the next one."""
         q, sup = self.config.queue, self.config.supervisor
         sent = time.monotonic() if claimed_at is None else claimed_at
-        latest_start = sent + q.lease - (sup.job_timeout + sup.kill_grace)
+        # With renewal the supervisor's heartbeat keeps every held lease ahead of us.
+        latest_start = (
+            float("inf") if q.renew else sent + q.lease - (sup.job_timeout + sup.kill_grace)
+        )
         started = 0
         try:
             for job in jobs:

@@ -9,7 +9,8 @@ CollectorRegistry, so tests can build several side by side.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -29,7 +30,7 @@ from derivd.states import STATUSES, EventKind
 # supervisor has no other Prometheus user).
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
-RESTART_REASONS = ("crash", "timeout", "recycle", "reload")
+RESTART_REASONS = ("crash", "timeout", "recycle", "reload", "lease_lost")
 OUTCOMES = ("ready", "retry", "rejected", "lease_lost", "released", "unknown")
 # The event kinds whose recent-window gauge always exists (0 included).
 COUNTED_EVENTS: tuple[EventKind, ...] = (
@@ -103,6 +104,30 @@ class Metrics:
             "Unix time of the last successful queue stats query (stale: the database is down)",
             registry=r,
         )
+        self.heartbeats = Counter(
+            "derivd_heartbeats",
+            "Heartbeats sent by this supervisor (lease check, renewal, host registry), by result",
+            ["result"],
+            registry=r,
+        )
+        for result in ("ok", "failed"):
+            self.heartbeats.labels(result)
+        self.heartbeat_age = Gauge(
+            "derivd_heartbeat_age_seconds",
+            "Seconds since this supervisor's last answered heartbeat (-1: none yet)",
+            registry=r,
+        )
+        self.heartbeat_age.set(-1)
+        self.lease_lost_kills = Counter(
+            "derivd_jobs_killed_lease_lost",
+            "Running jobs killed because the heartbeat found their lease gone",
+            registry=r,
+        )
+        self.hosts_alive = Gauge(
+            "derivd_hosts_alive",
+            "Supervisors in the host registry with a recent heartbeat (all hosts)",
+            registry=r,
+        )
         self.events = Gauge(
             "derivd_events_recent",
             "Events in archive_events over the recent window (all hosts), by kind",
@@ -122,13 +147,40 @@ class Metrics:
         if outcome == "lease_lost":
             self.lease_lost.inc()
 
+    def jobs_reported(self, rows: Sequence[Sequence[Any]], *, backend: str) -> None:
+        """The outcome rows of a worker's "finished" message (processes.pipe): id,
+        outcome, code, duration_s, wait_s."""
+        for _id, outcome, code, duration_s, wait_s in rows:
+            self.job_finished(
+                outcome=str(outcome),
+                code=code,
+                duration_s=float(duration_s or 0.0),
+                wait_s=float(wait_s or 0.0),
+                backend=backend,
+            )
+
     def job_timed_out(self) -> None:
         """The supervisor killed a worker past job_timeout."""
         self.timeouts.inc()
 
     def worker_restarted(self, reason: str) -> None:
-        """A worker was replaced: crash | timeout | recycle | reload."""
+        """A worker was replaced: crash | timeout | recycle | reload | lease_lost."""
         self.restarts.labels(reason).inc()
+
+    def heartbeat(self, *, ok: bool) -> None:
+        """One heartbeat answered (ok) or not (the database failed or hung)."""
+        self.heartbeats.labels("ok" if ok else "failed").inc()
+
+    def set_heartbeat_age(self, age_s: float | None) -> None:
+        self.heartbeat_age.set(-1 if age_s is None else age_s)
+
+    def job_killed_lease_lost(self) -> None:
+        """A running job was killed: the heartbeat found its lease gone."""
+        self.lease_lost_kills.inc()
+
+    def set_hosts(self, *, alive: int) -> None:
+        """From the host registry, on the stats timer."""
+        self.hosts_alive.set(alive)
 
     def set_workers(self, *, alive: int, busy: int) -> None:
         """Current fleet state."""

@@ -68,6 +68,7 @@ class Report:
     rejected_by_code: dict[str, int]
     window_s: float
     checked_at: float = field(default_factory=time.time)
+    hosts: list[dict[str, Any]] = field(default_factory=list)  # the host registry
 
     @property
     def counts(self) -> dict[str, int]:
@@ -104,6 +105,7 @@ def collect(queue: QueueDB, window_s: float) -> Report:
             events=queue.event_counts(since),
             rejected_by_code=queue.rejections_by_code(since),
             window_s=window_s,
+            hosts=queue.hosts(),
         )
     except DatabaseUnavailable as error:
         raise StatusUnavailable(str(error)) from None
@@ -182,7 +184,42 @@ def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict
             "min_finished": limits.min_finished,
         },
         "problems": [a.__dict__ for a in alarms],
+        "hosts": [host_json(h) for h in report.hosts],
     }
+
+
+def host_json(row: dict[str, Any]) -> dict[str, Any]:
+    """One supervisor of the host registry: alive = it heartbeated within 3 of its
+    intervals (a stale row stays, not alive, until pruned after the [sweep] guard)."""
+    return {
+        "host": row["host"],
+        "pid": row["pid"],
+        "alive": bool(row["alive"]),
+        "workers": row["workers"],
+        "busy": row["busy"],
+        "heartbeat_age_s": round(float(row["heartbeat_age_s"]), 3),
+        "in_flight": row["in_flight"],
+        "version": row["version"],
+        "backend": row["backend"],
+        "started_at": row["started_at"].isoformat(),
+    }
+
+
+def _host_lines(hosts: list[dict[str, Any]]) -> list[str]:
+    if not hosts:
+        return ["", "hosts: none registered (no supervisor has run since the last prune)"]
+    lines = [
+        "",
+        f"  {'host':<24}{'pid':>8}  {'state':<6}{'workers':>8}{'busy':>6}"
+        f"{'in flight':>11}{'heartbeat':>11}",
+    ]
+    for h in hosts:
+        state = "alive" if h["alive"] else "STALE"
+        lines.append(
+            f"  {h['host'][:23]:<24}{h['pid']:>8}  {state:<6}{h['workers']:>8}{h['busy']:>6}"
+            f"{h['in_flight']:>11}{duration(h['heartbeat_age_s']) + ' ago':>11}"
+        )
+    return lines
 
 
 def duration(seconds: float | None) -> str:
@@ -251,6 +288,7 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
         lines.append(
             f"rejected by code (last {window}): " + ", ".join(f"{c} {n}" for c, n in codes)
         )
+    lines += _host_lines(report.hosts)
     lines.append("")
     if not alarms:
         lines.append("health: ok")

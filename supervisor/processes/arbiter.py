@@ -18,6 +18,7 @@ import os
 import select
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from derivd.config import Config, ConfigError
 from derivd.ops.logs import event
 from derivd.ops.metrics import Metrics
 from derivd.processes.child import ChildSpec, run_child
+from derivd.processes.duties import Duties, to_kill
 from derivd.processes.lifecycle import (
     BootFailure,
     Exit,
@@ -39,12 +41,7 @@ from derivd.processes.lifecycle import (
     to_release,
 )
 from derivd.processes.pipe import WorkerProc
-from derivd.processes.procutil import (
-    SignalQueue,
-    sd_notify,
-    set_proctitle,
-    watchdog_interval,
-)
+from derivd.processes.procutil import SignalQueue, sd_notify, set_proctitle, watchdog_interval
 from derivd.processes.sweeper import SweepProcess
 from derivd.processes.upkeep import Upkeep
 from derivd.queue.db import Job
@@ -56,6 +53,7 @@ LOOP_MAX_SLEEP = 1.0
 # wake the parent) at least this often: a deadline is enforced at most this late.
 PROGRESS_POLL = 0.2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DB_CLOSE_MIN = 1.0  # seconds the last database work gets at the end of any stop
 
 
 @dataclass
@@ -94,9 +92,12 @@ class Arbiter:
         self.watchdog = watchdog_interval()
         self.watchdog_at = 0.0
         self.title = ""
-        self.upkeep = Upkeep(
-            dsn, self.metrics, listen=not burst, listen_dsn=config.database.listen_dsn
-        )
+        # One LISTEN connection for the fleet (none in --burst: no worker ever idles).
+        self.upkeep = Upkeep.for_supervisor(dsn, config, wake=self.signals.wake, listen=not burst)
+        self.upkeep.on_notify = self.on_notify
+        self.upkeep.on_listening = self.on_listening
+        self.duties = Duties(self.upkeep, self.metrics, self.on_lost)
+        self.status_at = 0.0
         self.sweeper = SweepProcess()
 
     # -- signals -----------------------------------------------------------------------
@@ -197,22 +198,26 @@ class Arbiter:
 
     # -- wake-up on NOTIFY -------------------------------------------------------------
 
-    def keep_listening(self) -> None:
-        if self.upkeep.keep_listening(self.config, time.monotonic()):
-            self.wake_idle(len(self.workers))
+    def on_listening(self) -> None:
+        """LISTEN (re)connected: notifications sent while nobody listened are lost, so
+        every idle worker claims once."""
+        self.wake_idle(len(self.workers))
 
-    def on_notify(self) -> None:
+    def on_notify(self, count: int) -> None:
         """Rows entered `queued`: wake one idle worker per notification. Notifications of
         one transaction fold into one, so a bulk enqueue wakes one worker; each worker
         that then finds a job wakes the next idle one (dispatch, "claimed")."""
-        count = self.upkeep.notifications()
-        if count:
-            # A worker that went idle before the row was queued has said so already
-            # ("finished" precedes its empty claim): read that first, so it is woken.
-            for worker in list(self.workers.values()):
-                if not worker.eof:
-                    self.read_status(worker)
-            self.wake_idle(count)
+        if not self.config.queue.listen:
+            return
+        # A worker that went idle before the row was queued has said so already
+        # ("finished" precedes its empty claim): read that first, so it is woken.
+        self.read_all()
+        self.wake_idle(count)
+
+    def read_all(self) -> None:
+        for worker in list(self.workers.values()):
+            if not worker.eof:
+                self.read_status(worker)
 
     # -- messages from children --------------------------------------------------------
 
@@ -233,18 +238,11 @@ class Arbiter:
             boot_s = time.monotonic() - worker.spawned_at
             event(log, "worker ready", slot=worker.slot, pid=worker.pid, boot_s=boot_s)
             self.on_generation_ready(worker.generation)
-        elif kind == "claimed" and self.upkeep.listen_fd() is not None:
+        elif kind == "claimed" and not self.burst and self.config.queue.listen:
             self.wake_idle(1)  # it found work: there may be more for an idle one
         elif kind == "finished":
             self.slots.setdefault(worker.slot, Slot()).failures = 0
-        for _id, outcome, code, duration_s, wait_s in finished:
-            self.metrics.job_finished(
-                outcome=str(outcome),
-                code=code,
-                duration_s=float(duration_s or 0.0),
-                wait_s=float(wait_s or 0.0),
-                backend=self.config.derive.backend,
-            )
+        self.metrics.jobs_reported(finished, backend=self.config.derive.backend)
 
     def on_generation_ready(self, generation: int) -> None:
         if generation == self.generation and self.previous is not None:
@@ -287,6 +285,8 @@ class Arbiter:
             self.on_boot_error(worker, worker.boot_error or how)
         elif kind is Exit.TIMEOUT:
             self.on_timeout(worker)
+        elif kind is Exit.LEASE_LOST:
+            self.on_lease_lost(worker)
         elif kind is Exit.RELEASE:
             self.release(worker)
         elif kind is Exit.RECYCLED:
@@ -333,20 +333,25 @@ class Arbiter:
         self.metrics.worker_restarted("timeout")
         if running is None:
             return  # it finished within the grace after all (to_release has the rest)
-        job = running[0]
-        worker.held.pop(job.id, None)
+        worker.held.pop(running[0].id, None)
         self.metrics.job_timed_out()
-        status = self.upkeep.fail_timed_out(job, self.config)
-        event(
-            log,
-            "job timed out",
-            logging.WARNING,
-            file_id=job.id,
-            attempt=job.attempt,
-            slot=worker.slot,
-            timeout_s=self.config.supervisor.job_timeout,
-            status=status or "lease_lost",
-        )
+        self.duties.fail_timed_out(running[0], self.config, worker.slot)
+
+    def on_lease_lost(self, worker: WorkerProc) -> None:
+        """The heartbeat found the running job's lease gone (reclaimed, deleted,
+        rejected): it was killed; record that. No backoff: the worker did nothing wrong."""
+        self.metrics.worker_restarted("lease_lost")
+        running = worker.running()
+        if running is not None:  # else it finished (and reported) within the grace
+            worker.held.pop(running[0].id, None)
+            self.duties.lease_lost(running[0], worker.slot)
+
+    def on_lost(self, lost: set[uuid.UUID]) -> None:
+        """The heartbeat's answer: kill every worker whose running job the database no
+        longer leases to us (reclaimed, deleted, rejected by an operator)."""
+        self.read_all()  # a job that finished (and committed) since is not lost
+        for worker in to_kill(self.workers.values(), lost):
+            worker.kill("lease_lost", self.config.supervisor.kill_grace)
 
     def release(self, worker: WorkerProc) -> None:
         for job in list(worker.held.values()):
@@ -354,7 +359,7 @@ class Arbiter:
 
     def release_job(self, worker: WorkerProc, job: Job) -> None:
         worker.held.pop(job.id, None)
-        self.upkeep.release(job)
+        self.duties.release(job)
 
     def on_crash(self, worker: WorkerProc, slot: Slot, how: str) -> None:
         # The row stays `processing`; its lease expires and the next claim counts the
@@ -400,7 +405,7 @@ class Arbiter:
         now = time.monotonic()
         times = [now + LOOP_MAX_SLEEP]
         if self.outcome is None:  # halting: no more maintenance, only reaping
-            times.append(self.upkeep.maintenance_at)
+            times.append(self.duties.schedule.next())
         timeout = self.config.supervisor.job_timeout
         times += [
             next_deadline(w, now, job_timeout=timeout, poll=PROGRESS_POLL)
@@ -422,17 +427,19 @@ class Arbiter:
         if self.watchdog and now >= self.watchdog_at:
             sd_notify("WATCHDOG=1")
             self.watchdog_at = now + self.watchdog
-        if self.outcome is not None or not self.upkeep.due(now):
+        if self.outcome is not None:
             return
-        if self.upkeep.maintain(self.config, now):
-            sd_notify(f"STATUS={self.status_line()}")
+        self.duties.tick(self.config, now, self.workers.values(), busy)
         self.run_sweep(now)
+        if now >= self.status_at:
+            self.status_at = now + self.config.metrics.interval
+            sd_notify(f"STATUS={self.status_line()}")
 
     def run_sweep(self, now: float) -> None:
         """Every [sweep] interval, one sweep pass in a short-lived child (not in --burst,
         and not while stopping)."""
         self.sweeper.reap(self.config)
-        self.upkeep.give_back_leases(self.sweeper.abandoned, "sweep")
+        self.duties.give_back_leases(self.sweeper.abandoned, "sweep")
         if self.burst or self.stop_deadline is not None:
             return
         self.sweeper.schedule(self.config, now)
@@ -447,9 +454,6 @@ class Arbiter:
 
     def wait(self, timeout: float) -> None:
         fds = [self.signals.wake_r] + [w.status_r for w in self.workers.values() if not w.eof]
-        listen_fd = self.upkeep.listen_fd()
-        if listen_fd is not None:
-            fds.append(listen_fd)
         try:
             ready, _, _ = select.select(fds, [], [], timeout)
         except InterruptedError:
@@ -458,10 +462,9 @@ class Arbiter:
         for fd in ready:
             if fd == self.signals.wake_r:
                 self.signals.drain()
-            elif fd != listen_fd:
+            else:
                 self.read_status(by_fd[fd])
-        if listen_fd is not None and listen_fd in ready:
-            self.on_notify()  # last: the workers' own news is read first
+        self.upkeep.poll()  # last: the workers' own news is read first
 
     def finished(self) -> bool:
         if self.workers:
@@ -482,10 +485,11 @@ class Arbiter:
             backend=self.config.derive.backend,
             burst=self.burst,
         )
+        self.upkeep.start()
+        host = self.duties.register(self.config)
         try:
             while True:
                 self.handle_signals()
-                self.keep_listening()  # before the first fork: no window without it
                 self.manage_workers()
                 self.wait(self.next_wakeup())
                 self.handle_signals()
@@ -501,11 +505,21 @@ class Arbiter:
         finally:
             self.signals.restore()
             self.sweeper.stop()
-            self.upkeep.give_back_leases(self.sweeper.abandoned, "sweep")
-            self.upkeep.close()
+            self.duties.give_back_leases(self.sweeper.abandoned, "sweep")
+            if self.outcome is None:  # a clean stop: leave the registry
+                self.duties.deregister(host)
+            self.upkeep.close(self._close_timeout())
         outcome = self.outcome or RunResult(0)
         event(log, "supervisor stopped", code=outcome.code)
         return outcome
+
+    def _close_timeout(self) -> float:
+        """What is left of the stop's time bound for the last database work (releases,
+        deregistering): shutdown_grace + kill_grace from the signal, at least a moment."""
+        if self.stop_deadline is None:
+            return DB_CLOSE_MIN
+        left = self.stop_deadline + self.config.supervisor.kill_grace - time.monotonic()
+        return max(DB_CLOSE_MIN, left)
 
     def _title(self) -> str:
         state = " stopping" if self.stop_deadline is not None else ""

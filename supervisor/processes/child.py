@@ -97,7 +97,10 @@ def _after_fork(spec: ChildSpec, stop: ChildStop) -> None:
     set_pdeathsig(signal.SIGKILL)
     if os.getppid() != spec.parent_pid:  # the parent died before prctl took effect
         os._exit(EXIT_OK)
-    for fd in spec.inherited_fds:
+    # The list was taken before fork while the parent's database thread may have closed
+    # a connection and the number gone to one of our own pipes: never close those.
+    own = {spec.status_w, spec.progress_w, spec.cmd_r}
+    for fd in set(spec.inherited_fds) - own:
         with contextlib.suppress(OSError):
             os.close(fd)
 

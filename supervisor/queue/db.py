@@ -84,6 +84,19 @@ def _jobs(rows: list[dict[str, Any]]) -> list[Job]:
 
 
 @dataclass(frozen=True)
+class HostInfo:
+    """What a supervisor tells the host registry about itself."""
+
+    host: str
+    pid: int
+    version: str
+    backend: str
+    workers: int
+    busy: int
+    heartbeat_s: float
+
+
+@dataclass(frozen=True)
 class QueueStats:
     counts: dict[str, int]
     oldest_claimable_age_s: float | None
@@ -311,10 +324,12 @@ class QueueDB:
 
     # -- the lease protocol ------------------------------------------------------------
 
-    def claim_many(self, *, limit: int, lease_s: float, max_attempts: int) -> list[Job]:
+    def claim_many(
+        self, *, limit: int, lease_s: float, max_attempts: int, host: str | None = None
+    ) -> list[Job]:
         """Lease up to `limit` rows in one statement, in claim order; each row gets its
-        own token and lease."""
-        params = {"limit": limit, "lease_s": lease_s, "max_attempts": max_attempts}
+        own token and lease, and records `host` as its holder."""
+        params = {"limit": limit, "lease_s": lease_s, "max_attempts": max_attempts, "host": host}
         return _jobs(self._all("claim", params))
 
     def register_pending(self, job: Job, keys: Sequence[str]) -> None:
@@ -389,6 +404,41 @@ class QueueDB:
         """Give the job back without burning its attempt. False: the lease was lost."""
         row = self._one("release", {"id": job.id, "token": job.token, "attempt": job.attempt})
         return bool(row and row["released"])
+
+    # -- heartbeat and host registry ---------------------------------------------------
+
+    def heartbeat(
+        self, host: HostInfo, jobs: Sequence[Job], *, renew: bool, lease_s: float
+    ) -> set[int]:
+        """Check (and with `renew`, extend) the leases of `jobs` and refresh the host's
+        registry row, in one statement. Returns the ids whose lease still holds."""
+        params = {
+            **host.__dict__,
+            "jobs": json.dumps([{"id": j.id, "token": str(j.token)} for j in jobs]),
+            "ids": [j.id for j in jobs],
+            "renew": renew,
+            "lease_s": lease_s,
+        }
+        return {int(r["id"]) for r in self._all("heartbeat", params)}
+
+    def register_host(self, host: HostInfo) -> None:
+        self._all("register_host", host.__dict__)
+
+    def deregister_host(self, host: str, pid: int) -> None:
+        self._all("deregister_host", {"host": host, "pid": pid})
+
+    def prune_hosts(self, *, guard_s: float) -> list[str]:
+        return [str(r["host"]) for r in self._all("prune_hosts", {"guard_s": guard_s})]
+
+    def hosts(self) -> list[dict[str, Any]]:
+        """The host registry, with `alive`, `heartbeat_age_s` and `in_flight` per host."""
+        return self._all("hosts")
+
+    def record_lease_lost(self, job: Job) -> bool:
+        """A `lease_lost` event for an attempt the supervisor killed (none when the lease
+        is this attempt's after all)."""
+        params = {"id": job.id, "token": job.token, "attempt": job.attempt}
+        return bool(self._all("record_lease_lost", params))
 
     # -- maintenance -------------------------------------------------------------------
 
