@@ -3,6 +3,7 @@ revoked is killed at the next heartbeat; with renewal a job may run past its lea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -11,9 +12,11 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fixtures.cli import derivd_command
+from fixtures.pgproxy import PgProxy
 from helpers import alive, wait_for
 from test_supervisor import FAST, Supervisor
 
@@ -43,6 +46,7 @@ def fleet(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[Fleet]:
         made.append(sup)
         return sup
 
+    make.dsn = dsn  # type: ignore[attr-defined]
     yield make
     for sup in made:
         workers = sup.workers() if sup.proc and sup.proc.poll() is None else []
@@ -140,3 +144,81 @@ def test_status_lists_live_and_stale_hosts_and_a_clean_stop_deregisters(fleet: F
     a.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
     assert a.wait_exit() == 0
     assert "host-a" not in status_hosts(a)  # deregistered; host-b stays until pruned
+
+
+def logged(sup: Supervisor, message: str, *, after: float) -> list[dict[str, Any]]:
+    """The supervisor's JSON log records of `message` stamped at or after `after`."""
+    found = []
+    for line in sup.log().splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if record.get("msg") == message and record["ts"] >= after - 0.001:
+                found.append(record)
+    return found
+
+
+@pytest.mark.parametrize("outage", ["hang", "refuse"])
+def test_the_loop_never_waits_on_the_database(fleet: Fleet, dsn: str, outage: str) -> None:
+    """With the database hanging (accepts, never answers) or refusing: a SIGKILLed worker
+    is replaced at once, a hung job is killed at job_timeout, work resumes when the
+    database returns, and SIGTERM ends the supervisor within shutdown_grace + kill_grace."""
+    proxy = PgProxy(dsn).start()
+    try:
+        _never_waits(fleet, proxy, outage)
+    finally:
+        proxy.stop()
+
+
+def _never_waits(fleet: Fleet, proxy: PgProxy, outage: str) -> None:
+    grace, kill_grace = 2.0, 0.5
+    sup = fleet(
+        "host-a",
+        database={"dsn": proxy.dsn(fleet.dsn)},  # type: ignore[attr-defined]
+        logging={"level": "debug", "format": "json"},
+        queue={"lease": "30", "heartbeat": "0.5", "listen": "yes"},
+        supervisor={
+            "workers": "2",
+            "job_timeout": "3",
+            "kill_grace": str(kill_grace),
+            "shutdown_grace": str(grace),
+        },
+    ).start()
+    wait_for(lambda: sup.ready_workers(2), "two workers ready", detail=sup.log)
+    [hung] = sup.enqueue("hang")
+    on_job = wait_for(lambda: sup.worker_on_job(hung), "a worker on the hanging job")
+    getattr(proxy, outage)()
+    # A SIGKILLed worker is replaced at once, database or not.
+    [idle] = [p for p in sup.workers() if p != on_job]
+    killed_at = time.time()
+    os.kill(idle, signal.SIGKILL)
+    # Read from the supervisor's own log (a replacement that cannot reach the database
+    # exits at once, too soon to be seen in the process table).
+    spawned = wait_for(lambda: logged(sup, "worker spawned", after=killed_at), "a replacement")
+    latency = spawned[0]["ts"] - killed_at
+    print(f"{outage}: SIGKILL -> replacement forked in {latency * 1000:.0f} ms")
+    assert latency <= 0.1
+    # The hung job's deadline is enforced while the database is still out.
+    wait_for(lambda: not alive(on_job), "the hung job killed at job_timeout", detail=sup.log)
+    assert proxy.mode == outage
+    # The database returns: the timeout is recorded and new work is done, no restart.
+    proxy.resume()
+    wait_for(lambda: "timeout" in kinds(sup, hung), "the timeout recorded", detail=sup.log)
+    [later] = sup.enqueue("ok")
+    wait_for(lambda: sup.status_is(later, "ready"), "work after the outage", detail=sup.log)
+    # Out again, SIGTERM: the stop is bounded by the graces, not by the database.
+    wait_for(lambda: sup.ready_workers(2), "two workers ready again", detail=sup.log)
+    getattr(proxy, outage)()
+    stopped_at = time.time()
+    sup.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    code = sup.wait_exit(timeout=60)
+    took = time.time() - stopped_at
+    [done] = logged(sup, "supervisor stopped", after=stopped_at)
+    print(
+        f"{outage}: SIGTERM -> stopped {done['ts'] - stopped_at:.2f}s, exit {code} after "
+        f"{took:.2f}s (grace {grace} + {kill_grace})"
+    )
+    assert code == 0
+    assert done["ts"] - stopped_at <= grace + kill_grace + 0.1
+    # The process exit adds the interpreter's teardown: 0.2-0.5 s here, more when the
+    # machine is loaded (the bound below only catches a stop that waits on the database).
+    assert took <= grace + kill_grace + 3.0

@@ -53,7 +53,9 @@ LOOP_MAX_SLEEP = 1.0
 # wake the parent) at least this often: a deadline is enforced at most this late.
 PROGRESS_POLL = 0.2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-DB_CLOSE_MIN = 1.0  # seconds the last database work gets at the end of any stop
+# Seconds the last database work (releases, deregistering) gets after a --burst run or a
+# halt; a SIGTERM stop gives it what is left of shutdown_grace + kill_grace instead.
+DB_CLOSE_WAIT = 2.0
 
 
 @dataclass
@@ -159,7 +161,7 @@ class Arbiter:
 
         worker = WorkerProc.spawn(slot, self.generation, start)
         self.workers[worker.pid] = worker
-        log.debug("spawned worker %s pid %s", slot, worker.pid)
+        event(log, "worker spawned", logging.DEBUG, slot=slot, pid=worker.pid)
 
     def _parent_fds(self) -> tuple[int, ...]:
         """Descriptors a forked child must close: the other children's pipes, the wake-up
@@ -490,10 +492,8 @@ class Arbiter:
         try:
             while True:
                 self.handle_signals()
-                self.manage_workers()
-                self.wait(self.next_wakeup())
-                self.handle_signals()
                 self.reap_workers()
+                self.manage_workers()  # right after reaping: a replacement comes first
                 self.enforce_deadlines()
                 self.maintenance()
                 if self.finished():
@@ -502,6 +502,7 @@ class Arbiter:
                 if title != self.title:
                     set_proctitle(title)
                     self.title = title
+                self.wait(self.next_wakeup())
         finally:
             self.signals.restore()
             self.sweeper.stop()
@@ -514,12 +515,10 @@ class Arbiter:
         return outcome
 
     def _close_timeout(self) -> float:
-        """What is left of the stop's time bound for the last database work (releases,
-        deregistering): shutdown_grace + kill_grace from the signal, at least a moment."""
         if self.stop_deadline is None:
-            return DB_CLOSE_MIN
+            return DB_CLOSE_WAIT
         left = self.stop_deadline + self.config.supervisor.kill_grace - time.monotonic()
-        return max(DB_CLOSE_MIN, left)
+        return max(0.1, left)
 
     def _title(self) -> str:
         state = " stopping" if self.stop_deadline is not None else ""
