@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 from fixtures.cli import derivd_command
 from fixtures.pgproxy import PgProxy
-from helpers import alive, wait_for
+from helpers import alive, sql, wait_for
 from test_supervisor import FAST, Supervisor
 
 from derivd.config import load_config
@@ -222,3 +223,77 @@ def _never_waits(fleet: Fleet, proxy: PgProxy, outage: str) -> None:
     # The process exit adds the interpreter's teardown: 0.2-0.5 s here, more when the
     # machine is loaded (the bound below only catches a stop that waits on the database).
     assert took <= grace + kill_grace + 3.0
+
+
+LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
+
+
+def kill_host(sup: Supervisor) -> None:
+    """Host death: the supervisor and every process under it, SIGKILLed together."""
+    for pid in [sup.pid, *sup.workers()]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert sup.proc is not None
+    sup.proc.wait()
+
+
+def host_clock(env: dict[str, str]) -> float:
+    """time.time() as a process started with `env` sees it."""
+    run = subprocess.run(
+        [sys.executable, "-c", "import time; print(time.time())"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(run.stdout)
+
+
+@pytest.mark.skipif(not LIBFAKETIME.exists(), reason="libfaketime (Debian: faketime) absent")
+@pytest.mark.parametrize("offset", ["-1h", "+1h"])
+def test_a_host_clock_an_hour_off_changes_no_lease_decision(fleet: Fleet, offset: str) -> None:
+    # Every clock of the process is off (libfaketime fakes CLOCK_MONOTONIC too: keeping it
+    # real breaks its sleep calls); the database's clock is right.
+    skew = {"LD_PRELOAD": str(LIBFAKETIME), "FAKETIME": offset}
+    assert abs(abs(host_clock(skew) - time.time()) - 3600) < 60  # the fake clock works
+    fast = {
+        "queue": {"lease": "3", "heartbeat": "0.5", "renew": "yes"},
+        "supervisor": {"job_timeout": "20", "kill_grace": "1", "workers": "1"},
+    }
+    skewed = fleet("skewed", **fast).start(env_extra=skew)
+    # Claims and renews: a job of 2.5 leases on the skewed host alone ends in one attempt.
+    [long] = skewed.enqueue("sleep 7.5")
+    wait_for(
+        lambda: skewed.worker_on_job(long), "the skewed host on the long job", detail=skewed.log
+    )
+    for _ in range(3):  # the lease stays within one lease of the database's now()
+        left = sql(
+            skewed.dsn,
+            "SELECT extract(epoch FROM lease_until - now())::float8 AS s FROM archive_files "
+            "WHERE id = %s AND status = 'processing'",
+            (long,),
+        )
+        assert not left or 0 < left[0]["s"] <= 3.0
+        time.sleep(1.5)
+    row = wait_for(
+        lambda: skewed.status_is(long, "ready"), "the long job", timeout=90, detail=skewed.log
+    )
+    assert (row["attempts"], kinds(skewed, long)) == (1, ["ready"])
+    # Reclaims: a correct host's job, left by its death, is taken over by the skewed
+    # one after the lease (database time) and ends ready on its second attempt.
+    frozen = [skewed.pid, *skewed.workers()]  # so that the correct host claims the job
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    right = fleet("right", **fast).start()
+    try:
+        [orphan] = right.enqueue(f"hang-once {right.tmp / 'marker'}")
+        wait_for(lambda: right.worker_on_job(orphan), "the correct host on the job")
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    wait_for((right.tmp / "marker").exists, "the handler to hang")
+    kill_host(right)
+    row = wait_for(lambda: right.status_is(orphan, "ready"), "the job reclaimed", timeout=90)
+    [holder] = sql(right.dsn, "SELECT claimed_by FROM archive_files WHERE id = %s", (orphan,))
+    assert (row["attempts"], holder["claimed_by"]) == (2, "skewed")
+    assert "job killed: lease lost" not in skewed.log()
