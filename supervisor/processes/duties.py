@@ -219,15 +219,14 @@ class Duties:
         each holder's id, so the next holder need not wait for them to expire. One that
         fails (database away) is retried with the next call; or its lease expires."""
         while abandoned:
-            holder = abandoned.pop(0)
+            self._drop_lease(abandoned, name, abandoned.pop(0))
 
-            def retry(result: bool | None, holder: uuid.UUID = holder) -> None:
-                if result is None:
-                    abandoned.append(holder)
+    def _drop_lease(self, abandoned: list[uuid.UUID], name: str, holder: uuid.UUID) -> None:
+        def retry(dropped: bool | None) -> None:
+            if dropped is None:
+                abandoned.append(holder)
 
-            self.upkeep.submit(
-                f"drop_lease:{holder}", lambda db, h=holder: db.drop_lease(name, h), retry
-            )  # type: ignore[misc]
+        self.upkeep.submit(f"drop_lease:{holder}", lambda db: db.drop_lease(name, holder), retry)
 
     # -- the host registry -------------------------------------------------------------
 
