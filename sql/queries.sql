@@ -242,6 +242,7 @@ WITH input AS (
            lease_until = now() + make_interval(secs => %(lease_s)s),
            attempts = f.attempts + 1,
            claimed_at = now(),
+           claimed_by = %(host)s,
            updated_at = now()
       FROM candidate AS c
      WHERE f.id = c.id

@@ -236,6 +236,7 @@ class Worker:
                 limit=limit,
                 lease_s=q.lease,
                 max_attempts=q.max_attempts,
+                host=self.config.host_id,
             )
         except DatabaseUnavailable:
             for d in pending:

@@ -357,6 +357,7 @@ class QueueDB:
         limit: int,
         lease_s: float,
         max_attempts: int,
+        host: str | None = None,
     ) -> tuple[set[int], list[Job]]:
         """`commit_many` and `claim_many` in one durable statement (one round trip, one
         transaction): the ids that committed, and the newly claimed jobs in claim order.
@@ -369,6 +370,7 @@ class QueueDB:
                 "limit": limit,
                 "lease_s": lease_s,
                 "max_attempts": max_attempts,
+                "host": host,
             },
         )
         committed = {int(r["id"]) for r in rows if r["kind"] == "committed"}
