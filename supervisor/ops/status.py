@@ -26,6 +26,7 @@ import click
 import psycopg
 
 from derivd.config import Config, StatusSettings
+from derivd.ops.budget import connection_budget
 from derivd.queue.db import (
     NO_SCHEMA,
     DatabaseUnavailable,
@@ -202,6 +203,7 @@ def host_json(row: dict[str, Any]) -> dict[str, Any]:
         "version": row["version"],
         "backend": row["backend"],
         "started_at": row["started_at"].isoformat(),
+        "connections": connection_budget(row["workers"]).total,
     }
 
 
@@ -211,14 +213,16 @@ def _host_lines(hosts: list[dict[str, Any]]) -> list[str]:
     lines = [
         "",
         f"  {'host':<24}{'pid':>8}  {'state':<6}{'workers':>8}{'busy':>6}"
-        f"{'in flight':>11}{'heartbeat':>11}",
+        f"{'in flight':>11}{'heartbeat':>11}{'conns':>7}",
     ]
     for h in hosts:
         state = "alive" if h["alive"] else "STALE"
         lines.append(
             f"  {h['host'][:23]:<24}{h['pid']:>8}  {state:<6}{h['workers']:>8}{h['busy']:>6}"
             f"{h['in_flight']:>11}{duration(h['heartbeat_age_s']) + ' ago':>11}"
+            f"{connection_budget(h['workers']).total:>7}"
         )
+    lines.append("  conns: the most database connections a host opens (README: Running many hosts)")
     return lines
 
 
