@@ -55,6 +55,7 @@ test: lint typecheck pytest
 
 chaos: install
 	$(BIN)/python bench/chaos.py --full
+	$(BIN)/python bench/fleet_chaos.py --full
 
 # Charts need matplotlib: setup.cfg's `bench` extra, installed here only (not a runtime
 # dependency). bench/plots.py draws from bench/out/*.json, skipping what is absent.
