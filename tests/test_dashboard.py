@@ -159,6 +159,14 @@ def test_database_down_says_cannot_tell(tmp_path: Any) -> None:
     assert "Traceback" not in text
 
 
+def test_this_host_is_named_as_the_registry_names_it() -> None:
+    cfg = defaults().replace("supervisor", host_id="edge-7")
+    board = Dashboard("postgresql://nobody@127.0.0.1:1/none", lambda: cfg, Metrics())
+    snapshot = board._read(cfg)
+    assert snapshot.host == "edge-7"
+    assert [(h.host, h.this_host) for h in snapshot.hosts] == [("edge-7", True)]
+
+
 def _report() -> Report:
     stats = QueueStats(counts={"ready": 3}, oldest_claimable_age_s=None, expired_leases=0)
     return Report(stats=stats, events={"ready": 3}, rejected_by_code={"<img src=x>": 1},

@@ -13,7 +13,6 @@ the BRIN index on their time, capped at MAX_ROWS.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -83,11 +82,12 @@ class Snapshot:
         return None if self.report is None else not self.alarms
 
 
-def local_host(metrics: Metrics) -> HostView:
-    """This supervisor, from its own state (alive and busy workers as last published)."""
+def local_host(metrics: Metrics, host: str) -> HostView:
+    """This supervisor, from its own state (alive and busy workers as last published),
+    named as the host registry names it (`[supervisor] host_id`)."""
     alive, busy = metrics.workers_now
     return HostView(
-        host=socket.gethostname(),
+        host=host,
         pid=os.getpid(),
         alive=True,
         workers=alive,
@@ -132,7 +132,7 @@ def read_snapshot(queue: QueueDB, config: Config, hosts: tuple[HostView, ...]) -
         raise StatusUnavailable(f"database error: {one_line(error)}") from None
     return Snapshot(
         taken_at=time.time(),
-        host=socket.gethostname(),
+        host=config.host_id,
         refresh_s=config.metrics.interval,
         job_timeout=config.supervisor.job_timeout,
         limits=config.status,
@@ -178,7 +178,7 @@ class Dashboard:
             return snapshot
 
     def _read(self, config: Config) -> Snapshot:
-        hosts = (local_host(self.metrics),)
+        hosts = (local_host(self.metrics, config.host_id),)
         self.reads += 1
         try:
             with QueueDB.open(self.dsn, role="derivd-dashboard") as queue:
@@ -186,7 +186,7 @@ class Dashboard:
         except (StatusUnavailable, DatabaseUnavailable) as error:
             return Snapshot(
                 taken_at=time.time(),
-                host=socket.gethostname(),
+                host=config.host_id,
                 refresh_s=config.metrics.interval,
                 job_timeout=config.supervisor.job_timeout,
                 limits=config.status,
