@@ -119,10 +119,8 @@ def registry_hosts(rows: Sequence[Mapping[str, Any]], local: HostView) -> tuple[
 def read_snapshot(queue: QueueDB, config: Config, hosts: tuple[HostView, ...]) -> Snapshot:
     """One look at the queue; StatusUnavailable when the database cannot answer."""
     report = collect(queue, config.status.window)
-    # The host registry, once `derivd status` reports it (Report.hosts).
-    registry: list[dict[str, Any]] = list(getattr(report, "hosts", None) or [])
-    if registry and len(hosts) == 1:
-        hosts = registry_hosts(registry, hosts[0])
+    if report.hosts and len(hosts) == 1:  # the host registry, as `derivd status` reads it
+        hosts = registry_hosts(report.hosts, hosts[0])
     try:
         rows = queue.in_flight(limit=IN_FLIGHT_SHOWN)
         minutes = queue.finished_per_minute(cap=MAX_ROWS)
