@@ -314,9 +314,12 @@ def sweep(state: State, orphan_guard: float | None, delete_guard: float | None) 
     from derivd.embedded.runtime import database
     from derivd.ops.sweep import open_sweeper
 
-    with database(state.config) as dsn, open_sweeper(
-        state.config, dsn, orphan_guard=orphan_guard, delete_guard=delete_guard
-    ) as sweeper:
+    with (
+        database(state.config) as dsn,
+        open_sweeper(
+            state.config, dsn, orphan_guard=orphan_guard, delete_guard=delete_guard
+        ) as sweeper,
+    ):
         report = sweeper.run_once()
     if report.skipped:
         click.echo("sweep: another sweep is running (this or another host); nothing done")

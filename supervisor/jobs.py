@@ -88,13 +88,19 @@ class IdleWait:
 
     `wake_fds` are read ends of pipes (a signal wake-up pipe, the supervisor's wake-up
     channel, which it writes to when its LISTEN connection hears of new rows); anything
-    readable on them ends the wait and is drained.
+    readable on them ends the wait and is drained. `on_wait` runs as each wait begins
+    (the worker's "idle" process title: it has claimed, found nothing, and waits).
     """
 
-    def __init__(self, wake_fds: Sequence[int] = ()) -> None:
+    def __init__(
+        self, wake_fds: Sequence[int] = (), on_wait: Callable[[], None] | None = None
+    ) -> None:
         self.wake_fds = list(wake_fds)
+        self.on_wait = on_wait
 
     def wait(self, timeout: float) -> None:
+        if self.on_wait is not None:
+            self.on_wait()
         try:
             ready, _, _ = select.select(self.wake_fds, [], [], timeout)
         except InterruptedError:

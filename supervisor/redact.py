@@ -32,8 +32,7 @@ _VALUE = r"(?:'(?:[^'\\]|\\.)*(?:'|\\?$)|(?:[^\s\\]|\\.)+)"
 # A key that ends in password (sslpassword, db_password...) or names an AWS secret; not
 # after `?` or `&`, where _PASSWORD_QUERY has masked it already.
 _PASSWORD_KV = re.compile(
-    r"(?<![?&\w])(\w*(?:password|secret_access_key|secret_?key|session_?token)\s*=\s*)"
-    + _VALUE,
+    r"(?<![?&\w])(\w*(?:password|secret_access_key|secret_?key|session_?token)\s*=\s*)" + _VALUE,
     re.IGNORECASE | re.DOTALL,
 )
 # In a URL query the value ends at the next `&key=` (an `&` inside a value stays masked).

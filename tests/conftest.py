@@ -48,8 +48,19 @@ TEMPLATE_DB = "derivd_template"
 # marker), so `pytest -m unit` runs alone; with DERIVD_TEST_TIER=unit the service fixtures
 # fail, which proves that the unit tier needs none.
 SERVICE_FIXTURES = frozenset(
-    {"pg_root", "pg_cluster", "pg_template", "dsn", "s3_server", "s3_client", "s3_bucket",
-     "s3_bucket_unversioned", "faulty_s3", "pgbouncer", "direct_dsn"}
+    {
+        "pg_root",
+        "pg_cluster",
+        "pg_template",
+        "dsn",
+        "s3_server",
+        "s3_client",
+        "s3_bucket",
+        "s3_bucket_unversioned",
+        "faulty_s3",
+        "pgbouncer",
+        "direct_dsn",
+    }
 )
 PROCESS_FIXTURES = frozenset({"run_cli", "supervisor", "idle_daemon"})
 

@@ -16,6 +16,8 @@ from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 
+from derivd.processes.procutil import children_of
+
 T = TypeVar("T")
 
 
@@ -54,6 +56,23 @@ def proc_title(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
     except OSError:
         return ""
+
+
+def workers_waiting(supervisor_pid: int) -> bool:
+    """Every worker of this supervisor has claimed, found nothing, and waits (its title
+    says "idle" only then): from now on only a wake-up or the poll makes it claim."""
+    titles = [proc_title(pid) for pid in children_of(supervisor_pid)]
+    workers = [t for t in titles if t.startswith("derivd: worker")]
+    return bool(workers) and all(t.endswith(" idle") for t in workers)
+
+
+def listening(conn: psycopg.Connection[Any], channel: str) -> bool:
+    """Some session of this database LISTENs on `channel`."""
+    rows = conn.execute(
+        "SELECT query FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    ).fetchall()
+    return any(f"LISTEN {channel}".upper() in str(r[0]).upper() for r in rows)
 
 
 def alive(pid: int) -> bool:

@@ -68,6 +68,8 @@ def test_a_put_retried_after_the_connection_broke_leaves_one_version(
     assert proxy.snapshot().get("resets_after_upstream") == 1  # the ghost was made
     listed = s3_client.list_object_versions(Bucket=s3_bucket, Prefix=key)
     assert [v["VersionId"] for v in listed.get("Versions", [])] == [version]
+
+
 @pytest.mark.acceptance
 def test_the_running_supervisor_sweeps_orphans_and_deletions_on_its_own(
     dsn: str, fs_root: Path, tmp_path: Path

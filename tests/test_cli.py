@@ -27,8 +27,12 @@ def one_line_error(result: CompletedProcess[str]) -> str:
 
 
 def fs_env(dsn: str, root: Path, **extra: str) -> dict[str, str]:
-    return {"DERIVD_DATABASE_DSN": dsn, "DERIVD_STORAGE_BACKEND": "fs",
-            "DERIVD_STORAGE_ROOT": str(root), **extra}
+    return {
+        "DERIVD_DATABASE_DSN": dsn,
+        "DERIVD_STORAGE_BACKEND": "fs",
+        "DERIVD_STORAGE_ROOT": str(root),
+        **extra,
+    }
 
 
 def test_help_teaches_the_commands(run_cli: RunCli) -> None:
@@ -71,9 +75,12 @@ def test_unreachable_database_is_one_line(run_cli: RunCli, tmp_path: Path) -> No
 def test_bucket_without_versioning_is_refused_in_one_line(  # type: ignore[no-untyped-def]
     run_cli: RunCli, dsn: str, s3_server, s3_bucket_unversioned: str
 ) -> None:
-    env = {"DERIVD_DATABASE_DSN": dsn, "DERIVD_STORAGE_BACKEND": "s3",
-           "DERIVD_STORAGE_BUCKET": s3_bucket_unversioned,
-           "DERIVD_STORAGE_ENDPOINT_URL": s3_server.endpoint_url}
+    env = {
+        "DERIVD_DATABASE_DSN": dsn,
+        "DERIVD_STORAGE_BACKEND": "s3",
+        "DERIVD_STORAGE_BUCKET": s3_bucket_unversioned,
+        "DERIVD_STORAGE_ENDPOINT_URL": s3_server.endpoint_url,
+    }
     line = one_line_error(run_cli("run", "--burst", env=env))
     assert "versioning off" in line and s3_bucket_unversioned in line
 
@@ -88,8 +95,9 @@ def test_enqueue_then_burst_run_makes_everything_final(
         Image.new("RGB", size, (n * 90, 30, 200)).save(buffer, "PNG")
         (originals / "nested" / f"{n}.png").write_bytes(buffer.getvalue())
     (originals / "notes.jpg").write_text("not an image")
-    env = fs_env(dsn, tmp_path / "store", DERIVD_DERIVE_BACKEND="pillow",
-                 DERIVD_SUPERVISOR_WORKERS="1")
+    env = fs_env(
+        dsn, tmp_path / "store", DERIVD_DERIVE_BACKEND="pillow", DERIVD_SUPERVISOR_WORKERS="1"
+    )
 
     queued = run_cli("enqueue", str(originals), env=env)
     assert queued.returncode == 0, queued.stderr
@@ -99,17 +107,21 @@ def test_enqueue_then_burst_run_makes_everything_final(
     ran = run_cli("run", "--burst", env=env, timeout=120)
     assert ran.returncode == 0, ran.stderr
     with psycopg.connect(dsn) as conn:
-        rows = conn.execute(
-            "SELECT status, error_code FROM archive_files ORDER BY id").fetchall()
+        rows = conn.execute("SELECT status, error_code FROM archive_files ORDER BY id").fetchall()
     assert sorted(rows, key=str) == sorted(
-        [("ready", None), ("ready", None), ("rejected", "unsupported_content")], key=str)
+        [("ready", None), ("ready", None), ("rejected", "unsupported_content")], key=str
+    )
 
 
 def test_demo_processes_its_samples_and_shows_a_real_webp(
     run_cli: RunCli, dsn: str, tmp_path: Path
 ) -> None:
-    env = fs_env(dsn, tmp_path / "store", DERIVD_SUPERVISOR_STATE_DIR=str(tmp_path / "state"),
-                 DERIVD_SUPERVISOR_WORKERS="2")
+    env = fs_env(
+        dsn,
+        tmp_path / "store",
+        DERIVD_SUPERVISOR_STATE_DIR=str(tmp_path / "state"),
+        DERIVD_SUPERVISOR_WORKERS="2",
+    )
     result = run_cli("demo", "--count", "3", env=env, timeout=180)
     assert result.returncode == 0, result.stderr
     assert "ready: 3  rejected: 2  other: 0" in result.stdout

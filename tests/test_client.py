@@ -35,7 +35,13 @@ def _variants(file_id: int) -> list[StoredVariant]:
     return [
         StoredVariant("large", f"derived/{file_id}/t/large.webp", "v-large", "cd" * 32, 800, 600),
         StoredVariant(
-            "thumb", f"derived/{file_id}/t/thumb.avif", "v-thumb", "ab" * 32, 200, 150, "avif",
+            "thumb",
+            f"derived/{file_id}/t/thumb.avif",
+            "v-thumb",
+            "ab" * 32,
+            200,
+            150,
+            "avif",
             "image/avif",
         ),
     ]

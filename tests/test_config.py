@@ -38,11 +38,14 @@ def test_example_file_is_generated_from_the_declarations() -> None:
 
 
 def test_bad_values_name_file_section_and_key(tmp_path: Path) -> None:
-    path = write_ini(tmp_path / "bad.ini", {
-        "queue": {"lease": "soon", "max_attempts": "0", "listen": "maybe"},
-        "derive": {"backend": "imagemagick", "varients": "thumb:320"},
-        "bogus": {"x": "1"},
-    })
+    path = write_ini(
+        tmp_path / "bad.ini",
+        {
+            "queue": {"lease": "soon", "max_attempts": "0", "listen": "maybe"},
+            "derive": {"backend": "imagemagick", "varients": "thumb:320"},
+            "bogus": {"x": "1"},
+        },
+    )
     with pytest.raises(ConfigError) as caught:
         load_config(path, env={})
     lines = str(caught.value).splitlines()
@@ -60,8 +63,9 @@ def test_bad_values_name_file_section_and_key(tmp_path: Path) -> None:
 
 
 def test_job_timeout_must_stay_well_below_the_lease(tmp_path: Path) -> None:
-    path = write_ini(tmp_path / "t.ini", {"queue": {"lease": "60"},
-                                          "supervisor": {"job_timeout": "58"}})
+    path = write_ini(
+        tmp_path / "t.ini", {"queue": {"lease": "60"}, "supervisor": {"job_timeout": "58"}}
+    )
     with pytest.raises(ConfigError, match=r"\[supervisor\] job_timeout: .* 80% of \[queue\] lease"):
         load_config(path, env={})
 
@@ -82,7 +86,9 @@ def test_missing_explicit_file_is_an_error_but_default_is_optional(tmp_path: Pat
 
 def test_variants_parse_in_order_and_reject_nonsense() -> None:
     assert [(v.name, v.long_edge) for v in parse_variants("preview:1600, thumb:320")] == [
-        ("preview", 1600), ("thumb", 320)]
+        ("preview", 1600),
+        ("thumb", 320),
+    ]
     for bad in ("thumb", "thumb:0", "Thumb:10", "a:1,a:2", "../x:10"):
         with pytest.raises(ValueError):
             parse_variants(bad)

@@ -115,9 +115,12 @@ def test_numbers_match_the_database_and_the_status_verdict(dsn: str, queue: Queu
     assert snap.report is not None and evaluate(snap.report, cfg.status)  # as derivd status
     assert page.ids["verdict"]["class"].split()[-1] == "bad"
     # Jobs in flight: the processing rows, oldest lease first.
-    processing = [r["id"] for r in sql(
-        dsn, "SELECT id FROM archive_files WHERE status='processing' ORDER BY lease_until"
-    )]
+    processing = [
+        r["id"]
+        for r in sql(
+            dsn, "SELECT id FROM archive_files WHERE status='processing' ORDER BY lease_until"
+        )
+    ]
     assert [j.id for j in snap.in_flight] == processing
     assert {k for k, _ in page.rows if k == "data-file"} == {"data-file"}
     assert float(page.ids["in-flight-total"]["data-value"]) == len(processing)
@@ -169,16 +172,22 @@ def test_this_host_is_named_as_the_registry_names_it() -> None:
 
 def _report() -> Report:
     stats = QueueStats(counts={"ready": 3}, oldest_claimable_age_s=None, expired_leases=0)
-    return Report(stats=stats, events={"ready": 3}, rejected_by_code={"<img src=x>": 1},
-                  window_s=3600)
+    return Report(
+        stats=stats, events={"ready": 3}, rejected_by_code={"<img src=x>": 1}, window_s=3600
+    )
 
 
 def test_everything_is_escaped() -> None:
     cfg = defaults()
     hostile = "<script>alert(1)</script>"
     snap = Snapshot(
-        taken_at=0.0, host=hostile, refresh_s=5, job_timeout=60, limits=cfg.status,
-        report=_report(), error=f"database error: {hostile}",
+        taken_at=0.0,
+        host=hostile,
+        refresh_s=5,
+        job_timeout=60,
+        limits=cfg.status,
+        report=_report(),
+        error=f"database error: {hostile}",
         hosts=(HostView(hostile, 1, True, 2, 1, None, True),),
     )
     text = render(snap)
@@ -284,7 +293,18 @@ def test_hosts_come_from_the_registry_when_there_is_one() -> None:
         ("web-1", True, True, 1),
         ("web-2", False, False, 0),
     ]
-    page = Cells(render(Snapshot(taken_at=0.0, host="web-1", refresh_s=1, job_timeout=1,
-                                 limits=defaults().status, report=None, hosts=hosts)))
+    page = Cells(
+        render(
+            Snapshot(
+                taken_at=0.0,
+                host="web-1",
+                refresh_s=1,
+                job_timeout=1,
+                limits=defaults().status,
+                report=None,
+                hosts=hosts,
+            )
+        )
+    )
     assert page.rows[("data-host", "web-2")]["workers"] == "4"
     assert page.rows[("data-host", "web-1")]["busy"] == "1"

@@ -44,9 +44,20 @@ def dump_dom(url: str, profile: Path) -> str:
     exe = browser()
     assert exe is not None
     result = subprocess.run(
-        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-         f"--user-data-dir={profile}", "--dump-dom", url],
-        capture_output=True, text=True, timeout=120, check=False,
+        [
+            exe,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            "--dump-dom",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
@@ -56,10 +67,21 @@ def screenshot(url: str, profile: Path, out: Path) -> None:
     exe = browser()
     assert exe is not None
     subprocess.run(
-        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-         "--hide-scrollbars", f"--user-data-dir={profile}", "--window-size=1200,1000",
-         f"--screenshot={out}", url],
-        capture_output=True, timeout=120, check=True,
+        [
+            exe,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            "--window-size=1200,1000",
+            f"--screenshot={out}",
+            url,
+        ],
+        capture_output=True,
+        timeout=120,
+        check=True,
     )
 
 
@@ -90,7 +112,10 @@ def daemon(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[tuple[str, Path]
     env = {**os.environ, "PYTHONPATH": path}
     log = (tmp_path / "derivd.log").open("wb")
     proc = subprocess.Popen(
-        [*derivd_command(), "-c", str(ini), "run"], env=env, stdout=log, stderr=subprocess.STDOUT,
+        [*derivd_command(), "-c", str(ini), "run"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
     )
     try:
@@ -133,14 +158,18 @@ def test_the_rendered_dashboard_matches_the_database(
     for status in ("queued", "processing", "ready", "rejected", "pending", "deleting", "deleted"):
         assert page.value("data-status", status, "n") == counts.get(status, 0), status
     codes = sql(
-        dsn, "SELECT error_code, count(*) n FROM archive_events "
+        dsn,
+        "SELECT error_code, count(*) n FROM archive_events "
         "WHERE kind IN ('rejected', 'exhausted') GROUP BY 1",
     )
     for code in codes:
         assert page.value("data-code", code["error_code"], "n") == code["n"]
     # In flight: the hanging job, with its age from the database.
-    (job,) = sql(dsn, "SELECT id, extract(epoch FROM now() - claimed_at) age FROM archive_files "
-                 "WHERE status = 'processing'")
+    (job,) = sql(
+        dsn,
+        "SELECT id, extract(epoch FROM now() - claimed_at) age FROM archive_files "
+        "WHERE status = 'processing'",
+    )
     assert float(page.ids["in-flight-total"]["data-value"]) == 1
     assert 0 < page.value("data-file", str(job["id"]), "age") <= float(job["age"])
     # Hosts: this supervisor, 2 workers, 1 busy.
@@ -148,22 +177,28 @@ def test_the_rendered_dashboard_matches_the_database(
     assert page.rows[("data-host", host)]["workers"] == "2"
     assert page.rows[("data-host", host)]["idle"] == "1"
     # The hour: every finishing event, per minute.
-    finished = sql(dsn, "SELECT count(*) n FROM archive_events "
-                   "WHERE kind IN ('ready', 'rejected', 'exhausted')")[0]["n"]
+    finished = sql(
+        dsn,
+        "SELECT count(*) n FROM archive_events WHERE kind IN ('ready', 'rejected', 'exhausted')",
+    )[0]["n"]
     assert finished == 5
     assert float(page.ids["finished-hour"]["data-value"]) == finished
     assert sum(int(b["data-finished"]) for b in page.bars) == finished
     # Signals and verdict as `derivd status` computes them.
     status = subprocess.run(
         [*derivd_command(), "-c", str(ini), "status", "--json"],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     report = json.loads(status.stdout)
     assert status.returncode == 1 and report["healthy"] is False  # 40% rejected > 20%
     assert page.ids["verdict"]["class"].split()[-1] == "bad"
     assert page.value("data-signal", "expired_leases") == report["expired_leases"]
     assert page.value("data-signal", "recent_rejected_ratio") == pytest.approx(
-        report["recent_rejected_ratio"])
+        report["recent_rejected_ratio"]
+    )
     assert page.value("data-signal", "recent_rejected_ratio", "limit") == 0.2
     problems = {p["signal"] for p in report["problems"]}
     assert problems == {"recent_rejected_ratio"}

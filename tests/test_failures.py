@@ -111,9 +111,7 @@ def run_in_child(target: Callable[[], None]) -> int | None:
 def s3_versions(client: S3Client, bucket: str, prefix: str) -> list[tuple[str, str]]:
     """Every version and delete marker under prefix (what 'no object remains' means)."""
     found: list[tuple[str, str]] = []
-    for page in client.get_paginator("list_object_versions").paginate(
-        Bucket=bucket, Prefix=prefix
-    ):
+    for page in client.get_paginator("list_object_versions").paginate(Bucket=bucket, Prefix=prefix):
         for item in page.get("Versions", []) + page.get("DeleteMarkers", []):
             found.append((item["Key"], item["VersionId"]))
     return found
@@ -332,9 +330,12 @@ def test_storage_outage_requeues_with_growing_jittered_delay_then_succeeds(
     assert result is not None and result.outcome == "ready"
     done = row(dsn, file_id)
     assert done["status"] == "ready" and done["attempts"] == 3
-    assert s3_client.get_object(
-        Bucket=s3_bucket, Key=done["derived_key"], VersionId=done["derived_version"]
-    )["Body"].read()[:4] == b"RIFF"
+    assert (
+        s3_client.get_object(
+            Bucket=s3_bucket, Key=done["derived_key"], VersionId=done["derived_version"]
+        )["Body"].read()[:4]
+        == b"RIFF"
+    )
     assert events(dsn, file_id) == [
         ("retry", 1, "processing_failed"),
         ("retry", 2, "processing_failed"),
@@ -491,7 +492,8 @@ def test_crash_after_put_leaves_an_orphan_the_sweep_removes_after_the_guard(
     orphan_keys = [
         r["key"]
         for r in sql(
-            dsn, "SELECT key FROM pending_objects WHERE lease_token = %s",
+            dsn,
+            "SELECT key FROM pending_objects WHERE lease_token = %s",
             (crashed["lease_token"],),
         )
     ]
@@ -561,9 +563,7 @@ def test_delete_while_processing_late_commit_changes_nothing_and_sweep_removes_a
     written = s3_versions(s3_client, s3_bucket, derived_prefix(file_id))
     assert len(written) == 2  # the losing attempt's PUTs happened
 
-    sweeper = Sweeper(
-        worker.queue, storage, orphan_guard=3600.0, delete_guard=30.0, max_attempts=3
-    )
+    sweeper = Sweeper(worker.queue, storage, orphan_guard=3600.0, delete_guard=30.0, max_attempts=3)
     before = sweeper.run_once()
     assert before.deletions_completed == [] and row(dsn, file_id)["status"] == "deleting"
     assert len(s3_versions(s3_client, s3_bucket, original_key)) == 2

@@ -221,6 +221,8 @@ def _scrape_when(url: str, ready: Callable[[Samples], bool], what: str) -> Sampl
         if time.monotonic() > deadline:
             pytest.fail(f"the metrics endpoint never showed {what}")
         time.sleep(0.1)
+
+
 @pytest.mark.acceptance
 def test_running_supervisor_serves_its_metrics(
     run_cli: Callable[..., subprocess.CompletedProcess[str]], dsn: str, tmp_path: Path

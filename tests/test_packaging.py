@@ -17,9 +17,21 @@ SOURCE_FOLDERS = {"supervisor": "derivd", "handlers": "derivd/handlers", "sql": 
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "-q", "-w", str(out), str(ROOT)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     (built,) = out.glob("derivd-*.whl")
     return built

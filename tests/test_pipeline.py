@@ -57,7 +57,9 @@ def test_good_image_becomes_ready_with_every_variant(
     assert row is not None and row["status"] == "ready" and row["error_code"] is None
     variants = worker.queue.file_variants(file_id)
     assert [(v.name, v.width, v.height) for v in variants] == [
-        ("preview", 1600, 800), ("thumb", 320, 160)]
+        ("preview", 1600, 800),
+        ("thumb", 320, 160),
+    ]
     assert row["derived_key"] == variants[0].key and row["sha256"] == variants[0].sha256
     for stored in variants:
         data = worker.storage.get(stored.key, stored.version)
@@ -73,8 +75,12 @@ def test_corrupt_image_is_rejected_with_a_safe_code(
     config = make_config(dsn, fs_root=fs_root)
     worker = make_worker(config, dsn)
     good = jpeg(300, 200)
-    ids = enqueue_bytes(tmp_path, worker.storage, dsn, {
-        "truncated.jpg": good[: len(good) // 2], "page.jpg": b"<html>not an image</html>"})
+    ids = enqueue_bytes(
+        tmp_path,
+        worker.storage,
+        dsn,
+        {"truncated.jpg": good[: len(good) // 2], "page.jpg": b"<html>not an image</html>"},
+    )
     outcomes = [run_one(worker) for _ in ids]
     assert [r.outcome for r in outcomes if r] == ["rejected", "rejected"]
     codes = [worker.queue.file_row(i)["error_code"] for i in ids]  # type: ignore[index]
@@ -92,7 +98,8 @@ def test_late_attempt_loses_and_its_objects_are_never_referenced(
     job_a = worker_a.claim_many(1)[0]
     assert job_a is not None
     worker_a.queue.conn.execute(
-        "UPDATE archive_files SET lease_until = now() - interval '1 s' WHERE id = %s", (file_id,))
+        "UPDATE archive_files SET lease_until = now() - interval '1 s' WHERE id = %s", (file_id,)
+    )
     job_b = worker_b.claim_many(1)[0]
     assert job_b is not None and job_b.id == file_id
 
@@ -104,21 +111,36 @@ def test_late_attempt_loses_and_its_objects_are_never_referenced(
     written_by_a = {k for k in worker_a.storage.list_keys("derived/") if str(job_a.token) in k}
     assert written_by_a and not (written_by_a & referenced)
     pending = worker_a.queue.conn.execute(
-        "SELECT key FROM pending_objects WHERE lease_token = %s", (job_a.token,)).fetchall()
+        "SELECT key FROM pending_objects WHERE lease_token = %s", (job_a.token,)
+    ).fetchall()
     assert {r[0] for r in pending} == written_by_a  # left for the orphan sweep
-    kinds = [r[0] for r in worker_a.queue.conn.execute(
-        "SELECT kind FROM archive_events WHERE file_id = %s ORDER BY id", (file_id,))]
+    kinds = [
+        r[0]
+        for r in worker_a.queue.conn.execute(
+            "SELECT kind FROM archive_events WHERE file_id = %s ORDER BY id", (file_id,)
+        )
+    ]
     assert kinds == ["lease_lost", "ready"]
     worker_a.close()
     worker_b.close()
 
 
 def test_s3_pipeline_reads_originals_by_version(
-    dsn: str, s3_server, s3_bucket: str, tmp_path: Path  # type: ignore[no-untyped-def]
+    dsn: str,
+    s3_server,
+    s3_bucket: str,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
 ) -> None:
-    config = make_config(dsn, s3={"bucket": s3_bucket, "endpoint_url": s3_server.endpoint_url,
-                                  "region": "us-east-1", "prefix": "t/"},
-                         derive={"backend": "vips", "variants": "thumb:64"})
+    config = make_config(
+        dsn,
+        s3={
+            "bucket": s3_bucket,
+            "endpoint_url": s3_server.endpoint_url,
+            "region": "us-east-1",
+            "prefix": "t/",
+        },
+        derive={"backend": "vips", "variants": "thumb:64"},
+    )
     worker = make_worker(config, dsn)
     (file_id,) = enqueue_bytes(tmp_path, worker.storage, dsn, {"a.jpg": jpeg(640, 480)})
     row = worker.queue.file_row(file_id)

@@ -11,11 +11,9 @@ import itertools
 import signal
 import subprocess
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
@@ -23,8 +21,10 @@ from configs import write_ini
 from fixtures.cli import derivd_command
 from fixtures.pgbouncer import PgBouncer
 from fixtures.work import claim_one, commit_one
+from helpers import listening, wait_for, workers_waiting
 
 from derivd.embedded.pgcluster import EmbeddedCluster
+from derivd.jobs import NOTIFY_CHANNEL
 from derivd.ops.budget import connection_budget
 from derivd.queue.db import QueueDB, connect, is_pooled, migrate
 from derivd.storage.fs import FsStorage
@@ -39,18 +39,7 @@ def pooled(dsn: str, pgbouncer: PgBouncer) -> str:
     return pgbouncer.dsn(dsn)
 
 
-def _wait(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
-def test_a_pooled_connection_prepares_nothing_and_a_direct_one_does(
-    dsn: str, pooled: str
-) -> None:
+def test_a_pooled_connection_prepares_nothing_and_a_direct_one_does(dsn: str, pooled: str) -> None:
     with connect(pooled) as through, connect(dsn) as direct:
         assert is_pooled(through) and through.prepare_threshold is None
         assert not is_pooled(direct) and direct.prepare_threshold is not None
@@ -148,9 +137,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 @pytest.fixture
-def pooled_daemon(
-    dsn: str, pooled: str, tmp_path: Path
-) -> Iterator[subprocess.Popen[str]]:
+def pooled_daemon(dsn: str, pooled: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     """`derivd run` through the pooler, LISTEN on the direct `listen_dsn`, 60 s poll."""
     ini = write_ini(
         tmp_path / "derivd.ini",
@@ -169,18 +156,6 @@ def pooled_daemon(
         _stop(proc)
 
 
-def _listening_and_claimed(conn: psycopg.Connection[Any]) -> bool:
-    """A direct LISTEN session exists, and a claim has run (and found nothing): from now
-    on only a wake-up, or the 60 s poll, makes the worker claim again."""
-    rows = conn.execute(
-        "SELECT query, state FROM pg_stat_activity"
-        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-    ).fetchall()
-    listening = any("LISTEN DERIVD_QUEUED" in str(r[0]).upper() for r in rows)
-    claimed = any("gen_random_uuid()" in str(r[0]) and r[1] == "idle" for r in rows)
-    return listening and claimed
-
-
 def test_an_idle_daemon_behind_the_pooler_wakes_through_listen_dsn(
     pooled_daemon: subprocess.Popen[str], dsn: str, tmp_path: Path
 ) -> None:
@@ -188,7 +163,14 @@ def test_an_idle_daemon_behind_the_pooler_wakes_through_listen_dsn(
         return (tmp_path / "derivd.log").read_text(errors="replace")
 
     with psycopg.connect(dsn, autocommit=True) as producer:
-        assert _wait(lambda: _listening_and_claimed(producer), 30.0), log_text()
+        # Not pg_stat_activity's last query of a worker's connection: through the pooler
+        # a server connection runs whichever client's statement comes next.
+        wait_for(
+            lambda: listening(producer, NOTIFY_CHANNEL) and workers_waiting(pooled_daemon.pid),
+            "an idle worker and a LISTEN session",
+            30.0,
+            detail=log_text,
+        )
         assert pooled_daemon.poll() is None, log_text()
         version = FsStorage(tmp_path / "objects").put("originals/wake", b"x", "image/x")
         row = producer.execute(
@@ -203,7 +185,7 @@ def test_an_idle_daemon_behind_the_pooler_wakes_through_listen_dsn(
             return got.fetchone() == ("ready",)
 
         # Far below the 60 s poll: only the NOTIFY heard on listen_dsn can have woken it.
-        assert _wait(ready, LIVENESS_S), log_text()
+        wait_for(ready, "the row to be ready", LIVENESS_S, detail=log_text)
 
 
 def test_two_supervisors_through_the_pooler_finish_every_row_once(

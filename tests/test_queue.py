@@ -120,12 +120,12 @@ def test_transient_failure_retries_with_delay_then_rejects_at_cap(queue: QueueDB
     for attempt in (1, 2):
         job = claim_one(queue, lease_s=LONG, max_attempts=3)
         assert job is not None and job.attempt == attempt
-        status = queue.fail(job, retry=True, code="processing_failed", max_attempts=3,
-                            delay_s=30)
+        status = queue.fail(job, retry=True, code="processing_failed", max_attempts=3, delay_s=30)
         assert status == "queued"
         assert claim_one(queue, lease_s=LONG, max_attempts=3) is None  # delayed 30 s
-        queue.conn.execute("UPDATE archive_files SET available_at = now() WHERE id = %s",
-                           (file_id,))
+        queue.conn.execute(
+            "UPDATE archive_files SET available_at = now() WHERE id = %s", (file_id,)
+        )
     job = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert job is not None and job.attempt == 3
     assert queue.fail(job, retry=True, code="processing_failed", max_attempts=3) == "rejected"

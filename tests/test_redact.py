@@ -96,8 +96,13 @@ def test_a_registered_secret_is_masked_in_every_spelling() -> None:
 
 def test_the_log_formatters_use_the_one_masker() -> None:
     record = logging.LogRecord(
-        "derivd.test", logging.INFO, __file__, 1,
-        "database host=db password='Zq1 is Yp2' user=u", (), None,
+        "derivd.test",
+        logging.INFO,
+        __file__,
+        1,
+        "database host=db password='Zq1 is Yp2' user=u",
+        (),
+        None,
     )
     record.fields = {"dsn": "postgresql://u:Zq1%20Yp2@db/x"}  # type: ignore[attr-defined]
     for formatter in (logs.TextFormatter(), logs.JsonFormatter()):
@@ -141,8 +146,10 @@ def test_the_log_shows_no_fragment_of_a_quoted_password(run_cli: RunCli) -> None
     dsn = "host=127.0.0.1 port=1 connect_timeout=2 password='hunter2 is long'"
     for fmt in ("text", "json"):
         result = run_cli(
-            "--log-level", "debug", "status", env={"DERIVD_DATABASE_DSN": dsn,
-                                                   "DERIVD_LOGGING_FORMAT": fmt}
+            "--log-level",
+            "debug",
+            "status",
+            env={"DERIVD_DATABASE_DSN": dsn, "DERIVD_LOGGING_FORMAT": fmt},
         )
         assert result.returncode == 3, result.stderr
         assert "password=***" in result.stderr  # the log line is there, masked

@@ -26,8 +26,12 @@ def _one(conn: psycopg.Connection[Any], query: str) -> Any:
 
 
 def _events_size(conn: psycopg.Connection[Any]) -> int:
-    return int(_one(conn, "SELECT sum(pg_total_relation_size(relid))"
-                          " FROM pg_partition_tree('archive_events')"))
+    return int(
+        _one(
+            conn,
+            "SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree('archive_events')",
+        )
+    )
 
 
 def test_one_sweep_drops_old_events_whole_and_keeps_young_ones_append_only(
@@ -63,17 +67,25 @@ def test_one_sweep_drops_old_events_whole_and_keeps_young_ones_append_only(
     big = _events_size(conn)
 
     report = Sweeper(
-        queue, FsStorage(fs_root), orphan_guard=3600, delete_guard=300, max_attempts=3,
+        queue,
+        FsStorage(fs_root),
+        orphan_guard=3600,
+        delete_guard=300,
+        max_attempts=3,
         events_retention_days=90,
     ).run_once()
 
     assert report.error is None
     assert len(report.partitions_dropped) == OLD_DAYS + 1  # the old days and DEFAULT
-    assert _one(conn, "SELECT count(*) FROM archive_events"
-                      " WHERE at < now() - interval '90 days'") == 0
-    assert conn.execute(
-        "SELECT count(*), sum(file_id), min(id), max(id) FROM archive_events"
-    ).fetchone() == young_before
+    assert (
+        _one(conn, "SELECT count(*) FROM archive_events WHERE at < now() - interval '90 days'") == 0
+    )
+    assert (
+        conn.execute(
+            "SELECT count(*), sum(file_id), min(id), max(id) FROM archive_events"
+        ).fetchone()
+        == young_before
+    )
     # The table is about the young rows' size again (nothing rewritten, no dead rows).
     today = _one(conn, "SELECT tableoid::regclass::text FROM archive_events LIMIT 1")
     young_size = _one(conn, f"SELECT pg_total_relation_size('{today}')")
@@ -109,7 +121,11 @@ def test_retention_zero_keeps_every_event(dsn: str, fs_root: Path) -> None:
             (dt.datetime.combine(first, dt.time(12), dt.UTC),),
         )
         report = Sweeper(
-            queue, FsStorage(fs_root), orphan_guard=3600, delete_guard=300, max_attempts=3,
+            queue,
+            FsStorage(fs_root),
+            orphan_guard=3600,
+            delete_guard=300,
+            max_attempts=3,
             events_retention_days=0,
         ).run_once()
         assert report.partitions_dropped == []
@@ -128,10 +144,19 @@ def test_deleted_rows_are_purged_after_their_setting_only(dsn: str, fs_root: Pat
             )
 
         def sweep(days: int) -> list[int]:
-            return Sweeper(
-                queue, FsStorage(fs_root), orphan_guard=3600, delete_guard=300,
-                max_attempts=3, purge_deleted_days=days, batch=2,
-            ).run_once().purged
+            return (
+                Sweeper(
+                    queue,
+                    FsStorage(fs_root),
+                    orphan_guard=3600,
+                    delete_guard=300,
+                    max_attempts=3,
+                    purge_deleted_days=days,
+                    batch=2,
+                )
+                .run_once()
+                .purged
+            )
 
         assert sweep(0) == []  # the default keeps them
         assert sorted(sweep(30)) == sorted(ids[:3])

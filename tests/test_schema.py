@@ -56,8 +56,12 @@ def env_for(fs_root: Path) -> Callable[[str], dict[str, str]]:
 
 
 def assert_every_command_refuses(
-    run_cli: RunCli, env: dict[str, str], tmp_path: Path, fs_root: Path,
-    *words: str, also: tuple[tuple[str, ...], ...] = (),
+    run_cli: RunCli,
+    env: dict[str, str],
+    tmp_path: Path,
+    fs_root: Path,
+    *words: str,
+    also: tuple[tuple[str, ...], ...] = (),
 ) -> None:
     """Each command that needs the schema exits 3 with one line holding `words`, prints
     nothing on stdout and leaves the store empty (enqueue uploads nothing)."""
@@ -85,14 +89,20 @@ def assert_every_command_refuses(
 
 
 def test_every_command_refuses_a_database_never_migrated(
-    run_cli: RunCli, empty_dsn: str, env_for: Callable[[str], dict[str, str]], fs_root: Path,
+    run_cli: RunCli,
+    empty_dsn: str,
+    env_for: Callable[[str], dict[str, str]],
+    fs_root: Path,
     tmp_path: Path,
 ) -> None:
     assert_every_command_refuses(run_cli, env_for(empty_dsn), tmp_path, fs_root, NO_SCHEMA)
 
 
 def test_a_schema_behind_this_version_is_refused(
-    run_cli: RunCli, dsn: str, env_for: Callable[[str], dict[str, str]], fs_root: Path,
+    run_cli: RunCli,
+    dsn: str,
+    env_for: Callable[[str], dict[str, str]],
+    fs_root: Path,
     tmp_path: Path,
 ) -> None:
     last = migrations()[-1].name
@@ -103,12 +113,21 @@ def test_a_schema_behind_this_version_is_refused(
 
 
 def test_a_schema_newer_than_this_version_is_refused(
-    run_cli: RunCli, dsn: str, env_for: Callable[[str], dict[str, str]], fs_root: Path,
+    run_cli: RunCli,
+    dsn: str,
+    env_for: Callable[[str], dict[str, str]],
+    fs_root: Path,
     tmp_path: Path,
 ) -> None:
     sql(dsn, "INSERT INTO derivd_migrations (name) VALUES (%s)", (FUTURE,))
     assert_every_command_refuses(
-        run_cli, env_for(dsn), tmp_path, fs_root, "schema is newer", FUTURE, "upgrade derivd",
+        run_cli,
+        env_for(dsn),
+        tmp_path,
+        fs_root,
+        "schema is newer",
+        FUTURE,
+        "upgrade derivd",
         also=(("migrate",),),
     )
 
@@ -147,12 +166,15 @@ def test_two_migrates_at_once_on_an_empty_database(empty_dsn: str, tmp_path: Pat
         ]
         try:
             wait_for(
-                lambda: holder.execute(
-                    "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
-                    "WHERE l.locktype = 'advisory' AND NOT l.granted "
-                    "AND a.application_name = 'derivd-migrate'"
-                ).fetchone() == (2,)
-                or any(p.poll() is not None for p in procs),
+                lambda: (
+                    holder.execute(
+                        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                        "WHERE l.locktype = 'advisory' AND NOT l.granted "
+                        "AND a.application_name = 'derivd-migrate'"
+                    ).fetchone()
+                    == (2,)
+                    or any(p.poll() is not None for p in procs)
+                ),
                 "both migrates to wait on the migration lock",
             )
             assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]

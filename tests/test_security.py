@@ -267,6 +267,8 @@ SEC_ROLE = "derivd_security_test"
 @pytest.fixture
 def password_dsn(dsn: str) -> str:
     return role_dsn(dsn, SEC_ROLE, DB_PASSWORD)
+
+
 @pytest.mark.acceptance
 def test_credentials_never_reach_logs_events_rows_or_process_titles(
     password_dsn: str, s3_server: MotoServer, s3_bucket: str, tmp_path: Path

@@ -153,9 +153,18 @@ def test_each_host_shows_its_connection_budget() -> None:
 
     from derivd.ops.status import _host_lines, host_json
 
-    row = {"host": "web-1", "pid": 42, "alive": True, "workers": 8, "busy": 3,
-           "heartbeat_age_s": 1.25, "in_flight": 3, "version": "0.1.0", "backend": "vips",
-           "started_at": datetime(2026, 12, 1, tzinfo=UTC)}
+    row = {
+        "host": "web-1",
+        "pid": 42,
+        "alive": True,
+        "workers": 8,
+        "busy": 3,
+        "heartbeat_age_s": 1.25,
+        "in_flight": 3,
+        "version": "0.1.0",
+        "backend": "vips",
+        "started_at": datetime(2026, 12, 1, tzinfo=UTC),
+    }
     assert host_json(row)["connections"] == 11  # 8 workers + supervisor + sweep + listen
     table = "\n".join(_host_lines([row]))
     assert "conns" in table

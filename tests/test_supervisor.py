@@ -349,8 +349,10 @@ def test_memory_recycle(supervisor: Callable[..., Supervisor]) -> None:
     second = wait_for(lambda: sup.ready_workers(1), "a fresh worker")[0]
     assert second != first
     # The log line may land after the replacement is ready: wait for it, do not race it.
-    wait_for(lambda: "worker recycled" in sup.log() and "reason=rss" in sup.log(),
-             "the recycle to be logged with its reason")
+    wait_for(
+        lambda: "worker recycled" in sup.log() and "reason=rss" in sup.log(),
+        "the recycle to be logged with its reason",
+    )
     [small] = sup.enqueue("ok")
     wait_for(lambda: sup.status_is(small, "ready"), "the fresh worker to work")
 

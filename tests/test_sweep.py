@@ -263,8 +263,10 @@ def test_concurrent_sweepers_remove_each_thing_exactly_once(dsn: str, fs_root: P
     assert sorted(removed) == sorted(orphan_keys)
     assert sorted(completed) == sorted(deleted)
     assert list(storage.list_keys("derived/")) == []
-    statuses = {r["status"] for r in sql(dsn, "SELECT status FROM archive_files WHERE "
-                                              "id = ANY(%s)", (deleted,))}
+    statuses = {
+        r["status"]
+        for r in sql(dsn, "SELECT status FROM archive_files WHERE id = ANY(%s)", (deleted,))
+    }
     assert statuses == {"deleted"}
 
 
@@ -315,11 +317,13 @@ def test_sweep_once_uses_its_own_connection_and_closes_it(dsn: str, fs_root: Pat
     assert sorted(report.orphans_deleted) == sorted(keys)
 
     def sweep_sessions() -> int:
-        return len(sql(
-            dsn,
-            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'derivd-sweep@%%' "
-            "AND datname = current_database()",
-        ))
+        return len(
+            sql(
+                dsn,
+                "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'derivd-sweep@%%' "
+                "AND datname = current_database()",
+            )
+        )
 
     # A backend leaves pg_stat_activity shortly after its client hangs up.
     wait_for(lambda: sweep_sessions() == 0, "the sweep's session to end", 30)

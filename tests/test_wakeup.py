@@ -19,7 +19,7 @@ import pytest
 from configs import write_ini
 from fixtures.cli import derivd_command
 from fixtures.work import claim_one, commit_one
-from helpers import wait_for
+from helpers import listening, wait_for, workers_waiting
 
 from derivd.jobs import NOTIFY_CHANNEL
 from derivd.queue.db import QueueDB
@@ -138,19 +138,6 @@ def test_updates_that_stay_queued_do_not_notify(
 # --------------------------------------------------------------------------- the daemon
 
 
-def _idle_workers(conn: psycopg.Connection[Any]) -> bool:
-    """Every worker connection has claimed at least once and sits idle, and someone
-    LISTENs: from now on only a wake-up (or the poll) makes a worker claim again."""
-    rows = conn.execute(
-        "SELECT application_name, state, query FROM pg_stat_activity"
-        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-    ).fetchall()
-    workers = [r for r in rows if str(r[0]).startswith("derivd-worker")]
-    listening = any(f"LISTEN {NOTIFY_CHANNEL}".upper() in str(r[2]).upper() for r in rows)
-    claimed = all(r[1] == "idle" and "SKIP LOCKED" in str(r[2]) for r in workers)
-    return listening and bool(workers) and claimed
-
-
 def _queue_original(producer: psycopg.Connection[Any], tmp_path: Path) -> int:
     """Store an original in the daemon's fs store and queue it, as an upload API would."""
     version = FsStorage(tmp_path / "objects").put("originals/wake", b"x", "image/x")
@@ -208,7 +195,12 @@ def test_idle_daemon_picks_up_a_new_row_without_waiting_for_the_poll(
     def log_text() -> str:
         return (tmp_path / "derivd.log").read_text(errors="replace")
 
-    wait_for(lambda: _idle_workers(producer), "idle, listening workers", 30.0, detail=log_text)
+    wait_for(
+        lambda: listening(producer, NOTIFY_CHANNEL) and workers_waiting(idle_daemon.pid),
+        "idle, listening workers",
+        30.0,
+        detail=log_text,
+    )
     assert idle_daemon.poll() is None, log_text()
     file_id = _queue_original(producer, tmp_path)
 
@@ -237,7 +229,12 @@ def test_lost_listen_connection_is_replaced(
     def log_text() -> str:
         return (tmp_path / "derivd.log").read_text(errors="replace")
 
-    wait_for(lambda: _idle_workers(producer), "idle, listening workers", 30.0, detail=log_text)
+    wait_for(
+        lambda: listening(producer, NOTIFY_CHANNEL) and workers_waiting(idle_daemon.pid),
+        "idle, listening workers",
+        30.0,
+        detail=log_text,
+    )
     (old,) = _listen_pids(producer)
     producer.execute("SELECT pg_terminate_backend(%s)", (old,))
     wait_for(

@@ -46,7 +46,7 @@ def write_gallery(folder: Path, samples: Sequence[Sample], storage: Storage) -> 
     ready = sum(s.status == "ready" for s in samples)
     page = folder / "index.html"
     page.write_text(
-        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
         "<title>derivd demo</title><style>"
         "body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;background:#fafafa;color:#1d2430}"
         ".card{display:flex;gap:1.2em;align-items:flex-end;flex-wrap:wrap;background:#fff;"
@@ -56,9 +56,7 @@ def write_gallery(folder: Path, samples: Sequence[Sample], storage: Storage) -> 
         "figcaption{font-size:12px;color:#4a5360}.rejected{color:#a11818;font-weight:600}"
         "</style></head><body>"
         f"<h1>derivd demo</h1><p>{ready} of {len(samples)} samples ready; each original "
-        "(left) beside the variants derivd made from it.</p>"
-        + "".join(cards)
-        + "</body></html>\n",
+        "(left) beside the variants derivd made from it.</p>" + "".join(cards) + "</body></html>\n",
         encoding="utf-8",
     )
     return page

@@ -14,9 +14,7 @@ log = logging.getLogger("derivd")
 
 
 @contextmanager
-def database(
-    config: Config, *, auto_migrate: bool = True, check: bool = True
-) -> Iterator[str]:
+def database(config: Config, *, auto_migrate: bool = True, check: bool = True) -> Iterator[str]:
     """Yield a DSN. An empty `[database] dsn` starts the private cluster under state_dir
     (and stops it on exit if this process started it); derivd owns that database, so its
     schema is brought up to date at once. A configured database is migrated only by

@@ -82,8 +82,11 @@ def _head(snapshot: Snapshot) -> str:
 def _header(snapshot: Snapshot) -> str:
     healthy = snapshot.healthy
     css, word = (
-        ("unknown", "cannot tell") if healthy is None else
-        ("ok", "healthy") if healthy else ("bad", "unhealthy")
+        ("unknown", "cannot tell")
+        if healthy is None
+        else ("ok", "healthy")
+        if healthy
+        else ("bad", "unhealthy")
     )
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.taken_at))
     return (
@@ -104,8 +107,15 @@ def _signals(snapshot: Snapshot, report: Report) -> str:
     judged = report.recent_finished >= limits.min_finished
     oldest = stats.oldest_claimable_age_s
 
-    def row(signal: str, label: str, value: float | None, shown: str, limit: float | None,
-            limit_shown: str, is_judged: bool = True) -> str:
+    def row(
+        signal: str,
+        label: str,
+        value: float | None,
+        shown: str,
+        limit: float | None,
+        limit_shown: str,
+        is_judged: bool = True,
+    ) -> str:
         if limit is None:
             verdict, css = "", ""
         elif not limit:
@@ -127,39 +137,62 @@ def _signals(snapshot: Snapshot, report: Report) -> str:
         return text if value else "off"
 
     rows = [
-        row("oldest_claimable_age_s", "oldest claimable age", oldest or 0.0,
-            duration(oldest) if oldest else "none", limits.max_oldest_age,
-            lim(limits.max_oldest_age, duration(limits.max_oldest_age))),
-        row("expired_leases", "expired leases", stats.expired_leases, str(stats.expired_leases),
-            limits.max_expired_leases, lim(limits.max_expired_leases,
-                                           str(limits.max_expired_leases))),
-        row("recent_rejected_ratio", f"rejected share (last {window})",
-            report.recent_rejected_ratio, _percent(report.recent_rejected_ratio)
-            + f" of {report.recent_finished}", limits.max_rejected_ratio,
-            lim(limits.max_rejected_ratio, _percent(limits.max_rejected_ratio)), judged),
-        row("rejected_ratio", "rejected share (all rows)", stats.rejected_ratio,
-            _percent(stats.rejected_ratio), None, ""),
+        row(
+            "oldest_claimable_age_s",
+            "oldest claimable age",
+            oldest or 0.0,
+            duration(oldest) if oldest else "none",
+            limits.max_oldest_age,
+            lim(limits.max_oldest_age, duration(limits.max_oldest_age)),
+        ),
+        row(
+            "expired_leases",
+            "expired leases",
+            stats.expired_leases,
+            str(stats.expired_leases),
+            limits.max_expired_leases,
+            lim(limits.max_expired_leases, str(limits.max_expired_leases)),
+        ),
+        row(
+            "recent_rejected_ratio",
+            f"rejected share (last {window})",
+            report.recent_rejected_ratio,
+            _percent(report.recent_rejected_ratio) + f" of {report.recent_finished}",
+            limits.max_rejected_ratio,
+            lim(limits.max_rejected_ratio, _percent(limits.max_rejected_ratio)),
+            judged,
+        ),
+        row(
+            "rejected_ratio",
+            "rejected share (all rows)",
+            stats.rejected_ratio,
+            _percent(stats.rejected_ratio),
+            None,
+            "",
+        ),
     ]
-    for kind, label in (("lease_lost", "lease lost"), ("timeout", "timeouts"),
-                        ("retry", "retries")):
+    for kind, label in (
+        ("lease_lost", "lease lost"),
+        ("timeout", "timeouts"),
+        ("retry", "retries"),
+    ):
         n = report.events.get(kind, 0)
         rows.append(row(kind, f"{label} (last {window})", n, str(n), None, ""))
     return (
         '<section id="signals"><h2>Health</h2><table><tr><th>signal</th><th>value</th>'
-        f'<th>limit</th><th>verdict</th></tr>{"".join(rows)}</table></section>'
+        f"<th>limit</th><th>verdict</th></tr>{''.join(rows)}</table></section>"
     )
 
 
 def _problems(snapshot: Snapshot) -> str:
     """What to do about each crossed threshold (the hints of `derivd status`)."""
-    hints = "".join(
-        f'<li class="bad">{esc(a.signal)}: {esc(a.hint)}</li>' for a in snapshot.alarms
-    )
+    hints = "".join(f'<li class="bad">{esc(a.signal)}: {esc(a.hint)}</li>' for a in snapshot.alarms)
     return f'<ul id="problems">{hints}</ul>' if hints else ""
 
 
-def _counts_table(section: str, title: str, attr: str, items: Iterable[tuple[str, int]],
-                  empty: str) -> str:
+def _counts_table(
+    section: str, title: str, attr: str, items: Iterable[tuple[str, int]], empty: str
+) -> str:
     rows = "".join(
         f'<tr {attr}="{esc(k)}"><th>{esc(k)}</th><td class="n" data-value="{n}">{n:,}</td></tr>'
         for k, n in items
@@ -181,7 +214,7 @@ def _rejections(report: Report) -> str:
 def _hosts(hosts: Sequence[HostView]) -> str:
     rows = "".join(
         f'<tr data-host="{esc(h.host)}"><td>{esc(h.host)}'
-        f'{" <span class=muted>(this)</span>" if h.this_host else ""}</td>'
+        f"{' <span class=muted>(this)</span>' if h.this_host else ''}</td>"
         f'<td class="num pid" data-value="{h.pid}">{h.pid}</td>'
         f'<td class="state {"ok" if h.alive else "bad"}">{"alive" if h.alive else "stale"}</td>'
         f'<td class="num workers" data-value="{h.workers}">{h.workers}</td>'
@@ -206,7 +239,8 @@ def _in_flight(snapshot: Snapshot, report: Report) -> str:
     table = (
         "<table><tr><th>file</th><th>attempt</th><th>age</th><th>of job_timeout "
         f"{esc(duration(timeout))}</th><th>lease left</th></tr>{rows}</table>"
-        if rows else '<p class="muted">none</p>'
+        if rows
+        else '<p class="muted">none</p>'
     )
     return (
         f'<section id="in-flight"><h2>Jobs in flight: <span id="in-flight-total" '
@@ -280,5 +314,5 @@ def chart(minutes: Sequence[Minute], taken_at: float) -> str:
     return (
         f'<svg id="chart" xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
         f'viewBox="0 0 {W} {H}" role="img" aria-label="jobs finished per minute, last hour">'
-        f'{"".join(bars)}{line}{labels}</svg>'
+        f"{''.join(bars)}{line}{labels}</svg>"
     )

@@ -34,7 +34,12 @@ RESTART_REASONS = ("crash", "timeout", "recycle", "reload", "lease_lost")
 OUTCOMES = ("ready", "retry", "rejected", "lease_lost", "released", "unknown")
 # The event kinds whose recent-window gauge always exists (0 included).
 COUNTED_EVENTS: tuple[EventKind, ...] = (
-    "ready", "retry", "rejected", "lease_lost", "timeout", "exhausted"
+    "ready",
+    "retry",
+    "rejected",
+    "lease_lost",
+    "timeout",
+    "exhausted",
 )
 
 # Image jobs take from a few ms (noop, thumbnails) to minutes (huge TIFFs near the timeout).

@@ -43,7 +43,13 @@ UNAVAILABLE = 3
 
 # The order rows are listed in: the live states first (every status, see test_states).
 STATUS_ORDER: tuple[Status, ...] = (
-    "queued", "processing", "ready", "rejected", "pending", "deleting", "deleted"
+    "queued",
+    "processing",
+    "ready",
+    "rejected",
+    "pending",
+    "deleting",
+    "deleted",
 )
 # The recent events the table sums up, with their labels.
 RECENT_EVENTS: tuple[tuple[str, EventKind], ...] = (

@@ -183,9 +183,7 @@ class Sweeper:
             due = self.queue.deletions_due(guard_s=self.delete_guard, limit=self.batch)
             for file_id, original_key in due:
                 report.objects_deleted += self.storage.delete_all_versions(original_key)
-                report.objects_deleted += self.storage.delete_all_versions(
-                    derived_prefix(file_id)
-                )
+                report.objects_deleted += self.storage.delete_all_versions(derived_prefix(file_id))
                 # Fenced on `deleting`: False means another pass finished it first.
                 if self.queue.mark_deleted(file_id):
                     report.deletions_completed.append(file_id)

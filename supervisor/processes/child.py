@@ -140,9 +140,9 @@ def _main(spec: ChildSpec) -> int:
         return EXIT_BOOT_ERROR
     # No LISTEN here: the supervisor holds the one LISTEN connection and wakes idle
     # workers through cmd_r; poll_interval remains the fallback.
-    idle = IdleWait([stop.wake_r, spec.cmd_r])
+    idle = IdleWait([stop.wake_r, spec.cmd_r], on_wait=reporter.idle)
     reporter.send({"t": "ready"})
-    reporter.idle()
+    reporter.busy()
 
     def should_stop() -> bool:
         return stop.requested or reporter.recycle or os.getppid() != spec.parent_pid

@@ -92,7 +92,12 @@ class Reporter:
             os.write(self.status_w, line)
 
     def idle(self) -> None:
+        """Waiting for a wake-up or the poll: its last claim found nothing."""
         set_proctitle(f"derivd: worker {self.slot} idle")
+
+    def busy(self) -> None:
+        """Between jobs: committing, claiming, or about to."""
+        set_proctitle(f"derivd: worker {self.slot} claiming")
 
     def jobs_claimed(self, jobs: Sequence[Job]) -> None:
         for line in encode_lines("claimed", "jobs", [job_to_dict(j) for j in jobs]):
@@ -116,7 +121,7 @@ class Reporter:
         ]
         for line in encode_lines("finished", "results", rows, rss_mb=round(rss, 1)):
             self.write(line)
-        self.idle()
+        self.busy()
 
 
 # -- the parent's end ------------------------------------------------------------------

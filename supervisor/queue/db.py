@@ -533,7 +533,6 @@ class QueueDB:
     def file_variants(self, file_id: int) -> list[StoredVariant]:
         return [StoredVariant(**r) for r in self._all("file_variants", {"id": file_id})]
 
-
     # -- derivd.client: upload APIs, on the caller's own connection --------------------
 
     def enqueue_one(self, key: str, version: str) -> int:
