@@ -5,6 +5,8 @@ Import them (`from helpers import sql, wait_for`) rather than writing another co
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,6 +75,19 @@ def listening(conn: psycopg.Connection[Any], channel: str) -> bool:
         " WHERE datname = current_database() AND pid <> pg_backend_pid()"
     ).fetchall()
     return any(f"LISTEN {channel}".upper() in str(r[0]).upper() for r in rows)
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 60.0) -> int:
+    """SIGTERM a `derivd` process a test started (a graceful stop), SIGKILL it if it has
+    not exited within `timeout`; its exit status (negative: killed by that signal)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return int(proc.returncode)
 
 
 def alive(pid: int) -> bool:

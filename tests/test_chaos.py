@@ -8,7 +8,6 @@ timings; the deadlines inside it only bound a run that would otherwise hang.
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 from fixtures.cli import derivd_command
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION
+from helpers import stop_process
 
 from derivd.queue.db import QueueDB
 from derivd.storage.base import derived_key, new_original_key
@@ -118,7 +118,6 @@ def test_the_running_supervisor_sweeps_orphans_and_deletions_on_its_own(
             assert proc.poll() is None, log.read_text()
             time.sleep(0.1)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        stop_process(proc)
     assert swept == (True,), log.read_text()
     assert list(store.list_keys()) == []

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 from fixtures.cli import derivd_command
 from fixtures.s3 import free_port
-from helpers import sql, wait_for
+from helpers import sql, stop_process, wait_for
 from test_dashboard import Cells
 
 from derivd.queue.db import QueueDB
@@ -121,12 +120,7 @@ def daemon(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[tuple[str, Path]
     try:
         yield f"http://{listen}/", ini
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -23,6 +22,7 @@ from fixtures.cli import derivd_command
 from fixtures.metrics import Samples, scrape, seed_queue
 from fixtures.s3 import free_port
 from fixtures.work import claim_one
+from helpers import stop_process
 from PIL import Image
 
 from derivd.config import ConfigError
@@ -270,7 +270,6 @@ def test_running_supervisor_serves_its_metrics(
         assert s.value("derivd_lease_lost_total") == 0
         assert s.value("derivd_worker_restarts_total", reason="crash") == 0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
+        code = stop_process(proc)
         log.close()
     assert code == 0, (tmp_path / "derivd.log").read_text()

@@ -8,7 +8,6 @@ LISTEN through `listen_dsn`, the refusal of a pooled `dsn` without one, two supe
 from __future__ import annotations
 
 import itertools
-import signal
 import subprocess
 import threading
 import uuid
@@ -21,7 +20,7 @@ from configs import write_ini
 from fixtures.cli import derivd_command
 from fixtures.pgbouncer import PgBouncer
 from fixtures.work import claim_one, commit_one
-from helpers import listening, wait_for, workers_waiting
+from helpers import listening, stop_process, wait_for, workers_waiting
 
 from derivd.embedded.pgcluster import EmbeddedCluster
 from derivd.jobs import NOTIFY_CHANNEL
@@ -126,16 +125,6 @@ def _start(ini: Path, log: Path, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture
 def pooled_daemon(dsn: str, pooled: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     """`derivd run` through the pooler, LISTEN on the direct `listen_dsn`, 60 s poll."""
@@ -153,7 +142,7 @@ def pooled_daemon(dsn: str, pooled: str, tmp_path: Path) -> Iterator[subprocess.
     try:
         yield proc
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 def test_an_idle_daemon_behind_the_pooler_wakes_through_listen_dsn(

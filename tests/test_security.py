@@ -8,7 +8,6 @@ import ast
 import io
 import os
 import re
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +17,7 @@ import psycopg
 import pytest
 from fixtures.cli import derivd_command
 from fixtures.s3 import TEST_ACCESS_KEY, TEST_REGION, TEST_SECRET_KEY, MotoServer
-from helpers import proc_title, role_dsn
+from helpers import proc_title, role_dsn, stop_process
 from PIL import Image
 
 from derivd.processes.procutil import children_of
@@ -320,12 +319,7 @@ def test_credentials_never_reach_logs_events_rows_or_process_titles(
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
     assert proc.returncode == 0, log.read_text()
     assert titles[proc.pid].startswith("derivd: supervisor"), titles
     assert any(n.startswith("derivd-worker-") for n in names), names

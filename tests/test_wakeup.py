@@ -7,7 +7,6 @@ assertions.
 
 from __future__ import annotations
 
-import signal
 import subprocess
 from collections import deque
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import pytest
 from configs import write_ini
 from fixtures.cli import derivd_command
 from fixtures.work import claim_one, commit_one
-from helpers import listening, wait_for, workers_waiting
+from helpers import listening, stop_process, wait_for, workers_waiting
 
 from derivd.jobs import NOTIFY_CHANNEL
 from derivd.queue.db import QueueDB
@@ -179,13 +178,7 @@ def idle_daemon(dsn: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
         log.close()
 
 
