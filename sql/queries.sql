@@ -627,7 +627,7 @@ SELECT f.status, f.error_code,
 -- name: dashboard_in_flight
 -- The dashboard's jobs in flight (every host), oldest lease first, through the partial
 -- index on processing rows: bounded by `limit` whatever the table's size.
-SELECT id, attempts,
+SELECT id, attempts, claimed_by,
        extract(epoch FROM now() - claimed_at)::float8 AS age_s,
        extract(epoch FROM lease_until - now())::float8 AS lease_left_s
   FROM archive_files

@@ -115,14 +115,15 @@ def test_numbers_match_the_database_and_the_status_verdict(dsn: str, queue: Queu
     assert snap.report is not None and evaluate(snap.report, cfg.status)  # as derivd status
     assert page.ids["verdict"]["class"].split()[-1] == "bad"
     # Jobs in flight: the processing rows, oldest lease first.
-    processing = [
-        r["id"]
-        for r in sql(
-            dsn, "SELECT id FROM archive_files WHERE status='processing' ORDER BY lease_until"
-        )
-    ]
-    assert [j.id for j in snap.in_flight] == processing
-    assert {k for k, _ in page.rows if k == "data-file"} == {"data-file"}
+    processing = sql(
+        dsn,
+        "SELECT id, claimed_by FROM archive_files WHERE status='processing' ORDER BY lease_until",
+    )
+    holders = [(r["id"], r["claimed_by"]) for r in processing]
+    assert [(j.id, j.holder) for j in snap.in_flight] == holders
+    assert {h for _, h in holders} == {"seed-host-0", "seed-host-1"}
+    for file_id, holder in holders:  # each row names the host holding it
+        assert page.rows[("data-file", str(file_id))]["holder"] == holder
     assert float(page.ids["in-flight-total"]["data-value"]) == len(processing)
     # The hour: every finishing event of the seed, all in the current minute.
     finished = sql(

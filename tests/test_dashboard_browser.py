@@ -161,13 +161,14 @@ def test_the_rendered_dashboard_matches_the_database(
     # In flight: the hanging job, with its age from the database.
     (job,) = sql(
         dsn,
-        "SELECT id, extract(epoch FROM now() - claimed_at) age FROM archive_files "
+        "SELECT id, claimed_by, extract(epoch FROM now() - claimed_at) age FROM archive_files "
         "WHERE status = 'processing'",
     )
     assert float(page.ids["in-flight-total"]["data-value"]) == 1
+    host = os.uname().nodename
+    assert page.rows[("data-file", str(job["id"]))]["holder"] == job["claimed_by"] == host
     assert 0 < page.value("data-file", str(job["id"]), "age") <= float(job["age"])
     # Hosts: this supervisor, 2 workers, 1 busy.
-    host = os.uname().nodename
     assert page.rows[("data-host", host)]["workers"] == "2"
     assert page.rows[("data-host", host)]["idle"] == "1"
     # The hour: every finishing event, per minute.

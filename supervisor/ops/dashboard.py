@@ -52,6 +52,7 @@ class InFlight:
     attempt: int
     age_s: float
     lease_left_s: float
+    holder: str  # the host that claimed it (claimed_by; "" for rows claimed before 0004)
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,13 @@ def read_snapshot(queue: QueueDB, config: Config, hosts: tuple[HostView, ...]) -
         alarms=tuple(evaluate(report, config.status)),
         hosts=hosts,
         in_flight=tuple(
-            InFlight(r["id"], r["attempts"], r["age_s"] or 0.0, r["lease_left_s"] or 0.0)
+            InFlight(
+                r["id"],
+                r["attempts"],
+                r["age_s"] or 0.0,
+                r["lease_left_s"] or 0.0,
+                r["claimed_by"] or "",
+            )
             for r in rows
         ),
         minutes=tuple(Minute(r["minutes_ago"], r["finished"], r["median_s"]) for r in minutes),

@@ -237,7 +237,7 @@ def _in_flight(snapshot: Snapshot, report: Report) -> str:
     shown = len(snapshot.in_flight)
     note = f" (oldest {shown} shown)" if total > shown else ""
     table = (
-        "<table><tr><th>file</th><th>attempt</th><th>age</th><th>of job_timeout "
+        "<table><tr><th>file</th><th>host</th><th>attempt</th><th>age</th><th>of job_timeout "
         f"{esc(duration(timeout))}</th><th>lease left</th></tr>{rows}</table>"
         if rows
         else '<p class="muted">none</p>'
@@ -253,6 +253,7 @@ def _job_row(job: InFlight, timeout: float) -> str:
     lease = duration(job.lease_left_s) if job.lease_left_s > 0 else "expired"
     return (
         f'<tr data-file="{job.id}"><td class="num">{job.id}</td>'
+        f'<td class="holder" data-value="{esc(job.holder)}">{esc(job.holder)}</td>'
         f'<td class="num">{job.attempt}</td>'
         f'<td class="num age{" bad" if over else ""}" data-value="{job.age_s:.3f}">'
         f"{esc(duration(job.age_s))}</td>"

@@ -558,7 +558,8 @@ class QueueDB:
     # -- the dashboard -----------------------------------------------------------------
 
     def in_flight(self, *, limit: int) -> list[dict[str, Any]]:
-        """Processing rows (id, attempts, age_s, lease_left_s), oldest lease first."""
+        """Processing rows (id, attempts, claimed_by, age_s, lease_left_s), oldest lease
+        first."""
         return self._all("dashboard_in_flight", {"limit": limit})
 
     def finished_per_minute(self, *, cap: int) -> list[dict[str, Any]]:
