@@ -30,7 +30,8 @@ def friendly_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from derivd.embedded.pgcluster import EmbeddedClusterError, PostgresNotFound
+        from derivd.embedded.pgbin import PostgresNotFound
+        from derivd.embedded.pgcluster import EmbeddedClusterError
         from derivd.errors import Transient
         from derivd.queue.db import SchemaMismatch
         from derivd.storage.base import StorageConfigError

@@ -15,14 +15,9 @@ import pytest
 from helpers import sql
 
 from derivd.config import Config
-from derivd.embedded import pgcluster, pghome
-from derivd.embedded.pgcluster import (
-    EmbeddedCluster,
-    EmbeddedClusterError,
-    PostgresNotFound,
-    discard,
-    find_server_bindir,
-)
+from derivd.embedded import pgbin, pghome
+from derivd.embedded.pgbin import PostgresNotFound, find_server_bindir
+from derivd.embedded.pgcluster import EmbeddedCluster, EmbeddedClusterError, discard
 from derivd.embedded.runtime import database
 
 
@@ -42,7 +37,7 @@ def test_postgres_not_found_says_how_to_install(
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))  # hides pg_config and initdb
-    monkeypatch.setattr(pgcluster, "SERVER_GLOB_ROOT", tmp_path / "no-postgresql")
+    monkeypatch.setattr(pgbin, "SERVER_GLOB_ROOT", tmp_path / "no-postgresql")
     with pytest.raises(PostgresNotFound) as err:
         find_server_bindir()
     message = str(err.value)
@@ -59,7 +54,7 @@ def test_glob_picks_highest_version(monkeypatch: pytest.MonkeyPatch, tmp_path: P
             (bindir / name).write_text("#!/bin/sh\n")
             (bindir / name).chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
-    monkeypatch.setattr(pgcluster, "SERVER_GLOB_ROOT", root)
+    monkeypatch.setattr(pgbin, "SERVER_GLOB_ROOT", root)
     assert find_server_bindir() == root / "16" / "bin"
 
 

@@ -23,7 +23,6 @@ import hashlib
 import logging
 import os
 import re
-import shutil
 import socket
 import stat
 import subprocess
@@ -38,23 +37,17 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 from derivd.embedded import pghome
+from derivd.embedded.pgbin import find_server_bindir
 from derivd.embedded.pghome import EmbeddedClusterError, RunAs
 from derivd.processes.procutil import pid_alive
 from derivd.queue.db import ClusterAdmin
 
-__all__ = ["EmbeddedCluster", "EmbeddedClusterError", "PostgresNotFound", "discard"]
+__all__ = ["EmbeddedCluster", "EmbeddedClusterError", "discard"]
 
 log = logging.getLogger("derivd")
 
 SUPERUSER: Final = "derivd"
 DEFAULT_DB: Final = "derivd"
-# Search locations, module-level so tests can point them elsewhere.
-PG_CONFIG: Final = "pg_config"
-SERVER_GLOB_ROOT = Path("/usr/lib/postgresql")
-INSTALL_HINT: Final = (
-    "PostgreSQL server binaries not found (looked in pg_config, PATH, "
-    "/usr/lib/postgresql/*/bin); install them: apt-get install postgresql"
-)
 # sun_path is 108 bytes including the terminating NUL.
 _MAX_SOCKET_PATH: Final = 107
 _SOCKET_NAME_MAX: Final = len("/.s.PGSQL.65535")
@@ -64,53 +57,6 @@ _LOCK_TIMEOUT_S: Final = 120.0
 _CONF_NAME: Final = "derivd.conf"
 
 StopMode = Literal["smart", "fast", "immediate"]
-
-
-class PostgresNotFound(RuntimeError):
-    """No PostgreSQL server binaries on this machine."""
-
-
-# --------------------------------------------------------------------------- binaries
-
-
-def _has_server(bindir: Path) -> bool:
-    return all(os.access(bindir / name, os.X_OK) for name in ("initdb", "pg_ctl", "postgres"))
-
-
-def _version_key(path: Path) -> tuple[int, ...]:
-    # /usr/lib/postgresql/<version>/bin: "15" or "9.6"; unparsable names sort first.
-    parts = re.findall(r"\d+", path.parent.name)
-    return tuple(int(p) for p in parts) if parts else (-1,)
-
-
-def find_server_bindir() -> Path:
-    """Return the directory holding initdb, pg_ctl and postgres.
-
-    Looks at `pg_config --bindir`, then `initdb` on PATH (symlinks resolved, since
-    /usr/local/bin often holds only a couple of them), then the highest
-    /usr/lib/postgresql/*/bin.
-    """
-    pg_config = shutil.which(PG_CONFIG)
-    if pg_config is not None:
-        try:
-            out = subprocess.run(
-                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        if out and _has_server(Path(out)):
-            return Path(out)
-    initdb = shutil.which("initdb")
-    if initdb is not None:
-        bindir = Path(initdb).resolve().parent
-        if _has_server(bindir):
-            return bindir
-    candidates = sorted(
-        (p for p in SERVER_GLOB_ROOT.glob("*/bin") if _has_server(p)), key=_version_key
-    )
-    if candidates:
-        return candidates[-1]
-    raise PostgresNotFound(INSTALL_HINT)
 
 
 # --------------------------------------------------------------------------- cluster

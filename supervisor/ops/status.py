@@ -336,7 +336,8 @@ def run_status(
     count: int | None = None,
 ) -> int:
     """The `derivd status` command. Returns the exit status (see the module doc)."""
-    from derivd.embedded.pgcluster import EmbeddedClusterError, PostgresNotFound
+    from derivd.embedded.pgbin import PostgresNotFound
+    from derivd.embedded.pgcluster import EmbeddedClusterError
     from derivd.embedded.runtime import database
 
     try:
