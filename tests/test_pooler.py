@@ -11,24 +11,21 @@ import itertools
 import subprocess
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
 import pytest
 from configs import write_ini
 from fixtures.cli import derivd_command
+from fixtures.idle import idle_daemon
 from fixtures.pgbouncer import PgBouncer
 from fixtures.work import claim_one, commit_one
-from helpers import listening, stop_process, wait_for, workers_waiting
 
 from derivd.embedded.pgcluster import EmbeddedCluster
-from derivd.jobs import NOTIFY_CHANNEL
 from derivd.ops.budget import connection_budget
 from derivd.queue.db import QueueDB, connect, is_pooled, migrate
-from derivd.storage.fs import FsStorage
 
-LIVENESS_S = 10.0
 _names = itertools.count(1)
 
 
@@ -125,56 +122,18 @@ def _start(ini: Path, log: Path, *args: str) -> subprocess.Popen[str]:
     )
 
 
-@pytest.fixture
-def pooled_daemon(dsn: str, pooled: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
-    """`derivd run` through the pooler, LISTEN on the direct `listen_dsn`, 60 s poll."""
-    ini = write_ini(
-        tmp_path / "derivd.ini",
-        {
-            "database": {"dsn": pooled, "listen_dsn": dsn},
-            "storage": {"backend": "fs", "root": tmp_path / "objects"},
-            "supervisor": {"workers": 1, "state_dir": tmp_path / "state"},
-            "queue": {"poll_interval": 60, "listen": "yes"},
-            "derive": {"backend": "noop"},
-        },
-    )
-    proc = _start(ini, tmp_path / "derivd.log")
-    try:
-        yield proc
-    finally:
-        stop_process(proc)
-
-
 def test_an_idle_daemon_behind_the_pooler_wakes_through_listen_dsn(
-    pooled_daemon: subprocess.Popen[str], dsn: str, tmp_path: Path
+    dsn: str, pooled: str, tmp_path: Path
 ) -> None:
-    def log_text() -> str:
-        return (tmp_path / "derivd.log").read_text(errors="replace")
-
-    with psycopg.connect(dsn, autocommit=True) as producer:
-        # Not pg_stat_activity's last query of a worker's connection: through the pooler
-        # a server connection runs whichever client's statement comes next.
-        wait_for(
-            lambda: listening(producer, NOTIFY_CHANNEL) and workers_waiting(pooled_daemon.pid),
-            "an idle worker and a LISTEN session",
-            30.0,
-            detail=log_text,
-        )
-        assert pooled_daemon.poll() is None, log_text()
-        version = FsStorage(tmp_path / "objects").put("originals/wake", b"x", "image/x")
-        row = producer.execute(
-            "INSERT INTO archive_files (status, original_key, original_version)"
-            " VALUES ('queued', 'originals/wake', %s) RETURNING id",
-            (version,),
-        ).fetchone()
-        assert row is not None
-
-        def ready() -> bool:
-            got = producer.execute("SELECT status FROM archive_files WHERE id = %s", row)
-            return got.fetchone() == ("ready",)
-
+    """`derivd run` through the pooler, LISTEN on the direct `listen_dsn`, 60 s poll."""
+    with (
+        idle_daemon(tmp_path, pooled, listen_dsn=dsn) as idle,
+        psycopg.connect(dsn, autocommit=True) as producer,
+    ):
+        idle.wait_idle(producer)
+        file_id = idle.queue_original(producer)
         # Far below the 60 s poll: only the NOTIFY heard on listen_dsn can have woken it.
-        wait_for(ready, "the row to be ready", LIVENESS_S, detail=log_text)
+        idle.wait_ready(producer, file_id)
 
 
 def test_two_supervisors_through_the_pooler_finish_every_row_once(

@@ -7,7 +7,6 @@ assertions.
 
 from __future__ import annotations
 
-import subprocess
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,16 +14,13 @@ from typing import Any
 
 import psycopg
 import pytest
-from configs import write_ini
-from fixtures.cli import derivd_command
+from fixtures.idle import LIVENESS_S, IdleDaemon, idle_daemon
 from fixtures.work import claim_one, commit_one
-from helpers import listening, stop_process, wait_for, workers_waiting
+from helpers import wait_for
 
 from derivd.jobs import NOTIFY_CHANNEL
 from derivd.queue.db import QueueDB
-from derivd.storage.fs import FsStorage
 
-LIVENESS_S = 10.0
 MARKER = "marker"
 
 
@@ -137,73 +133,19 @@ def test_updates_that_stay_queued_do_not_notify(
 # --------------------------------------------------------------------------- the daemon
 
 
-def _queue_original(producer: psycopg.Connection[Any], tmp_path: Path) -> int:
-    """Store an original in the daemon's fs store and queue it, as an upload API would."""
-    version = FsStorage(tmp_path / "objects").put("originals/wake", b"x", "image/x")
-    row = producer.execute(
-        "INSERT INTO archive_files (status, original_key, original_version)"
-        " VALUES ('queued', 'originals/wake', %s) RETURNING id",
-        (version,),
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def _status(producer: psycopg.Connection[Any], file_id: int) -> str | None:
-    row = producer.execute("SELECT status FROM archive_files WHERE id = %s", (file_id,)).fetchone()
-    return None if row is None else str(row[0])
-
-
 @pytest.fixture
-def idle_daemon(dsn: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
-    """`derivd run` with one worker, noop backend and a 60 s poll interval."""
-    config = write_ini(
-        tmp_path / "derivd.ini",
-        {
-            "database": {"dsn": dsn},
-            "storage": {"backend": "fs", "root": tmp_path / "objects"},
-            "supervisor": {"workers": 1, "state_dir": tmp_path / "state"},
-            "queue": {"poll_interval": 60, "listen": "yes"},
-            "derive": {"backend": "noop"},
-        },
-    )
-    log = (tmp_path / "derivd.log").open("w")
-    proc = subprocess.Popen(
-        [*derivd_command(), "-c", str(config), "run"],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        yield proc
-    finally:
-        stop_process(proc)
-        log.close()
+def idle(dsn: str, tmp_path: Path) -> Iterator[IdleDaemon]:
+    with idle_daemon(tmp_path, dsn) as daemon:
+        yield daemon
 
 
 def test_idle_daemon_picks_up_a_new_row_without_waiting_for_the_poll(
-    idle_daemon: subprocess.Popen[str], producer: psycopg.Connection[Any], tmp_path: Path
+    idle: IdleDaemon, producer: psycopg.Connection[Any]
 ) -> None:
-    def log_text() -> str:
-        return (tmp_path / "derivd.log").read_text(errors="replace")
-
-    wait_for(
-        lambda: listening(producer, NOTIFY_CHANNEL) and workers_waiting(idle_daemon.pid),
-        "idle, listening workers",
-        30.0,
-        detail=log_text,
-    )
-    assert idle_daemon.poll() is None, log_text()
-    file_id = _queue_original(producer, tmp_path)
-
+    idle.wait_idle(producer)
+    file_id = idle.queue_original(producer)
     # Far below the 60 s poll: only the NOTIFY can have woken the worker.
-    wait_for(
-        lambda: _status(producer, file_id) == "ready",
-        "the row to be ready",
-        LIVENESS_S,
-        detail=log_text,
-    )
+    idle.wait_ready(producer, file_id)
 
 
 def _listen_pids(conn: psycopg.Connection[Any]) -> set[int]:
@@ -214,35 +156,20 @@ def _listen_pids(conn: psycopg.Connection[Any]) -> set[int]:
 
 
 def test_lost_listen_connection_is_replaced(
-    idle_daemon: subprocess.Popen[str], producer: psycopg.Connection[Any], tmp_path: Path
+    idle: IdleDaemon, producer: psycopg.Connection[Any]
 ) -> None:
     """The supervisor's LISTEN connection dies (server-side kill): it listens again, and
     a row queued after that is picked up without waiting for the 60 s poll."""
-
-    def log_text() -> str:
-        return (tmp_path / "derivd.log").read_text(errors="replace")
-
-    wait_for(
-        lambda: listening(producer, NOTIFY_CHANNEL) and workers_waiting(idle_daemon.pid),
-        "idle, listening workers",
-        30.0,
-        detail=log_text,
-    )
+    idle.wait_idle(producer)
     (old,) = _listen_pids(producer)
     producer.execute("SELECT pg_terminate_backend(%s)", (old,))
     wait_for(
         lambda: bool(_listen_pids(producer) - {old}),
         "a new LISTEN connection",
         LIVENESS_S,
-        detail=log_text,
+        detail=idle.log,
     )
-    file_id = _queue_original(producer, tmp_path)
-    wait_for(
-        lambda: _status(producer, file_id) == "ready",
-        "the row to be ready",
-        LIVENESS_S,
-        detail=log_text,
-    )
+    idle.wait_ready(producer, idle.queue_original(producer))
 
 
 # --------------------------------------------------------------------------- claim path
