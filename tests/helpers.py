@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -88,6 +89,22 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 60.0) -> int:
             proc.kill()
             proc.wait()
     return int(proc.returncode)
+
+
+def chaos_run(script: Path, *args: str, timeout: float) -> str:
+    """Run one of bench/'s chaos scripts to the end; its output, once it has exited 0 and
+    said that every invariant held."""
+    run = subprocess.run(
+        [sys.executable, str(script), *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "RESULT: all invariants hold" in run.stdout, output
+    return output
 
 
 def alive(pid: int) -> bool:

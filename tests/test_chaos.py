@@ -9,7 +9,6 @@ timings; the deadlines inside it only bound a run that would otherwise hang.
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 from fixtures.cli import derivd_command
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION
-from helpers import stop_process
+from helpers import chaos_run, stop_process
 
 from derivd.queue.db import QueueDB
 from derivd.storage.base import derived_key, new_original_key
@@ -36,20 +35,11 @@ CHAOS = Path(__file__).resolve().parent.parent / "bench" / "chaos.py"
 @pytest.mark.slow
 @pytest.mark.parametrize("pooler", [[], ["--pooler"]], ids=["direct", "pgbouncer"])
 def test_short_chaos_run_keeps_every_invariant(pooler: list[str]) -> None:
-    run = subprocess.run(
-        [sys.executable, str(CHAOS), "--seed", "20240611", *pooler],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    output = run.stdout + run.stderr
-    assert run.returncode == 0, output
-    assert "RESULT: all invariants hold" in run.stdout, output
+    output = chaos_run(CHAOS, "--seed", "20240611", *pooler, timeout=600)
     # The run really did its tricks (a run where nothing happened proves nothing).
-    assert "froze worker" in run.stdout, output
-    assert "restarting PostgreSQL" in run.stdout, output
-    assert "SIGKILL worker" in run.stdout, output
+    assert "froze worker" in output, output
+    assert "restarting PostgreSQL" in output, output
+    assert "SIGKILL worker" in output, output
 
 
 def test_a_put_retried_after_the_connection_broke_leaves_one_version(
