@@ -127,6 +127,10 @@ def test_demo_processes_its_samples_and_shows_a_real_webp(
     assert "ready: 3  rejected: 2  other: 0" in result.stdout
     assert "rejected bad-truncated.jpg: corrupt_content" in result.stdout
     assert "rejected bad-not-an-image.jpg: unsupported_content" in result.stdout
+    # Progress into a pipe: a line per change, none rewritten in place, ending complete.
+    progress = [line for line in result.stderr.splitlines() if line.startswith("processed ")]
+    assert progress and progress[-1] == "processed 5/5", result.stderr
+    assert "\r" not in result.stderr
     example = Path(result.stdout.split("e.g. ")[1].splitlines()[0].strip())
     assert example.is_relative_to(tmp_path / "store") and example.suffix == ".webp"
     with Image.open(example) as im:

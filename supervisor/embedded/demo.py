@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -73,22 +74,34 @@ def generate_samples(folder: Path, count: int) -> list[Path]:
 
 
 class Progress(threading.Thread):
-    """Prints `done/total` while the queue drains (reads the counts twice a second)."""
+    """Prints `done/total` while the queue drains (reads the counts twice a second): one
+    line rewritten in place on a terminal, a new line per change in a log or a pipe."""
 
-    def __init__(self, dsn: str, total: int) -> None:
+    def __init__(self, dsn: str, total: int, *, live: bool | None = None) -> None:
         super().__init__(daemon=True)
         self.dsn, self.total = dsn, total
+        self.live = sys.stderr.isatty() if live is None else live
         self.finished = threading.Event()
 
     def run(self) -> None:
+        shown = -1
         with QueueDB.open(self.dsn, role="derivd-demo-progress") as queue:
             last_round = False
             while not last_round:
                 last_round = self.finished.wait(0.5)  # one more read after the drain
                 counts = queue.queue_stats().counts
                 done = counts.get("ready", 0) + counts.get("rejected", 0)
-                click.echo(f"\rprocessed {done}/{self.total}", err=True, nl=False)
-        click.echo("", err=True)
+                if done != shown:
+                    self.show(f"processed {done}/{self.total}")
+                    shown = done
+        if self.live:
+            click.echo("", err=True)
+
+    def show(self, text: str) -> None:
+        if self.live:
+            click.echo(f"\r{text}", err=True, nl=False)
+        else:
+            click.echo(text, err=True)
 
 
 def quiet_job_logs() -> None:
