@@ -4,8 +4,9 @@ Encoder parameters are pinned here so that `vips` and `pillow` write comparable 
 
 - webp: quality (the variant's, else `[derive] quality`); `[derive] effort` (0-6) as libvips
   `effort` and Pillow `method`; `lossless` when the variant asks.
-- avif: quality; `avif_effort` e as libvips `effort` (0-9) and Pillow `speed` 9 - e, which
-  are the same aom `cpu-used` (9 - e); 8-bit, 4:2:0.
+- avif: quality mapped by `AVIF_QUALITY` (libavif's scale is not WebP's: calibrated so the
+  same number gives the same fidelity); `avif_effort` e as libvips `effort` (0-9) and
+  Pillow `speed` 9 - e, which are the same aom `cpu-used` (9 - e); 8-bit, 4:2:0.
 - jpeg: quality; 4:2:0, optimised Huffman tables, alpha flattened onto white.
 - png: zlib level 6 (lossless, so no quality).
 
@@ -26,6 +27,8 @@ at most `_MEASURE_EDGE` px, and takes the best one (the most central on ties):
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from PIL import Image, ImageFilter, ImageStat
 
 from derivd.handlers.base import AVIF_MAX_PIXELS, DeriveSpec, ResourceLimit, VariantSpec
@@ -39,6 +42,28 @@ _CANDIDATES = 17  # positions tried per free axis (both ends and the centre incl
 
 def quality_of(variant: VariantSpec, spec: DeriveSpec) -> int:
     return variant.quality or spec.quality
+
+
+# `quality` (WebP's scale, the one number a variant has for all its formats) -> the AVIF
+# encoder's quality of the same fidelity. Chosen by `bench/avif.py --calibrate`: at WebP
+# quality 50-90, the AVIF quality whose luma SSIM against the unencoded variant equals
+# WebP's, median over the corpus photographs and a grainy generated scene at 1600 and 320
+# px (inputs whose SSIM barely moves with quality left out); libheif (vips) and libavif
+# (Pillow) agreed within 0.3. At the same quality number AVIF kept ~5x WebP's bytes on
+# grainy photos; mapped, it matches WebP's SSIM with fewer bytes (bench/RESULTS.md).
+AVIF_QUALITY: tuple[tuple[int, int], ...] = (
+    (1, 1), (50, 49), (60, 52), (70, 56), (80, 64), (90, 81), (100, 100),
+)  # fmt: skip
+
+
+def avif_quality(quality: int) -> int:
+    """The AVIF encoder quality for `quality` on WebP's scale (linear between the points
+    of `AVIF_QUALITY`, which is read at call time: bench/avif.py swaps it to sweep)."""
+    points = AVIF_QUALITY
+    for (q0, a0), (q1, a1) in pairwise(points):
+        if q0 <= quality <= q1:
+            return round(a0 + (a1 - a0) * (quality - q0) / (q1 - q0))
+    return points[0][1] if quality < points[0][0] else points[-1][1]
 
 
 def avif_effort(spec: DeriveSpec) -> int:

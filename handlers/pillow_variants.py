@@ -18,6 +18,7 @@ from derivd.handlers.geometry import cover_window, output_size
 from derivd.handlers.outputs import (
     JPEG_BACKGROUND,
     PNG_COMPRESSION,
+    avif_quality,
     avif_speed,
     best_window,
     check_avif_size,
@@ -104,8 +105,8 @@ def encode(
                    **animation)  # fmt: skip
     elif fmt == "avif":
         check_avif_size(len(frames), *first.size)
-        first.save(buf, "AVIF", quality=quality, speed=avif_speed(spec), subsampling="4:2:0",
-                   max_threads=spec.concurrency, **animation)  # fmt: skip
+        first.save(buf, "AVIF", quality=avif_quality(quality), speed=avif_speed(spec),
+                   subsampling="4:2:0", max_threads=spec.concurrency, **animation)  # fmt: skip
     elif fmt == "jpeg":
         _flatten(first).save(buf, "JPEG", quality=quality, subsampling=2, optimize=True)
     elif fmt == "png":

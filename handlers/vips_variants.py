@@ -26,6 +26,7 @@ from derivd.handlers.outputs import (
     JPEG_BACKGROUND,
     PNG_COMPRESSION,
     avif_effort,
+    avif_quality,
     best_window,
     check_avif_size,
     quality_of,
@@ -149,8 +150,9 @@ def encode(image: Any, frames: list[Any], fmt: str, variant: VariantSpec, spec: 
         data = pillow_encode(pil, durations, loop, "avif", variant, spec)
     elif fmt == "avif":
         check_avif_size(1, image.width, image.height)
-        data = image.heifsave_buffer(Q=quality, compression="av1", effort=avif_effort(spec),
-                                     bitdepth=8, subsample_mode="on", keep="none")  # fmt: skip
+        data = image.heifsave_buffer(Q=avif_quality(quality), compression="av1",
+                                     effort=avif_effort(spec), bitdepth=8, subsample_mode="on",
+                                     keep="none")  # fmt: skip
     elif fmt == "jpeg":
         flat = image.flatten(background=list(JPEG_BACKGROUND)) if image.hasalpha() else image
         data = flat.jpegsave_buffer(Q=quality, subsample_mode="on", optimize_coding=True,
