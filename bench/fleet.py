@@ -70,6 +70,8 @@ class Result:
             self.jobs,
             round(self.jobs / self.seconds) if self.seconds else 0,
             self.cpu_s * 1000 / self.jobs,
+            # What one database core would sustain if the server did nothing else.
+            round(self.jobs / self.cpu_s) if self.cpu_s else 0,
             round(self.wal_bytes / self.jobs),
             percentile(claims, 50),
             percentile(claims, 99),
@@ -79,12 +81,16 @@ class Result:
 # --------------------------------------------------------------------------- measuring
 
 
-def _ticks(pid: int, children: bool) -> int:
+def _times(pid: int) -> tuple[int, int, int, int]:
+    """utime, stime, cutime, cstime in clock ticks (fields 14-17 of /proc/pid/stat)."""
     with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
-    # utime, stime are fields 14 and 15; cutime, cstime 16 and 17 (1-based, man proc).
-    own = int(fields[11]) + int(fields[12])
-    return own + (int(fields[13]) + int(fields[14]) if children else 0)
+    return int(fields[11]), int(fields[12]), int(fields[13]), int(fields[14])
+
+
+def _ticks(pid: int, children: bool) -> int:
+    utime, stime, cutime, cstime = _times(pid)
+    return utime + stime + (cutime + cstime if children else 0)
 
 
 def server_cpu_s(pg: EmbeddedCluster) -> float:
@@ -104,6 +110,12 @@ def server_cpu_s(pg: EmbeddedCluster) -> float:
         except (OSError, ValueError):
             continue
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (the machine may be shared)."""
+    with open("/proc/loadavg", encoding="ascii") as loadavg:
+        return " ".join(loadavg.read().split()[:3])
 
 
 def wal_lsn(dsn: str) -> int:
@@ -263,6 +275,7 @@ def main() -> None:
         ensure_peers_venv()
     results: list[Result] = []
     stats: list[tuple[int, float]] = []
+    load = [load_average()]
     with cluster() as pg, tempfile.TemporaryDirectory(prefix="derivd-fleet-") as tmp:
         work = Path(tmp)
         os.chmod(work, 0o755)
@@ -298,6 +311,8 @@ def main() -> None:
             bouncer.stop()
         lines = machine(pg.dsn(), None if args.no_peers else str(PEERS_PYTHON))
         lines.append(f"pgbouncer {bouncer_version()}")
+    load.append(load_average())
+    lines.append(f"load average at start / end: {load[0]} / {load[1]}")
     print("## fleet")
     print("\n".join(lines))
     print(
@@ -308,12 +323,14 @@ def main() -> None:
     )
     print()
     print(table(["system", "path", "batch", "jobs", "jobs/s", "server CPU ms/job",
-                 "WAL B/job", "claim p50 ms", "claim p99 ms"], [r.row() for r in results]))
+                 "jobs/s per DB core", "WAL B/job", "claim p50 ms", "claim p99 ms"],
+                [r.row() for r in results]))  # fmt: skip
     if stats:
         print()
         print(table(["archive_files rows", "queue stats ms"], stats))
     keys = ("system", "path", "batch", "jobs", "jobs_per_s", "server_cpu_ms_per_job",
-            "wal_bytes_per_job", "claim_p50_ms", "claim_p99_ms")  # fmt: skip
+            "jobs_per_s_per_db_core", "wal_bytes_per_job", "claim_p50_ms",
+            "claim_p99_ms")  # fmt: skip
     figures = [dict(zip(keys, r.row(), strict=True)) for r in results]
     for figure in figures:
         figure["label"] = f"{figure.pop('system')} {figure.pop('path')} batch {figure['batch']}"

@@ -1,6 +1,6 @@
 -- Every query derivd runs. Blocks start with `-- name: <name>`; the comment lines that
 -- follow say what the query is for. Parameters are psycopg named placeholders. Only
--- supervisor/queue.py executes these; nothing else in derivd builds SQL.
+-- supervisor/queue/db.py executes these; nothing else in derivd builds SQL.
 
 -- name: migrations_lock
 -- Serialise `derivd migrate` across hosts: a transaction-scoped advisory lock.
@@ -37,55 +37,17 @@ RETURNING id;
 LISTEN derivd_queued;
 
 -- name: claim
--- Lease up to `limit` claimable rows: expired leases still under the attempt cap first
--- (their worker died), then the oldest queued rows that are due. One statement,
--- committed before any work starts; times are the database's; every row gets its own
--- fresh token (gen_random_uuid() is evaluated per row) and its own lease_until, which
--- fence out every older attempt. wait_s is how long the row had been claimable (queue
--- wait); tier and claimable_since give the claim order (RETURNING has no ORDER BY).
--- The claim alone commits without waiting for its WAL flush (synchronous_commit off for
--- this one transaction only): a claim lost in a server crash just leaves the rows as they
--- were, and each attempt's fenced commit, fail or release, all durable, flush it anyway.
--- That halves the flushes a job waits for; the fence (the token) is untouched.
-WITH expired AS (
-    SELECT id, lease_until AS claimable_since
-      FROM archive_files
-     WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
-     ORDER BY lease_until
-     LIMIT %(limit)s
-       FOR UPDATE SKIP LOCKED
-), due AS (
-    -- Only looked at (and locked) for what the expired leases leave of the limit:
-    -- LIMIT 0 never reads its input.
-    SELECT id, available_at AS claimable_since
-      FROM archive_files
-     WHERE status = 'queued' AND available_at <= now()
-     ORDER BY available_at, id
-     LIMIT greatest(%(limit)s - (SELECT count(*) FROM expired), 0)
-       FOR UPDATE SKIP LOCKED
-), candidate AS (
-    SELECT id, claimable_since, 0 AS tier FROM expired
-    UNION ALL
-    SELECT id, claimable_since, 1 AS tier FROM due
-), no_flush_wait AS (
-    SELECT set_config('synchronous_commit', 'off', true)
-)
-UPDATE archive_files AS f
-   SET status = 'processing',
-       lease_token = gen_random_uuid(),
-       lease_until = now() + make_interval(secs => %(lease_s)s),
-       attempts = f.attempts + 1,
-       claimed_at = now(),
-       claimed_by = %(host)s,
-       updated_at = now()
-  FROM candidate AS c, no_flush_wait
- WHERE f.id = c.id
-   -- The planner cannot tell how many rows a LIMIT given as a parameter yields; the
-   -- array makes it look them up by primary key instead of hashing the whole table.
-   AND f.id = ANY(ARRAY(SELECT id FROM candidate))
-RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
-          extract(epoch FROM now() - c.claimable_since)::float8 AS wait_s,
-          c.tier, c.claimable_since;
+-- Lease up to `limit` claimable rows (expired leases under the attempt cap first, then
+-- the oldest due queued rows), each with its own fresh token and lease (derivd_claim in
+-- sql/migrations/0008_queue_functions.sql). The claim alone commits without waiting for
+-- its WAL flush (synchronous_commit off for this one transaction only): a claim lost in
+-- a server crash just leaves the rows as they were, and each attempt's fenced commit,
+-- fail or release, all durable, flush it anyway. That halves the flushes a job waits
+-- for; the fence (the token) is untouched.
+SELECT c.*
+  FROM set_config('synchronous_commit', 'off', true) AS no_flush_wait,
+       derivd_claim(%(limit)s::integer, %(lease_s)s::float8, %(max_attempts)s::integer,
+                    %(host)s::text) AS c;
 
 -- name: register_pending
 -- Write-ahead: the keys an attempt is about to PUT, so a crash leaves a trail to sweep.
@@ -95,237 +57,33 @@ ON CONFLICT (key) DO NOTHING;
 
 -- name: commit
 -- The fenced commit of one or more finished attempts (`jobs`: a JSON array of
--- {id, token, attempt, derived_key, derived_version, sha256, width, height, variants}).
--- Each row is fenced on its own id + token + status; for the rows that pass, the
--- variants are recorded, the attempt's write-ahead entries cleared and a `ready` event
--- appended, all in one durable transaction. A row whose fence fails changes nothing but
--- gets a `lease_lost` event. Returns the ids that committed.
-WITH input AS (
-    SELECT *
-      FROM jsonb_to_recordset(%(jobs)s::jsonb)
-           AS j(id bigint, token uuid, attempt int, derived_key text, derived_version text,
-                sha256 text, width int, height int, variants jsonb)
-), done AS (
-    UPDATE archive_files AS f
-       SET status = 'ready',
-           derived_key = i.derived_key,
-           derived_version = i.derived_version,
-           sha256 = i.sha256,
-           width = i.width,
-           height = i.height,
-           error_code = NULL,
-           lease_token = NULL,
-           lease_until = NULL,
-           finished_at = now(),
-           updated_at = now()
-      FROM input AS i
-     WHERE f.id = i.id AND f.lease_token = i.token AND f.status = 'processing'
-       AND f.id = ANY(%(ids)s::bigint[])  -- by primary key (the JSON hides the row count)
-    RETURNING f.id, f.attempts, i.token, i.variants
-), variants AS (
-    INSERT INTO archive_variants (file_id, name, format, content_type, key, version, sha256,
-                                  width, height, lease_token)
-    SELECT d.id, v.name, v.format, v.content_type, v.key, v.version, v.sha256, v.width,
-           v.height, d.token
-      FROM done AS d,
-           jsonb_to_recordset(d.variants)
-               AS v(name text, format text, content_type text, key text, version text,
-                    sha256 text, width int, height int)
-    ON CONFLICT (file_id, name, format) DO UPDATE
-       SET key = EXCLUDED.key, version = EXCLUDED.version, sha256 = EXCLUDED.sha256,
-           width = EXCLUDED.width, height = EXCLUDED.height,
-           content_type = EXCLUDED.content_type,
-           lease_token = EXCLUDED.lease_token, created_at = now()
-    RETURNING 1
-), registered AS (
-    DELETE FROM pending_objects
-     WHERE lease_token IN (SELECT token FROM done)
-    RETURNING 1
-), ready_event AS (
-    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-    SELECT id, 'ready', attempts, token FROM done
-    RETURNING 1
-), lost_event AS (
-    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-    SELECT i.id, 'lease_lost', i.attempt, i.token
-      FROM input AS i
-     WHERE NOT EXISTS (SELECT 1 FROM done AS d WHERE d.id = i.id)
-    RETURNING 1
-)
-SELECT id FROM done;
+-- {id, token, attempt, derived_key, derived_version, sha256, width, height, variants}),
+-- durable; each row passes or fails its own fence (derivd_commit, migration 0008).
+-- Returns the ids that committed.
+SELECT id FROM derivd_commit(%(jobs)s::jsonb) AS id;
 
 -- name: commit_and_claim
--- A worker's steady state in one round trip and one transaction: the fenced commit of
--- its finished attempts (exactly the `commit` block above) and the claim of up to
--- `limit` next rows (exactly the `claim` block, minus the rows being committed). Half
--- the statements, transactions and commit records per job. Durable (the commit needs
--- it, so the claim gets it too); every fence is unchanged: each committed row passes
--- its own id + token + status check, each claimed row gets its own fresh token and
--- lease. Rows: kind = 'committed' (id) or 'claimed' (the claim's columns).
--- Keep in step with `commit` and `claim`: tests/test_queue.py runs both paths.
-WITH input AS (
-    SELECT *
-      FROM jsonb_to_recordset(%(jobs)s::jsonb)
-           AS j(id bigint, token uuid, attempt int, derived_key text, derived_version text,
-                sha256 text, width int, height int, variants jsonb)
-), done AS (
-    UPDATE archive_files AS f
-       SET status = 'ready',
-           derived_key = i.derived_key,
-           derived_version = i.derived_version,
-           sha256 = i.sha256,
-           width = i.width,
-           height = i.height,
-           error_code = NULL,
-           lease_token = NULL,
-           lease_until = NULL,
-           finished_at = now(),
-           updated_at = now()
-      FROM input AS i
-     WHERE f.id = i.id AND f.lease_token = i.token AND f.status = 'processing'
-       AND f.id = ANY(%(ids)s::bigint[])  -- by primary key (the JSON hides the row count)
-    RETURNING f.id, f.attempts, i.token, i.variants
-), variants AS (
-    INSERT INTO archive_variants (file_id, name, format, content_type, key, version, sha256,
-                                  width, height, lease_token)
-    SELECT d.id, v.name, v.format, v.content_type, v.key, v.version, v.sha256, v.width,
-           v.height, d.token
-      FROM done AS d,
-           jsonb_to_recordset(d.variants)
-               AS v(name text, format text, content_type text, key text, version text,
-                    sha256 text, width int, height int)
-    ON CONFLICT (file_id, name, format) DO UPDATE
-       SET key = EXCLUDED.key, version = EXCLUDED.version, sha256 = EXCLUDED.sha256,
-           width = EXCLUDED.width, height = EXCLUDED.height,
-           content_type = EXCLUDED.content_type,
-           lease_token = EXCLUDED.lease_token, created_at = now()
-    RETURNING 1
-), registered AS (
-    DELETE FROM pending_objects
-     WHERE lease_token IN (SELECT token FROM done)
-    RETURNING 1
-), ready_event AS (
-    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-    SELECT id, 'ready', attempts, token FROM done
-    RETURNING 1
-), lost_event AS (
-    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-    SELECT i.id, 'lease_lost', i.attempt, i.token
-      FROM input AS i
-     WHERE NOT EXISTS (SELECT 1 FROM done AS d WHERE d.id = i.id)
-    RETURNING 1
-), expired AS (
-    SELECT id, lease_until AS claimable_since
-      FROM archive_files
-     WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
-       AND id <> ALL(%(ids)s::bigint[])  -- one statement must not update a row twice
-     ORDER BY lease_until
-     LIMIT %(limit)s
-       FOR UPDATE SKIP LOCKED
-), due AS (
-    -- Only looked at (and locked) for what the expired leases leave of the limit:
-    -- LIMIT 0 never reads its input.
-    SELECT id, available_at AS claimable_since
-      FROM archive_files
-     WHERE status = 'queued' AND available_at <= now()
-     ORDER BY available_at, id
-     LIMIT greatest(%(limit)s - (SELECT count(*) FROM expired), 0)
-       FOR UPDATE SKIP LOCKED
-), candidate AS (
-    SELECT id, claimable_since, 0 AS tier FROM expired
-    UNION ALL
-    SELECT id, claimable_since, 1 AS tier FROM due
-), claimed AS (
-    UPDATE archive_files AS f
-       SET status = 'processing',
-           lease_token = gen_random_uuid(),
-           lease_until = now() + make_interval(secs => %(lease_s)s),
-           attempts = f.attempts + 1,
-           claimed_at = now(),
-           claimed_by = %(host)s,
-           updated_at = now()
-      FROM candidate AS c
-     WHERE f.id = c.id
-       AND f.id = ANY(ARRAY(SELECT id FROM candidate))
-    RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
-              extract(epoch FROM now() - c.claimable_since)::float8 AS wait_s,
-              c.tier, c.claimable_since
-)
-SELECT 'committed' AS kind, id, NULL::uuid AS lease_token, NULL::int AS attempts,
-       NULL::text AS original_key, NULL::text AS original_version, NULL::float8 AS wait_s,
-       NULL::int AS tier, NULL::timestamptz AS claimable_since
-  FROM done
-UNION ALL
-SELECT 'claimed', id, lease_token, attempts, original_key, original_version, wait_s, tier,
-       claimable_since
-  FROM claimed;
+-- A worker's steady state in one round trip and one durable transaction: derivd_commit,
+-- then derivd_claim (migration 0008 composes the two functions). Rows: kind =
+-- 'committed' (id) or 'claimed' (the claim's columns).
+SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, %(limit)s::integer,
+                                      %(lease_s)s::float8, %(max_attempts)s::integer,
+                                      %(host)s::text);
 
 -- name: fail
--- The fenced failure. retry = true: back to `queued` after delay_s unless the attempts
--- are used up; retry = false (content errors): `rejected` at once. `code` is the final
--- error code if the row is rejected now. `extra_event` (e.g. 'timeout') is appended too.
--- Returns the new status, or no row when the fence failed (a `lease_lost` event is
--- appended instead).
-WITH done AS (
-    UPDATE archive_files
-       SET status = CASE WHEN %(retry)s AND attempts < %(max_attempts)s
-                         THEN 'queued' ELSE 'rejected' END,
-           error_code = CASE WHEN %(retry)s AND attempts < %(max_attempts)s
-                             THEN NULL ELSE %(code)s END,
-           available_at = CASE WHEN %(retry)s AND attempts < %(max_attempts)s
-                               THEN now() + make_interval(secs => %(delay_s)s)
-                               ELSE available_at END,
-           finished_at = CASE WHEN %(retry)s AND attempts < %(max_attempts)s
-                              THEN NULL ELSE now() END,
-           lease_token = NULL,
-           lease_until = NULL,
-           updated_at = now()
-     WHERE id = %(id)s AND lease_token = %(token)s AND status = 'processing'
-    RETURNING id, attempts, status, error_code
-), outcome_event AS (
-    INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
-    SELECT id, CASE status WHEN 'queued' THEN 'retry' ELSE 'rejected' END,
-           attempts, %(token)s, coalesce(error_code, %(code)s)
-      FROM done
-    RETURNING 1
-), extra_event AS (
-    INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
-    SELECT id, %(extra_event)s, attempts, %(token)s, %(code)s
-      FROM done
-     WHERE %(extra_event)s::text IS NOT NULL
-    RETURNING 1
-), lost_event AS (
-    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-    SELECT %(id)s, 'lease_lost', %(attempt)s, %(token)s
-     WHERE NOT EXISTS (SELECT 1 FROM done)
-    RETURNING 1
-)
-SELECT status, error_code FROM done;
+-- The fenced failure (derivd_fail, migration 0008). retry = true: back to `queued` after
+-- delay_s unless the attempts are used up; retry = false (content errors): `rejected` at
+-- once. `extra_event` (e.g. 'timeout') is appended too. Returns the new status, or no
+-- row when the fence failed (a `lease_lost` event is appended instead).
+SELECT status, error_code
+  FROM derivd_fail(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer, %(retry)s::boolean,
+                   %(code)s::text, %(max_attempts)s::integer, %(delay_s)s::float8,
+                   %(extra_event)s::text);
 
 -- name: release
--- Give a job back during shutdown without burning its attempt (fenced; a failed fence
--- appends `lease_lost`).
-WITH done AS (
-    UPDATE archive_files
-       SET status = 'queued',
-           attempts = greatest(attempts - 1, 0),
-           available_at = now(),
-           lease_token = NULL,
-           lease_until = NULL,
-           updated_at = now()
-     WHERE id = %(id)s AND lease_token = %(token)s AND status = 'processing'
-    RETURNING id, attempts
-), released_event AS (
-    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-    SELECT id, 'released', attempts + 1, %(token)s FROM done
-    RETURNING 1
-), lost_event AS (
-    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-    SELECT %(id)s, 'lease_lost', %(attempt)s, %(token)s
-     WHERE NOT EXISTS (SELECT 1 FROM done)
-    RETURNING 1
-)
-SELECT count(*)::int AS released FROM done;
+-- Give a job back during shutdown without burning its attempt (derivd_release, migration
+-- 0008; fenced, a failed fence appends `lease_lost`).
+SELECT derivd_release(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer)::int AS released;
 
 -- name: reject_exhausted
 -- Rows whose worker died on their last allowed attempt: reject instead of reclaiming, so

@@ -314,15 +314,44 @@ def test_query_blocks_lose_their_description_but_keep_inline_comments() -> None:
         parse_blocks("-- name: a\nSELECT 1;\n-- name: a\nSELECT 2;\n")
 
 
-def test_commit_and_claim_holds_the_commit_and_claim_blocks_unchanged() -> None:
-    """commit_and_claim repeats the `commit` block and the `claim` block's selection: a
-    change to either that is not made to it too fails here, not in production."""
-    blocks = queries()
-    combined = blocks["commit_and_claim"]
-    commit = blocks["commit"]
-    assert commit.removesuffix("SELECT id FROM done;").rstrip() + ", expired AS (" in combined
-    claim = blocks["claim"]
-    due = claim[claim.index("), due AS (") : claim.index("), candidate AS (")]
-    assert due in combined
-    lease = claim[claim.index("   SET status = 'processing',") : claim.index("  FROM candidate")]
-    assert "\n".join("    " + line for line in lease.rstrip().splitlines()) in combined
+def test_commit_and_claim_composes_the_one_commit_and_the_one_claim(queue: QueueDB) -> None:
+    """One copy of each: the statement calls derivd_commit_and_claim, whose body is the
+    calls of derivd_commit and derivd_claim and no statement of its own on the tables."""
+    assert "derivd_commit_and_claim(" in queries()["commit_and_claim"]
+    row = queue.conn.execute(
+        "SELECT prosrc FROM pg_proc WHERE proname = 'derivd_commit_and_claim'"
+    ).fetchone()
+    assert row is not None
+    body = row[0]
+    assert "derivd_commit(jobs)" in body and "derivd_claim(lim, " in body
+    assert "archive_files" not in body and "archive_events" not in body
+
+
+def test_a_claim_alone_skips_the_flush_wait_but_with_a_commit_it_is_durable(
+    queue: QueueDB,
+) -> None:
+    """The claim statement alone commits without waiting for its WAL flush; the commit
+    of a batch with the claim of the next one is durable (the commit needs it)."""
+    queue.enqueue([(f"originals/{n}", "1") for n in range(3)])
+    [job] = queue.claim_many(limit=1, lease_s=LONG, max_attempts=3)
+
+    def setting() -> str:
+        row = queue.conn.execute("SHOW synchronous_commit").fetchone()
+        assert row is not None
+        return str(row[0])
+
+    queue.conn.autocommit = False
+    try:
+        queue.conn.execute("SET LOCAL synchronous_commit = on")  # the test cluster has off
+        committed, claimed = queue.commit_and_claim(
+            [(job, [])], limit=1, lease_s=LONG, max_attempts=3
+        )
+        assert committed == {job.id} and len(claimed) == 1
+        assert setting() == "on"
+        queue.conn.rollback()
+        queue.conn.execute("SET LOCAL synchronous_commit = on")
+        assert len(queue.claim_many(limit=1, lease_s=LONG, max_attempts=3)) == 1
+        assert setting() == "off"
+        queue.conn.rollback()
+    finally:
+        queue.conn.autocommit = True

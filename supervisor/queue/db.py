@@ -1,8 +1,10 @@
 """The queue protocol: the only module that runs SQL (every query lives in `sql/`).
 
-Claim, fenced commit, fenced failure and fenced release, plus the maintenance and
-operator queries. Each method is one statement in autocommit mode, so a claim is
-committed before any work starts and no transaction is ever held across work.
+Claim, fenced commit, fenced failure and fenced release (server-side functions since
+migration 0008: one small statement each, whose inner plans the server keeps per
+connection, prepared or pooled), plus the maintenance and operator queries. Each method
+is one statement in autocommit mode, so a claim is committed before any work starts and
+no transaction is ever held across work.
 """
 
 from __future__ import annotations
@@ -341,14 +343,8 @@ class QueueDB:
         `lease_lost` event)."""
         if not results:
             return set()
-        rows = self._all(
-            "commit",
-            {
-                "jobs": json.dumps([_commit_row(j, v) for j, v in results]),
-                "ids": [j.id for j, _ in results],
-            },
-        )
-        return {int(r["id"]) for r in rows}
+        jobs = json.dumps([_commit_row(j, v) for j, v in results])
+        return {int(r["id"]) for r in self._all("commit", {"jobs": jobs})}
 
     def commit_and_claim(
         self,
@@ -366,7 +362,6 @@ class QueueDB:
             "commit_and_claim",
             {
                 "jobs": json.dumps([_commit_row(j, v) for j, v in results]),
-                "ids": [j.id for j, _ in results],
                 "limit": limit,
                 "lease_s": lease_s,
                 "max_attempts": max_attempts,
