@@ -236,79 +236,11 @@ DELETE FROM archive_files
 RETURNING id;
 
 -- name: queue_stats
--- Queue health whose cost does not grow with history, cached for the fleet: the first
--- host to find the cached row older than max_age_s recomputes it under the row's lock
--- (the others wait for that one computation, then return the row as their snapshot saw
--- it: at most one interval older). Counts of the live states are exact, from their
--- partial indexes; the final states (ready, rejected, deleted) are exact while the
--- table is small (planner statistics say under 50,000 rows) and planner estimates
--- beyond (`estimated` lists which counts are). max_age_s = 0 always recomputes.
--- Measured (bench/fleet.py): a few ms at 1M and 10M rows.
-WITH refreshed AS (
-    UPDATE derivd_stats_cache
-       SET computed_at = now(),
-           payload = (
-               WITH size AS (
-                   SELECT c.reltuples
-                          * CASE WHEN c.relpages > 0
-                                 THEN pg_relation_size(c.oid)
-                                      / current_setting('block_size')::float8 / c.relpages
-                                 ELSE 1 END AS rows
-                     FROM pg_class AS c WHERE c.oid = 'archive_files'::regclass
-               ), small AS (
-                   SELECT rows < 50000 AS yes FROM size
-               ), exact_all AS (
-                   -- LIMIT: the plan of a scan this branch never runs on a big table
-                   -- must not look big either (the planner would JIT-compile it).
-                   SELECT status, count(*) AS n
-                     FROM (SELECT status FROM archive_files
-                            WHERE (SELECT yes FROM small) LIMIT 50000) AS few
-                    GROUP BY status
-               ), live AS (
-                   SELECT 'pending' AS status,
-                          (SELECT count(*) FROM archive_files WHERE status = 'pending') AS n
-                   UNION ALL SELECT 'queued',
-                          (SELECT count(*) FROM archive_files WHERE status = 'queued')
-                   UNION ALL SELECT 'processing',
-                          (SELECT count(*) FROM archive_files WHERE status = 'processing')
-                   UNION ALL SELECT 'deleting',
-                          (SELECT count(*) FROM archive_files WHERE status = 'deleting')
-               ), final AS (
-                   SELECT m.status, round(m.freq * (SELECT rows FROM size))::bigint AS n
-                     FROM pg_stats AS s,
-                          unnest(s.most_common_vals::text::text[], s.most_common_freqs)
-                              AS m(status, freq)
-                    WHERE s.schemaname = current_schema() AND s.tablename = 'archive_files'
-                      AND s.attname = 'status'
-                      AND m.status IN ('ready', 'rejected', 'deleted')
-               ), counts AS (
-                   SELECT status, n FROM exact_all
-                   UNION ALL
-                   SELECT status, n FROM live WHERE NOT (SELECT yes FROM small) AND n > 0
-                   UNION ALL
-                   SELECT status, n FROM final WHERE NOT (SELECT yes FROM small) AND n > 0
-               )
-               SELECT jsonb_build_object(
-                   'counts', (SELECT coalesce(jsonb_object_agg(status, n), '{}'::jsonb)
-                                FROM counts),
-                   'estimated', CASE WHEN (SELECT yes FROM small) THEN '[]'::jsonb
-                                ELSE '["ready", "rejected", "deleted"]'::jsonb END,
-                   'oldest_claimable_age_s',
-                       (SELECT extract(epoch FROM now() - min(available_at))::float8
-                          FROM archive_files
-                         WHERE status = 'queued' AND available_at <= now()),
-                   'expired_leases',
-                       (SELECT count(*) FROM archive_files
-                         WHERE status = 'processing' AND lease_until < now()))
-           )
-     WHERE name = 'queue'
-       AND computed_at <= now() - make_interval(secs => %(max_age_s)s)
-    RETURNING payload
-)
-SELECT payload FROM refreshed
-UNION ALL
-SELECT payload FROM derivd_stats_cache
- WHERE name = 'queue' AND NOT EXISTS (SELECT 1 FROM refreshed);
+-- Queue health whose cost does not grow with history, cached for the fleet: a result
+-- another host computed less than max_age_s ago is reused (0: compute now). Live
+-- counts exact, final states planner estimates on a big table (derivd_queue_stats,
+-- sql/migrations/0008_queue_functions.sql).
+SELECT derivd_queue_stats(%(max_age_s)s::float8) AS payload;
 
 -- name: event_counts
 -- How many events of each kind (lease_lost, timeout, ...) since the given time.

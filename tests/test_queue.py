@@ -355,3 +355,24 @@ def test_a_claim_alone_skips_the_flush_wait_but_with_a_commit_it_is_durable(
         queue.conn.rollback()
     finally:
         queue.conn.autocommit = True
+
+
+def test_queue_stats_are_shared_for_max_age_and_estimated_on_a_big_table(
+    queue: QueueDB,
+) -> None:
+    queue.enqueue([("originals/a", "1")])
+    assert queue.queue_stats().counts == {"queued": 1}  # max_age 0: computed now, exact
+    queue.enqueue([("originals/b", "1")])
+    # Another host's result younger than max_age is reused as it is.
+    assert queue.queue_stats(max_age_s=3600).counts == {"queued": 1}
+    assert queue.queue_stats().counts == {"queued": 2}
+    queue.conn.execute(
+        "INSERT INTO archive_files (status, original_key, original_version, finished_at)"
+        " SELECT 'ready', 'originals/old', '1', now() FROM generate_series(1, 60000)"
+    )
+    queue.conn.execute("ANALYZE archive_files")
+    stats = queue.queue_stats()
+    assert stats.estimated == ("ready", "rejected", "deleted")
+    assert stats.counts["queued"] == 2  # the live states stay exact
+    assert 50_000 < stats.counts["ready"] < 70_000
+    assert stats.oldest_claimable_age_s is not None and stats.expired_leases == 0

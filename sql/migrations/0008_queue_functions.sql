@@ -239,6 +239,86 @@ BEGIN
     RETURN true;
 END $$;
 
+-- Queue health whose cost does not grow with history, cached for the fleet (replaces the
+-- one large `queue_stats` statement of 0005, whose planning dominated its cost: here each
+-- statement is planned once per server connection). A cached result younger than
+-- max_age_s is returned as it is; otherwise the caller takes the cache row's lock, and
+-- whoever waited for it finds the fresh result another host just computed (one
+-- computation per interval for the whole fleet). Counts of the live states are exact,
+-- from their partial indexes; the final states (ready, rejected, deleted) are exact while
+-- the table is small (under 50,000 rows by the planner's statistics) and planner
+-- estimates beyond (`estimated` lists which counts are). max_age_s = 0: compute now.
+CREATE FUNCTION derivd_queue_stats(max_age_s float8)
+RETURNS jsonb
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    result jsonb;
+    total float8;
+    counts jsonb;
+BEGIN
+    SELECT s.payload INTO result
+      FROM derivd_stats_cache AS s
+     WHERE s.name = 'queue' AND s.computed_at > now() - make_interval(secs => max_age_s);
+    IF FOUND THEN
+        RETURN result;
+    END IF;
+    SELECT s.payload INTO result
+      FROM derivd_stats_cache AS s
+     WHERE s.name = 'queue'
+       AND s.computed_at > now() - make_interval(secs => max_age_s)
+       FOR UPDATE;
+    IF FOUND THEN  -- computed by the host whose lock this one waited for
+        RETURN result;
+    END IF;
+    -- The table's size by the planner's statistics, scaled to its size on disk now.
+    SELECT c.reltuples * CASE WHEN c.relpages > 0
+                              THEN pg_relation_size(c.oid)
+                                   / current_setting('block_size')::float8 / c.relpages
+                              ELSE 1 END
+      INTO total
+      FROM pg_class AS c WHERE c.oid = 'archive_files'::regclass;
+    IF total < 50000 THEN
+        -- LIMIT: bounded even if the statistics are far behind the table.
+        SELECT coalesce(jsonb_object_agg(few.status, few.n), '{}') INTO counts
+          FROM (SELECT a.status, count(*) AS n
+                  FROM (SELECT f.status FROM archive_files AS f LIMIT 50000) AS a
+                 GROUP BY a.status) AS few;
+    ELSE
+        SELECT coalesce(jsonb_object_agg(n.status, n.n) FILTER (WHERE n.n > 0), '{}') INTO counts
+          FROM (SELECT 'pending' AS status,
+                       (SELECT count(*) FROM archive_files WHERE status = 'pending') AS n
+                UNION ALL SELECT 'queued',
+                       (SELECT count(*) FROM archive_files WHERE status = 'queued')
+                UNION ALL SELECT 'processing',
+                       (SELECT count(*) FROM archive_files WHERE status = 'processing')
+                UNION ALL SELECT 'deleting',
+                       (SELECT count(*) FROM archive_files WHERE status = 'deleting')
+                UNION ALL
+                SELECT m.status, round(m.freq * total)::bigint
+                  FROM pg_stats AS s,
+                       unnest(s.most_common_vals::text::text[], s.most_common_freqs)
+                           AS m(status, freq)
+                 WHERE s.schemaname = current_schema() AND s.tablename = 'archive_files'
+                   AND s.attname = 'status'
+                   AND m.status IN ('ready', 'rejected', 'deleted')) AS n;
+    END IF;
+    result := jsonb_build_object(
+        'counts', counts,
+        'estimated', CASE WHEN total < 50000 THEN '[]'::jsonb
+                     ELSE '["ready", "rejected", "deleted"]'::jsonb END,
+        'oldest_claimable_age_s',
+            (SELECT extract(epoch FROM now() - min(f.available_at))::float8
+               FROM archive_files AS f
+              WHERE f.status = 'queued' AND f.available_at <= now()),
+        'expired_leases',
+            (SELECT count(*) FROM archive_files AS f
+              WHERE f.status = 'processing' AND f.lease_until < now()));
+    UPDATE derivd_stats_cache AS s
+       SET computed_at = now(), payload = result
+     WHERE s.name = 'queue';
+    RETURN result;
+END $$;
+
 -- Nothing in derivd reads events by file (status, metrics and the dashboard read recent
 -- events through the BRIN index on `at`; the client reads archive_files and
 -- archive_variants): this btree only cost every job an index insert.
