@@ -149,10 +149,21 @@ SELECT 'queued', 'originals/bench', %(version)s FROM generate_series(1, %(queued
 """
 
 
-def seed_derivd(pg: EmbeddedCluster, name: str, work: Path, ready: int, queued: int) -> str:
+# Diagnostic (--without-finished-notify): a NOTIFY takes a cluster-wide lock held until
+# its transaction has committed (WAL flush included), so the per-row `derivd_finished`
+# notification of migration 0007 serialises every job's commit. Off, the run shows what
+# that costs; derivd itself always notifies.
+NO_FINISHED_NOTIFY = "ALTER TABLE archive_files DISABLE TRIGGER archive_files_finished_update"
+
+
+def seed_derivd(
+    pg: EmbeddedCluster, name: str, work: Path, ready: int, queued: int, *, notify: bool = True
+) -> str:
     dsn = fresh_db(pg, name)
     version = FsStorage(work / "objects").put("originals/bench", b"x", "application/x")
     with psycopg.connect(dsn, autocommit=True) as conn:
+        if not notify:
+            conn.execute(NO_FINISHED_NOTIFY)
         conn.execute(SEED_READY, {"version": version, "ready": ready})
         conn.execute(SEED_QUEUED, {"version": version, "queued": queued})
         conn.execute("VACUUM (ANALYZE) archive_files")
@@ -276,13 +287,18 @@ def main() -> None:
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--pgqueuer-batch", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--stats-rows", type=int, nargs="*", default=[1_000_000, 10_000_000])
+    parser.add_argument("--without-finished-notify", action="store_true",
+                        help="diagnostic: derivd's per-job `derivd_finished` NOTIFY off")
+    parser.add_argument("--pg-setting", action="append", default=[], metavar="NAME=VALUE",
+                        help="a server setting for the whole run (e.g. autovacuum=off)")
     args = parser.parse_args()
     if not args.no_peers:
         ensure_peers_venv()
     results: list[Result] = []
     stats: list[tuple[int, float, float]] = []
     load = [load_average()]
-    with cluster() as pg, tempfile.TemporaryDirectory(prefix="derivd-fleet-") as tmp:
+    settings = dict(item.split("=", 1) for item in args.pg_setting)
+    with cluster(settings) as pg, tempfile.TemporaryDirectory(prefix="derivd-fleet-") as tmp:
         work = Path(tmp)
         os.chmod(work, 0o755)
         bouncer = PgBouncer(work / "pgbouncer", pg_host="127.0.0.1", pg_port=pg.port,
@@ -290,7 +306,8 @@ def main() -> None:
         try:
             for path in args.paths:
                 print(f"derivd {path}: seeding ...", file=sys.stderr, flush=True)
-                db = seed_derivd(pg, f"fleet_{path}", work, args.ready, args.queued)
+                db = seed_derivd(pg, f"fleet_{path}", work, args.ready, args.queued,
+                                 notify=not args.without_finished_notify)
                 dsn = bouncer.dsn(db) if path == "pgbouncer" else db
                 print(f"derivd {path}: draining ...", file=sys.stderr, flush=True)
                 result = derivd_fleet(pg, dsn, db, work, args.queued)
@@ -319,6 +336,10 @@ def main() -> None:
         lines.append(f"pgbouncer {bouncer_version()}")
     load.append(load_average())
     lines.append(f"load average at start / end: {load[0]} / {load[1]}")
+    if settings:
+        lines.append("server settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    if args.without_finished_notify:
+        lines.append("diagnostic: the derivd_finished notification trigger disabled")
     print("## fleet")
     print("\n".join(lines))
     print(
