@@ -156,6 +156,47 @@ def test_expired_lease_at_the_cap_is_rejected_not_reclaimed(queue: QueueDB) -> N
     assert row["error_code"] == "attempts_exhausted" and row["attempts"] == 2
 
 
+def test_a_lease_token_exists_exactly_while_a_row_is_processing(queue: QueueDB) -> None:
+    """The fence is `id + lease_token` (migration 0008): the lease CHECK makes a token
+    match mean `status = 'processing'` too. No write can break that equivalence."""
+
+    def refused(statement: str, *params: object) -> str | None:
+        with pytest.raises(psycopg.errors.CheckViolation) as caught:
+            queue.conn.execute(statement, params)
+        return caught.value.diag.constraint_name
+
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    token = "00000000-0000-4000-8000-000000000001"
+    lease = "archive_files_lease_check"
+    assert (
+        refused(  # a token on a queued row
+            "UPDATE archive_files SET lease_token = %s, lease_until = now() WHERE id = %s",
+            token,
+            file_id,
+        )
+        == lease
+    )
+    job = claim_one(queue, lease_s=LONG, max_attempts=3)
+    assert job is not None
+    for leaving in ("ready", "rejected", "queued", "deleting"):  # keeping its token
+        assert (
+            refused(
+                "UPDATE archive_files SET status = %s,"
+                " error_code = CASE WHEN %s = 'rejected' THEN 'corrupt_content' END WHERE id = %s",
+                leaving,
+                leaving,
+                file_id,
+            )
+            == lease
+        ), leaving
+    assert (
+        refused(  # processing without a token
+            "UPDATE archive_files SET lease_token = NULL WHERE id = %s", file_id
+        )
+        == lease
+    )
+
+
 def test_database_enforces_closed_error_codes_and_states(queue: QueueDB) -> None:
     (file_id,) = queue.enqueue([("originals/a", "1")])
     with pytest.raises(psycopg.errors.CheckViolation):

@@ -180,4 +180,3 @@ def test_variant_options_on_hostile_inputs_through_the_supervisor(
     assert "worker died" not in text and "worker recycled" not in text, text
     assert peaks and max(peaks.values()) < MAX_WORKER_RSS_MB, peaks
     print(f"{backend}: peak worker RSS {max(peaks.values()):.0f} MiB over {len(peaks)} workers")
-
