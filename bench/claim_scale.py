@@ -3,7 +3,7 @@
 Seeds the table with generate_series (seconds, not minutes), then claims through the
 product's own `QueueDB.claim` (client round trip included) and commits each job with the
 noop commit, so the claim index sees the churn a real drain gives it. Prints claim
-p50/p99 and the EXPLAIN (ANALYZE, BUFFERS) plan of one claim.
+p50/p99 and the plans (auto_explain, ANALYZE, BUFFERS) of the statements inside one claim.
 
     .venv/bin/python bench/claim_scale.py [--ready 1000000] [--queued 100000] [--claims 5000]
 """
@@ -49,14 +49,30 @@ def seed(dsn: str, ready: int, queued: int) -> float:
 
 
 def explain_claim(dsn: str) -> str:
-    """The plan of one real claim, rolled back so it changes nothing."""
+    """The plans of one real claim, rolled back so it changes nothing. The claim is a
+    server-side function (derivd_claim, migration 0008): EXPLAIN of the call shows only
+    "Function Scan", so auto_explain reports the statements inside it (nested), sent back
+    to this client as LOG messages."""
+    plans: list[str] = []
     with psycopg.connect(dsn) as conn:
-        rows = conn.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + queries()["claim"],  # type: ignore[operator]
-            {"lease_s": 120.0, "max_attempts": 3, "limit": 1},
+        conn.add_notice_handler(lambda diag: plans.append(diag.message_primary or ""))
+        for setting in (
+            "LOAD 'auto_explain'",
+            "SET client_min_messages = log",
+            "SET auto_explain.log_min_duration = 0",
+            "SET auto_explain.log_nested_statements = on",
+            "SET auto_explain.log_analyze = on",
+            "SET auto_explain.log_buffers = on",
+            "SET auto_explain.log_timing = on",
+        ):
+            conn.execute(setting)
+        conn.execute(
+            queries()["claim"],  # type: ignore[arg-type]
+            {"lease_s": 120.0, "max_attempts": 3, "limit": 1, "host": "claim-scale"},
         ).fetchall()
         conn.rollback()
-    return "\n".join(r[0] for r in rows)
+    nested = [p for p in plans if "Function Scan on derivd_claim" not in p]
+    return "\n\n".join(nested or plans)
 
 
 def measure(dsn: str, claims: int) -> list[float]:
@@ -119,7 +135,7 @@ def main() -> None:
         )
         print()
         print(table(["relation", "size"], sizes(dsn)))
-        print("\nEXPLAIN (ANALYZE, BUFFERS) of one claim, before the run:\n")
+        print("\nPlans (auto_explain: ANALYZE, BUFFERS) inside one claim, before the run:\n")
         print(plan_before)
         print(f"\n... and after {args.claims:,} claims and commits:\n")
         print(plan_after)
