@@ -327,24 +327,12 @@ SELECT id, attempts, claimed_by,
 
 -- name: dashboard_minutes
 -- The dashboard's chart: jobs finished (ready, rejected, exhausted events) per minute
--- over the last hour, with the median duration (claim to finish, from the row's last
--- claim; exhausted rows have no meaningful duration). The window comes through the BRIN
--- index on archive_events.at and is capped at `cap` events, so its cost is bounded
--- however busy the hour was (the page says when the cap was reached).
-WITH recent AS (
-    SELECT file_id, at, kind
-      FROM archive_events
-     WHERE at >= now() - interval '1 hour' AND kind IN ('ready', 'rejected', 'exhausted')
-     LIMIT %(cap)s
-)
-SELECT least(floor(extract(epoch FROM now() - r.at) / 60), 59)::int AS minutes_ago,
-       count(*)::int AS finished,
-       (percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM r.at - f.claimed_at))
-            FILTER (WHERE r.kind <> 'exhausted' AND f.claimed_at <= r.at))::float8 AS median_s
-  FROM recent AS r
-  LEFT JOIN archive_files AS f ON f.id = r.file_id
- GROUP BY 1
- ORDER BY 1;
+-- over the last hour, counted from at most `cap` events, with the median duration (claim
+-- to finish) of at most `sample` of each minute's latest jobs
+-- (derivd_finished_per_minute, sql/migrations/0009_dashboard_minutes.sql): its cost is
+-- bounded by the hour's window, not by the table's history.
+SELECT minutes_ago, finished, median_s
+  FROM derivd_finished_per_minute(%(cap)s::integer, %(sample)s::integer);
 
 -- Host registry and heartbeat (issue 12; migration 0004) -----------------------------
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from fixtures.metrics import seed_queue
+from fixtures.work import claim_one, commit_one
 from helpers import sql
 
 from derivd.config import Config, load_config
@@ -309,3 +310,27 @@ def test_hosts_come_from_the_registry_when_there_is_one() -> None:
     )
     assert page.rows[("data-host", "web-2")]["workers"] == "4"
     assert page.rows[("data-host", "web-1")]["busy"] == "1"
+
+
+def test_a_minutes_median_comes_from_its_latest_jobs_and_its_count_from_all(
+    dsn: str, queue: QueueDB
+) -> None:
+    """The chart's query stays bounded on a busy hour: every event is counted, but only
+    `sample` of each minute's latest jobs are looked up for the median duration."""
+    ids = queue.enqueue([(f"originals/m{i}", "1") for i in range(5)])
+    for file_id in ids:  # committed in this order: the last two are the latest
+        job = claim_one(queue, lease_s=60, max_attempts=3)
+        assert job is not None and job.id == file_id and commit_one(queue, job, [])
+    took = {ids[0]: 100, ids[1]: 100, ids[2]: 100, ids[3]: 10, ids[4]: 20}
+    for file_id, seconds in took.items():
+        sql(
+            dsn,
+            "UPDATE archive_files SET claimed_at = (SELECT at FROM archive_events"
+            " WHERE file_id = %s AND kind = 'ready') - make_interval(secs => %s) WHERE id = %s",
+            (file_id, seconds, file_id),
+        )
+    (sampled,) = queue.finished_per_minute(cap=1000, sample=2)
+    (every,) = queue.finished_per_minute(cap=1000, sample=1000)
+    assert sampled["finished"] == every["finished"] == 5
+    assert sampled["median_s"] == pytest.approx(15.0)  # of 10 s and 20 s
+    assert every["median_s"] == pytest.approx(100.0)

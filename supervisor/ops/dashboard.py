@@ -7,7 +7,8 @@ progress instead of starting their own. Each read opens a short-lived connection
 closes it, so the supervisor holds no extra connection between views and none lingers
 across a fork. Every query is bounded: counts as `derivd status` reads them, jobs in
 flight through the partial index on processing rows (LIMIT), the hour's events through
-the BRIN index on their time, capped at MAX_ROWS.
+the BRIN index on their time, capped at MAX_ROWS, each minute's median duration from at
+most MEDIAN_SAMPLE of its jobs, looked up by key.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from derivd.ops.web import Response
 from derivd.queue.db import DatabaseUnavailable, QueueDB, one_line
 
 MAX_ROWS = 1_000_000  # the most rows one dashboard query may read
+MEDIAN_SAMPLE = 200  # a minute's median duration: from at most this many of its latest jobs
 IN_FLIGHT_SHOWN = 100
 
 
@@ -124,7 +126,7 @@ def read_snapshot(queue: QueueDB, config: Config, hosts: tuple[HostView, ...]) -
         hosts = registry_hosts(report.hosts, hosts[0])
     try:
         rows = queue.in_flight(limit=IN_FLIGHT_SHOWN)
-        minutes = queue.finished_per_minute(cap=MAX_ROWS)
+        minutes = queue.finished_per_minute(cap=MAX_ROWS, sample=MEDIAN_SAMPLE)
     except DatabaseUnavailable as error:
         raise StatusUnavailable(str(error)) from None
     except psycopg.Error as error:

@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 
-from derivd.ops.dashboard import HostView, InFlight, Minute, Snapshot
+from derivd.ops.dashboard import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
 from derivd.ops.status import Report, duration
 
 STYLE = """
@@ -271,7 +271,8 @@ def _hour(snapshot: Snapshot) -> str:
         f'data-value="{total}">{total:,}</span> jobs finished{esc(capped)}</h2>'
         f"{chart(snapshot.minutes, snapshot.taken_at)}"
         '<p class="muted">Bars: jobs finished per minute (ready, rejected, exhausted). '
-        "Line: median duration, claim to finish.</p></section>"
+        f"Line: median duration, claim to finish (of each minute's latest {MEDIAN_SAMPLE} jobs "
+        "at most).</p></section>"
     )
 
 

@@ -557,9 +557,10 @@ class QueueDB:
         first."""
         return self._all("dashboard_in_flight", {"limit": limit})
 
-    def finished_per_minute(self, *, cap: int) -> list[dict[str, Any]]:
-        """(minutes_ago, finished, median_s) over the last hour, from at most `cap` events."""
-        return self._all("dashboard_minutes", {"cap": cap})
+    def finished_per_minute(self, *, cap: int, sample: int) -> list[dict[str, Any]]:
+        """(minutes_ago, finished, median_s) over the last hour: counts from at most `cap`
+        events, each minute's median duration from at most `sample` of its latest jobs."""
+        return self._all("dashboard_minutes", {"cap": cap, "sample": sample})
 
 
 class ClusterAdmin:
