@@ -36,6 +36,7 @@ run: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check supervisor handlers sql tests bench
 
 typecheck: install
 	MYPYPATH="$$(echo build/__editable__.derivd-*)" $(BIN)/mypy -p derivd

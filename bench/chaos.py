@@ -199,7 +199,9 @@ class World:
         self.pg.start()
         if self.pooler:  # derivd (not the checks) goes through PgBouncer, transaction mode
             self.bouncer = PgBouncer(
-                self.root / "pg" / "pgbouncer", pg_host="127.0.0.1", pg_port=self.pg.port,
+                self.root / "pg" / "pgbouncer",
+                pg_host="127.0.0.1",
+                pg_port=self.pg.port,
                 user="derivd",
             ).start()
         migrate(self.dsn)

@@ -244,10 +244,18 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=24)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="derivd's [derive] concurrency (libvips threads per worker)")
-    parser.add_argument("--naive-concurrency", type=int, default=0,
-                        help="libvips threads per naive process; 0: libvips' default")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="derivd's [derive] concurrency (libvips threads per worker)",
+    )
+    parser.add_argument(
+        "--naive-concurrency",
+        type=int,
+        default=0,
+        help="libvips threads per naive process; 0: libvips' default",
+    )
     parser.add_argument("--backends", nargs="+", default=["vips", "pillow"])
     parser.add_argument("--inputs", type=Path, default=ROOT / "bench" / "out" / "e2e-inputs")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "e2e.json")
@@ -265,8 +273,10 @@ def main() -> None:
                 rounds.append(one_round(pg, backend, paths, args, work, index))
         lines = machine(pg.dsn())
     naive_threads = args.naive_concurrency or os.cpu_count()
-    lines.append(f"{len(paths)} images, {megapixels:.0f} MP in all, {args.workers} workers / "
-                 f"processes, variants {VARIANTS}, WebP q{QUALITY} effort {EFFORT}")
+    lines.append(
+        f"{len(paths)} images, {megapixels:.0f} MP in all, {args.workers} workers / "
+        f"processes, variants {VARIANTS}, WebP q{QUALITY} effort {EFFORT}"
+    )
     lines.append(f"libvips threads per process: derivd {args.concurrency}, naive {naive_threads}")
     print("\n".join(lines))
     print(table(

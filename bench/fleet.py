@@ -264,16 +264,18 @@ def pgqueuer_run(pg: EmbeddedCluster, dsn: str, jobs: int, batch: int) -> Result
     out: dict[str, object] = {}
 
     def run() -> None:
-        out.update(_peer(dsn, "drain", "--processes", str(SUPERVISORS * WORKERS),
-                         "--batch", str(batch)))
+        out.update(
+            _peer(dsn, "drain", "--processes", str(SUPERVISORS * WORKERS), "--batch", str(batch))
+        )
 
     _seconds, cpu, wal = measured(pg, dsn, run)
     assert int(str(out["jobs"])) == jobs, out
     _peer(dsn, "seed", "--jobs", str(CLAIM_SAMPLES))
     claims = _peer(dsn, "claims", "--samples", str(CLAIM_SAMPLES), "--batch", str(batch))
     drain_s = float(str(out["end"])) - float(str(out["start"]))
-    return Result("pgqueuer", "direct", batch, jobs, drain_s, cpu, wal,
-                  [float(x) for x in claims["ms"]])  # type: ignore[attr-defined]
+    return Result(
+        "pgqueuer", "direct", batch, jobs, drain_s, cpu, wal, [float(x) for x in claims["ms"]]
+    )  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- main
@@ -287,10 +289,18 @@ def main() -> None:
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--pgqueuer-batch", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--stats-rows", type=int, nargs="*", default=[1_000_000, 10_000_000])
-    parser.add_argument("--without-finished-notify", action="store_true",
-                        help="diagnostic: derivd's per-job `derivd_finished` NOTIFY off")
-    parser.add_argument("--pg-setting", action="append", default=[], metavar="NAME=VALUE",
-                        help="a server setting for the whole run (e.g. autovacuum=off)")
+    parser.add_argument(
+        "--without-finished-notify",
+        action="store_true",
+        help="diagnostic: derivd's per-job `derivd_finished` NOTIFY off",
+    )
+    parser.add_argument(
+        "--pg-setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a server setting for the whole run (e.g. autovacuum=off)",
+    )
     args = parser.parse_args()
     if not args.no_peers:
         ensure_peers_venv()
@@ -301,13 +311,20 @@ def main() -> None:
     with cluster(settings) as pg, tempfile.TemporaryDirectory(prefix="derivd-fleet-") as tmp:
         work = Path(tmp)
         os.chmod(work, 0o755)
-        bouncer = PgBouncer(work / "pgbouncer", pg_host="127.0.0.1", pg_port=pg.port,
-                            user="derivd", pool_size=10).start()
+        bouncer = PgBouncer(
+            work / "pgbouncer", pg_host="127.0.0.1", pg_port=pg.port, user="derivd", pool_size=10
+        ).start()
         try:
             for path in args.paths:
                 print(f"derivd {path}: seeding ...", file=sys.stderr, flush=True)
-                db = seed_derivd(pg, f"fleet_{path}", work, args.ready, args.queued,
-                                 notify=not args.without_finished_notify)
+                db = seed_derivd(
+                    pg,
+                    f"fleet_{path}",
+                    work,
+                    args.ready,
+                    args.queued,
+                    notify=not args.without_finished_notify,
+                )
                 dsn = bouncer.dsn(db) if path == "pgbouncer" else db
                 print(f"derivd {path}: draining ...", file=sys.stderr, flush=True)
                 result = derivd_fleet(pg, dsn, db, work, args.queued)

@@ -127,7 +127,7 @@ def fleet(data: Data) -> tuple[Figure, str]:
     cols = min(3, len(numeric))
     grid = (len(numeric) + cols - 1) // cols
     fig, axes = plt.subplots(grid, cols, figsize=(3.8 * cols, 3.2 * grid), squeeze=False)
-    for ax in axes.flat[len(numeric):]:
+    for ax in axes.flat[len(numeric) :]:
         ax.set_visible(False)
     for ax, key in zip(axes.flat, numeric, strict=False):
         ax.bar(range(len(rows)), [r[key] for r in rows], color="#4a7bd0")

@@ -112,8 +112,10 @@ async def claims(dsn: str, samples: int, batch: int, kind: str) -> list[float]:
     for _ in range(samples):
         started = time.perf_counter()
         jobs = await queries.dequeue(
-            batch_size=batch, entrypoints={ENTRYPOINT: _entrypoint_settings()},
-            queue_manager_id=_QM_ID, global_concurrency_limit=None,
+            batch_size=batch,
+            entrypoints={ENTRYPOINT: _entrypoint_settings()},
+            queue_manager_id=_QM_ID,
+            global_concurrency_limit=None,
             heartbeat_timeout=timedelta(seconds=30),
         )
         times.append((time.perf_counter() - started) * 1000)
