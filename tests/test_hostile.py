@@ -13,21 +13,13 @@ must exit 0.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import imagegen
-import psycopg
 import pytest
-from fixtures.cli import derivd_command
-from helpers import proc_title
+from fixtures.burst import outcomes, queue_originals, run_and_watch, write_burst_ini
 
-from derivd.processes.procutil import children_of
-from derivd.queue.db import QueueDB
-from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
 
 # The EXIF junk must not stop a derivation: the pixels are fine.
@@ -57,82 +49,33 @@ def test_every_case_we_expect_is_here() -> None:
     assert wanted <= names, wanted - names
 
 
-def _peak_rss_mib(pid: int) -> float:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0.0
-    for line in status.splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _worker_pids(parent: int) -> list[int]:
-    return [pid for pid in children_of(parent) if "worker" in proc_title(pid)]
-
-
-def _run_and_watch(argv: list[str], env: dict[str, str], log: Path) -> tuple[int, dict[int, float]]:
-    """Run the supervisor to its exit, sampling each worker's peak RSS meanwhile."""
-    peaks: dict[int, float] = {}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
-    deadline = time.monotonic() + 300  # a bound on a hang, not a timing assertion
-    try:
-        while proc.poll() is None:
-            for pid in _worker_pids(proc.pid):
-                peaks[pid] = max(peaks.get(pid, 0.0), _peak_rss_mib(pid))
-            if time.monotonic() > deadline:
-                pytest.fail(f"derivd run --burst still running after 300s:\n{log.read_text()}")
-            time.sleep(0.01)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, peaks
-
-
 @pytest.mark.acceptance
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["vips", "pillow"])
 def test_hostile_inputs_end_with_their_code_through_the_supervisor(
     backend: str, dsn: str, fs_root: Path, tmp_path: Path
 ) -> None:
-    store = FsStorage(fs_root)
-    originals = []
-    for _, make, _ in HOSTILE:
-        key = new_original_key()
-        originals.append((key, store.put(key, make(), "application/octet-stream")))
-    with QueueDB.open(dsn, role="test") as queue:
-        ids = queue.enqueue(originals)
+    ids = queue_originals(dsn, FsStorage(fs_root), [make for _, make, _ in HOSTILE])
     expected = {
         file_id: (name, want) for file_id, (name, _, want) in zip(ids, HOSTILE, strict=True)
     }
-
-    ini = tmp_path / "derivd.ini"
-    ini.write_text(
-        f"[database]\ndsn = {dsn}\n"
-        f"[storage]\nbackend = fs\nroot = {fs_root}\n"
-        f"[supervisor]\nworkers = 2\njob_timeout = {JOB_TIMEOUT_S}\nkill_grace = 2\n"
-        f"max_worker_rss_mb = {RSS_RECYCLE_MIB}\nstate_dir = {tmp_path / 'state'}\n"
-        "[queue]\nlease = 60\nmax_attempts = 3\nretry_base = 0.1\nretry_max = 0.5\n"
-        "poll_interval = 0.2\nlisten = no\n"
-        f"[derive]\nbackend = {backend}\n"
+    ini = write_burst_ini(
+        tmp_path / "derivd.ini",
+        dsn=dsn,
+        fs_root=fs_root,
+        state_dir=tmp_path / "state",
+        job_timeout=JOB_TIMEOUT_S,
+        max_rss_mb=RSS_RECYCLE_MIB,
+        lease=60,
+        derive=f"[derive]\nbackend = {backend}\n",
     )
     log = tmp_path / "derivd.log"
-    code, peaks = _run_and_watch(
-        [*derivd_command(), "-c", str(ini), "run", "--burst"], dict(os.environ), log
-    )
+    code, peaks = run_and_watch(ini, log)
     text = log.read_text(errors="replace")
     assert code == 0, text
     assert "Traceback" not in text
 
-    with psycopg.connect(dsn) as conn:
-        rows = {
-            r[0]: r[1:]
-            for r in conn.execute("SELECT id, status, error_code, attempts FROM archive_files")
-        }
-        kinds = [r[0] for r in conn.execute("SELECT kind FROM archive_events")]
+    rows, kinds = outcomes(dsn)
     wrong = []
     for file_id, (name, want) in expected.items():
         status, error_code, attempts = rows[file_id]

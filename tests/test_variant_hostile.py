@@ -18,18 +18,14 @@ variant and every recorded variant is in the store (nothing lost, nothing orphan
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 import imagegen
-import psycopg
 import pytest
-from fixtures.cli import derivd_command
+from fixtures.burst import outcomes, queue_originals, run_and_watch, write_burst_ini
 from PIL import Image
-from test_hostile import _run_and_watch
 
 from derivd.queue.db import QueueDB
-from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
 
 MAX_WORKER_RSS_MB = 1024  # the default [supervisor] max_worker_rss_mb
@@ -119,36 +115,25 @@ def test_variant_options_on_hostile_inputs_through_the_supervisor(
     backend: str, dsn: str, fs_root: Path, tmp_path: Path
 ) -> None:
     store = FsStorage(fs_root)
-    originals = []
-    for _, make, _ in CASES:
-        key = new_original_key()
-        originals.append((key, store.put(key, make(), "application/octet-stream")))
-    with QueueDB.open(dsn, role="test") as queue:
-        ids = queue.enqueue(originals)
+    ids = queue_originals(dsn, store, [make for _, make, _ in CASES])
     expected = {file_id: (name, want) for file_id, (name, _, want) in zip(ids, CASES, strict=True)}
-
-    ini = tmp_path / "derivd.ini"
-    ini.write_text(
-        f"[database]\ndsn = {dsn}\n"
-        f"[storage]\nbackend = fs\nroot = {fs_root}\n"
-        f"[supervisor]\nworkers = 2\njob_timeout = 120\nkill_grace = 2\n"
-        f"max_worker_rss_mb = {MAX_WORKER_RSS_MB}\nstate_dir = {tmp_path / 'state'}\n"
-        "[queue]\nlease = 180\nmax_attempts = 3\nretry_base = 0.1\nretry_max = 0.5\n"
-        "poll_interval = 0.2\nlisten = no\n"
-        f"{SECTIONS.replace('[derive]', f'[derive]{chr(10)}backend = {backend}')}"
+    ini = write_burst_ini(
+        tmp_path / "derivd.ini",
+        dsn=dsn,
+        fs_root=fs_root,
+        state_dir=tmp_path / "state",
+        job_timeout=120,
+        max_rss_mb=MAX_WORKER_RSS_MB,
+        lease=180,
+        derive=SECTIONS.replace("[derive]", f"[derive]\nbackend = {backend}"),
     )
     log = tmp_path / "derivd.log"
-    code, peaks = _run_and_watch(
-        [*derivd_command(), "-c", str(ini), "run", "--burst"], dict(os.environ), log
-    )
+    code, peaks = run_and_watch(ini, log)
     text = log.read_text(errors="replace")
     assert code == 0, text
     assert "Traceback" not in text
 
-    with psycopg.connect(dsn) as conn:
-        rows = {r[0]: r[1:] for r in conn.execute(
-            "SELECT id, status, error_code, attempts FROM archive_files")}  # fmt: skip
-        kinds = [r[0] for r in conn.execute("SELECT kind FROM archive_events")]
+    rows, kinds = outcomes(dsn)
     wrong, recorded = [], set()
     with QueueDB.open(dsn, role="test") as queue:
         for file_id, (name, want) in expected.items():
