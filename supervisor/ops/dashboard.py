@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
@@ -79,6 +79,19 @@ class Snapshot:
     minutes: tuple[Minute, ...] = ()
     minutes_capped: bool = False
 
+    @classmethod
+    def taken(cls, config: Config, report: Report | None) -> Snapshot:
+        """A snapshot taken now, with what the configuration says about the page; the
+        rest is filled with dataclasses.replace."""
+        return cls(
+            taken_at=time.time(),
+            host=config.host_id,
+            refresh_s=config.metrics.interval,
+            job_timeout=config.supervisor.job_timeout,
+            limits=config.status,
+            report=report,
+        )
+
     @property
     def healthy(self) -> bool | None:
         """True/False as `derivd status` exits 0/1; None when it cannot tell (exit 3)."""
@@ -131,13 +144,8 @@ def read_snapshot(queue: QueueDB, config: Config, hosts: tuple[HostView, ...]) -
         raise StatusUnavailable(str(error)) from None
     except psycopg.Error as error:
         raise StatusUnavailable(f"database error: {one_line(error)}") from None
-    return Snapshot(
-        taken_at=time.time(),
-        host=config.host_id,
-        refresh_s=config.metrics.interval,
-        job_timeout=config.supervisor.job_timeout,
-        limits=config.status,
-        report=report,
+    return replace(
+        Snapshot.taken(config, report),
         alarms=tuple(evaluate(report, config.status)),
         hosts=hosts,
         in_flight=tuple(
@@ -191,16 +199,7 @@ class Dashboard:
             with QueueDB.open(self.dsn, role="derivd-dashboard") as queue:
                 return read_snapshot(queue, config, hosts)
         except (StatusUnavailable, DatabaseUnavailable) as error:
-            return Snapshot(
-                taken_at=time.time(),
-                host=config.host_id,
-                refresh_s=config.metrics.interval,
-                job_timeout=config.supervisor.job_timeout,
-                limits=config.status,
-                report=None,
-                error=str(error),
-                hosts=hosts,
-            )
+            return replace(Snapshot.taken(config, None), error=str(error), hosts=hosts)
 
     def route(self, headers: Mapping[str, str]) -> Response:
         from derivd.ops.dashboard_page import render
