@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from derivd.ops.sweep import Sweeper
+from derivd.ops.sweep import Sweeper, SweepReport
 from derivd.queue.db import QueueDB
 from derivd.storage.fs import FsStorage
 
@@ -32,6 +32,12 @@ def _events_size(conn: psycopg.Connection[Any]) -> int:
             "SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree('archive_events')",
         )
     )
+
+
+def _sweep(queue: QueueDB, fs_root: Path, **settings: int) -> SweepReport:
+    """One sweep pass with the test guards and `settings` (retention, purge, batch)."""
+    guards = {"orphan_guard": 3600, "delete_guard": 300, "max_attempts": 3}
+    return Sweeper(queue, FsStorage(fs_root), **guards, **settings).run_once()
 
 
 def test_one_sweep_drops_old_events_whole_and_keeps_young_ones_append_only(
@@ -66,14 +72,7 @@ def test_one_sweep_drops_old_events_whole_and_keeps_young_ones_append_only(
     ).fetchone()
     big = _events_size(conn)
 
-    report = Sweeper(
-        queue,
-        FsStorage(fs_root),
-        orphan_guard=3600,
-        delete_guard=300,
-        max_attempts=3,
-        events_retention_days=90,
-    ).run_once()
+    report = _sweep(queue, fs_root, events_retention_days=90)
 
     assert report.error is None
     assert len(report.partitions_dropped) == OLD_DAYS + 1  # the old days and DEFAULT
@@ -120,14 +119,7 @@ def test_retention_zero_keeps_every_event(dsn: str, fs_root: Path) -> None:
             "INSERT INTO archive_events (file_id, kind, at) VALUES (1, 'ready', %s)",
             (dt.datetime.combine(first, dt.time(12), dt.UTC),),
         )
-        report = Sweeper(
-            queue,
-            FsStorage(fs_root),
-            orphan_guard=3600,
-            delete_guard=300,
-            max_attempts=3,
-            events_retention_days=0,
-        ).run_once()
+        report = _sweep(queue, fs_root, events_retention_days=0)
         assert report.partitions_dropped == []
         assert _one(queue.conn, "SELECT count(*) FROM archive_events") == 1
 
@@ -144,19 +136,7 @@ def test_deleted_rows_are_purged_after_their_setting_only(dsn: str, fs_root: Pat
             )
 
         def sweep(days: int) -> list[int]:
-            return (
-                Sweeper(
-                    queue,
-                    FsStorage(fs_root),
-                    orphan_guard=3600,
-                    delete_guard=300,
-                    max_attempts=3,
-                    purge_deleted_days=days,
-                    batch=2,
-                )
-                .run_once()
-                .purged
-            )
+            return _sweep(queue, fs_root, purge_deleted_days=days, batch=2).purged
 
         assert sweep(0) == []  # the default keeps them
         assert sorted(sweep(30)) == sorted(ids[:3])
