@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,7 @@ import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"  # machine-readable results (bench/plots.py draws from them)
+DERIVD = Path(sys.executable).parent / "derivd"
 sys.path.insert(0, str(ROOT))
 
 from derivd.embedded.pgcluster import EmbeddedCluster  # noqa: E402
@@ -115,3 +117,26 @@ def save_results(name: str, data: dict[str, object]) -> Path:
     path = OUT / f"{name}.json"
     path.write_text(json.dumps({"bench": name, **data}, indent=2) + "\n")
     return path
+
+
+def burst_drain(ini: Path, log: Path, dsn: str) -> tuple[int, float, float]:
+    """`derivd -c INI run --burst` to its end (output to `log`): the rows now `ready`, the
+    drain as the database saw it (first claim to last finish, s) and the run's wall time."""
+    started = time.perf_counter()
+    with log.open("w") as out:
+        subprocess.run(
+            [str(DERIVD), "-c", str(ini), "run", "--burst"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            check=True,
+        )
+    wall = time.perf_counter() - started
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*) FILTER (WHERE status = 'ready'),"
+            "       extract(epoch FROM max(finished_at) - min(claimed_at))::float8"
+            "  FROM archive_files"
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), float(row[1] or 0.0), wall

@@ -37,7 +37,6 @@ import os
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,11 +44,10 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from common import ROOT, cluster, fresh_db, machine, table
+from common import ROOT, burst_drain, cluster, fresh_db, machine, table
 
 from derivd.storage.fs import FsStorage
 
-DERIVD = Path(sys.executable).parent / "derivd"
 VARIANTS = (("preview", 1600), ("thumb", 320))
 QUALITY, EFFORT = 80, 4
 # (megapixels, width, height, format): cycled to make the set.
@@ -186,20 +184,11 @@ def run_derivd(pg: object, backend: str, paths: list[Path], workers: int, work: 
         encoding="utf-8",
     )
     cpu = children_cpu()
-    with (work / f"derivd-{backend}.log").open("w") as log:
-        subprocess.run([str(DERIVD), "-c", str(ini), "run", "--burst"], stdout=log,
-                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=True)  # fmt: skip
+    ready, drain_s, _wall = burst_drain(ini, work / f"derivd-{backend}.log", dsn)
     cpu = children_cpu() - cpu
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute(
-            "SELECT count(*) FILTER (WHERE status = 'ready'),"
-            "       extract(epoch FROM max(finished_at) - min(claimed_at))::float8"
-            "  FROM archive_files"
-        ).fetchone()
-    assert row is not None
-    if row[0] != len(paths):
-        raise SystemExit(f"derivd ({backend}) left {len(paths) - row[0]} images unfinished")
-    return float(row[1]), cpu
+    if ready != len(paths):
+        raise SystemExit(f"derivd ({backend}) left {len(paths) - ready} images unfinished")
+    return drain_s, cpu
 
 
 def load() -> float:

@@ -22,7 +22,6 @@ number of jobs with 8 processes at batch 1 and 10 (its enqueue is not counted).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -31,10 +30,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
-from common import ROOT, cluster, fresh_db, machine, percentile, save_results, table
-from throughput import PEERS_PYTHON, ensure_peers_venv
+from common import DERIVD, ROOT, cluster, fresh_db, machine, percentile, save_results, table
+from throughput import PEERS_PYTHON, ensure_peers_venv, peer
 
 sys.path.insert(0, str(ROOT / "tests"))
 from fixtures.pgbouncer import PgBouncer
@@ -44,7 +44,7 @@ from derivd.queue.db import QueueDB
 from derivd.storage.fs import FsStorage
 
 BENCH = ROOT / "bench"
-DERIVD = Path(sys.executable).parent / "derivd"
+PGQUEUER = "pgqueuer_drain.py"
 SUPERVISORS = 4
 WORKERS = 2
 CLAIM_SAMPLES = 2000
@@ -243,35 +243,30 @@ def stats_ms(dsn: str, repeat: int = 5) -> tuple[float, float]:
 # --------------------------------------------------------------------------- pgqueuer
 
 
-def _peer(dsn: str, *args: str) -> dict[str, object]:
-    out = subprocess.run(
-        [str(PEERS_PYTHON), str(BENCH / "peers" / "pgqueuer_drain.py"), "--dsn", dsn, *args],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"pgqueuer {args[0]} failed:\n{out.stderr[-3000:]}")
-    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
-
-
 def pgqueuer_run(pg: EmbeddedCluster, dsn: str, jobs: int, batch: int) -> Result:
-    _peer(dsn, "seed", "--jobs", str(jobs))
+    peer(PGQUEUER, dsn, "seed", "--jobs", str(jobs))
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("VACUUM ANALYZE")
         conn.execute("CHECKPOINT")
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
 
     def run() -> None:
         out.update(
-            _peer(dsn, "drain", "--processes", str(SUPERVISORS * WORKERS), "--batch", str(batch))
+            peer(
+                PGQUEUER,
+                dsn,
+                "drain",
+                "--processes",
+                str(SUPERVISORS * WORKERS),
+                "--batch",
+                str(batch),
+            )
         )
 
     _seconds, cpu, wal = measured(pg, dsn, run)
     assert int(str(out["jobs"])) == jobs, out
-    _peer(dsn, "seed", "--jobs", str(CLAIM_SAMPLES))
-    claims = _peer(dsn, "claims", "--samples", str(CLAIM_SAMPLES), "--batch", str(batch))
+    peer(PGQUEUER, dsn, "seed", "--jobs", str(CLAIM_SAMPLES))
+    claims = peer(PGQUEUER, dsn, "claims", "--samples", str(CLAIM_SAMPLES), "--batch", str(batch))
     drain_s = float(str(out["end"])) - float(str(out["start"]))
     return Result(
         "pgqueuer", "direct", batch, jobs, drain_s, cpu, wal, [float(x) for x in claims["ms"]]

@@ -27,9 +27,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
-from common import ROOT, cluster, fresh_db, machine, save_results, table
+from common import ROOT, burst_drain, cluster, fresh_db, machine, save_results, table
 
 from derivd.embedded.pgcluster import EmbeddedCluster
 from derivd.storage.fs import FsStorage
@@ -39,7 +40,6 @@ PEERS_VENV = BENCH / ".peers-venv"
 PEERS_PYTHON = PEERS_VENV / "bin" / "python"
 # pgqueuer's README connects with asyncpg; procrastinate's default connector is psycopg.
 PEERS_PACKAGES = ["pgqueuer", "procrastinate", "psycopg[binary]", "asyncpg"]
-DERIVD = Path(sys.executable).parent / "derivd"
 
 
 @dataclass
@@ -100,33 +100,18 @@ def run_derivd(
         encoding="utf-8",
     )
     log = work / f"derivd-{name}.log"
-    started = time.perf_counter()
-    with log.open("w") as out:
-        subprocess.run(
-            [str(DERIVD), "-c", str(ini), "run", "--burst"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            check=True,
-        )
-    wall = time.perf_counter() - started
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute(
-            "SELECT count(*) FILTER (WHERE status = 'ready'),"
-            "       extract(epoch FROM max(finished_at) - min(claimed_at))::float8"
-            "  FROM archive_files"
-        ).fetchone()
-    assert row is not None
-    if row[0] != jobs:
-        raise SystemExit(f"derivd left {jobs - row[0]} jobs unfinished; see {log}")
+    ready, drain_s, wall = burst_drain(ini, log, dsn)
+    if ready != jobs:
+        raise SystemExit(f"derivd left {jobs - ready} jobs unfinished; see {log}")
     label = "1 job/process" if claim_batch == 1 else f"claim_batch {claim_batch}/process"
-    return Run("derivd", workers, label, jobs, float(row[1]), wall)
+    return Run("derivd", workers, label, jobs, drain_s, wall)
 
 
 # --------------------------------------------------------------------------- peers
 
 
-def _peer(script: str, dsn: str, *args: str) -> dict[str, float]:
+def peer(script: str, dsn: str, *args: str) -> dict[str, Any]:
+    """Run bench/peers/SCRIPT in the peers' venv; the JSON object of its last line."""
     out = subprocess.run(
         [str(PEERS_PYTHON), str(BENCH / "peers" / script), "--dsn", dsn, *args],
         capture_output=True,
@@ -135,7 +120,7 @@ def _peer(script: str, dsn: str, *args: str) -> dict[str, float]:
     )
     if out.returncode != 0:
         raise SystemExit(f"{script} {args[0]} failed:\n{out.stderr[-3000:]}")
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -144,11 +129,11 @@ def run_peer(
 ) -> Run:
     script = f"{system}_drain.py"
     dsn = fresh_db(pg, f"{system}_{processes}", derivd_schema=False)
-    _peer(script, dsn, "seed", "--jobs", str(jobs))
+    peer(script, dsn, "seed", "--jobs", str(jobs))
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("VACUUM ANALYZE")
     started = time.perf_counter()
-    result = _peer(script, dsn, "drain", "--processes", str(processes), option[0], str(option[1]))
+    result = peer(script, dsn, "drain", "--processes", str(processes), option[0], str(option[1]))
     wall = time.perf_counter() - started
     if int(result["jobs"]) != jobs:
         raise SystemExit(f"{system} processed {result['jobs']} of {jobs} jobs")
