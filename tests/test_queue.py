@@ -198,14 +198,22 @@ def test_a_lease_token_exists_exactly_while_a_row_is_processing(queue: QueueDB) 
 
 
 def test_database_enforces_closed_error_codes_and_states(queue: QueueDB) -> None:
+    """Each vocabulary is a domain (migration 0010) that the tables' CHECKs cast to."""
+
+    def refused(statement: str, *params: object) -> str | None:
+        with pytest.raises(psycopg.errors.CheckViolation) as caught:
+            queue.conn.execute(statement, params)
+        return caught.value.diag.constraint_name
+
     (file_id,) = queue.enqueue([("originals/a", "1")])
-    with pytest.raises(psycopg.errors.CheckViolation):
-        queue.conn.execute(
-            "UPDATE archive_files SET status = 'rejected', error_code = 'oops' WHERE id = %s",
-            (file_id,),
-        )
-    with pytest.raises(psycopg.errors.CheckViolation):
-        queue.conn.execute("UPDATE archive_files SET status = 'done' WHERE id = %s", (file_id,))
+    bad_code = "UPDATE archive_files SET status = 'rejected', error_code = 'oops' WHERE id = %s"
+    assert refused(bad_code, file_id) == "derivd_error_code_check"
+    bad_status = "UPDATE archive_files SET status = 'done' WHERE id = %s"
+    assert refused(bad_status, file_id) == "derivd_status_check"
+    event = "INSERT INTO archive_events (file_id, kind, error_code) VALUES (%s, %s, %s)"
+    assert refused(event, file_id, "finished", None) == "derivd_event_kind_check"
+    assert refused(event, file_id, "rejected", "oops") == "derivd_error_code_check"
+    queue.conn.execute(event, (file_id, "rejected", "corrupt_content"))  # in the vocabulary
     job = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert job is not None and queue.release(job)  # leaves a `released` event
     with pytest.raises(psycopg.errors.RaiseException):

@@ -1,8 +1,8 @@
-"""One source for statuses, event kinds and error codes: the migration's CHECK constraints.
+"""One source for statuses, event kinds and error codes: the database's domains.
 
-The constraints are read back from a migrated database (pg_get_constraintdef), so a
-migration that adds a status or a code fails here until derivd.states says the same; every
-other Python copy is checked against derivd.states.
+The domains' constraints (migration 0010) are read back from a migrated database
+(pg_get_constraintdef), so a migration that adds a status or a code fails here until
+derivd.states says the same; every other Python copy is checked against derivd.states.
 """
 
 from __future__ import annotations
@@ -17,24 +17,44 @@ from derivd import errors, states
 from derivd.cli import retry
 from derivd.ops import metrics, status
 
-# constraint name -> the vocabulary it must equal
+# domain constraint name -> the vocabulary it must equal
 CONSTRAINTS = {
-    "archive_files_status_check": states.STATUSES,
-    "archive_files_error_code_check": states.ERROR_CODES,
-    "archive_events_kind_check": states.EVENT_KINDS,
-    "archive_events_error_code_check": states.ERROR_CODES,
+    "derivd_status_check": states.STATUSES,
+    "derivd_error_code_check": states.ERROR_CODES,
+    "derivd_event_kind_check": states.EVENT_KINDS,
+}
+# table CHECK -> the domain its column is cast to
+COLUMN_CHECKS = {
+    "archive_files_status_check": "derivd_status",
+    "archive_files_error_code_check": "derivd_error_code",
+    "archive_events_kind_check": "derivd_event_kind",
+    "archive_events_error_code_check": "derivd_error_code",
 }
 
 
 def constraint_values(dsn: str) -> dict[str, set[str]]:
-    """Each CHECK constraint's quoted literals (`status = ANY (ARRAY['a'::text, ...])`)."""
+    """Each domain constraint's quoted literals (`VALUE = ANY (ARRAY['a'::text, ...])`)."""
     rows = sql(
         dsn,
         "SELECT conname, pg_get_constraintdef(oid) AS def FROM pg_constraint "
-        "WHERE contype = 'c' AND conname = ANY(%s)",
+        "WHERE contype = 'c' AND contypid <> 0 AND conname = ANY(%s)",
         (list(CONSTRAINTS),),
     )
     return {r["conname"]: set(re.findall(r"'([a-z_]+)'", r["def"])) for r in rows}
+
+
+def test_each_table_check_casts_its_column_to_the_vocabulary_domain(dsn: str) -> None:
+    rows = sql(
+        dsn,
+        "SELECT conname, pg_get_constraintdef(oid) AS def FROM pg_constraint "
+        "WHERE contype = 'c' AND conrelid IN ('archive_files'::regclass, "
+        "'archive_events'::regclass) AND conname = ANY(%s)",
+        (list(COLUMN_CHECKS),),
+    )
+    found = {r["conname"]: r["def"] for r in rows}
+    assert set(found) == set(COLUMN_CHECKS), "a table CHECK was renamed or dropped"
+    for name, domain in COLUMN_CHECKS.items():
+        assert f"::{domain} IS NOT NULL" in found[name], (name, found[name])
 
 
 def test_the_python_vocabulary_is_the_databases(dsn: str) -> None:
