@@ -10,20 +10,26 @@ the claim of the next), with psycopg's prepared statements or with nothing prepa
 through a transaction pooler). Reported per job: that backend's user and system CPU
 (from /proc), the whole server's CPU (every PostgreSQL process: WAL writer, autovacuum
 ...), and WAL bytes. Each mode runs `--repeat` times, interleaved; the median run is
-reported, since the machine may be shared.
+reported, since the machine may be shared. Also: the same steady state at
+claim_batch = 10, and this machine's floor measured in the same run: pgbench's
+simple-update (one durable transaction of one UPDATE, one SELECT and one INSERT), whose
+server CPU per transaction bounds what one durable transaction per job can cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from common import cluster, machine, save_results, table
+import psycopg
+from common import cluster, fresh_db, machine, save_results, table
 from fleet import _times, load_average, seed_derivd, server_cpu_s, wal_lsn
 
 from derivd.embedded.pgcluster import EmbeddedCluster
@@ -41,22 +47,48 @@ def _two_statements(queue: QueueDB) -> Callable[[], None]:
     return one_job
 
 
-def _one_statement(queue: QueueDB) -> Callable[[], None]:
-    held: list[Job] = queue.claim_many(limit=1, lease_s=LEASE_S, max_attempts=3)
+def _one_statement(batch: int) -> Callable[[QueueDB], Callable[[], None]]:
+    """The worker's steady state at claim_batch = `batch`: each call commits the
+    `batch` jobs it holds and claims the next `batch`."""
 
-    def one_job() -> None:
-        _, held[:] = queue.commit_and_claim(
-            [(held[0], [])], limit=1, lease_s=LEASE_S, max_attempts=3
-        )
+    def make(queue: QueueDB) -> Callable[[], None]:
+        held: list[Job] = queue.claim_many(limit=batch, lease_s=LEASE_S, max_attempts=3)
 
-    return one_job
+        def jobs() -> None:
+            _, held[:] = queue.commit_and_claim(
+                [(job, []) for job in held], limit=batch, lease_s=LEASE_S, max_attempts=3
+            )
+
+        return jobs
+
+    return make
 
 
-MODES: list[tuple[str, Callable[[QueueDB], Callable[[], None]], bool]] = [
-    ("claim, then commit", _two_statements, True),
-    ("commit + next claim in one statement", _one_statement, True),
-    ("claim, then commit, nothing prepared", _two_statements, False),
-    ("commit + next claim, nothing prepared", _one_statement, False),
+# (label, how one call is made, prepared, jobs per call)
+MODES: list[tuple[str, Callable[[QueueDB], Callable[[], None]], bool, int]] = [
+    ("claim, then commit", _two_statements, True, 1),
+    ("commit + next claim in one statement", _one_statement(1), True, 1),
+    ("claim, then commit, nothing prepared", _two_statements, False, 1),
+    ("commit + next claim, nothing prepared", _one_statement(1), False, 1),
+    ("commit + next claim, claim_batch = 10", _one_statement(10), True, 10),
+]
+# The machine's floor, same run, sent by the same client library as the rows above:
+# (label, statements, in one explicit transaction). The first is the least a durable
+# job can cost (one round trip, one row updated by primary key, one WAL flush); the
+# second is pgbench's simple-update transaction (BEGIN, UPDATE, SELECT, INSERT, COMMIT).
+UPDATE_ACCOUNT = "UPDATE pgbench_accounts SET abalance = abalance + %(delta)s WHERE aid = %(aid)s"
+FLOORS: list[tuple[str, list[str], bool]] = [
+    ("floor: one UPDATE by primary key, durable, per statement", [UPDATE_ACCOUNT], False),
+    (
+        "floor: pgbench simple-update, per transaction",
+        [
+            UPDATE_ACCOUNT,
+            "SELECT abalance FROM pgbench_accounts WHERE aid = %(aid)s",
+            "INSERT INTO pgbench_history (tid, bid, aid, delta, mtime)"
+            " VALUES (%(tid)s, %(bid)s, %(aid)s, %(delta)s, CURRENT_TIMESTAMP)",
+        ],
+        True,
+    ),
 ]
 
 
@@ -64,26 +96,70 @@ def run_mode(
     pg: EmbeddedCluster, work: Path, mode: int, jobs: int, ready: int
 ) -> tuple[float, float, float, float]:
     """(backend user ms, backend sys ms, server ms, WAL bytes) per job."""
-    _label, make, prepared = MODES[mode]
-    dsn = seed_derivd(pg, "fleet_micro", work, ready, WARMUP + jobs + 10)
+    _label, make, prepared, per_call = MODES[mode]
+    calls = jobs // per_call
+    dsn = seed_derivd(pg, "fleet_micro", work, ready, (WARMUP + calls + 10) * per_call)
     with QueueDB.open(dsn, role="bench") as queue:
         if not prepared:
             queue.conn.prepare_threshold = None
-        one_job = make(queue)
+        one_call = make(queue)
         for _ in range(WARMUP):
-            one_job()
+            one_call()
         pid = queue.conn.info.backend_pid
         lsn, server, (user, system, _, _) = wal_lsn(dsn), server_cpu_s(pg), _times(pid)
-        for _ in range(jobs):
-            one_job()
+        for _ in range(calls):
+            one_call()
+        user2, system2, _, _ = _times(pid)
+        server2, lsn2 = server_cpu_s(pg), wal_lsn(dsn)
+    tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+    done = calls * per_call
+    return (
+        (user2 - user) * tick_ms / done,
+        (system2 - system) * tick_ms / done,
+        (server2 - server) * 1000 / done,
+        (lsn2 - lsn) / done,
+    )
+
+
+def run_floor(
+    pg: EmbeddedCluster, floor: int, transactions: int
+) -> tuple[float, float, float, float]:
+    """(backend user ms, backend sys ms, server ms, WAL bytes) per transaction."""
+    _label, statements, explicit = FLOORS[floor]
+    dsn = fresh_db(pg, "fleet_floor", derivd_schema=False)
+    conninfo = psycopg.conninfo.conninfo_to_dict(dsn)
+    subprocess.run(
+        [str(pg.bindir / "pgbench"), "-h", str(conninfo["host"]), "-p", str(pg.port),
+         "-U", str(conninfo["user"]), "-i", "-q", "-s", "10", "fleet_floor"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    rng = random.Random(1)
+
+    def one_transaction(conn: psycopg.Connection[tuple[object, ...]]) -> None:
+        params = {"aid": rng.randint(1, 1_000_000), "bid": rng.randint(1, 10),
+                  "tid": rng.randint(1, 100), "delta": rng.randint(-5000, 5000)}  # fmt: skip
+        if not explicit:
+            conn.execute(statements[0], params, prepare=True)  # type: ignore[arg-type]
+            return
+        with conn.transaction():
+            for statement in statements:
+                conn.execute(statement, params, prepare=True)  # type: ignore[arg-type]
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(WARMUP):
+            one_transaction(conn)
+        pid = conn.info.backend_pid
+        lsn, server, (user, system, _, _) = wal_lsn(dsn), server_cpu_s(pg), _times(pid)
+        for _ in range(transactions):
+            one_transaction(conn)
         user2, system2, _, _ = _times(pid)
         server2, lsn2 = server_cpu_s(pg), wal_lsn(dsn)
     tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
     return (
-        (user2 - user) * tick_ms / jobs,
-        (system2 - system) * tick_ms / jobs,
-        (server2 - server) * 1000 / jobs,
-        (lsn2 - lsn) / jobs,
+        (user2 - user) * tick_ms / transactions,
+        (system2 - system) * tick_ms / transactions,
+        (server2 - server) * 1000 / transactions,
+        (lsn2 - lsn) / transactions,
     )
 
 
@@ -95,6 +171,7 @@ def main() -> None:
     parser.add_argument("--label", default="", help="a name for this build in the output")
     args = parser.parse_args()
     runs: dict[int, list[tuple[float, float, float, float]]] = {m: [] for m in range(len(MODES))}
+    floors: dict[int, list[tuple[float, float, float, float]]] = {f: [] for f in range(len(FLOORS))}
     load = [load_average()]
     with cluster() as pg, tempfile.TemporaryDirectory(prefix="derivd-micro-") as tmp:
         work = Path(tmp)
@@ -103,13 +180,18 @@ def main() -> None:
             for mode in range(len(MODES)):
                 print(f"run {n + 1}: {MODES[mode][0]} ...", file=sys.stderr, flush=True)
                 runs[mode].append(run_mode(pg, work, mode, args.jobs, args.ready))
+            for floor in range(len(FLOORS)):
+                print(f"run {n + 1}: {FLOORS[floor][0]} ...", file=sys.stderr, flush=True)
+                floors[floor].append(run_floor(pg, floor, args.jobs))
         lines = machine(pg.dsn())
     load.append(load_average())
-    rows = []
-    for mode, results in runs.items():
+    measured = [(MODES[m][0], r) for m, r in runs.items()]
+    measured += [(FLOORS[f][0], r) for f, r in floors.items()]
+    rows: list[list[object]] = []
+    for label, results in measured:
         median = sorted(results, key=lambda r: r[0] + r[1])[len(results) // 2]
         spread = statistics.pstdev([r[0] + r[1] for r in results])
-        rows.append([MODES[mode][0], *median[:3], round(median[3]), spread])
+        rows.append([label, *median[:3], round(median[3]), spread])
     print(f"## fleet micro {args.label}".rstrip())
     print("\n".join(lines))
     print(f"load average before/after: {load[0]} / {load[1]}")
