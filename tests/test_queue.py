@@ -363,17 +363,35 @@ def test_query_blocks_lose_their_description_but_keep_inline_comments() -> None:
         parse_blocks("-- name: a\nSELECT 1;\n-- name: a\nSELECT 2;\n")
 
 
-def test_commit_and_claim_composes_the_one_commit_and_the_one_claim(queue: QueueDB) -> None:
-    """One copy of each: the statement calls derivd_commit_and_claim, whose body is the
-    calls of derivd_commit and derivd_claim and no statement of its own on the tables."""
+def test_the_commit_and_the_claim_are_one_body_the_others_wrap(queue: QueueDB) -> None:
+    """One copy of each (migration 0010): derivd_commit_and_claim holds the commit and the
+    claim; derivd_commit and derivd_claim only call it, with no statement of their own on
+    the tables. The statements call the function that fits."""
     assert "derivd_commit_and_claim(" in queries()["commit_and_claim"]
-    row = queue.conn.execute(
-        "SELECT prosrc FROM pg_proc WHERE proname = 'derivd_commit_and_claim'"
+    assert "derivd_commit(" in queries()["commit"] and "derivd_claim(" in queries()["claim"]
+    rows = queue.conn.execute(
+        "SELECT proname, prosrc FROM pg_proc WHERE proname = ANY(%s)",
+        (["derivd_commit_and_claim", "derivd_commit", "derivd_claim"],),
+    ).fetchall()
+    body = {str(name): str(src) for name, src in rows}
+    assert "UPDATE archive_files" in body["derivd_commit_and_claim"]
+    assert "INSERT INTO archive_events" in body["derivd_commit_and_claim"]
+    for wrapper in ("derivd_commit", "derivd_claim"):
+        assert "derivd_commit_and_claim(" in body[wrapper], wrapper
+        assert "archive_" not in body[wrapper], wrapper
+
+
+def test_commit_alone_and_claim_alone_do_only_their_half(queue: QueueDB) -> None:
+    """Through the wrappers: a commit claims nothing, a claim commits nothing."""
+    queue.enqueue([(f"originals/{n}", "1") for n in range(3)])
+    [job] = queue.claim_many(limit=1, lease_s=LONG, max_attempts=3)
+    assert queue.commit_many([(job, [])]) == {job.id}
+    counts = queue.conn.execute(
+        "SELECT count(*) FILTER (WHERE status = 'processing'),"
+        " count(*) FILTER (WHERE status = 'ready') FROM archive_files"
     ).fetchone()
-    assert row is not None
-    body = row[0]
-    assert "derivd_commit(jobs)" in body and "derivd_claim(lim, " in body
-    assert "archive_files" not in body and "archive_events" not in body
+    assert counts == (0, 1)
+    assert len(queue.claim_many(limit=5, lease_s=LONG, max_attempts=3)) == 2
 
 
 def test_a_claim_alone_skips_the_flush_wait_but_with_a_commit_it_is_durable(

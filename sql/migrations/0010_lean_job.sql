@@ -39,17 +39,31 @@ ALTER TABLE archive_events
     ADD CONSTRAINT archive_events_error_code_check
         CHECK (error_code IS NULL OR error_code::derivd_error_code IS NOT NULL) NOT VALID;
 
--- The fenced commit (same contract as 0008): each job's fenced UPDATE and its event
--- (`ready`, or `lease_lost` when the fence fails) are now one statement, and the attempt's
--- write-ahead entries are cleared only when it stored variants (an attempt registers
--- pending objects exactly for the variants it PUTs: derivd.jobs._store).
-CREATE OR REPLACE FUNCTION derivd_commit(jobs jsonb)
-RETURNS SETOF bigint
+-- The worker's steady state (commit + next claim) in one function body. In 0008,
+-- derivd_commit_and_claim called derivd_commit and derivd_claim: every job paid two more
+-- function scans, tuplestores and plan_cache_mode changes, ~80 µs of a job's ~580 µs
+-- in the server (pg_stat_statements, track = all). Now derivd_commit_and_claim holds
+-- both, with the contract and fences of 0008, and derivd_commit and derivd_claim keep
+-- their signatures (other callers, and hosts still on the previous release) as thin
+-- wrappers over it: one copy of each piece of logic.
+--
+-- Changed in the commit: each job's fenced UPDATE and its event (`ready`, or
+-- `lease_lost` when the fence fails) are one statement, and the attempt's write-ahead
+-- entries are cleared only when it stored variants (an attempt registers pending objects
+-- exactly for the variants it PUTs: derivd.jobs._store). lim = 0: commit only.
+CREATE OR REPLACE FUNCTION derivd_commit_and_claim(jobs jsonb, lim integer, lease_s float8,
+                                                   max_attempts integer, host text)
+RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
+               original_key text, original_version text, wait_s float8, tier integer,
+               claimable_since timestamptz)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
 DECLARE
     j record;
     committed boolean;
+    ids bigint[];
+    since timestamptz[];
+    tiers integer[];
 BEGIN
     FOR j IN
         SELECT *
@@ -94,6 +108,66 @@ BEGIN
                    lease_token = EXCLUDED.lease_token, created_at = now();
             DELETE FROM pending_objects WHERE lease_token = j.token;
         END IF;
-        RETURN NEXT j.id;
+        kind := 'committed';
+        id := j.id;
+        RETURN NEXT;
     END LOOP;
+    IF lim < 1 THEN
+        RETURN;
+    END IF;
+    -- The claim (as in 0008): one statement picks and locks the rows (the second branch
+    -- is only read for what the first leaves of the limit), one UPDATE by primary key.
+    -- It sees the commit above: a committed row is no longer claimable.
+    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier) INTO ids, since, tiers
+      FROM (SELECT * FROM (SELECT f.id, f.lease_until AS since, 0 AS tier
+                             FROM archive_files AS f
+                            WHERE f.status = 'processing' AND f.lease_until < now()
+                              AND f.attempts < derivd_commit_and_claim.max_attempts
+                            ORDER BY f.lease_until
+                            LIMIT lim
+                              FOR UPDATE SKIP LOCKED) AS expired
+            UNION ALL
+            SELECT * FROM (SELECT f.id, f.available_at, 1
+                             FROM archive_files AS f
+                            WHERE f.status = 'queued' AND f.available_at <= now()
+                            ORDER BY f.available_at, f.id
+                            LIMIT lim
+                              FOR UPDATE SKIP LOCKED) AS due
+            LIMIT lim) AS c;
+    IF ids IS NULL THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    UPDATE archive_files AS f
+       SET status = 'processing',
+           lease_token = gen_random_uuid(),
+           lease_until = now() + make_interval(secs => derivd_commit_and_claim.lease_s),
+           attempts = f.attempts + 1,
+           claimed_at = now(),
+           claimed_by = derivd_commit_and_claim.host,
+           updated_at = now()
+      FROM unnest(ids, since, tiers) AS c(id, since, tier)
+     WHERE f.id = c.id
+    RETURNING 'claimed'::text, f.id, f.lease_token, f.attempts, f.original_key,
+              f.original_version, extract(epoch FROM now() - c.since)::float8, c.tier,
+              c.since;
 END $$;
+
+-- The fenced commit alone (contract of 0008): the ids that committed.
+CREATE OR REPLACE FUNCTION derivd_commit(jobs jsonb)
+RETURNS SETOF bigint
+LANGUAGE sql AS $$
+    SELECT c.id FROM derivd_commit_and_claim(jobs, 0, 0, 0, NULL) AS c
+$$;
+
+-- The claim alone (contract of 0008); its caller decides durability (sql/queries.sql).
+CREATE OR REPLACE FUNCTION derivd_claim(lim integer, lease_s float8, max_attempts integer,
+                                        host text)
+RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
+               original_version text, wait_s float8, tier integer,
+               claimable_since timestamptz)
+LANGUAGE sql AS $$
+    SELECT c.id, c.lease_token, c.attempts, c.original_key, c.original_version, c.wait_s,
+           c.tier, c.claimable_since
+      FROM derivd_commit_and_claim('[]', lim, lease_s, max_attempts, host) AS c
+$$;
