@@ -6,8 +6,10 @@
 One embedded PostgreSQL (durable settings) serves everything. Per derivd run: a fresh
 database with `--ready` finished rows (history) and `--queued` no-op jobs, then 4
 supervisors x 2 workers (`derivd run --burst`, noop, defaults otherwise: claim_batch 1)
-drain it, direct or through a PgBouncer in transaction mode. pgqueuer drains the same
-number of jobs with 8 processes at batch 1 and 10 (its enqueue is not counted).
+drain it, direct, through a PgBouncer in transaction mode, and direct with every file
+awaited (a waiter registered for each, so each finish sends a `derivd_finished`
+notification: `--paths`). pgqueuer drains the same number of jobs with 8 processes at
+batch 1 and 10 (its enqueue is not counted).
 
 - server CPU ms/job: CPU time of every PostgreSQL server process over the drain, read
   from /proc (the postmaster's own and its reaped children's times plus each live
@@ -149,29 +151,38 @@ SELECT 'queued', 'originals/bench', %(version)s FROM generate_series(1, %(queued
 """
 
 
-# Diagnostic (--without-finished-notify): a NOTIFY takes a cluster-wide lock held until
-# its transaction has committed (WAL flush included), so the per-row `derivd_finished`
-# notification of migration 0007 serialises every job's commit. Off, the run shows what
-# that costs; derivd itself always notifies.
-NO_FINISHED_NOTIFY = "ALTER TABLE archive_files DISABLE TRIGGER archive_files_finished_update"
+# Path "awaited": every queued file has a waiter (derivd_waiters), so every finish is
+# announced on derivd_finished, as migration 0007 did for every file. A NOTIFY takes a
+# lock on the whole instance at commit, held until the commit is flushed: the run shows
+# what announcing every job costs next to the default (nobody waits: nothing announced).
+AWAIT_ALL = """
+INSERT INTO derivd_waiters (file_id, waiter, until)
+SELECT id, gen_random_uuid(), now() + interval '1 day' FROM archive_files
+ WHERE status = 'queued'
+"""
+
+
+PATHS = ("direct", "pgbouncer", "awaited")
 
 
 def seed_derivd(
-    pg: EmbeddedCluster, name: str, work: Path, ready: int, queued: int, *, notify: bool = True
+    pg: EmbeddedCluster, name: str, work: Path, ready: int, queued: int, *, awaited: bool = False
 ) -> str:
     dsn = fresh_db(pg, name)
     version = FsStorage(work / "objects").put("originals/bench", b"x", "application/x")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        if not notify:
-            conn.execute(NO_FINISHED_NOTIFY)
         conn.execute(SEED_READY, {"version": version, "ready": ready})
         conn.execute(SEED_QUEUED, {"version": version, "queued": queued})
+        if awaited:
+            conn.execute(AWAIT_ALL)
         conn.execute("VACUUM (ANALYZE) archive_files")
         conn.execute("CHECKPOINT")
     return dsn
 
 
-def derivd_fleet(pg: EmbeddedCluster, dsn: str, db_dsn: str, work: Path, jobs: int) -> Result:
+def derivd_fleet(
+    pg: EmbeddedCluster, dsn: str, db_dsn: str, work: Path, jobs: int, path: str
+) -> Result:
     """`dsn`: where derivd connects (direct or the pooler); `db_dsn`: direct."""
     procs = []
     for n in range(SUPERVISORS):
@@ -207,7 +218,6 @@ def derivd_fleet(pg: EmbeddedCluster, dsn: str, db_dsn: str, work: Path, jobs: i
             " FROM archive_files WHERE claimed_at IS NOT NULL OR status = 'queued'"
         ).fetchone()
     assert row is not None and row[0] == 0, row
-    path = "direct" if dsn == db_dsn else "pgbouncer"
     return Result("derivd", path, 1, jobs, float(row[1] or seconds), cpu, wal, [])
 
 
@@ -280,15 +290,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--queued", type=int, default=100_000)
     parser.add_argument("--ready", type=int, default=1_000_000)
-    parser.add_argument("--paths", nargs="*", default=["direct", "pgbouncer"])
+    parser.add_argument(
+        "--paths",
+        nargs="*",
+        choices=PATHS,
+        default=list(PATHS),
+        help="direct; pgbouncer (derivd through the pooler); awaited (direct, every file "
+        "has a waiter, so every finish is announced on derivd_finished)",
+    )
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--pgqueuer-batch", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--stats-rows", type=int, nargs="*", default=[1_000_000, 10_000_000])
-    parser.add_argument(
-        "--without-finished-notify",
-        action="store_true",
-        help="diagnostic: derivd's per-job `derivd_finished` NOTIFY off",
-    )
     parser.add_argument(
         "--pg-setting",
         action="append",
@@ -313,16 +325,11 @@ def main() -> None:
             for path in args.paths:
                 print(f"derivd {path}: seeding ...", file=sys.stderr, flush=True)
                 db = seed_derivd(
-                    pg,
-                    f"fleet_{path}",
-                    work,
-                    args.ready,
-                    args.queued,
-                    notify=not args.without_finished_notify,
+                    pg, f"fleet_{path}", work, args.ready, args.queued, awaited=path == "awaited"
                 )
                 dsn = bouncer.dsn(db) if path == "pgbouncer" else db
                 print(f"derivd {path}: draining ...", file=sys.stderr, flush=True)
-                result = derivd_fleet(pg, dsn, db, work, args.queued)
+                result = derivd_fleet(pg, dsn, db, work, args.queued, path)
                 with psycopg.connect(db, autocommit=True) as conn:
                     conn.execute(
                         "UPDATE archive_files SET status = 'queued', available_at = now(),"
@@ -350,8 +357,6 @@ def main() -> None:
     lines.append(f"load average at start / end: {load[0]} / {load[1]}")
     if settings:
         lines.append("server settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
-    if args.without_finished_notify:
-        lines.append("diagnostic: the derivd_finished notification trigger disabled")
     print("## fleet")
     print("\n".join(lines))
     print(

@@ -289,9 +289,23 @@ INSERT INTO archive_files (status, original_key, original_version)
 VALUES ('queued', %(key)s, %(version)s)
 RETURNING id;
 
+-- name: wait_register
+-- derivd.client.wait, first: the file this waiter waits for, until its deadline. Only
+-- registered files are announced on `derivd_finished` (migration 0011).
+INSERT INTO derivd_waiters (file_id, waiter, until)
+VALUES (%(id)s, %(waiter)s, now() + make_interval(secs => %(timeout_s)s::float8));
+
+-- name: wait_unregister
+DELETE FROM derivd_waiters WHERE file_id = %(id)s AND waiter = %(waiter)s;
+
+-- name: forget_stale_waiters
+-- The sweep: rows of waiters that died without removing theirs (a minute past deadline).
+DELETE FROM derivd_waiters WHERE until < now() - interval '1 minute' RETURNING file_id;
+
 -- name: listen_finished
 -- derivd.client.wait: sql/migrations/0007_finished_notify.sql notifies this channel with a
--- row's id when it becomes ready, rejected, deleting or deleted.
+-- row's id when it becomes ready, rejected, deleting or deleted, if a waiter registered
+-- it (wait_register, migration 0011).
 LISTEN derivd_finished;
 
 -- name: unlisten_finished

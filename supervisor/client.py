@@ -12,9 +12,12 @@ Connections: any psycopg 3 connection, in autocommit mode or not.
   outside a transaction (PostgreSQL delivers notifications only between transactions):
   it raises ConnectionBusy otherwise, and commits the short transactions it opens itself.
 
-`wait` LISTENs on `derivd_finished` (sql/migrations/0007_finished_notify.sql: the payload
-is the row id only), reads the row, and sleeps on the connection until the row's id
-arrives, so a file that finished before `wait` began is seen by the read. Through a
+`wait` registers the file it waits for (only registered files are announced: migration
+0011), LISTENs on `derivd_finished` (the payload is the row id only), reads the row, and
+sleeps on the connection until the row's id arrives, so a file that finished before
+`wait` began is seen by the read. It reads the row again every RECHECK_S seconds: a
+finish committed by a transaction that began before the registration was visible is not
+announced, and is seen by that read. Through a
 transaction-mode pooler (PgBouncer) LISTEN does not work: give `wait` a direct
 connection. It UNLISTENs before returning, and expects no notify handler on the
 connection (psycopg >= 3.2.4 then keeps notifications that arrive during a query for
@@ -24,6 +27,7 @@ connection (psycopg >= 3.2.4 then keeps notifications that arrive during a query
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +39,8 @@ from psycopg.pq import TransactionStatus
 from derivd.queue.db import QueueDB
 
 CHANNEL = "derivd_finished"
+# Longest a finish goes unseen when it raced the registration (see the module docstring).
+RECHECK_S = 1.0
 # `deleting` counts: a file on its way out will never become ready.
 FINAL = frozenset({"ready", "rejected", "deleting", "deleted"})
 
@@ -111,11 +117,13 @@ def wait(conn: psycopg.Connection[Any], file_id: int, timeout: float) -> str | N
         )
     deadline = time.monotonic() + max(0.0, timeout)
     queue = QueueDB(conn)
+    waiter = uuid.uuid4()
     with _own(conn):
+        queue.register_waiter(file_id, waiter, max(0.0, timeout))
         queue.listen_finished()
     try:
-        # Listening before reading: a file that finishes after the read notifies us; one
-        # that finished before is seen by the read.
+        # Registered and listening before reading: a file that finishes after the read
+        # notifies us; one that finished before is seen by the read.
         while True:
             with _own(conn):
                 status = queue.status_of(file_id)
@@ -124,12 +132,14 @@ def wait(conn: psycopg.Connection[Any], file_id: int, timeout: float) -> str | N
             if status in FINAL:
                 return status
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not _notified(conn, file_id, remaining):
+            if remaining <= 0:
                 return None
+            _notified(conn, file_id, min(remaining, RECHECK_S))
     finally:
         if not (conn.closed or conn.broken):
             with _own(conn):
                 queue.unlisten_finished()
+                queue.unregister_waiter(file_id, waiter)
 
 
 def result(conn: psycopg.Connection[Any], file_id: int) -> Result:

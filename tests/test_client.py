@@ -80,14 +80,75 @@ def test_enqueue_refuses_a_missing_version(
     assert conn.execute("SELECT count(*) FROM archive_files").fetchone() == (0,)
 
 
+# The registration any language sends before waiting (README "From any other language").
+REGISTER = (
+    "INSERT INTO derivd_waiters (file_id, waiter, until)"
+    " VALUES (%s, gen_random_uuid(), now() + interval '1 minute')"
+)
+
+
 def test_the_finished_notification_carries_the_id_only(
     conn: psycopg.Connection[Any], queue: QueueDB
 ) -> None:
     file_id = client.enqueue(conn, "originals/a", "v")
+    conn.execute(REGISTER, (file_id,))
     conn.execute("LISTEN derivd_finished")
     _finish(queue, file_id)
     (note,) = list(conn.notifies(timeout=10, stop_after=1))
     assert (note.channel, note.payload) == ("derivd_finished", str(file_id))
+
+
+def test_only_files_someone_waits_for_are_announced(
+    conn: psycopg.Connection[Any], queue: QueueDB
+) -> None:
+    """A commit that notifies locks the whole instance until it is flushed, so files no
+    one waits for (an API that answered 202) are not announced (migration 0011).
+    Notifications arrive in commit order: the awaited file's arriving first proves the
+    unawaited one, finished before it, sent none."""
+    unawaited = client.enqueue(conn, "originals/a", "v")
+    awaited = client.enqueue(conn, "originals/b", "v")
+    conn.execute(REGISTER, (awaited,))
+    conn.execute("LISTEN derivd_finished")
+    _finish(queue, unawaited)
+    _finish(queue, awaited, ok=False)
+    (note,) = list(conn.notifies(timeout=10, stop_after=1))
+    assert note.payload == str(awaited)
+
+
+def test_wait_removes_its_registration(conn: psycopg.Connection[Any], queue: QueueDB) -> None:
+    done = client.enqueue(conn, "originals/a", "v")
+    _finish(queue, done)
+    pending = client.enqueue(conn, "originals/b", "v")
+    assert client.wait(conn, done, timeout=60) == "ready"
+    assert client.wait(conn, pending, timeout=0.2) is None
+    assert conn.execute("SELECT count(*) FROM derivd_waiters").fetchone() == (0,)
+
+
+def test_wait_sees_a_finish_that_raced_its_registration(
+    dsn: str, queue: QueueDB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The row is finished by a statement that ran before wait() registered (so it is not
+    announced) and committed after wait() read the row: the periodic re-read sees it."""
+    monkeypatch.setattr(client, "RECHECK_S", 0.2)
+    # Closed only once wait() has returned: closing it under a wait that never ends
+    # would block the test instead of failing it.
+    conn = psycopg.connect(dsn, autocommit=True)
+    with psycopg.connect(dsn) as finisher:
+        file_id = client.enqueue(conn, "originals/a", "v")
+        job = claim_one(queue, lease_s=LONG, max_attempts=3)
+        assert job is not None and job.id == file_id
+        assert commit_one(QueueDB(finisher), job, [])  # inside finisher's open transaction
+        thread = _when_sleeping(monkeypatch, finisher.commit)
+        # An hour's deadline: only the re-read (every 0.2 s here) can end this wait.
+        status: list[str | None] = []
+        waiting = threading.Thread(
+            target=lambda: status.append(client.wait(conn, file_id, timeout=3600)), daemon=True
+        )
+        waiting.start()
+        waiting.join(timeout=60)
+        assert status == ["ready"]
+        thread.join()
+    conn.close()
 
 
 def test_wait_returns_at_once_when_the_file_finished_before(

@@ -101,6 +101,21 @@ def ready_file(queue: QueueDB, storage: Storage) -> tuple[int, str]:
     return file_id, key
 
 
+def test_the_rows_of_waiters_that_died_are_forgotten(queue: QueueDB, fs_root: Path) -> None:
+    """A client that died while waiting leaves its derivd_waiters row: the sweep removes
+    it a minute past its deadline, and leaves a live waiter's row alone."""
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    queue.conn.execute(
+        "INSERT INTO derivd_waiters (file_id, waiter, until) VALUES"
+        " (%s, gen_random_uuid(), now() - interval '2 minutes'),"
+        " (%s, gen_random_uuid(), now() + interval '1 minute')",
+        (file_id, file_id),
+    )
+    report = sweeper(queue, FsStorage(fs_root)).run_once()
+    assert report.waiters_forgotten == 1 and report.error is None
+    assert queue.conn.execute("SELECT count(*) FROM derivd_waiters").fetchone() == (1,)
+
+
 def test_a_pass_over_a_clean_queue_does_nothing(queue: QueueDB, fs_root: Path) -> None:
     report = sweeper(queue, FsStorage(fs_root)).run_once()
     assert report == SweepReport()

@@ -63,6 +63,7 @@ class SweepReport:
     objects_deleted: int = 0
     partitions_dropped: list[str] = field(default_factory=list)
     purged: list[int] = field(default_factory=list)
+    waiters_forgotten: int = 0  # rows of client waiters that died (derivd_waiters)
     skipped: bool = False
     error: str | None = None
 
@@ -74,6 +75,7 @@ class SweepReport:
             or self.deletions_completed
             or self.partitions_dropped
             or self.purged
+            or self.waiters_forgotten
         )
 
 
@@ -193,6 +195,7 @@ class Sweeper:
     def _bound_tables(self, report: SweepReport) -> None:
         self._renew()
         self.queue.create_event_partitions(PARTITIONS_AHEAD_DAYS)
+        report.waiters_forgotten = self.queue.forget_stale_waiters()
         if self.events_retention_days:
             report.partitions_dropped += self.queue.drop_event_partitions(
                 older_than_days=self.events_retention_days
@@ -214,6 +217,7 @@ class Sweeper:
             "objects": report.objects_deleted,
             "event_partitions_dropped": len(report.partitions_dropped),
             "purged": len(report.purged),
+            "waiters_forgotten": report.waiters_forgotten,
         }
         if report.error:
             event(log, "sweep stopped early", logging.WARNING, reason=report.error, **fields)

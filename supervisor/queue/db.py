@@ -535,6 +535,16 @@ class QueueDB:
         assert row is not None  # INSERT … RETURNING always returns its row
         return int(row["id"])
 
+    def register_waiter(self, file_id: int, waiter: uuid.UUID, timeout_s: float) -> None:
+        self._all("wait_register", {"id": file_id, "waiter": waiter, "timeout_s": timeout_s})
+
+    def unregister_waiter(self, file_id: int, waiter: uuid.UUID) -> None:
+        self._all("wait_unregister", {"id": file_id, "waiter": waiter})
+
+    def forget_stale_waiters(self) -> int:
+        """Remove the rows of waiters that died past their deadline; how many."""
+        return len(self._all("forget_stale_waiters"))
+
     def listen_finished(self) -> None:
         self._all("listen_finished")
 
