@@ -156,20 +156,22 @@ def test_expired_lease_at_the_cap_is_rejected_not_reclaimed(queue: QueueDB) -> N
     assert row["error_code"] == "attempts_exhausted" and row["attempts"] == 2
 
 
+def refused(queue: QueueDB, statement: str, *params: object) -> str | None:
+    """The name of the CHECK constraint that refuses `statement` (it must refuse)."""
+    with pytest.raises(psycopg.errors.CheckViolation) as caught:
+        queue.conn.execute(statement, params)
+    return caught.value.diag.constraint_name
+
+
 def test_a_lease_token_exists_exactly_while_a_row_is_processing(queue: QueueDB) -> None:
     """The fence is `id + lease_token` (migration 0008): the lease CHECK makes a token
     match mean `status = 'processing'` too. No write can break that equivalence."""
-
-    def refused(statement: str, *params: object) -> str | None:
-        with pytest.raises(psycopg.errors.CheckViolation) as caught:
-            queue.conn.execute(statement, params)
-        return caught.value.diag.constraint_name
-
     (file_id,) = queue.enqueue([("originals/a", "1")])
     token = "00000000-0000-4000-8000-000000000001"
     lease = "archive_files_lease_check"
     assert (
-        refused(  # a token on a queued row
+        refused(
+            queue,  # a token on a queued row
             "UPDATE archive_files SET lease_token = %s, lease_until = now() WHERE id = %s",
             token,
             file_id,
@@ -181,6 +183,7 @@ def test_a_lease_token_exists_exactly_while_a_row_is_processing(queue: QueueDB) 
     for leaving in ("ready", "rejected", "queued", "deleting"):  # keeping its token
         assert (
             refused(
+                queue,
                 "UPDATE archive_files SET status = %s,"
                 " error_code = CASE WHEN %s = 'rejected' THEN 'corrupt_content' END WHERE id = %s",
                 leaving,
@@ -190,8 +193,10 @@ def test_a_lease_token_exists_exactly_while_a_row_is_processing(queue: QueueDB) 
             == lease
         ), leaving
     assert (
-        refused(  # processing without a token
-            "UPDATE archive_files SET lease_token = NULL WHERE id = %s", file_id
+        refused(
+            queue,  # processing without a token
+            "UPDATE archive_files SET lease_token = NULL WHERE id = %s",
+            file_id,
         )
         == lease
     )
@@ -199,20 +204,14 @@ def test_a_lease_token_exists_exactly_while_a_row_is_processing(queue: QueueDB) 
 
 def test_database_enforces_closed_error_codes_and_states(queue: QueueDB) -> None:
     """Each vocabulary is a domain (migration 0010) that the tables' CHECKs cast to."""
-
-    def refused(statement: str, *params: object) -> str | None:
-        with pytest.raises(psycopg.errors.CheckViolation) as caught:
-            queue.conn.execute(statement, params)
-        return caught.value.diag.constraint_name
-
     (file_id,) = queue.enqueue([("originals/a", "1")])
     bad_code = "UPDATE archive_files SET status = 'rejected', error_code = 'oops' WHERE id = %s"
-    assert refused(bad_code, file_id) == "derivd_error_code_check"
+    assert refused(queue, bad_code, file_id) == "derivd_error_code_check"
     bad_status = "UPDATE archive_files SET status = 'done' WHERE id = %s"
-    assert refused(bad_status, file_id) == "derivd_status_check"
+    assert refused(queue, bad_status, file_id) == "derivd_status_check"
     event = "INSERT INTO archive_events (file_id, kind, error_code) VALUES (%s, %s, %s)"
-    assert refused(event, file_id, "finished", None) == "derivd_event_kind_check"
-    assert refused(event, file_id, "rejected", "oops") == "derivd_error_code_check"
+    assert refused(queue, event, file_id, "finished", None) == "derivd_event_kind_check"
+    assert refused(queue, event, file_id, "rejected", "oops") == "derivd_error_code_check"
     queue.conn.execute(event, (file_id, "rejected", "corrupt_content"))  # in the vocabulary
     job = claim_one(queue, lease_s=LONG, max_attempts=3)
     assert job is not None and queue.release(job)  # leaves a `released` event
