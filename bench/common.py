@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -47,6 +48,23 @@ def fresh_db(pg: EmbeddedCluster, name: str, *, derivd_schema: bool = True) -> s
     if derivd_schema:
         migrate(dsn)
     return dsn
+
+
+def pgbench(pg: EmbeddedCluster, dsn: str, *args: str) -> None:
+    """Run the cluster's own pgbench against `dsn`'s host, port and user (the database
+    name is the caller's last argument); its output is not wanted, its failure is."""
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    argv = [str(pg.bindir / "pgbench"), "-h", str(info["host"]), "-p", str(pg.port),
+            "-U", str(info["user"]), *args]  # fmt: skip
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+def median_run(
+    runs: Sequence[tuple[float, ...]], key: Callable[[tuple[float, ...]], float]
+) -> tuple[tuple[float, ...], float]:
+    """The median of repeated runs by `key`, and the spread (stdev) of that key."""
+    median = sorted(runs, key=key)[len(runs) // 2]
+    return median, statistics.pstdev([key(r) for r in runs])
 
 
 def percentile(values: Sequence[float], p: float) -> float:

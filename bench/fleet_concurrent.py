@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psycopg
-from common import cluster, machine, save_results, table
+from common import cluster, machine, median_run, pgbench, save_results, table
 from fleet import load_average, seed_derivd, server_cpu_s, wal_lsn
 
 from derivd.embedded.pgcluster import EmbeddedCluster
@@ -84,15 +82,12 @@ def run_way(
     dsn = seed_derivd(pg, db, work, ready, per_client * clients + 10 * clients, awaited=awaited)
     script = work / "job.sql"
     script.write_text(JOB, encoding="ascii")
-    info = psycopg.conninfo.conninfo_to_dict(dsn)
-    user = str(info["user"])
-    argv = [str(pg.bindir / "pgbench"), "-h", str(info["host"]), "-p", str(pg.port),
-            "-U", user, "-n", "-M", "prepared", "-f", str(script), "-c", str(clients),
-            "-j", "2", "-t", str(per_client), "-D", "id=0",
-            "-D", "tok=00000000-0000-0000-0000-000000000000", db]  # fmt: skip
+    user = str(psycopg.conninfo.conninfo_to_dict(dsn)["user"])
     _wait_gone(user, db)
     lsn, cpu, started = wal_lsn(dsn), server_cpu_s(pg), time.perf_counter()
-    subprocess.run(argv, check=True, capture_output=True)
+    pgbench(pg, dsn, "-n", "-M", "prepared", "-f", str(script), "-c", str(clients),
+            "-j", "2", "-t", str(per_client), "-D", "id=0",
+            "-D", "tok=00000000-0000-0000-0000-000000000000", db)  # fmt: skip
     seconds = time.perf_counter() - started
     _wait_gone(user, db)
     done = per_client * clients
@@ -122,9 +117,7 @@ def main() -> None:
     load.append(load_average())
     rows: list[list[object]] = []
     for way, results in runs.items():
-        median = sorted(results, key=lambda r: r[1])[len(results) // 2]
-        jobs_s, cpu_ms, wal = median
-        spread = statistics.pstdev([r[1] for r in results])
+        (jobs_s, cpu_ms, wal), spread = median_run(results, key=lambda r: r[1])  # server CPU
         rows.append([WAYS[way][0], jobs_s, cpu_ms, 1000 / cpu_ms, round(wal), spread])
     print(f"## fleet concurrent {args.label}".rstrip())
     print("\n".join(lines))

@@ -21,15 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
-from common import cluster, fresh_db, machine, save_results, table
+from common import cluster, fresh_db, machine, median_run, pgbench, save_results, table
 from fleet import _times, load_average, seed_derivd, server_cpu_s, wal_lsn
 
 from derivd.embedded.pgcluster import EmbeddedCluster
@@ -127,12 +125,7 @@ def run_floor(
     """(backend user ms, backend sys ms, server ms, WAL bytes) per transaction."""
     _label, statements, explicit = FLOORS[floor]
     dsn = fresh_db(pg, "fleet_floor", derivd_schema=False)
-    conninfo = psycopg.conninfo.conninfo_to_dict(dsn)
-    subprocess.run(
-        [str(pg.bindir / "pgbench"), "-h", str(conninfo["host"]), "-p", str(pg.port),
-         "-U", str(conninfo["user"]), "-i", "-q", "-s", "10", "fleet_floor"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    pgbench(pg, dsn, "-i", "-q", "-s", "10", "fleet_floor")
     rng = random.Random(1)
 
     def one_transaction(conn: psycopg.Connection[tuple[object, ...]]) -> None:
@@ -189,8 +182,7 @@ def main() -> None:
     measured += [(FLOORS[f][0], r) for f, r in floors.items()]
     rows: list[list[object]] = []
     for label, results in measured:
-        median = sorted(results, key=lambda r: r[0] + r[1])[len(results) // 2]
-        spread = statistics.pstdev([r[0] + r[1] for r in results])
+        median, spread = median_run(results, key=lambda r: r[0] + r[1])  # backend CPU
         rows.append([label, *median[:3], round(median[3]), spread])
     print(f"## fleet micro {args.label}".rstrip())
     print("\n".join(lines))
