@@ -38,8 +38,8 @@ LISTEN derivd_queued;
 
 -- name: claim
 -- Lease up to `limit` claimable rows (expired leases under the attempt cap first, then
--- the oldest due queued rows), each with its own fresh token and lease (derivd_claim in
--- sql/migrations/0008_queue_functions.sql). The claim alone commits without waiting for
+-- the oldest due queued rows), each with its own fresh token and lease (derivd_claim: the claim half of
+-- derivd_commit_and_claim, sql/migrations/0010_lean_job.sql). The claim alone commits without waiting for
 -- its WAL flush (synchronous_commit off for this one transaction only): a claim lost in
 -- a server crash just leaves the rows as they were, and each attempt's fenced commit,
 -- fail or release, all durable, flush it anyway. That halves the flushes a job waits
@@ -58,14 +58,15 @@ ON CONFLICT (key) DO NOTHING;
 -- name: commit
 -- The fenced commit of one or more finished attempts (`jobs`: a JSON array of
 -- {id, token, attempt, derived_key, derived_version, sha256, width, height, variants}),
--- durable; each row passes or fails its own fence (derivd_commit, migration 0008).
+-- durable; each row passes or fails its own fence (derivd_commit: the commit half of
+-- derivd_commit_and_claim, migration 0010).
 -- Returns the ids that committed.
 SELECT id FROM derivd_commit(%(jobs)s::jsonb) AS id;
 
 -- name: commit_and_claim
--- A worker's steady state in one round trip and one durable transaction: derivd_commit,
--- then derivd_claim (migration 0008 composes the two functions). Rows: kind =
--- 'committed' (id) or 'claimed' (the claim's columns).
+-- A worker's steady state in one round trip and one durable transaction: the commit,
+-- then the claim, in one function body (migration 0010; derivd_commit and derivd_claim
+-- wrap it). Rows: kind = 'committed' (id) or 'claimed' (the claim's columns).
 SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, %(limit)s::integer,
                                       %(lease_s)s::float8, %(max_attempts)s::integer,
                                       %(host)s::text);

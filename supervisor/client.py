@@ -115,11 +115,12 @@ def wait(conn: psycopg.Connection[Any], file_id: int, timeout: float) -> str | N
             "wait() needs a connection outside any transaction: commit or roll back first "
             "(notifications are only delivered between transactions)"
         )
-    deadline = time.monotonic() + max(0.0, timeout)
+    timeout = max(0.0, timeout)
+    deadline = time.monotonic() + timeout
     queue = QueueDB(conn)
     waiter = uuid.uuid4()
     with _own(conn):
-        queue.register_waiter(file_id, waiter, max(0.0, timeout))
+        queue.register_waiter(file_id, waiter, timeout)
         queue.listen_finished()
     try:
         # Registered and listening before reading: a file that finishes after the read
