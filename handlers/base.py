@@ -10,10 +10,10 @@ raises an outcome from `derivd.errors`:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, overload
 
 from derivd.errors import (  # re-exported for third-party handlers
     CorruptContent,
@@ -26,7 +26,9 @@ from derivd.errors import (  # re-exported for third-party handlers
 
 __all__ = [
     "FORMATS",
+    "Analysis",
     "CorruptContent",
+    "Derivation",
     "DeriveSpec",
     "DerivedVariant",
     "Handler",
@@ -115,12 +117,64 @@ class DerivedVariant:
         return FORMATS[self.format][0] if self.format in FORMATS else self.format
 
 
+@dataclass(frozen=True)
+class Analysis:
+    """What the one decode learned about the original (DESIGN.md "Analysis")."""
+
+    width: int  # as displayed, after orientation
+    height: int
+    format: str  # the input format: jpeg, png, gif, webp, tiff, avif, heic
+    frames: int
+    has_alpha: bool
+    colour: str  # "#rrggbb", sRGB
+    placeholder: str  # ThumbHash, base64
+    dhash: int  # 64-bit difference hash as a signed bigint
+
+
+class Derivation(Sequence[DerivedVariant]):
+    """A handler's result: the variants in configured order (the first is the primary),
+    and the analysis of the original (None from a handler that analyses nothing).
+
+    It is a sequence of its variants, so code that only needs the variants reads it as one.
+    """
+
+    __slots__ = ("original", "variants")
+
+    def __init__(
+        self, variants: Iterable[DerivedVariant], original: Analysis | None = None
+    ) -> None:
+        self.variants: tuple[DerivedVariant, ...] = tuple(variants)
+        self.original = original
+
+    @classmethod
+    def of(cls, result: Sequence[DerivedVariant]) -> Derivation:
+        """Accept a third-party handler's plain list of variants as well."""
+        return result if isinstance(result, Derivation) else cls(result)
+
+    @overload
+    def __getitem__(self, index: int) -> DerivedVariant: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[DerivedVariant]: ...
+    def __getitem__(self, index: int | slice) -> DerivedVariant | Sequence[DerivedVariant]:
+        return self.variants[index]
+
+    def __len__(self) -> int:
+        return len(self.variants)
+
+    def __repr__(self) -> str:
+        return f"Derivation({list(self.variants)!r}, original={self.original!r})"
+
+
 class Handler(Protocol):
-    """What the worker calls. `name` is the registry name (`vips`, `pillow`, ...)."""
+    """What the worker calls. `name` is the registry name (`vips`, `pillow`, ...).
+
+    `derive` returns a `Derivation`; a plain sequence of variants (no analysis) is accepted
+    from third-party handlers.
+    """
 
     name: str
 
-    def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]: ...
+    def derive(self, original: bytes, spec: DeriveSpec) -> Sequence[DerivedVariant]: ...
 
 
 def target_size(width: int, height: int, long_edge: int) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from derivd.handlers.base import DerivedVariant, DeriveSpec
+from derivd.handlers.base import Derivation, DeriveSpec
 
 
 class NoopHandler:
@@ -13,5 +13,5 @@ class NoopHandler:
     def __init__(self, spec: DeriveSpec | None = None) -> None:
         self.spec = spec
 
-    def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
-        return []
+    def derive(self, original: bytes, spec: DeriveSpec) -> Derivation:
+        return Derivation(())

@@ -21,7 +21,7 @@ from PIL import Image, ImageCms, ImageFile, ImageOps, TiffImagePlugin, Unidentif
 
 from derivd.handlers.base import (
     CorruptContent,
-    DerivedVariant,
+    Derivation,
     DeriveSpec,
     ResourceLimit,
     UnsupportedContent,
@@ -229,7 +229,7 @@ class PillowHandler:
         configure(spec)
 
     @decoding()
-    def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
+    def derive(self, original: bytes, spec: DeriveSpec) -> Derivation:
         check_input_size(original, spec)
         im = open_image(original)
         try:
@@ -237,6 +237,6 @@ class PillowHandler:
                 raise CorruptContent("PNG chunk CRC mismatch or chunk past the end")
             with _classify_errors():
                 check_limits(im, spec)
-                return derive_variants(decode(im, spec), spec)
+                return Derivation(derive_variants(decode(im, spec), spec))
         finally:
             im.close()

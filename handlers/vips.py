@@ -22,7 +22,7 @@ import pyvips
 
 from derivd.handlers.base import (
     CorruptContent,
-    DerivedVariant,
+    Derivation,
     DeriveSpec,
     Permanent,
     UnsupportedContent,
@@ -223,7 +223,7 @@ class VipsHandler:
         configure(spec.concurrency)
 
     @decoding()
-    def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
+    def derive(self, original: bytes, spec: DeriveSpec) -> Derivation:
         check_input_size(original, spec)
         loader = sniff_loader(original)
         header = read_header(original, loader)
@@ -234,7 +234,7 @@ class VipsHandler:
             base, page_height = decode_base(
                 original, base_size(*upright, spec.variants), header, all_frames
             )
-            return derive_variants(base, page_height, upright, spec)
+            return Derivation(derive_variants(base, page_height, upright, spec))
         except pyvips.Error as e:
             # Truncated or corrupt pixel data (fail_on="error"): never publish a
             # half-decoded image. The message is for the log only.

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from derivd.config import Config
 from derivd.errors import ErrorCode, Permanent, Transient
-from derivd.handlers.base import DerivedVariant, DeriveSpec, Handler
+from derivd.handlers.base import Derivation, DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
 from derivd.ops.logs import event
 from derivd.queue.db import DatabaseUnavailable, Job, QueueDB, StoredVariant
@@ -285,15 +285,15 @@ class Worker:
                 event(log, "lease lost", logging.WARNING, file_id=job.id, attempt=job.attempt)
             self._finish(job, "released" if released else "lease_lost", None, 0.0)
 
-    def _derive(self, job: Job) -> list[DerivedVariant]:
+    def _derive(self, job: Job) -> Derivation:
         if job.original_version is None:
             raise Permanent("processing_failed", "row has no original version")
         if not self.reads_original:
-            return self.handler.derive(b"", self.spec)
+            return Derivation.of(self.handler.derive(b"", self.spec))
         original = self.storage.get(
             job.original_key, job.original_version, max_bytes=self.spec.max_input_bytes
         )
-        return self.handler.derive(original, self.spec)
+        return Derivation.of(self.handler.derive(original, self.spec))
 
     def _store(self, job: Job, variants: Sequence[DerivedVariant]) -> list[StoredVariant]:
         keys = [derived_key(job.id, job.token, v.name, v.extension) for v in variants]
