@@ -24,9 +24,10 @@ SELECT to_regclass('derivd_migrations') IS NOT NULL AS present;
 INSERT INTO derivd_migrations (name) VALUES (%(name)s);
 
 -- name: enqueue
--- Queue confirmed originals (key and version already stored). Returns the new ids in order.
-INSERT INTO archive_files (status, original_key, original_version)
-SELECT 'queued', k, v
+-- Queue confirmed originals (key and version already stored), all at one priority and
+-- tenant (NULL: none). Returns the new ids in order.
+INSERT INTO archive_files (status, original_key, original_version, priority, tenant)
+SELECT 'queued', k, v, %(priority)s, %(tenant)s
   FROM unnest(%(keys)s::text[], %(versions)s::text[]) WITH ORDINALITY AS t(k, v, n)
  ORDER BY n
 RETURNING id;
@@ -38,8 +39,10 @@ LISTEN derivd_queued;
 
 -- name: claim
 -- Lease up to `limit` claimable rows (expired leases under the attempt cap first, then
--- the oldest due queued rows), each with its own fresh token and lease (derivd_claim: the claim half of
--- derivd_commit_and_claim, sql/migrations/0010_lean_job.sql). The claim alone commits without waiting for
+-- due queued rows by priority and fair rank, every 20th call the oldest due ones; at
+-- most `tenant_cap` in flight per tenant, 0: no cap), each with its own fresh token and
+-- lease, and the file each works for (derivd_claim: the claim half of
+-- derivd_commit_and_claim, migration 0014). The claim alone commits without waiting for
 -- its WAL flush (synchronous_commit off for this one transaction only): a claim lost in
 -- a server crash just leaves the rows as they were, and each attempt's fenced commit,
 -- fail or release, all durable, flush it anyway. That halves the flushes a job waits
@@ -47,7 +50,7 @@ LISTEN derivd_queued;
 SELECT c.*
   FROM set_config('synchronous_commit', 'off', true) AS no_flush_wait,
        derivd_claim(%(limit)s::integer, %(lease_s)s::float8, %(max_attempts)s::integer,
-                    %(host)s::text) AS c;
+                    %(host)s::text, %(tenant_cap)s::integer) AS c;
 
 -- name: register_pending
 -- Write-ahead: the keys an attempt is about to PUT, so a crash leaves a trail to sweep.
@@ -65,11 +68,11 @@ SELECT id FROM derivd_commit(%(jobs)s::jsonb) AS id;
 
 -- name: commit_and_claim
 -- A worker's steady state in one round trip and one durable transaction: the commit,
--- then the claim, in one function body (migration 0010; derivd_commit and derivd_claim
+-- then the claim, in one function body (migration 0014; derivd_commit and derivd_claim
 -- wrap it). Rows: kind = 'committed' (id) or 'claimed' (the claim's columns).
 SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, %(limit)s::integer,
                                       %(lease_s)s::float8, %(max_attempts)s::integer,
-                                      %(host)s::text);
+                                      %(host)s::text, %(tenant_cap)s::integer);
 
 -- name: fail
 -- The fenced failure (derivd_fail, migration 0008). retry = true: back to `queued` after
@@ -130,21 +133,33 @@ DELETE FROM pending_objects WHERE key = ANY(%(keys)s::text[]);
 
 -- name: request_delete
 -- Deletion revokes the lease: a running attempt can no longer commit or fail the row.
-WITH done AS (
-    UPDATE archive_files
+-- The files' live re-derivations (rederive_of) go too, locked first: a re-derivation's
+-- commit locks its job row, then the file, so this order cannot deadlock with it. Only
+-- the ids asked for are returned.
+WITH locked AS (
+    SELECT id, rederive_of
+      FROM archive_files
+     WHERE (id = ANY(%(ids)s::bigint[]) OR rederive_of = ANY(%(ids)s::bigint[]))
+       AND status NOT IN ('deleting', 'deleted')
+     ORDER BY rederive_of IS NULL, id
+       FOR UPDATE
+), done AS (
+    UPDATE archive_files AS f
        SET status = 'deleting', lease_token = NULL, lease_until = NULL, updated_at = now()
-     WHERE id = ANY(%(ids)s::bigint[]) AND status NOT IN ('deleting', 'deleted')
-    RETURNING id, attempts
+      FROM locked AS l
+     WHERE f.id = l.id
+    RETURNING f.id, f.attempts, f.rederive_of
 ), requested_event AS (
     INSERT INTO archive_events (file_id, kind, attempt, actor)
     SELECT id, 'delete_requested', attempts, %(actor)s FROM done
     RETURNING 1
 )
-SELECT id FROM done ORDER BY id;
+SELECT id FROM done WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id;
 
 -- name: deletions_due
 -- Rows in `deleting` for longer than the guard, with the keys the cleaner must remove.
-SELECT id, original_key
+-- A re-derivation's row has no original of its own (it shares its file's): NULL.
+SELECT id, CASE WHEN rederive_of IS NULL THEN original_key END AS original_key
   FROM archive_files
  WHERE status = 'deleting' AND updated_at < now() - make_interval(secs => %(guard_s)s)
  ORDER BY updated_at
@@ -265,8 +280,96 @@ SELECT id, status, attempts, available_at, lease_token, lease_until, original_ke
   FROM archive_files WHERE id = %(id)s;
 
 -- name: file_variants
-SELECT name, key, version, sha256, width, height, format, content_type
+SELECT name, key, version, sha256, width, height, format, content_type, fingerprint
   FROM archive_variants WHERE file_id = %(id)s ORDER BY name, format;
+
+-- Replaced variant sets (migration 0014) -----------------------------------------------
+
+-- name: retired_due
+-- Objects of variant sets a re-derivation replaced, retired longer than the guard ago.
+SELECT key FROM derivd_retired_objects
+ WHERE retired_at < now() - make_interval(secs => %(guard_s)s)
+ ORDER BY retired_at
+ LIMIT %(limit)s;
+
+-- name: forget_retired
+DELETE FROM derivd_retired_objects WHERE key = ANY(%(keys)s::text[]);
+
+-- Backfill (derivd backfill; migration 0014) -------------------------------------------
+
+-- name: backfill_page
+-- Up to `limit` ready files with id in (after, last], each with its stored variant set
+-- (`name.format` -> fingerprint, JSON null for variants made before 0014).
+SELECT f.id,
+       coalesce(jsonb_object_agg(v.name || '.' || v.format, v.fingerprint)
+                    FILTER (WHERE v.name IS NOT NULL), '{}'::jsonb) AS variants
+  FROM (SELECT a.id FROM archive_files AS a
+         WHERE a.id > %(after)s AND a.id <= %(last)s
+           AND a.status = 'ready' AND a.rederive_of IS NULL
+         ORDER BY a.id
+         LIMIT %(limit)s) AS f
+  LEFT JOIN archive_variants AS v ON v.file_id = f.id
+ GROUP BY f.id
+ ORDER BY f.id;
+
+-- name: backfill_last_id
+-- Where a backfill that starts now stops (files made later are made with the new spec).
+SELECT coalesce(max(id), 0) AS last_id FROM archive_files;
+
+-- name: backfill_queue
+-- Queue re-derivations of these ready files at `priority`: one job row each, with the
+-- file's original and tenant. A file that already has a live one is skipped. Returns the
+-- files queued.
+INSERT INTO archive_files (status, original_key, original_version, priority, tenant,
+                           rederive_of)
+SELECT 'queued', f.original_key, f.original_version, %(priority)s, f.tenant, f.id
+  FROM archive_files AS f
+ WHERE f.id = ANY(%(ids)s::bigint[]) AND f.status = 'ready' AND f.rederive_of IS NULL
+ ORDER BY f.id
+ON CONFLICT (rederive_of) WHERE status IN ('queued', 'processing') DO NOTHING
+RETURNING rederive_of AS id;
+
+-- name: backfill_claimable
+-- Re-derivations waiting to be claimed (--max-queued bounds them).
+SELECT count(*)::int AS n
+  FROM archive_files WHERE rederive_of IS NOT NULL AND status = 'queued';
+
+-- name: backfill_resume
+-- The unfinished run toward this target, if any (its cursor is where to resume).
+SELECT id, cursor, last_id, scanned, queued
+  FROM derivd_backfills
+ WHERE target = %(target)s AND finished_at IS NULL
+ ORDER BY id DESC
+ LIMIT 1;
+
+-- name: backfill_start
+-- A new run; unfinished runs toward another target are closed (they can never finish).
+WITH closed AS (
+    UPDATE derivd_backfills SET finished_at = now(), updated_at = now()
+     WHERE finished_at IS NULL
+    RETURNING 1
+)
+INSERT INTO derivd_backfills (target, last_id)
+VALUES (%(target)s, %(last_id)s)
+RETURNING id, cursor, last_id, scanned, queued;
+
+-- name: backfill_advance
+-- After a page is queued: the cursor, durable, so a crash resumes after this page.
+UPDATE derivd_backfills
+   SET cursor = %(cursor)s, scanned = scanned + %(scanned)s, queued = queued + %(queued)s,
+       updated_at = now(), finished_at = CASE WHEN %(done)s THEN now() END
+ WHERE id = %(id)s;
+
+-- name: backfill_progress
+-- The latest run and the re-derivations still in the queue (derivd status, dashboard).
+SELECT b.id, b.cursor, b.last_id, b.scanned, b.queued, b.started_at, b.updated_at,
+       b.finished_at,
+       (SELECT count(*) FROM archive_files AS f
+         WHERE f.rederive_of IS NOT NULL
+           AND f.status IN ('queued', 'processing'))::int AS in_queue
+  FROM derivd_backfills AS b
+ ORDER BY b.id DESC
+ LIMIT 1;
 
 -- name: database_exists
 -- Cluster administration (the embedded cluster and the test suite): run on the
@@ -284,10 +387,11 @@ CREATE DATABASE {name} TEMPLATE {template};
 DROP DATABASE IF EXISTS {name} WITH (FORCE);
 
 -- name: client_enqueue
--- derivd.client.enqueue: one confirmed original (key and version id) becomes `queued`.
+-- derivd.client.enqueue: one confirmed original (key and version id) becomes `queued`,
+-- at a priority (-100..100, higher first) and for a tenant (NULL: none).
 -- The same statement any upload API may run in any language (see the README).
-INSERT INTO archive_files (status, original_key, original_version)
-VALUES ('queued', %(key)s, %(version)s)
+INSERT INTO archive_files (status, original_key, original_version, priority, tenant)
+VALUES ('queued', %(key)s, %(version)s, %(priority)s, %(tenant)s)
 RETURNING id;
 
 -- name: wait_register

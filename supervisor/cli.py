@@ -148,9 +148,19 @@ def migrate(state: State) -> None:
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--quiet", "-q", is_flag=True, help="Print only the new ids.")
+@click.option(
+    "--priority",
+    type=int,
+    default=0,
+    show_default=True,
+    help="-100..100, higher runs first (backfill runs at -10).",
+)
+@click.option("--tenant", help="Whose files these are (at most 200 characters); none by default.")
 @pass_state
 @friendly_errors
-def enqueue(state: State, paths: tuple[Path, ...], quiet: bool) -> None:
+def enqueue(
+    state: State, paths: tuple[Path, ...], quiet: bool, priority: int, tenant: str | None
+) -> None:
     """Upload originals (files, or directories walked recursively) and queue them.
 
     Does what an upload API does: stores each file under a generated key
@@ -163,7 +173,11 @@ def enqueue(state: State, paths: tuple[Path, ...], quiet: bool) -> None:
     from derivd.ops.enqueue import expand_paths, upload_and_queue
     from derivd.queue.db import QueueDB
     from derivd.storage.base import open_storage
+    from derivd.traffic import priority_problem, tenant_problem
 
+    problem = priority_problem(priority) or tenant_problem(tenant)
+    if problem:
+        die(problem, 2)
     files = list(expand_paths(paths))
     # The database (and its schema) first: nothing is uploaded for a row that cannot exist.
     with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-enqueue") as queue:
@@ -172,7 +186,14 @@ def enqueue(state: State, paths: tuple[Path, ...], quiet: bool) -> None:
         with click.progressbar(
             length=len(files), label="uploading", file=sys.stderr, hidden=quiet or len(files) < 2
         ) as bar:
-            ids = upload_and_queue(files, storage, queue, progress=lambda _: bar.update(1))
+            ids = upload_and_queue(
+                files,
+                storage,
+                queue,
+                progress=lambda _: bar.update(1),
+                priority=priority,
+                tenant=tenant,
+            )
     for file_id, path in zip(ids, files, strict=True):
         click.echo(str(file_id) if quiet else f"{file_id}\t{path}")
 

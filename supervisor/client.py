@@ -37,6 +37,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from derivd.queue.db import QueueDB
+from derivd.traffic import priority_problem, tenant_problem
 
 CHANNEL = "derivd_finished"
 # Longest a finish goes unseen when it raced the registration (see the module docstring).
@@ -49,6 +50,8 @@ __all__ = [
     "FINAL",
     "ClientError",
     "ConnectionBusy",
+    "InvalidPriority",
+    "InvalidTenant",
     "MissingVersion",
     "Result",
     "UnknownFile",
@@ -65,6 +68,14 @@ class ClientError(Exception):
 
 class MissingVersion(ClientError, ValueError):
     """enqueue without the original's version id."""
+
+
+class InvalidPriority(ClientError, ValueError):
+    """A priority outside -100..100 (derivd.traffic), or not a whole number."""
+
+
+class InvalidTenant(ClientError, ValueError):
+    """A tenant longer than 200 characters, empty, or with control characters."""
 
 
 class UnknownFile(ClientError, LookupError):
@@ -94,8 +105,19 @@ class Result:
     variants: tuple[Variant, ...]
 
 
-def enqueue(conn: psycopg.Connection[Any], original_key: str, original_version: str) -> int:
-    """Queue a stored original, read later by key AND version id. Returns the row id."""
+def enqueue(
+    conn: psycopg.Connection[Any],
+    original_key: str,
+    original_version: str,
+    *,
+    priority: int = 0,
+    tenant: str | None = None,
+) -> int:
+    """Queue a stored original, read later by key AND version id. Returns the row id.
+
+    `priority`: -100..100, higher runs first (0: live uploads; backfill uses -10).
+    `tenant`: whose file it is (None: no tenant); tenants with work at one priority
+    share the claims."""
     if not isinstance(original_key, str) or not original_key.strip():
         raise ValueError("original_key is required: the key the original was stored under")
     if not isinstance(original_version, str) or not original_version.strip():
@@ -103,7 +125,15 @@ def enqueue(conn: psycopg.Connection[Any], original_key: str, original_version: 
             "original_version is required: store the original in a versioned bucket and "
             "pass the version id its PUT returned (derivd reads originals by version)"
         )
-    return QueueDB(conn).enqueue_one(original_key, original_version)
+    problem = priority_problem(priority)
+    if problem:
+        raise InvalidPriority(problem)
+    problem = tenant_problem(tenant)
+    if problem:
+        raise InvalidTenant(problem)
+    return QueueDB(conn).enqueue_one(
+        original_key, original_version, priority=priority, tenant=tenant
+    )
 
 
 def wait(conn: psycopg.Connection[Any], file_id: int, timeout: float) -> str | None:

@@ -217,6 +217,12 @@ class QueueSettings:
         "rows claimed per round trip; raise for very short jobs; each row keeps its own lease",
         check=in_range(1, 100),
     )
+    max_in_flight_per_tenant: int = setting(
+        0,
+        "most jobs of one tenant processing at once, fleet-wide (claims skip a tenant at "
+        "the cap); 0: no cap",
+        check=non_negative,
+    )
 
     @property
     def heartbeat_s(self) -> float:

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from derivd.config import Config
 from derivd.errors import ErrorCode, Permanent, Transient
+from derivd.fingerprint import configured_set, slot
 from derivd.handlers.base import Derivation, DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
 from derivd.ops.logs import event
@@ -130,6 +131,8 @@ class Worker:
         self.storage = storage
         self.handler = handler
         self.spec: DeriveSpec = config.derive_spec()
+        # What each stored variant records as the spec that made it (backfill reads it).
+        self.fingerprints = configured_set(self.spec, config.derive.backend)
         self.hooks: WorkerHooks = hooks or NoHooks()
         self.rng = rng or random.Random()
         self.jobs_done = 0
@@ -156,7 +159,11 @@ class Worker:
     def claim_many(self, limit: int) -> list[Job]:
         q = self.config.queue
         jobs = self.queue.claim_many(
-            limit=limit, lease_s=q.lease, max_attempts=q.max_attempts, host=self.config.host_id
+            limit=limit,
+            lease_s=q.lease,
+            max_attempts=q.max_attempts,
+            host=self.config.host_id,
+            tenant_cap=q.max_in_flight_per_tenant,
         )
         if jobs:
             self.hooks.jobs_claimed(jobs)
@@ -243,6 +250,7 @@ class Worker:
                 lease_s=q.lease,
                 max_attempts=q.max_attempts,
                 host=self.config.host_id,
+                tenant_cap=q.max_in_flight_per_tenant,
             )
         except DatabaseUnavailable:
             for d in pending:
@@ -296,7 +304,8 @@ class Worker:
         return Derivation.of(self.handler.derive(original, self.spec))
 
     def _store(self, job: Job, variants: Sequence[DerivedVariant]) -> list[StoredVariant]:
-        keys = [derived_key(job.id, job.token, v.name, v.extension) for v in variants]
+        # Under the file's prefix: a re-derivation's objects belong to the file it serves.
+        keys = [derived_key(job.for_file, job.token, v.name, v.extension) for v in variants]
         if keys:
             # Write-ahead: a crash after a PUT leaves a record for the orphan sweep.
             self.queue.register_pending(job, keys)
@@ -310,6 +319,7 @@ class Worker:
                 v.height,
                 v.format,
                 v.content_type,
+                self.fingerprints.get(slot(v.name, v.format)),
             )
             for key, v in zip(keys, variants, strict=True)
         ]

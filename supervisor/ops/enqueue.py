@@ -30,9 +30,12 @@ def upload_and_queue(
     *,
     batch: int = 100,
     progress: Callable[[Path], None] | None = None,
+    priority: int = 0,
+    tenant: str | None = None,
 ) -> list[int]:
     """Upload each file under a generated key, then queue the confirmed versions in
-    batches (one INSERT per batch). Returns the new row ids in input order."""
+    batches (one INSERT per batch), all at `priority` for `tenant`. Returns the new row
+    ids in input order."""
     ids: list[int] = []
     pending: list[tuple[str, str | None]] = []
     for path in paths:
@@ -42,7 +45,7 @@ def upload_and_queue(
         if progress:
             progress(path)
         if len(pending) >= batch:
-            ids += queue.enqueue(pending)
+            ids += queue.enqueue(pending, priority=priority, tenant=tenant)
             pending = []
-    ids += queue.enqueue(pending)
+    ids += queue.enqueue(pending, priority=priority, tenant=tenant)
     return ids

@@ -11,7 +11,10 @@ One pass (`Sweeper.run_once`) does these things, each safe to repeat:
    their attempt's token can no longer commit. Objects go first, the entries after:
    a crash in between repeats the deletes instead of leaking the objects.
 3. Completes deletions older than `delete_guard`: every version of the original and
-   everything under `derived/<id>/`, then the row becomes `deleted`.
+   everything under `derived/<id>/`, then the row becomes `deleted`. Removes the
+   objects of variant sets a re-derivation (backfill) replaced, retired longer than
+   `delete_guard` ago (clients that read the old keys a moment before keep them that
+   long).
 4. Keeps the event log bounded: creates the daily archive_events partitions a week
    ahead, drops whole the days past `events_retention_days`, and removes `deleted` rows
    older than `purge_deleted_days` (when set).
@@ -60,6 +63,7 @@ class SweepReport:
     exhausted: list[int] = field(default_factory=list)
     orphans_deleted: list[str] = field(default_factory=list)
     deletions_completed: list[int] = field(default_factory=list)
+    retired_deleted: list[str] = field(default_factory=list)  # replaced by a backfill
     objects_deleted: int = 0
     partitions_dropped: list[str] = field(default_factory=list)
     purged: list[int] = field(default_factory=list)
@@ -73,6 +77,7 @@ class SweepReport:
             self.exhausted
             or self.orphans_deleted
             or self.deletions_completed
+            or self.retired_deleted
             or self.partitions_dropped
             or self.purged
             or self.waiters_forgotten
@@ -138,6 +143,7 @@ class Sweeper:
                 self._reject_exhausted(report)
                 self._delete_orphans(report)
                 self._complete_deletions(report)
+                self._delete_retired(report)
                 self._bound_tables(report)
             finally:
                 with contextlib.suppress(DatabaseUnavailable):
@@ -184,12 +190,24 @@ class Sweeper:
             self._renew()
             due = self.queue.deletions_due(guard_s=self.delete_guard, limit=self.batch)
             for file_id, original_key in due:
-                report.objects_deleted += self.storage.delete_all_versions(original_key)
+                if original_key is not None:  # None: a re-derivation's row (its file's)
+                    report.objects_deleted += self.storage.delete_all_versions(original_key)
                 report.objects_deleted += self.storage.delete_all_versions(derived_prefix(file_id))
                 # Fenced on `deleting`: False means another pass finished it first.
                 if self.queue.mark_deleted(file_id):
                     report.deletions_completed.append(file_id)
             if len(due) < self.batch:
+                return
+
+    def _delete_retired(self, report: SweepReport) -> None:
+        while True:
+            self._renew()
+            keys = self.queue.retired_due(guard_s=self.delete_guard, limit=self.batch)
+            for key in keys:
+                report.objects_deleted += self.storage.delete_all_versions(key)
+            self.queue.forget_retired(keys)  # after the objects, as for orphans
+            report.retired_deleted += keys
+            if len(keys) < self.batch:
                 return
 
     def _bound_tables(self, report: SweepReport) -> None:
@@ -214,6 +232,7 @@ class Sweeper:
             "exhausted": len(report.exhausted),
             "orphans": len(report.orphans_deleted),
             "deletions": len(report.deletions_completed),
+            "retired": len(report.retired_deleted),
             "objects": report.objects_deleted,
             "event_partitions_dropped": len(report.partitions_dropped),
             "purged": len(report.purged),

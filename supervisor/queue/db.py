@@ -40,6 +40,14 @@ class Job:
     original_key: str
     original_version: str | None
     wait_s: float
+    # The file whose variants this job makes: its own row, or for a re-derivation
+    # (backfill) the ready file it re-derives (None: `id`).
+    file_id: int | None = None
+
+    @property
+    def for_file(self) -> int:
+        """The file id under whose prefix this job's objects are stored."""
+        return self.id if self.file_id is None else self.file_id
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class StoredVariant:
     height: int
     format: str = "webp"
     content_type: str = "image/webp"
+    fingerprint: str | None = None  # of the spec that made it (derivd.fingerprint)
 
 
 def _commit_row(job: Job, variants: Sequence[StoredVariant]) -> dict[str, Any]:
@@ -80,6 +89,7 @@ def _jobs(rows: list[dict[str, Any]]) -> list[Job]:
             original_key=row["original_key"],
             original_version=row["original_version"],
             wait_s=max(0.0, row["wait_s"] or 0.0),
+            file_id=row.get("file_id"),
         )
         for row in rows
     ]
@@ -327,11 +337,24 @@ class QueueDB:
     # -- the lease protocol ------------------------------------------------------------
 
     def claim_many(
-        self, *, limit: int, lease_s: float, max_attempts: int, host: str | None = None
+        self,
+        *,
+        limit: int,
+        lease_s: float,
+        max_attempts: int,
+        host: str | None = None,
+        tenant_cap: int = 0,
     ) -> list[Job]:
         """Lease up to `limit` rows in one statement, in claim order; each row gets its
-        own token and lease, and records `host` as its holder."""
-        params = {"limit": limit, "lease_s": lease_s, "max_attempts": max_attempts, "host": host}
+        own token and lease, and records `host` as its holder. `tenant_cap`: at most that
+        many rows in flight per tenant (0: no cap)."""
+        params = {
+            "limit": limit,
+            "lease_s": lease_s,
+            "max_attempts": max_attempts,
+            "host": host,
+            "tenant_cap": tenant_cap,
+        }
         return _jobs(self._all("claim", params))
 
     def register_pending(self, job: Job, keys: Sequence[str]) -> None:
@@ -354,6 +377,7 @@ class QueueDB:
         lease_s: float,
         max_attempts: int,
         host: str | None = None,
+        tenant_cap: int = 0,
     ) -> tuple[set[int], list[Job]]:
         """`commit_many` and `claim_many` in one durable statement (one round trip, one
         transaction): the ids that committed, and the newly claimed jobs in claim order.
@@ -366,6 +390,7 @@ class QueueDB:
                 "lease_s": lease_s,
                 "max_attempts": max_attempts,
                 "host": host,
+                "tenant_cap": tenant_cap,
             },
         )
         committed = {int(r["id"]) for r in rows if r["kind"] == "committed"}
@@ -449,13 +474,23 @@ class QueueDB:
     def forget_orphans(self, keys: Sequence[str]) -> None:
         self._all("forget_orphans", {"keys": list(keys)})
 
-    def deletions_due(self, *, guard_s: float, limit: int = 100) -> list[tuple[int, str]]:
+    def deletions_due(self, *, guard_s: float, limit: int = 100) -> list[tuple[int, str | None]]:
+        """(id, original key) of deletions due; the key is None for a re-derivation's
+        row, whose original is its file's."""
         rows = self._all("deletions_due", {"guard_s": guard_s, "limit": limit})
         return [(r["id"], r["original_key"]) for r in rows]
 
     def mark_deleted(self, file_id: int) -> bool:
         row = self._one("mark_deleted", {"id": file_id})
         return bool(row and row["deleted"])
+
+    def retired_due(self, *, guard_s: float, limit: int = 500) -> list[str]:
+        """Keys of replaced variant sets retired longer than `guard_s` ago."""
+        rows = self._all("retired_due", {"guard_s": guard_s, "limit": limit})
+        return [str(r["key"]) for r in rows]
+
+    def forget_retired(self, keys: Sequence[str]) -> None:
+        self._all("forget_retired", {"keys": list(keys)})
 
     def take_lease(self, name: str, holder: uuid.UUID, *, ttl_s: float) -> bool:
         """Take or renew the cluster-wide lease `name` for `holder` (one statement, so it
@@ -481,13 +516,24 @@ class QueueDB:
 
     # -- producers and operators -------------------------------------------------------
 
-    def enqueue(self, originals: Sequence[tuple[str, str | None]]) -> list[int]:
-        """Queue stored originals given as (key, version id). Returns the new ids."""
+    def enqueue(
+        self,
+        originals: Sequence[tuple[str, str | None]],
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+    ) -> list[int]:
+        """Queue stored originals given as (key, version id), at one priority and for
+        one tenant. Returns the new ids."""
         if not originals:
             return []
-        keys = [key for key, _ in originals]
-        versions = [version for _, version in originals]
-        return [r["id"] for r in self._all("enqueue", {"keys": keys, "versions": versions})]
+        params = {
+            "keys": [key for key, _ in originals],
+            "versions": [version for _, version in originals],
+            "priority": priority,
+            "tenant": tenant,
+        }
+        return [r["id"] for r in self._all("enqueue", params)]
 
     def request_delete(self, ids: Sequence[int], *, actor: str) -> list[int]:
         return [r["id"] for r in self._all("request_delete", {"ids": list(ids), "actor": actor})]
@@ -530,8 +576,11 @@ class QueueDB:
 
     # -- derivd.client: upload APIs, on the caller's own connection --------------------
 
-    def enqueue_one(self, key: str, version: str) -> int:
-        row = self._one("client_enqueue", {"key": key, "version": version})
+    def enqueue_one(
+        self, key: str, version: str, *, priority: int = 0, tenant: str | None = None
+    ) -> int:
+        params = {"key": key, "version": version, "priority": priority, "tenant": tenant}
+        row = self._one("client_enqueue", params)
         assert row is not None  # INSERT … RETURNING always returns its row
         return int(row["id"])
 
@@ -559,6 +608,55 @@ class QueueDB:
     def client_result(self, file_id: int) -> dict[str, Any] | None:
         """Status, error code and (for a ready row) every variant; None: unknown id."""
         return self._one("client_result", {"id": file_id})
+
+    # -- backfill ----------------------------------------------------------------------
+
+    def backfill_page(
+        self, *, after: int, last: int, limit: int
+    ) -> list[tuple[int, dict[str, str | None]]]:
+        """Ready files with id in (after, last], in id order, with their variant sets."""
+        rows = self._all("backfill_page", {"after": after, "last": last, "limit": limit})
+        return [(int(r["id"]), dict(r["variants"])) for r in rows]
+
+    def backfill_last_id(self) -> int:
+        row = self._one("backfill_last_id")
+        return int(row["last_id"]) if row else 0
+
+    def backfill_queue(self, ids: Sequence[int], *, priority: int) -> list[int]:
+        """Queue re-derivations of these ready files; the files actually queued."""
+        if not ids:
+            return []
+        rows = self._all("backfill_queue", {"ids": list(ids), "priority": priority})
+        return [int(r["id"]) for r in rows]
+
+    def backfill_claimable(self) -> int:
+        row = self._one("backfill_claimable")
+        return int(row["n"]) if row else 0
+
+    def backfill_run(self, target: str) -> dict[str, Any]:
+        """The unfinished run toward `target` (resumed), else a new one."""
+        row = self._one("backfill_resume", {"target": target})
+        if row is None:
+            params = {"target": target, "last_id": self.backfill_last_id()}
+            row = self._one("backfill_start", params)
+        assert row is not None  # INSERT … RETURNING always returns its row
+        return row
+
+    def backfill_advance(
+        self, run_id: int, *, cursor: int, scanned: int, queued: int, done: bool
+    ) -> None:
+        params = {
+            "id": run_id,
+            "cursor": cursor,
+            "scanned": scanned,
+            "queued": queued,
+            "done": done,
+        }
+        self._all("backfill_advance", params)
+
+    def backfill_progress(self) -> dict[str, Any] | None:
+        """The latest backfill run with `in_queue` (its re-derivations not done yet)."""
+        return self._one("backfill_progress")
 
     # -- the dashboard -----------------------------------------------------------------
 

@@ -1,0 +1,62 @@
+"""The fingerprint of a variant's spec: what made its bytes, as a short digest.
+
+Every stored variant (one row per variant and format) records it (migration 0014), so
+`derivd backfill` can tell which files were made with another spec than the configured
+one. It covers every setting that changes the bytes: the variant's size or box, fit,
+gravity, the row's format, its effective quality, lossless, upscale, animated, plus the
+backend and the WebP effort. Not the variant's name (that is the key it is compared
+under) nor the limits (they decide whether a file is derived, not how).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from derivd.handlers.base import DeriveSpec, VariantSpec
+
+# Bumped when the meaning of a field changes (every stored fingerprint then differs).
+VERSION = 1
+
+
+def fingerprint(variant: VariantSpec, fmt: str, spec: DeriveSpec, backend: str) -> str:
+    """16 hex digits for `variant` stored as `fmt` by `backend` under `spec`."""
+    fields = {
+        "v": VERSION,
+        "size": list(variant.box) if variant.box else variant.long_edge,
+        "fit": variant.fit,
+        "gravity": variant.gravity if variant.fit == "cover" else None,
+        "format": fmt,
+        "quality": None if fmt == "png" or variant.lossless else _quality(variant, spec),
+        "lossless": variant.lossless,
+        "upscale": variant.upscale,
+        "animated": variant.animated,
+        "effort": spec.effort if fmt == "webp" else None,
+        "backend": backend,
+    }
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _quality(variant: VariantSpec, spec: DeriveSpec) -> int:
+    return variant.quality or spec.quality
+
+
+def slot(name: str, fmt: str) -> str:
+    """How one stored variant row is named in a set: `thumb.webp`."""
+    return f"{name}.{fmt}"
+
+
+def configured_set(spec: DeriveSpec, backend: str) -> dict[str, str]:
+    """slot -> fingerprint of every variant and format the configuration asks for."""
+    return {
+        slot(v.name, fmt): fingerprint(v, fmt, spec, backend)
+        for v in spec.variants
+        for fmt in v.formats
+    }
+
+
+def target_digest(configured: dict[str, str]) -> str:
+    """One digest of a whole configured set: a backfill resumes only toward the same."""
+    text = json.dumps(sorted(configured.items()), separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
