@@ -199,6 +199,96 @@ def enqueue(
 
 
 @main.command()
+@click.option(
+    "--apply", "apply_", is_flag=True, help="Queue the re-derivations (default: dry run)."
+)
+@click.option(
+    "--max-queued",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="With --apply: at most this many re-derivations claimable at a time.",
+)
+@click.option(
+    "--priority",
+    type=int,
+    default=-10,
+    show_default=True,
+    help="With --apply: the re-derivations' priority (below live uploads at 0).",
+)
+@pass_state
+@friendly_errors
+def backfill(state: State, apply_: bool, max_queued: int, priority: int) -> None:
+    """Re-derive ready files whose variants differ from the configured ones.
+
+    \b
+    Without --apply: print, per variant (name.format), how many ready files miss it,
+    have it made with another spec (changed) or have it no longer configured (extra).
+    With --apply: queue one re-derivation per such file, page by page, at --priority,
+    keeping at most --max-queued claimable. Each file stays `ready`, its old variants
+    readable, until its re-derivation commits the new set; the old objects go to the
+    sweep after [sweep] delete_guard. Ctrl-C or a crash: run it again to resume. One
+    --apply runs at a time (any host).
+    """
+    from derivd.embedded.runtime import database
+    from derivd.fingerprint import configured_set, target_digest
+    from derivd.ops.backfill import Apply, BackfillRunning, scan
+    from derivd.queue.db import QueueDB
+    from derivd.traffic import priority_problem
+
+    config = state.config  # variant sections that do not validate stop here (exit 2)
+    problem = priority_problem(priority)
+    if problem:
+        die(problem, 2)
+    configured = configured_set(config.derive_spec(), config.derive.backend)
+    with database(config) as dsn, QueueDB.open(dsn, role="derivd-backfill") as queue:
+        if not apply_:
+            for line in scan(queue, configured).lines(configured):
+                click.echo(line)
+            return
+        bar = _Bar()
+        run = Apply(
+            queue,
+            configured,
+            target_digest(configured),
+            priority=priority,
+            max_queued=max_queued,
+            progress=bar.show,
+        )
+        try:
+            plan = run.run()
+        except BackfillRunning as error:
+            die(str(error))
+        except KeyboardInterrupt:
+            die("interrupted; run `derivd backfill --apply` again to resume", 130)
+        finally:
+            bar.close()
+    click.echo(
+        f"backfill: {plan.scanned} ready file(s) scanned, {plan.queued} re-derivation(s) "
+        f"queued at priority {priority}; `derivd status` shows them through"
+    )
+
+
+class _Bar:
+    """backfill's progress bar over the run's file ids (made once their range is known)."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+        self.at = 0
+
+    def show(self, cursor: int, last: int) -> None:
+        if self.bar is None:
+            self.bar = click.progressbar(length=max(1, last), label="backfill", file=sys.stderr)
+            self.bar.__enter__()
+        self.bar.update(cursor - self.at, cursor)
+        self.at = cursor
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+
+
+@main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--watch", is_flag=True, help="Refresh until Ctrl-C (in place on a terminal).")
 @click.option(

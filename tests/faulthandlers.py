@@ -9,6 +9,11 @@ The original's bytes are the script, so one supervisor runs jobs with different 
     exit 7               end the worker process with status 7
     kill                 SIGKILL the worker process itself
     alloc 200            keep 200 MiB resident (touched, so RSS counts it), then succeed
+    corrupt              a content error (corrupt_content: rejected at once)
+
+`Script` derives nothing; `Stamped` runs the same script, then returns one small object
+per configured variant and format (bytes naming the variant and its size), so variant
+sets can be stored, swapped and compared without decoding images.
 
 Subprocesses find this module through PYTHONPATH=<repo>/tests.
 """
@@ -21,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from derivd.handlers.base import DerivedVariant, DeriveSpec
+from derivd.handlers.base import CorruptContent, DerivedVariant, DeriveSpec
 
 _HELD: list[bytes] = []  # memory an `alloc` job keeps alive until the worker exits
 
@@ -49,6 +54,21 @@ class Script:
             os.kill(os.getpid(), signal.SIGKILL)
         elif verb == "alloc":
             _HELD.append(b"x" * (int(arg) * 1024 * 1024))
+        elif verb == "corrupt":
+            raise CorruptContent("the script says so")
         elif verb != "ok":
             raise ValueError(f"unknown fault script {verb!r}")
         return []
+
+
+class Stamped(Script):
+    name = "stamped"
+
+    def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
+        super().derive(original, spec)
+        edge = lambda v: v.box or (v.long_edge, v.long_edge)  # noqa: E731
+        return [
+            DerivedVariant.of(v.name, f"{v.name}.{fmt} {edge(v)}".encode(), *edge(v), fmt)
+            for v in spec.variants
+            for fmt in v.formats
+        ]

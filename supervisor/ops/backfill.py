@@ -1,0 +1,162 @@
+"""`derivd backfill`: bring every ready file's variant set to the configured one.
+
+The decisions are pure (`differences`, `Plan`); `scan` reads the ready files page by
+page and `apply` queues re-derivations (docs/traffic.md): one job row per file that
+differs, at a priority below live uploads, never more than `max_queued` of them
+claimable, the cursor persisted after each page so a crash or Ctrl-C resumes where it
+stopped, and the `backfill` lease (a row of derivd_leases: it holds through a pooler
+and frees itself after a crash) so that only one `--apply` runs at a time.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from derivd.queue.db import QueueDB
+
+LEASE_NAME = "backfill"
+LEASE_TTL_S = 60.0  # renewed with every page and every wait for room
+PAGE = 500
+WAIT_S = 0.5  # between looks at the queue while --max-queued are claimable
+
+Fingerprints = Mapping[str, str | None]  # `name.format` -> fingerprint (None: unknown)
+
+
+class BackfillRunning(Exception):
+    """Another `derivd backfill --apply` holds the lease."""
+
+
+def differences(current: Fingerprints, configured: Mapping[str, str]) -> dict[str, str]:
+    """For each variant slot that differs: `missing` (configured, not stored), `changed`
+    (stored with another or no fingerprint) or `extra` (stored, not configured)."""
+    found: dict[str, str] = {}
+    for slot, wanted in configured.items():
+        if slot not in current:
+            found[slot] = "missing"
+        elif current[slot] != wanted:
+            found[slot] = "changed"
+    for slot in current:
+        if slot not in configured:
+            found[slot] = "extra"
+    return found
+
+
+@dataclass
+class Plan:
+    """What a scan found: per variant slot, how many files miss it, have it changed or
+    have it extra; how many files were scanned and how many differ (and were queued)."""
+
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    scanned: int = 0
+    differing: int = 0
+    queued: int = 0
+
+    def add(self, diff: Mapping[str, str]) -> None:
+        self.scanned += 1
+        if diff:
+            self.differing += 1
+        for slot, kind in diff.items():
+            per = self.counts.setdefault(slot, {"missing": 0, "changed": 0, "extra": 0})
+            per[kind] += 1
+
+    def lines(self, configured: Mapping[str, str]) -> list[str]:
+        """The dry run's table: one line per slot, configured ones first."""
+        slots = list(configured) + sorted(s for s in self.counts if s not in configured)
+        rows = [f"{'variant':<24} {'missing':>9} {'changed':>9} {'extra':>9}"]
+        for slot in slots:
+            per = self.counts.get(slot, {})
+            rows.append(
+                f"{slot:<24} {per.get('missing', 0):>9} {per.get('changed', 0):>9} "
+                f"{per.get('extra', 0):>9}"
+            )
+        rows.append(f"{self.scanned} ready file(s) scanned, {self.differing} to re-derive")
+        return rows
+
+
+def pages(
+    queue: QueueDB, *, after: int, last: int, page: int = PAGE
+) -> Iterator[list[tuple[int, dict[str, str | None]]]]:
+    """Ready files with id in (after, last], a page at a time, in id order."""
+    while True:
+        rows = queue.backfill_page(after=after, last=last, limit=page)
+        if not rows:
+            return
+        yield rows
+        after = rows[-1][0]
+
+
+def scan(queue: QueueDB, configured: Mapping[str, str], *, page: int = PAGE) -> Plan:
+    """The dry run: count the differences, queue nothing."""
+    plan = Plan()
+    for rows in pages(queue, after=0, last=queue.backfill_last_id(), page=page):
+        for _, current in rows:
+            plan.add(differences(current, configured))
+    return plan
+
+
+@dataclass
+class Apply:
+    """One `--apply` run: where it goes and how it reports (`progress(cursor, last)`
+    after each page: the file ids planned so far, of the run's range)."""
+
+    queue: QueueDB
+    configured: Mapping[str, str]
+    target: str  # derivd.fingerprint.target_digest(configured)
+    priority: int
+    max_queued: int
+    page: int = PAGE
+    progress: Callable[[int, int], None] = lambda cursor, last: None
+    sleep: Callable[[float], None] = time.sleep
+    holder: uuid.UUID = field(default_factory=uuid.uuid4)
+
+    def run(self) -> Plan:
+        """Queue the re-derivations; BackfillRunning when another run holds the lease.
+        Returns this run's plan (a resumed run counts from where it resumed)."""
+        if not self.queue.take_lease(LEASE_NAME, self.holder, ttl_s=LEASE_TTL_S):
+            raise BackfillRunning("a backfill --apply is already running (this or another host)")
+        try:
+            return self._run()
+        finally:
+            self.queue.drop_lease(LEASE_NAME, self.holder)
+
+    def _run(self) -> Plan:
+        run = self.queue.backfill_run(self.target)
+        plan = Plan()
+        cursor, last = int(run["cursor"]), int(run["last_id"])
+        self.progress(cursor, last)
+        for rows in pages(self.queue, after=cursor, last=last, page=self.page):
+            todo = []
+            for file_id, current in rows:
+                diff = differences(current, self.configured)
+                plan.add(diff)
+                if diff:
+                    todo.append(file_id)
+            queued = self._queue_within_bound(todo)
+            plan.queued += queued
+            self.queue.backfill_advance(
+                run["id"], cursor=rows[-1][0], scanned=len(rows), queued=queued, done=False
+            )
+            cursor = rows[-1][0]
+            self.progress(cursor, last)
+        self.queue.backfill_advance(run["id"], cursor=last, scanned=0, queued=0, done=True)
+        self.progress(last, last)
+        return plan
+
+    def _queue_within_bound(self, ids: list[int]) -> int:
+        queued = 0
+        while ids:
+            self._renew()
+            room = self.max_queued - self.queue.backfill_claimable()
+            if room <= 0:
+                self.sleep(WAIT_S)
+                continue
+            queued += len(self.queue.backfill_queue(ids[:room], priority=self.priority))
+            ids = ids[room:]
+        return queued
+
+    def _renew(self) -> None:
+        if not self.queue.take_lease(LEASE_NAME, self.holder, ttl_s=LEASE_TTL_S):
+            raise BackfillRunning("the backfill lease was taken over by another run")
