@@ -5,7 +5,6 @@ set, and no object unreferenced once the sweep has run."""
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -72,7 +71,8 @@ def drain(cfg: Config) -> None:
 def ready_files(cfg: Config, scripts: list[str]) -> list[int]:
     """Files made ready under `cfg`, one per fault script (their original's bytes)."""
     storage = open_storage(cfg)
-    originals = [(key, storage.put(key, s.encode(), "text/plain")) for s in scripts for key in [new_original_key()]]  # fmt: skip
+    keys = [new_original_key() for _ in scripts]
+    originals = [(k, storage.put(k, s.encode(), "text/plain")) for k, s in zip(keys, scripts)]
     with QueueDB.open(cfg.database.dsn) as q:
         ids = q.enqueue(originals)
     drain(cfg)
@@ -369,7 +369,8 @@ def test_the_cli_says_when_another_apply_runs(
 def test_the_cli_dry_run_prints_counts_per_variant(
     run_cli: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path, dsn: str
 ) -> None:
-    ready_files(dataclasses.replace(config(dsn, {"fs_root": tmp_path / "s"}, V1)), ["ok"] * 2)
+    (tmp_path / "s").mkdir()
+    ready_files(config(dsn, {"fs_root": tmp_path / "s"}, V1), ["ok"] * 2)
     ini = _ini(tmp_path, dsn, variants=V2)
     result = run_cli("-c", str(ini), "backfill")
     assert result.returncode == 0, result.stderr
