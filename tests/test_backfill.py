@@ -72,7 +72,9 @@ def ready_files(cfg: Config, scripts: list[str]) -> list[int]:
     """Files made ready under `cfg`, one per fault script (their original's bytes)."""
     storage = open_storage(cfg)
     keys = [new_original_key() for _ in scripts]
-    originals = [(k, storage.put(k, s.encode(), "text/plain")) for k, s in zip(keys, scripts)]
+    originals = [
+        (k, storage.put(k, s.encode(), "text/plain")) for k, s in zip(keys, scripts, strict=True)
+    ]
     with QueueDB.open(cfg.database.dsn) as q:
         ids = q.enqueue(originals)
     drain(cfg)
