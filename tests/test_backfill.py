@@ -22,6 +22,9 @@ from derivd.config import Config
 from derivd.fingerprint import configured_set, target_digest
 from derivd.jobs import Worker
 from derivd.ops.backfill import Apply, BackfillRunning, Plan, differences, scan
+from derivd.ops.dashboard import Snapshot
+from derivd.ops.dashboard_page import render
+from derivd.ops.status import as_json, collect, render_table
 from derivd.ops.sweep import Sweeper
 from derivd.queue.db import QueueDB
 from derivd.storage.base import Storage, new_original_key, open_storage
@@ -381,3 +384,27 @@ def test_the_cli_dry_run_prints_counts_per_variant(
     assert lines[2].split() == ["card.webp", "2", "0", "0"]
     assert "2 ready file(s) scanned, 2 to re-derive" in result.stdout
     assert job_rows(dsn) == []
+
+
+def test_status_and_the_dashboard_show_backfill_progress(
+    dsn: str, tmp_path: Path, queue: QueueDB
+) -> None:
+    store = {"fs_root": tmp_path}
+    new_cfg = config(dsn, store, V2)
+    ready_files(config(dsn, store, V1), ["ok"] * 3)
+    assert collect(queue, 60).backfill is None
+    apply(queue, new_cfg)
+    report = collect(queue, 60)
+    limits = new_cfg.status
+    assert as_json(report, [], limits)["backfill"] == {
+        "run": 1, "state": "re-deriving", "planned": 1.0, "scanned": 3, "queued": 3,
+        "in_queue": 3,
+    }  # fmt: skip
+    assert "backfill #1: re-deriving, 100% scanned (3 files), 3 queued, 3 in the queue" in (
+        render_table(report, [], limits)
+    )
+    drain(new_cfg)
+    report = collect(queue, 60)
+    assert report.backfill is not None and report.backfill.state == "done"
+    page = render(Snapshot.taken(new_cfg, report))
+    assert '<section id="backfill" data-state="done">' in page

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from derivd.queue.db import QueueDB
 
@@ -160,3 +161,59 @@ class Apply:
     def _renew(self) -> None:
         if not self.queue.take_lease(LEASE_NAME, self.holder, ttl_s=LEASE_TTL_S):
             raise BackfillRunning("the backfill lease was taken over by another run")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The latest run as `derivd status` and the dashboard show it: how far its scan is
+    (file ids planned through `cursor` of `last_id`), what it queued, and how many of
+    those are still in the queue (the rest are done: swapped in, or failed)."""
+
+    run: int
+    cursor: int
+    last_id: int
+    scanned: int
+    queued: int
+    in_queue: int
+    finished: bool
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Progress:
+        return cls(
+            run=int(row["id"]),
+            cursor=int(row["cursor"]),
+            last_id=int(row["last_id"]),
+            scanned=int(row["scanned"]),
+            queued=int(row["queued"]),
+            in_queue=int(row["in_queue"]),
+            finished=row["finished_at"] is not None,
+        )
+
+    @property
+    def planned(self) -> float:
+        """Share of the run's file ids scanned (1.0 once the scan finished)."""
+        if self.finished or self.last_id <= 0:
+            return 1.0
+        return min(1.0, self.cursor / self.last_id)
+
+    @property
+    def state(self) -> str:
+        if not self.finished:
+            return "scanning"
+        return "re-deriving" if self.in_queue else "done"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "state": self.state,
+            "planned": round(self.planned, 4),
+            "scanned": self.scanned,
+            "queued": self.queued,
+            "in_queue": self.in_queue,
+        }
+
+    def line(self) -> str:
+        return (
+            f"backfill #{self.run}: {self.state}, {self.planned * 100:.0f}% scanned "
+            f"({self.scanned:,} files), {self.queued:,} queued, {self.in_queue:,} in the queue"
+        )

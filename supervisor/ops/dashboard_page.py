@@ -52,6 +52,7 @@ def render(snapshot: Snapshot) -> str:
             _signals(snapshot, report),
             _status_rows(report),
             _rejections(report),
+            _backfill(report),
             "</div>",
             _problems(snapshot),
         ]
@@ -209,6 +210,16 @@ def _rejections(report: Report) -> str:
     codes = sorted(report.rejected_by_code.items(), key=lambda kv: (-kv[1], kv[0]))
     title = f"Rejected by code (last {duration(report.window_s)})"
     return _counts_table("rejections", title, "data-code", codes, "none")
+
+
+def _backfill(report: Report) -> str:
+    if report.backfill is None:
+        return ""
+    b = report.backfill
+    return (
+        f'<section id="backfill" data-state="{esc(b.state)}"><h2>Backfill</h2>'
+        f"<p>{esc(b.line())}</p></section>"
+    )
 
 
 def _hosts(hosts: Sequence[HostView]) -> str:

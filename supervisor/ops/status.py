@@ -26,6 +26,7 @@ import click
 import psycopg
 
 from derivd.config import Config, StatusSettings
+from derivd.ops.backfill import Progress
 from derivd.ops.budget import connection_budget
 from derivd.queue.db import (
     NO_SCHEMA,
@@ -76,6 +77,7 @@ class Report:
     window_s: float
     checked_at: float = field(default_factory=time.time)
     hosts: list[dict[str, Any]] = field(default_factory=list)  # the host registry
+    backfill: Progress | None = None  # the latest `derivd backfill --apply` run
 
     @property
     def counts(self) -> dict[str, int]:
@@ -113,6 +115,7 @@ def collect(queue: QueueDB, window_s: float) -> Report:
             rejected_by_code=queue.rejections_by_code(since),
             window_s=window_s,
             hosts=queue.hosts(),
+            backfill=_backfill(queue),
         )
     except DatabaseUnavailable as error:
         raise StatusUnavailable(str(error)) from None
@@ -120,6 +123,11 @@ def collect(queue: QueueDB, window_s: float) -> Report:
         raise StatusUnavailable(NO_SCHEMA) from None
     except psycopg.Error as error:
         raise StatusUnavailable(f"database error: {one_line(error)}") from None
+
+
+def _backfill(queue: QueueDB) -> Progress | None:
+    row = queue.backfill_progress()
+    return None if row is None else Progress.from_row(row)
 
 
 def evaluate(report: Report, limits: StatusSettings) -> list[Alarm]:
@@ -192,6 +200,7 @@ def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict
         },
         "problems": [a.__dict__ for a in alarms],
         "hosts": [host_json(h) for h in report.hosts],
+        "backfill": report.backfill.as_json() if report.backfill else None,
     }
 
 
@@ -299,6 +308,8 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
             f"rejected by code (last {window}): " + ", ".join(f"{c} {n}" for c, n in codes)
         )
     lines += _host_lines(report.hosts)
+    if report.backfill is not None:
+        lines += ["", report.backfill.line()]
     lines.append("")
     if not alarms:
         lines.append("health: ok")
