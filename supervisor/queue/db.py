@@ -1,7 +1,7 @@
 """The queue protocol: the only module that runs SQL (every query lives in `sql/`).
 
-Claim, fenced commit, fenced failure and fenced release (server-side functions since
-migration 0008: one small statement each, whose inner plans the server keeps per
+Claim, fenced commit, fenced failure and fenced release (server-side functions in
+sql/functions.sql: one small statement each, whose inner plans the server keeps per
 connection, prepared or pooled), plus the maintenance and operator queries. Each method
 is one statement in autocommit mode, so a claim is committed before any work starts and
 no transaction is ever held across work.
@@ -24,7 +24,7 @@ from psycopg.rows import dict_row
 
 from derivd import __version__
 from derivd.errors import ErrorCode, Transient
-from derivd.queue.sqlfiles import migrations, queries
+from derivd.queue.sqlfiles import functions, migrations, queries
 from derivd.redact import redact
 
 
@@ -154,24 +154,36 @@ def _q(name: str) -> LiteralString:
 
 
 def migrate(dsn: str) -> list[str]:
-    """Apply pending migrations in order, in one transaction, under an advisory lock.
+    """Apply pending migrations in order, then sql/functions.sql, in one transaction,
+    under an advisory lock. Returns the names of the migrations it applied.
 
-    Safe to run from two hosts at once: the second waits for the lock, then finds
-    nothing left to do. Returns the names it applied.
+    Safe to run from two hosts at once: the second waits for the lock, then finds no
+    migration left and replaces the functions with the same bodies (two sessions
+    replacing one function at once would fail: the lock serialises them). One
+    transaction: a function body that does not fit the migrated tables rolls the whole
+    upgrade back, so the ledger never records migrations whose functions are missing.
+
+    A database that has migrations this version does not know belongs to a newer derivd:
+    SchemaMismatch, and nothing changes (this version's functions.sql would put older
+    bodies under the newer hosts of a rolling upgrade).
     """
     applied: list[str] = []
+    packaged = migrations()
     with connect(dsn, application_name="derivd-migrate") as conn:
         conn.autocommit = False
         with conn.transaction():
             conn.execute(_q("migrations_lock"))
             conn.execute(_q("migrations_table"))
             done = {row[0] for row in conn.execute(_q("migrations_applied"))}
-            for migration in migrations():
+            if newer := newer_schema(done, {m.name for m in packaged}):
+                raise SchemaMismatch(newer)
+            for migration in packaged:
                 if migration.name in done:
                     continue
                 conn.execute(migration.sql)  # type: ignore[arg-type]  # package data
                 conn.execute(_q("migrations_record"), {"name": migration.name})
                 applied.append(migration.name)
+            conn.execute(functions())  # type: ignore[arg-type]  # package data
     return applied
 
 
@@ -206,12 +218,9 @@ def schema_problem(applied: set[str], packaged: set[str]) -> str | None:
     """What is wrong with a database that has `applied` for this version's `packaged`."""
     if not applied:
         return NO_SCHEMA
-    newer = sorted(applied - packaged)
+    newer = newer_schema(applied, packaged)
     if newer:
-        return (
-            f"the database schema is newer than this derivd ({__version__}) knows "
-            f"(unknown migrations: {', '.join(newer)}); upgrade derivd on this host"
-        )
+        return newer
     missing = sorted(packaged - applied)
     if missing:
         return (
@@ -219,6 +228,18 @@ def schema_problem(applied: set[str], packaged: set[str]) -> str | None:
             "run `derivd migrate`"
         )
     return None
+
+
+def newer_schema(applied: set[str], packaged: set[str]) -> str | None:
+    """Why a database that has `applied` belongs to a newer derivd than `packaged`, if it
+    does."""
+    newer = sorted(applied - packaged)
+    if not newer:
+        return None
+    return (
+        f"the database schema is newer than this derivd ({__version__}) knows "
+        f"(unknown migrations: {', '.join(newer)}); upgrade derivd on this host"
+    )
 
 
 class QueueListener:
