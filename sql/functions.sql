@@ -336,6 +336,20 @@ END $$;
 -- Give a job back (shutdown, or too little lease left) without burning its attempt;
 -- fenced, a failed fence appends `lease_lost`. Returns whether it was released.
 
+-- == The fleet ===============================================================================
+
+-- The staleness rule of the host registry: a host is stale once three of its own
+-- heartbeat intervals pass without one. One late or lost heartbeat is no reason to call
+-- a host dead, and with the heartbeat at most a third of the lease ([queue] heartbeat) a
+-- host is called stale no later than its leases expire. `derivd status` shows stale
+-- hosts; the sweep prunes them after the [sweep] guard. LANGUAGE sql and STABLE, so the
+-- server inlines it into the calling query (now() is that statement's time).
+CREATE OR REPLACE FUNCTION derivd_host_stale(last_heartbeat timestamptz, heartbeat_s float8)
+RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT last_heartbeat < now() - make_interval(secs => 3 * heartbeat_s)
+$$;
+
 -- == Queue health and the dashboard =========================================================
 CREATE OR REPLACE FUNCTION derivd_release(file_id bigint, token uuid, attempt integer)
 RETURNS boolean

@@ -14,9 +14,9 @@ import socket
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date, datetime
-from typing import Any, LiteralString
+from typing import Any, Final, LiteralString
 
 import psycopg
 from psycopg import sql
@@ -26,6 +26,12 @@ from derivd import __version__
 from derivd.errors import ErrorCode, Transient
 from derivd.queue.sqlfiles import functions, migrations, queries
 from derivd.redact import redact
+
+# The notification channels, as the triggers in sql/functions.sql spell them
+# (archive_files_notify_queued, archive_files_notify_finished): a row entering `queued`
+# wakes the supervisors; a finished row wakes whoever waits for it (derivd.client.wait).
+QUEUED_CHANNEL: Final = "derivd_queued"
+FINISHED_CHANNEL: Final = "derivd_finished"
 
 
 class DatabaseUnavailable(Transient):
@@ -153,6 +159,11 @@ def _q(name: str) -> LiteralString:
     return query
 
 
+def _on_channel(name: str, channel: str) -> sql.Composed:
+    """`listen` or `unlisten` on `channel`, composed as an identifier."""
+    return sql.SQL(_q(name)).format(channel=sql.Identifier(channel))
+
+
 def migrate(dsn: str) -> list[str]:
     """Apply pending migrations in order, then sql/functions.sql, in one transaction,
     under an advisory lock. Returns the names of the migrations it applied.
@@ -243,7 +254,7 @@ def newer_schema(applied: set[str], packaged: set[str]) -> str | None:
 
 
 class QueueListener:
-    """One LISTEN connection on the `derivd_queued` channel (held by the supervisor).
+    """One LISTEN connection on QUEUED_CHANNEL (held by the supervisor).
 
     `connect` (re)opens it and reports whether it did; `drain` reads whatever has arrived
     without blocking. Any database error closes the connection: the caller polls until a
@@ -269,7 +280,7 @@ class QueueListener:
         except DatabaseUnavailable:
             return False
         try:
-            conn.execute(_q("listen"))
+            conn.execute(_on_channel("listen", QUEUED_CHANNEL))
         except psycopg.Error:
             conn.close()
             return False
@@ -430,17 +441,25 @@ class QueueDB:
     ) -> set[int]:
         """Check (and with `renew`, extend) the leases of `jobs` and refresh the host's
         registry row, in one statement. Returns the ids whose lease still holds."""
+        return self._host_seen(host, jobs, renew=renew, lease_s=lease_s, starting=False)
+
+    def register_host(self, host: HostInfo) -> None:
+        """A supervisor starts: its registry row, idle and started now. The heartbeat's
+        statement, holding no jobs: the registry's upsert is written once."""
+        self._host_seen(replace(host, busy=0), [], renew=False, lease_s=0.0, starting=True)
+
+    def _host_seen(
+        self, host: HostInfo, jobs: Sequence[Job], *, renew: bool, lease_s: float, starting: bool
+    ) -> set[int]:
         params = {
             **host.__dict__,
             "jobs": json.dumps([{"id": j.id, "token": str(j.token)} for j in jobs]),
             "ids": [j.id for j in jobs],
             "renew": renew,
             "lease_s": lease_s,
+            "starting": starting,
         }
         return {int(r["id"]) for r in self._all("heartbeat", params)}
-
-    def register_host(self, host: HostInfo) -> None:
-        self._all("register_host", host.__dict__)
 
     def deregister_host(self, host: str, pid: int) -> None:
         self._all("deregister_host", {"host": host, "pid": pid})
@@ -567,10 +586,14 @@ class QueueDB:
         return len(self._all("forget_stale_waiters"))
 
     def listen_finished(self) -> None:
-        self._all("listen_finished")
+        self._on_channel("listen", FINISHED_CHANNEL)
 
     def unlisten_finished(self) -> None:
-        self._all("unlisten_finished")
+        self._on_channel("unlisten", FINISHED_CHANNEL)
+
+    def _on_channel(self, name: str, channel: str) -> None:
+        with self._cursor() as cur:
+            cur.execute(_on_channel(name, channel))
 
     def status_of(self, file_id: int) -> str | None:
         """The row's status, or None when no row has this id."""
