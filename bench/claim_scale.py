@@ -68,7 +68,13 @@ def explain_claim(dsn: str) -> str:
             conn.execute(setting)
         conn.execute(
             queries()["claim"],  # type: ignore[arg-type]
-            {"lease_s": 120.0, "max_attempts": 3, "limit": 1, "host": "claim-scale"},
+            {
+                "lease_s": 120.0,
+                "max_attempts": 3,
+                "limit": 1,
+                "host": "claim-scale",
+                "tenant_cap": 0,
+            },
         ).fetchall()
         conn.rollback()
     nested = [p for p in plans if "Function Scan on derivd_claim" not in p]

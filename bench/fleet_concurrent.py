@@ -43,7 +43,7 @@ JOB = (
     "SELECT id, lease_token::text AS tok FROM derivd_commit_and_claim(jsonb_build_array("
     "jsonb_build_object('id', :id::bigint, 'token', :tok::text, 'attempt', 1,"
     " 'derived_key', 'derived/x', 'derived_version', '1', 'sha256', repeat('0', 64),"
-    " 'width', 100, 'height', 100, 'variants', '[]'::jsonb)), 1, 120, 3, 'bench')"
+    " 'width', 100, 'height', 100, 'variants', '[]'::jsonb)), 1, 120, 3, 'bench', 0)"
     " WHERE kind = 'claimed' \\gset\n"
 )
 WAYS = {"none": ("nobody waits", False), "all": ("every file awaited", True)}

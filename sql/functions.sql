@@ -60,6 +60,39 @@ BEGIN
     RETURN NULL;
 END $$;
 
+-- The fair rank of a row as it is inserted (a `pending` row keeps it once queued): right
+-- after its tenant's last queued row at its priority, and never before the frontier (the
+-- lowest rank due at that priority). A tenant that arrives starts at the frontier, so
+-- its rows interleave with those of a tenant that holds many: the claim, one ordered
+-- scan, then alternates between them. Rows that come back to `queued` (retry, release,
+-- operator retry) keep their rank. Ties (same rank) go by id.
+CREATE OR REPLACE FUNCTION archive_files_fair_rank() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+    last_rank bigint;
+    frontier bigint;
+BEGIN
+    SELECT f.fair_rank INTO last_rank
+      FROM archive_files AS f
+     WHERE f.status = 'queued' AND f.priority = NEW.priority
+       AND coalesce(f.tenant, '') = coalesce(NEW.tenant, '')
+     ORDER BY f.priority, coalesce(f.tenant, ''), f.fair_rank DESC
+     LIMIT 1;
+    IF last_rank IS NOT NULL THEN
+        -- The tenant has queued rows: they are at or past the frontier already (the
+        -- frontier is the lowest due rank), so one descent is enough, the common case.
+        NEW.fair_rank := last_rank + 1;
+        RETURN NEW;
+    END IF;
+    SELECT f.fair_rank INTO frontier
+      FROM archive_files AS f
+     WHERE f.status = 'queued' AND f.priority = NEW.priority AND f.available_at <= now()
+     ORDER BY f.priority DESC, f.fair_rank, f.id
+     LIMIT 1;
+    NEW.fair_rank := coalesce(frontier, 0);
+    RETURN NEW;
+END $$;
+
 -- Tell a waiting upload API that its file is done: a row reaching a final state (ready,
 -- rejected) or leaving the pipeline (deleting, deleted) notifies `derivd_finished`
 -- (derivd.queue.db.FINISHED_CHANNEL) with its id as the payload, and nothing else (the
@@ -69,33 +102,6 @@ END $$;
 -- notifications appear in commit order); one NOTIFY per job would cap a database at one
 -- commit per WAL flush, fleet-wide. Distinct payloads are not folded: a batch commit
 -- sends one notification per registered row, when the committing transaction ends.
-
--- The fair rank of a row entering `queued` (insert, or pending -> queued): right after
--- its tenant's last queued row at its priority, and never before the frontier (the
--- lowest rank due at that priority). A tenant that arrives starts at the frontier, so
--- its rows interleave with those of a tenant that holds many: the claim, one ordered
--- scan, then alternates between them. Rows that come back to `queued` (retry, release,
--- operator retry) keep their rank. Ties (same rank) go by id.
-CREATE OR REPLACE FUNCTION archive_files_fair_rank() RETURNS trigger
-LANGUAGE plpgsql AS $$
-DECLARE
-    frontier bigint;
-    last_rank bigint;
-BEGIN
-    SELECT f.fair_rank INTO frontier
-      FROM archive_files AS f
-     WHERE f.status = 'queued' AND f.priority = NEW.priority AND f.available_at <= now()
-     ORDER BY f.priority DESC, f.fair_rank, f.id
-     LIMIT 1;
-    SELECT f.fair_rank INTO last_rank
-      FROM archive_files AS f
-     WHERE f.status = 'queued' AND f.priority = NEW.priority
-       AND coalesce(f.tenant, '') = coalesce(NEW.tenant, '')
-     ORDER BY f.priority, coalesce(f.tenant, ''), f.fair_rank DESC
-     LIMIT 1;
-    NEW.fair_rank := greatest(coalesce(frontier, 0), coalesce(last_rank + 1, 0));
-    RETURN NEW;
-END $$;
 
 -- == archive_events: daily partitions ======================================================
 CREATE OR REPLACE FUNCTION archive_files_notify_finished() RETURNS trigger
@@ -189,9 +195,10 @@ END $$;
 -- Commit of a re-derivation (rederive_of set): under the file's row lock, while the file
 -- is still `ready`, its variants are replaced by the new ones (the old objects go to
 -- derivd_retired_objects), its derived_* updated and a `rederived` event appended to it;
--- the job row is then deleted. A file no longer ready (deleted meanwhile) keeps what it
--- has: the job row is deleted with a `lease_lost` event and its objects are left to the
--- orphan sweep. Either way the job row's fence (id + token) is checked first.
+-- the job row is then deleted (its attempt's `ready` event stays). A file no longer ready
+-- (deleted meanwhile) keeps what it has: the job row is deleted with a `lease_lost`
+-- event and its objects are left to the orphan sweep. Either way the job row's fence
+-- (id + token) is checked first.
 CREATE OR REPLACE FUNCTION derivd_commit_and_claim(jobs jsonb, lim integer, lease_s float8,
                                                    max_attempts integer, host text,
                                                    tenant_cap integer)
@@ -202,7 +209,7 @@ LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
 DECLARE
     j record;
-    n integer;
+    committed boolean;
     target bigint;
     oldest boolean;
     ids bigint[];
@@ -223,8 +230,8 @@ BEGIN
                     derived_version text, sha256 text, width integer, height integer,
                     variants jsonb)
     LOOP
-        -- The fence (see 0008) and the job row's event in one statement; a
-        -- re-derivation's events are written below, once its file is checked.
+        -- The fence and the attempt's event (`ready`, or `lease_lost` when the fence
+        -- fails) in one statement, which also says whether the row re-derives a file.
         WITH done AS (
             UPDATE archive_files AS f
                SET status = 'ready',
@@ -239,18 +246,14 @@ BEGIN
                    finished_at = now(),
                    updated_at = now()
              WHERE f.id = j.id AND f.lease_token = j.token
-            RETURNING f.attempts, f.rederive_of
-        ), logged AS (
-            INSERT INTO archive_events AS e (file_id, kind, attempt, lease_token)
-            SELECT j.id, CASE WHEN d.attempts IS NULL THEN 'lease_lost' ELSE 'ready' END,
-                   coalesce(d.attempts, j.attempt), j.token
-              FROM (SELECT) AS one LEFT JOIN done AS d ON true
-             WHERE d.rederive_of IS NULL
-            RETURNING 1
-        )
-        SELECT d.attempts, d.rederive_of INTO n, target
-          FROM (SELECT) AS one LEFT JOIN done AS d ON true;
-        CONTINUE WHEN n IS NULL;
+            RETURNING f.attempts, f.rederive_of)
+        INSERT INTO archive_events AS e (file_id, kind, attempt, lease_token)
+        SELECT j.id, CASE WHEN d.attempts IS NULL THEN 'lease_lost' ELSE 'ready' END,
+               coalesce(d.attempts, j.attempt), j.token
+          FROM (SELECT) AS one LEFT JOIN done AS d ON true
+        RETURNING e.kind = 'ready', (SELECT d.rederive_of FROM done AS d)
+             INTO committed, target;
+        CONTINUE WHEN NOT committed;
         IF target IS NOT NULL THEN
             -- A re-derivation: its job row is done with either way.
             DELETE FROM archive_files AS f WHERE f.id = j.id;
@@ -258,7 +261,7 @@ BEGIN
              WHERE t.id = target AND t.status = 'ready' FOR UPDATE;
             IF NOT FOUND THEN
                 INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-                VALUES (j.id, 'lease_lost', n, j.token);
+                VALUES (j.id, 'lease_lost', j.attempt, j.token);
                 CONTINUE;
             END IF;
             INSERT INTO derivd_retired_objects (key, file_id)
@@ -274,7 +277,7 @@ BEGIN
                    updated_at = now()
              WHERE f.id = target;
             INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-            VALUES (target, 'rederived', n, j.token);
+            VALUES (target, 'rederived', j.attempt, j.token);
         END IF;
         IF jsonb_array_length(coalesce(j.variants, '[]')) > 0 THEN
             INSERT INTO archive_variants AS a (file_id, name, format, content_type, key,

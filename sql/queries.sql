@@ -205,7 +205,8 @@ SELECT count(*)::int AS deleted FROM done;
 WITH done AS (
     UPDATE archive_files
        SET status = 'queued', attempts = 0, error_code = NULL, available_at = now(),
-           finished_at = NULL, updated_at = now()
+           finished_at = NULL, updated_at = now(),
+           fair_rank = coalesce(fair_rank, 0)  -- rejected before migration 0014: none
      WHERE status = 'rejected'
        AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
        AND (%(code)s::text IS NULL OR error_code = %(code)s::text)
@@ -340,7 +341,8 @@ SELECT 'queued', f.original_key, f.original_version, %(priority)s, f.tenant, f.i
   FROM archive_files AS f
  WHERE f.id = ANY(%(ids)s::bigint[]) AND f.status = 'ready' AND f.rederive_of IS NULL
  ORDER BY f.id
-ON CONFLICT (rederive_of) WHERE status IN ('queued', 'processing') DO NOTHING
+ON CONFLICT (rederive_of) WHERE rederive_of IS NOT NULL AND status IN ('queued', 'processing')
+DO NOTHING
 RETURNING rederive_of AS id;
 
 -- name: backfill_claimable

@@ -176,9 +176,9 @@ def test_the_client_accepts_the_documented_extremes(dsn: str) -> None:
 @pytest.mark.parametrize(
     ("column", "value", "constraint"),
     [
-        ("priority", 500, "archive_files_priority_check"),
-        ("tenant", "a\tb", "archive_files_tenant_check"),
-        ("tenant", "x" * 201, "archive_files_tenant_check"),
+        ("priority", 500, "derivd_priority_check"),
+        ("tenant", "a\tb", "derivd_tenant_check"),
+        ("tenant", "x" * 201, "derivd_tenant_check"),
     ],
 )
 def test_the_database_refuses_what_the_client_would(

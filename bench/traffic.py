@@ -1,0 +1,496 @@
+"""Production traffic (issue 20), side by side in one run, on one private cluster:
+
+1. live uploads' queue wait (p50/p99) during a backfill of `--backfill` re-derivations,
+   the backfill below live uploads (priority -10) vs at their priority (no priorities);
+2. a small tenant's wait (20 files) while another holds `--backfill` queued, shared
+   (tenants) vs not (no tenant: one FIFO);
+3. claim p50/p99 at `--queued` queued rows over `--tenants` tenants, without and with
+   `[queue] max_in_flight_per_tenant`, and what the rank trigger costs an enqueue;
+4. server CPU per job at defaults (commit + next claim in one statement, one client,
+   prepared) on this build vs the baseline (`--baseline`, default main: its migrations
+   and functions.sql, built from git), interleaved, median of `--repeat`.
+
+Scenarios 1 and 2 run the real daemon (`derivd run`, noop backend, `--workers`).
+
+    .venv/bin/python bench/traffic.py [--backfill 100000] [--queued 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from common import (
+    DERIVD,
+    ROOT,
+    cluster,
+    fresh_db,
+    machine,
+    median_run,
+    percentile,
+    save_results,
+    table,
+)
+from fleet import _times, load_average, server_cpu_s
+
+from derivd.embedded.pgcluster import EmbeddedCluster
+from derivd.queue.db import QueueDB
+
+LIVE_RATE = 10  # live uploads per second while a backfill drains
+LIVE_SECONDS = 15.0
+SMALL = 20  # the small tenant's files
+# How long the measured files may wait before the run stops (the machine is shared: a
+# FIFO of 100,000 may take longer to drain than the session has; their waits are then
+# censored, i.e. reported as at least this long).
+CAP_S = 150.0
+
+SEED_READY_AND_JOBS = """
+WITH files AS (
+    INSERT INTO archive_files (status, original_key, original_version, finished_at,
+                               derived_key, derived_version, sha256, width, height)
+    SELECT 'ready', 'originals/bench', 'v1', now(), 'derived/x', '1', repeat('0', 64), 1, 1
+      FROM generate_series(1, %(n)s)
+    RETURNING id
+)
+INSERT INTO archive_files (status, original_key, original_version, priority, rederive_of,
+                           fair_rank)
+SELECT 'queued', 'originals/bench', 'v1', %(priority)s, id, id FROM files
+"""
+SEED_TENANT = """
+INSERT INTO archive_files (status, original_key, original_version, tenant, fair_rank)
+SELECT 'queued', 'originals/bench', 'v1', %(tenant)s, g FROM generate_series(1, %(n)s) AS g
+"""
+# Round robin over the tenants, as the rank trigger gives it when they all enqueue.
+SEED_MANY_TENANTS = """
+INSERT INTO archive_files (status, original_key, original_version, tenant, fair_rank)
+SELECT 'queued', 'originals/bench', 'v1', 't' || (g %% %(tenants)s), g / %(tenants)s
+  FROM generate_series(1, %(n)s) AS g
+"""
+LIVE = (
+    "INSERT INTO archive_files (status, original_key, original_version, priority, tenant)"
+    " VALUES ('queued', 'originals/live', 'v1', 0, %(tenant)s) RETURNING id"
+)
+# A file not claimed yet has waited until now (censored); `before`: the claims made
+# while it waited.
+WAITS = """
+SELECT extract(epoch FROM coalesce(claimed_at, now()) - created_at)::float8 AS wait_s,
+       (SELECT count(*) FROM archive_files AS o
+         WHERE o.claimed_at > f.created_at
+           AND o.claimed_at < coalesce(f.claimed_at, now()))::int AS before,
+       claimed_at IS NULL AS censored
+  FROM archive_files AS f WHERE f.id = ANY(%(ids)s)
+"""
+
+
+# -- 1 and 2: the daemon drains while others arrive ---------------------------------------
+
+
+@contextmanager
+def daemon(dsn: str, work: Path, workers: int) -> Iterator[None]:
+    ini = work / "traffic.ini"
+    ini.write_text(
+        f"[database]\ndsn = {dsn}\n[storage]\nbackend = fs\nroot = {work / 'objects'}\n"
+        f"[supervisor]\nworkers = {workers}\nstate_dir = {work / 'state'}\n"
+        "[derive]\nbackend = noop\n[logging]\nlevel = warning\n",
+        encoding="utf-8",
+    )
+    proc = subprocess.Popen(
+        [str(DERIVD), "-c", str(ini), "run"],
+        stdin=subprocess.DEVNULL,
+        stdout=(work / "traffic.log").open("a"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+def _until_done(dsn: str, ids: list[int], timeout: float = CAP_S) -> None:
+    """Until every file in `ids` was claimed, or `timeout` (then their waits are censored)."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT count(*) FROM archive_files WHERE id = ANY(%s) AND claimed_at IS NULL",
+                (ids,),
+            ).fetchone()
+            if row is not None and row[0] == 0:
+                return
+            time.sleep(0.5)
+
+
+def _waits(dsn: str, ids: list[int]) -> tuple[list[float], list[int], int]:
+    """Waits (s), claims made meanwhile, and how many were still waiting (censored)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(WAITS, {"ids": ids}).fetchall()
+    return [float(r[0]) for r in rows], [int(r[1]) for r in rows], sum(bool(r[2]) for r in rows)
+
+
+def _rate(dsn: str) -> float:
+    """Jobs per second the daemon finished (first claim to last finish)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) / greatest(extract(epoch FROM max(finished_at) - min(claimed_at)),"
+            " 0.001) FROM archive_files WHERE claimed_at IS NOT NULL AND finished_at IS NOT NULL"
+        ).fetchone()
+    return float(row[0]) if row else 0.0
+
+
+def live_during_backfill(
+    pg: EmbeddedCluster, work: Path, n: int, workers: int, priority: int
+) -> dict[str, Any]:
+    dsn = fresh_db(pg, "traffic_live")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SEED_READY_AND_JOBS, {"n": n, "priority": priority})
+        conn.execute("VACUUM (ANALYZE) archive_files")
+    live: list[int] = []
+    with daemon(dsn, work, workers), psycopg.connect(dsn, autocommit=True) as conn:
+        time.sleep(2.0)  # the backfill is under way
+        started = time.monotonic()
+        while time.monotonic() - started < LIVE_SECONDS:
+            row = conn.execute(LIVE, {"tenant": None}).fetchone()
+            assert row is not None
+            live.append(int(row[0]))
+            time.sleep(1 / LIVE_RATE)
+        _until_done(dsn, live)
+        waits, before, censored = _waits(dsn, live)
+    return {
+        "priority": priority,
+        "live": len(live),
+        "p50_s": percentile(waits, 50),
+        "p99_s": percentile(waits, 99),
+        "claims_before_p50": percentile(before, 50),
+        "jobs_per_s": _rate(dsn),
+        "censored": censored,
+    }
+
+
+def small_tenant(
+    pg: EmbeddedCluster, work: Path, n: int, workers: int, shared: bool
+) -> dict[str, Any]:
+    dsn = fresh_db(pg, "traffic_tenant")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SEED_TENANT, {"n": n, "tenant": "big" if shared else None})
+        conn.execute("VACUUM (ANALYZE) archive_files")
+    with daemon(dsn, work, workers), psycopg.connect(dsn, autocommit=True) as conn:
+        time.sleep(2.0)  # the big tenant's queue is under way
+        small = [
+            int(conn.execute(LIVE, {"tenant": "small" if shared else None}).fetchone()[0])  # type: ignore[index]
+            for _ in range(SMALL)
+        ]
+        _until_done(dsn, small)
+        waits, before, censored = _waits(dsn, small)
+    return {
+        "shared": shared,
+        "p50_s": percentile(waits, 50),
+        "max_s": max(waits),
+        "claims_before_last": max(before),
+        "jobs_per_s": _rate(dsn),
+        "censored": censored,
+    }
+
+
+# -- 3: the claim at scale ------------------------------------------------------------------
+
+
+def claim_at_scale(pg: EmbeddedCluster, n: int, tenants: int, claims: int) -> list[dict[str, Any]]:
+    dsn = fresh_db(pg, "traffic_scale")
+    started = time.perf_counter()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SEED_MANY_TENANTS, {"n": n, "tenants": tenants})
+        conn.execute("VACUUM (ANALYZE) archive_files")
+    seeded = time.perf_counter() - started
+    rows = []
+    for cap in (0, 10):
+        times: list[float] = []
+        with QueueDB.open(dsn, role="bench") as queue:
+            for _ in range(claims):
+                t0 = time.perf_counter()
+                [job] = queue.claim_many(limit=1, lease_s=120, max_attempts=3, tenant_cap=cap)
+                times.append((time.perf_counter() - t0) * 1000)
+                queue.commit_many([(job, [])])
+        rows.append(
+            {
+                "cap": cap,
+                "p50_ms": percentile(times, 50),
+                "p99_ms": percentile(times, 99),
+                "seed_s": seeded,
+            }
+        )
+    return rows
+
+
+def enqueue_cost(pg: EmbeddedCluster, baseline: str, n: int) -> dict[str, float]:
+    """Server CPU per single-row enqueue (client_enqueue), this build vs the baseline,
+    onto 100,000 queued rows of 1,000 tenants (the rank trigger's two descents)."""
+    out = {}
+    for label, dsn in (
+        ("this build", fresh_db(pg, "traffic_enq")),
+        ("baseline", baseline_db(pg, "traffic_enq_base", baseline)),
+    ):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            tenant_col = label == "this build"
+            seed = (
+                SEED_MANY_TENANTS
+                if tenant_col
+                else (
+                    "INSERT INTO archive_files (status, original_key, original_version)"
+                    " SELECT 'queued', 'originals/bench', 'v1' FROM generate_series(1, %(n)s)"
+                )
+            )
+            conn.execute(seed, {"n": 100_000, "tenants": 1000})
+            conn.execute("VACUUM (ANALYZE) archive_files")
+            stmt = (
+                "INSERT INTO archive_files (status, original_key, original_version, tenant)"
+                " VALUES ('queued', 'k', 'v', %(t)s)"
+                if tenant_col
+                else "INSERT INTO archive_files (status, original_key, original_version)"
+                " VALUES ('queued', 'k', 'v')"
+            )
+            for i in range(200):
+                conn.execute(stmt, {"t": f"t{i % 1000}"}, prepare=True)  # type: ignore[arg-type]
+            cpu = server_cpu_s(pg)
+            for i in range(n):
+                conn.execute(stmt, {"t": f"t{i % 1000}"}, prepare=True)  # type: ignore[arg-type]
+            out[label] = (server_cpu_s(pg) - cpu) * 1000 / n
+    return out
+
+
+# -- 4: server CPU per job, this build vs the baseline --------------------------------------
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True
+    ).stdout
+
+
+def baseline_db(pg: EmbeddedCluster, name: str, ref: str) -> str:
+    """A database built from `ref`'s migrations and functions.sql (read from git)."""
+    dsn = fresh_db(pg, name, derivd_schema=False)
+    names = sorted(_git("ls-tree", "--name-only", ref, "sql/migrations/").split())
+    with psycopg.connect(dsn) as conn:
+        for path in names:
+            if path.endswith(".sql"):
+                conn.execute(_git("show", f"{ref}:{path}"))  # type: ignore[arg-type]
+        functions = _git("show", f"{ref}:sql/functions.sql")
+        conn.execute(functions)  # type: ignore[arg-type]
+    return dsn
+
+
+COMMIT_AND_CLAIM = {
+    "this build": "SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, 1, 120, 3, 'b', 0)",
+    "baseline": "SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, 1, 120, 3, 'b')",
+}
+SEED_QUEUED = """
+INSERT INTO archive_files (status, original_key, original_version)
+SELECT 'queued', 'originals/bench', 'v1' FROM generate_series(1, %(n)s)
+"""
+
+
+def cpu_per_job(pg: EmbeddedCluster, label: str, baseline: str, jobs: int) -> tuple[float, float]:
+    """(server CPU ms, backend CPU ms) per job: one client, commit + next claim, prepared."""
+    dsn = (
+        fresh_db(pg, "traffic_cpu")
+        if label == "this build"
+        else baseline_db(pg, "traffic_cpu_base", baseline)
+    )
+    statement = COMMIT_AND_CLAIM[label]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SEED_QUEUED, {"n": jobs + 400})
+        conn.execute("VACUUM (ANALYZE) archive_files")
+        conn.execute("CHECKPOINT")
+        held: list[tuple[Any, ...]] = []
+
+        def one() -> None:
+            import json
+
+            jobs_json = json.dumps(
+                [{"id": r[1], "token": str(r[2]), "attempt": r[3], "variants": []} for r in held]
+            )
+            rows = conn.execute(statement, {"jobs": jobs_json}, prepare=True).fetchall()  # type: ignore[arg-type]
+            held[:] = [r for r in rows if r[0] == "claimed"]
+
+        for _ in range(200):
+            one()
+        pid = conn.info.backend_pid
+        server, (user, system, _, _) = server_cpu_s(pg), _times(pid)
+        for _ in range(jobs):
+            one()
+        user2, system2, _, _ = _times(pid)
+        server2 = server_cpu_s(pg)
+    tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+    return (server2 - server) * 1000 / jobs, (user2 - user + system2 - system) * tick_ms / jobs
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def _step(what: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {what} ...", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backfill", type=int, default=100_000)
+    parser.add_argument("--queued", type=int, default=1_000_000)
+    parser.add_argument("--tenants", type=int, default=10_000)
+    parser.add_argument("--claims", type=int, default=5000)
+    parser.add_argument("--jobs", type=int, default=3000, help="per CPU run")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--baseline", default="main")
+    args = parser.parse_args()
+    uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
+    load = [load_average()]
+    result: dict[str, Any] = {}
+    with cluster() as pg, tempfile.TemporaryDirectory(prefix="derivd-traffic-") as tmp:
+        work = Path(tmp)
+        os.chmod(work, 0o755)
+        cpu: dict[str, list[tuple[float, float]]] = {"this build": [], "baseline": []}
+        for n in range(args.repeat):
+            for label in cpu:
+                _step(f"cpu per job, {label}, run {n + 1}")
+                cpu[label].append(cpu_per_job(pg, label, args.baseline, args.jobs))
+        result["cpu"] = {label: median_run(runs, key=lambda r: r[0]) for label, runs in cpu.items()}
+        _step("enqueue cost")
+        result["enqueue_ms"] = enqueue_cost(pg, args.baseline, 2000)
+        _step(f"claim at {args.queued:,} queued over {args.tenants:,} tenants")
+        result["scale"] = claim_at_scale(pg, args.queued, args.tenants, args.claims)
+        result["live"] = []
+        for priority in (-10, 0):
+            _step(f"live uploads during a backfill at priority {priority}")
+            result["live"].append(
+                live_during_backfill(pg, work, args.backfill, args.workers, priority)
+            )
+        result["tenant"] = []
+        for shared in (True, False):
+            _step(f"small tenant, shared = {shared}")
+            result["tenant"].append(small_tenant(pg, work, args.backfill, args.workers, shared))
+        lines = machine(pg.dsn())
+    uptime.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    load.append(load_average())
+    report(args, lines, uptime, result)
+    save_results(
+        "traffic",
+        {
+            "machine": lines,
+            "uptime": uptime,
+            "load": load,
+            **{
+                "cpu": {
+                    k: {"server_ms": v[0][0], "backend_ms": v[0][1], "stdev": v[1]}
+                    for k, v in result["cpu"].items()
+                },
+                "enqueue_ms": result["enqueue_ms"],
+                "scale": result["scale"],
+                "live": result["live"],
+                "tenant": result["tenant"],
+            },
+        },
+    )
+
+
+def report(
+    args: argparse.Namespace, lines: list[str], uptime: list[str], result: dict[str, Any]
+) -> None:
+    print("## traffic (bench/traffic.py)")
+    print("\n".join(lines))
+    print(f"uptime before: {uptime[0]}\nuptime after:  {uptime[1]}")
+    print(
+        f"\n### 1. live uploads ({LIVE_RATE}/s for {LIVE_SECONDS:g} s) during a backfill "
+        f"of {args.backfill:,}, {args.workers} workers"
+    )
+    print(
+        table(
+            [
+                "backfill priority",
+                "live uploads",
+                "wait p50 s",
+                "wait p99 s",
+                "claims before (p50)",
+                "jobs/s",
+                f"still waiting at {CAP_S:g} s",
+            ],
+            [
+                [
+                    ("-10 (below live)" if r["priority"] < 0 else "0 (no priorities)"),
+                    r["live"],
+                    r["p50_s"],
+                    r["p99_s"],
+                    r["claims_before_p50"],
+                    r["jobs_per_s"],
+                    r["censored"],
+                ]
+                for r in result["live"]
+            ],
+        )
+    )
+    print(f"\n### 2. a small tenant ({SMALL} files) while another holds {args.backfill:,}")
+    print(
+        table(
+            [
+                "claims",
+                "wait p50 s",
+                "wait max s",
+                "claims before its last",
+                "jobs/s",
+                f"still waiting at {CAP_S:g} s",
+            ],
+            [
+                [
+                    ("shared (tenants)" if r["shared"] else "one FIFO (no tenant)"),
+                    r["p50_s"],
+                    r["max_s"],
+                    r["claims_before_last"],
+                    r["jobs_per_s"],
+                    r["censored"],
+                ]
+                for r in result["tenant"]
+            ],
+        )
+    )
+    print(
+        f"\n### 3. claim at {args.queued:,} queued rows over {args.tenants:,} tenants "
+        f"({args.claims:,} claims + commits, one client)"
+    )
+    print(
+        table(
+            ["max_in_flight_per_tenant", "claim p50 ms", "claim p99 ms", "seed s"],
+            [[r["cap"], r["p50_ms"], r["p99_ms"], r["seed_s"]] for r in result["scale"]],
+        )
+    )
+    print(
+        "\n### 4. server CPU per job at defaults (commit + next claim, one client, prepared), "
+        f"median of {args.repeat}"
+    )
+    base = result["cpu"]["baseline"][0][0]
+    print(
+        table(
+            ["build", "server CPU ms/job", "backend CPU ms/job", "vs baseline", "stdev"],
+            [
+                [k, v[0][0], v[0][1], f"{(v[0][0] / base - 1) * 100:+.1f} %", v[1]]
+                for k, v in result["cpu"].items()
+            ],
+        )
+    )
+    enq = result["enqueue_ms"]
+    print(
+        f"\nserver CPU per single-row enqueue: this build {enq['this build']:.3f} ms, "
+        f"baseline {enq['baseline']:.3f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
