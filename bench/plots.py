@@ -6,6 +6,7 @@ machine-readable outputs (bench/out/*.json), and the charts section of RESULTS.m
     derive.json      (bench/derive.py)       -> chart-derive.png: ours vs plain per input
     e2e.json         (bench/e2e.py)          -> chart-e2e.png: derivd vs a naive pool
     fleet.json       (bench/fleet.py)        -> chart-fleet.png: the fleet's figures
+    traffic.json     (bench/traffic.py)      -> chart-traffic.png: priorities, tenants
 
 A chart whose input is absent is skipped (and said so); the others are still drawn.
 matplotlib comes with the `bench` extra (`pip install -e '.[bench]'`), never with
@@ -138,12 +139,47 @@ def fleet(data: Data) -> tuple[Figure, str]:
     return fig, "Fleet figures (bench/fleet.py)"
 
 
+def traffic(data: Data) -> tuple[Figure, str]:
+    """Issue 20's four figures, each with and without the feature, side by side."""
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
+    panels = [
+        ("live upload wait, s (log)", ["p50_s", "p99_s"],
+         [("backfill at -10" if r["priority"] < 0 else "no priorities", r)
+          for r in data["live"]]),
+        ("small tenant's wait, s (log)", ["p50_s", "max_s"],
+         [("shared" if r["shared"] else "one FIFO", r) for r in data["tenant"]]),
+        ("claim at 1M queued / 10k tenants, ms", ["p50_ms", "p99_ms"],
+         [(f"cap {r['cap']}", r) for r in data["scale"]]),
+        ("server CPU per job, ms", ["server_ms"],
+         [(k, v) for k, v in data["cpu"].items()]),
+    ]  # fmt: skip
+    for ax, (title, keys, rows) in zip(axes, panels, strict=True):
+        width = 0.8 / len(keys)
+        for n, key in enumerate(keys):
+            values = [r[key] for _, r in rows]
+            ax.bar([i + n * width for i in range(len(rows))], values, width, label=key)
+            for i, v in enumerate(values):
+                ax.text(i + n * width, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks([i + width * (len(keys) - 1) / 2 for i in range(len(rows))],
+                      [label for label, _ in rows], fontsize=8)  # fmt: skip
+        if title.endswith("(log)"):
+            ax.set_yscale("log")
+        if "claim" in title:
+            ax.axhline(2.0, color="#c44", linestyle="--", linewidth=1, label="target 2 ms")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"Traffic: priorities, tenants, the claim at scale (load {data['load'][0]})")
+    return fig, "Priorities, tenants and the claim at scale (bench/traffic.py)"
+
+
 CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "throughput": throughput,
     "latency": latency,
     "derive": derive,
     "e2e": e2e,
     "fleet": fleet,
+    "traffic": traffic,
 }
 
 

@@ -180,10 +180,11 @@ END $$;
 -- commit of its finished attempts, then the claim of up to `lim` next rows (lim = 0:
 -- commit only). Rows: kind = 'committed' (id only) or 'claimed' (the claim's columns).
 --
--- derivd_commit_and_claim gains `tenant_cap` ([queue] max_in_flight_per_tenant) and
--- returns `file_id`: the file whose variants the job makes (its own id, or rederive_of),
--- under whose prefix the worker stores them. The signatures of 0008/0010 stay as
--- wrappers for hosts still on the previous release (no cap, no file_id).
+-- `tenant_cap`: [queue] max_in_flight_per_tenant (0: none). `file_id`: the file whose
+-- variants the job makes (its own id, or rederive_of), under whose prefix the worker
+-- stores them. Both came with migration 0014; the signatures without them stay, as
+-- wrappers, for hosts still on the previous release. derivd_commit and derivd_claim
+-- are thin wrappers too: one copy of each piece of logic.
 --
 -- Claim order: expired leases under the attempt cap; then due queued rows by priority
 -- DESC, fair_rank, id; every 20th call (derivd_claim_turns) by available_at, id instead.

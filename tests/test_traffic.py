@@ -139,6 +139,20 @@ def test_retried_rows_keep_their_place(queue: QueueDB) -> None:
     assert claim_ids(queue, 1) == [first]
 
 
+def test_a_pending_row_takes_its_place_when_the_upload_api_queues_it(queue: QueueDB) -> None:
+    """pending -> queued by an UPDATE (an upload API that inserts first, confirms later):
+    the row got its rank at insert, so it is not left behind every later row."""
+    enqueue(queue, 10, tenant="a")
+    row = queue.conn.execute(
+        "INSERT INTO archive_files (status, original_key, original_version, tenant)"
+        " VALUES ('pending', 'k', 'v', 'b') RETURNING id"
+    ).fetchone()
+    assert row is not None
+    enqueue(queue, 10, tenant="c")
+    queue.conn.execute("UPDATE archive_files SET status = 'queued' WHERE id = %s", (row[0],))
+    assert row[0] in claim_ids(queue, 3)
+
+
 # -- bad input --------------------------------------------------------------------------
 
 
