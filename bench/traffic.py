@@ -18,6 +18,7 @@ Scenarios 1 and 2 run the real daemon (`derivd run`, noop backend, `--workers`).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -43,7 +44,6 @@ from common import (
 from fleet import _times, load_average, server_cpu_s
 
 from derivd.embedded.pgcluster import EmbeddedCluster
-from derivd.queue.db import QueueDB
 
 LIVE_RATE = 10  # live uploads per second while a backfill drains
 LIVE_SECONDS = 15.0
@@ -79,13 +79,13 @@ LIVE = (
     "INSERT INTO archive_files (status, original_key, original_version, priority, tenant)"
     " VALUES ('queued', 'originals/live', 'v1', 0, %(tenant)s) RETURNING id"
 )
-# A file not claimed yet has waited until now (censored); `before`: the claims made
-# while it waited.
+# A file not claimed yet has waited until now (censored); `before`: the jobs finished
+# while it waited (from the events: a re-derivation's row is gone once committed).
 WAITS = """
 SELECT extract(epoch FROM coalesce(claimed_at, now()) - created_at)::float8 AS wait_s,
-       (SELECT count(*) FROM archive_files AS o
-         WHERE o.claimed_at > f.created_at
-           AND o.claimed_at < coalesce(f.claimed_at, now()))::int AS before,
+       (SELECT count(*) FROM archive_events AS e
+         WHERE e.kind = 'ready' AND e.at > f.created_at
+           AND e.at < coalesce(f.claimed_at, now()))::int AS before,
        claimed_at IS NULL AS censored
   FROM archive_files AS f WHERE f.id = ANY(%(ids)s)
 """
@@ -138,11 +138,11 @@ def _waits(dsn: str, ids: list[int]) -> tuple[list[float], list[int], int]:
 
 
 def _rate(dsn: str) -> float:
-    """Jobs per second the daemon finished (first claim to last finish)."""
+    """Jobs per second the daemon finished (its `ready` events, first to last)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT count(*) / greatest(extract(epoch FROM max(finished_at) - min(claimed_at)),"
-            " 0.001) FROM archive_files WHERE claimed_at IS NOT NULL AND finished_at IS NOT NULL"
+            "SELECT count(*) / greatest(extract(epoch FROM max(at) - min(at)), 0.001)"
+            " FROM archive_events WHERE kind = 'ready'"
         ).fetchone()
     return float(row[0]) if row else 0.0
 
@@ -204,6 +204,46 @@ def small_tenant(
 # -- 3: the claim at scale ------------------------------------------------------------------
 
 
+def _claims(dsn: str, claims: int, statement: str) -> list[float]:
+    """ms per claim (one client, prepared), each claimed row committed right after."""
+    times: list[float] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(claims):
+            t0 = time.perf_counter()
+            rows = conn.execute(statement, prepare=True).fetchall()  # type: ignore[arg-type]
+            times.append((time.perf_counter() - t0) * 1000)
+            jobs = json.dumps([{"id": r[0], "token": str(r[1]), "attempt": r[2]} for r in rows])
+            conn.execute("SELECT * FROM derivd_commit(%s::jsonb)", (jobs,), prepare=True)
+    return times
+
+
+def baseline_claim_at_scale(
+    pg: EmbeddedCluster, baseline: str, n: int, claims: int
+) -> dict[str, Any]:
+    """The baseline's claim at `n` queued rows (it has no tenants), same client loop."""
+    dsn = baseline_db(pg, "traffic_scale_base", baseline)
+    started = time.perf_counter()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SEED_QUEUED, {"n": n})
+        conn.execute("VACUUM (ANALYZE) archive_files")
+    seeded = time.perf_counter() - started
+    times = _claims(dsn, claims, CLAIM["baseline"])
+    return {
+        "cap": "baseline",
+        "p50_ms": percentile(times, 50),
+        "p99_ms": percentile(times, 99),
+        "seed_s": seeded,
+    }
+
+
+# The product's `claim` statement (sql/queries.sql): no WAL flush wait for a claim alone.
+CLAIM = {
+    label: "SELECT c.* FROM set_config('synchronous_commit', 'off', true) AS no_flush_wait,"
+    f" derivd_claim(1, 120, 3, 'b'{args}) AS c"
+    for label, args in (("baseline", ""), (0, ", 0"), (10, ", 10"))
+}
+
+
 def claim_at_scale(pg: EmbeddedCluster, n: int, tenants: int, claims: int) -> list[dict[str, Any]]:
     dsn = fresh_db(pg, "traffic_scale")
     started = time.perf_counter()
@@ -213,13 +253,7 @@ def claim_at_scale(pg: EmbeddedCluster, n: int, tenants: int, claims: int) -> li
     seeded = time.perf_counter() - started
     rows = []
     for cap in (0, 10):
-        times: list[float] = []
-        with QueueDB.open(dsn, role="bench") as queue:
-            for _ in range(claims):
-                t0 = time.perf_counter()
-                [job] = queue.claim_many(limit=1, lease_s=120, max_attempts=3, tenant_cap=cap)
-                times.append((time.perf_counter() - t0) * 1000)
-                queue.commit_many([(job, [])])
+        times = _claims(dsn, claims, CLAIM[cap])
         rows.append(
             {
                 "cap": cap,
@@ -314,8 +348,6 @@ def cpu_per_job(pg: EmbeddedCluster, label: str, baseline: str, jobs: int) -> tu
         held: list[tuple[Any, ...]] = []
 
         def one() -> None:
-            import json
-
             jobs_json = json.dumps(
                 [{"id": r[1], "token": str(r[2]), "attempt": r[3], "variants": []} for r in held]
             )
@@ -368,6 +400,7 @@ def main() -> None:
         result["enqueue_ms"] = enqueue_cost(pg, args.baseline, 2000)
         _step(f"claim at {args.queued:,} queued over {args.tenants:,} tenants")
         result["scale"] = claim_at_scale(pg, args.queued, args.tenants, args.claims)
+        result["scale"].append(baseline_claim_at_scale(pg, args.baseline, args.queued, args.claims))
         result["live"] = []
         for priority in (-10, 0):
             _step(f"live uploads during a backfill at priority {priority}")
