@@ -33,7 +33,6 @@ from derivd.config import Config
 from derivd.errors import CorruptContent
 from derivd.handlers.base import DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
-from derivd.jobs import IdleWait, Worker
 from derivd.ops.logs import JsonFormatter, TextFormatter
 from derivd.ops.sweep import Sweeper
 from derivd.queue.db import QueueDB
@@ -41,6 +40,7 @@ from derivd.queue.retry import retry_delay
 from derivd.storage.base import ObjectMissing, Storage, StorageUnavailable, derived_prefix
 from derivd.storage.fs import FsStorage
 from derivd.storage.s3 import S3Storage
+from derivd.worker import IdleWait, Worker
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -13,10 +13,10 @@ from PIL import Image
 
 from derivd.config import Config
 from derivd.handlers.registry import create_handler
-from derivd.jobs import Worker
 from derivd.ops.enqueue import upload_and_queue
 from derivd.queue.db import QueueDB
 from derivd.storage.base import Storage, open_storage
+from derivd.worker import Worker
 
 
 def jpeg(width: int, height: int) -> bytes:

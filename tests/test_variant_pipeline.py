@@ -15,9 +15,9 @@ from test_pipeline import enqueue_bytes, jpeg
 
 from derivd.config import Config, VariantSettings
 from derivd.handlers.registry import create_handler
-from derivd.jobs import Worker
 from derivd.queue.db import QueueDB
 from derivd.storage.base import open_storage
+from derivd.worker import Worker
 
 SECTIONS = {
     "card": VariantSettings(size="300x200", fit="cover", format="avif, webp, jpeg"),

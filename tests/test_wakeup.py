@@ -14,11 +14,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from fixtures.idle import LIVENESS_S, IdleDaemon, idle_daemon
+from fixtures.idle import LIVENESS_S, NOTIFY_CHANNEL, IdleDaemon, idle_daemon
 from fixtures.work import claim_one, commit_one
 from helpers import wait_for
 
-from derivd.jobs import NOTIFY_CHANNEL
 from derivd.queue.db import QueueDB
 
 MARKER = "marker"

@@ -42,7 +42,7 @@ log = logging.getLogger("derivd.sweep")
 
 LEASE_NAME = "sweep"
 # Long enough for one batch of storage deletes; the lease is renewed before each batch.
-# (A pass the supervisor kills has its lease given back at once: see processes.sweeper.)
+# (A pass the supervisor kills has its lease given back at once: see processes.sweep_child.)
 LEASE_TTL_S = 120.0
 PARTITIONS_AHEAD_DAYS = 8
 

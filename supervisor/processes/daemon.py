@@ -3,7 +3,7 @@
 The embedded database (an empty `[database] dsn`) is started here, in the parent, before
 any fork; the children connect to it like to any other PostgreSQL. The pidfile and the
 metrics endpoint (with the dashboard) live as long as the supervisor. See
-`derivd.processes.arbiter` for the fleet and `derivd.processes.child` for one worker.
+`derivd.processes.supervisor` for the fleet and `derivd.processes.child` for one worker.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from derivd.config import Config, load_config
 from derivd.embedded.runtime import database
 from derivd.ops.dashboard import Dashboard
 from derivd.ops.metrics import Metrics
-from derivd.processes.arbiter import Arbiter, RunResult
 from derivd.processes.procutil import Pidfile, PidfileError
+from derivd.processes.supervisor import RunResult, Supervisor
 from derivd.queue.db import DatabaseUnavailable, connect, is_pooled
 from derivd.redact import redact
 
@@ -73,7 +73,7 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
         return RunResult(1, str(error))
     try:
         metrics = Metrics()
-        arbiter = Arbiter(config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config))
+        arbiter = Supervisor(config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config))
         if config.metrics.listen:
             # The dashboard follows the supervisor's current config (SIGHUP reloads it).
             dashboard = Dashboard(dsn, lambda: arbiter.config, metrics)

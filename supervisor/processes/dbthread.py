@@ -45,7 +45,7 @@ class Task:
     then: Callable[[Any], None] | None  # called in the loop with the result (None: failed)
 
 
-class Upkeep:
+class DatabaseThread:
     def __init__(
         self,
         dsn: str,
@@ -80,7 +80,7 @@ class Upkeep:
     @classmethod
     def for_supervisor(
         cls, dsn: str, config: Config, *, wake: Callable[[], None], listen: bool
-    ) -> Upkeep:
+    ) -> DatabaseThread:
         q = config.queue
         return cls(
             dsn,

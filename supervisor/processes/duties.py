@@ -3,7 +3,7 @@ job held on this host, optional renewal, host registry), maintenance (reject exh
 rows), stats (queue gauges, host registry, pruning stale hosts), and the attempts it ends
 itself (timeouts, releases, lost leases).
 
-`Duties` hands each one to `derivd.processes.upkeep` (run on its thread) and reads the
+`Duties` hands each one to the database thread (`derivd.processes.dbthread`) and reads the
 answers back in the loop; what to do about a lost lease is the arbiter's (`on_lost`).
 """
 
@@ -22,8 +22,8 @@ from derivd import __version__
 from derivd.config import Config
 from derivd.ops.logs import event
 from derivd.ops.metrics import Metrics
+from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.pipe import WorkerProc
-from derivd.processes.upkeep import Upkeep
 from derivd.queue.db import HostInfo, Job, QueueDB, QueueStats
 from derivd.queue.retry import record_failure
 
@@ -115,12 +115,12 @@ def stats_task(config: Config) -> Callable[[QueueDB], Snapshot]:
 
 
 class Duties:
-    """The supervisor's database duties, on their timers, through `upkeep`'s thread."""
+    """The supervisor's database duties, on their timers, through the database thread."""
 
     def __init__(
-        self, upkeep: Upkeep, metrics: Metrics, on_lost: Callable[[set[uuid.UUID]], None]
+        self, db_thread: DatabaseThread, metrics: Metrics, on_lost: Callable[[set[uuid.UUID]], None]
     ) -> None:
-        self.upkeep = upkeep
+        self.db_thread = db_thread
         self.metrics = metrics
         self.on_lost = on_lost  # the arbiter kills the workers running these leases
         self.schedule = Schedule()
@@ -130,20 +130,20 @@ class Duties:
         """Whatever is due: heartbeat, maintenance, stats. Never waits."""
         last = self.beat.last_ok
         self.metrics.set_heartbeat_age(None if last is None else now - last)
-        self.upkeep.check_stuck(now)
+        self.db_thread.check_stuck(now)
         q, sched = config.queue, self.schedule
         if now >= sched.heartbeat:
             sched.heartbeat = now + q.heartbeat_s
             self.send_heartbeat(config, held_jobs(workers), busy)
         if now >= sched.maintenance:
             sched.maintenance = now + q.poll_interval
-            self.upkeep.submit("reject_exhausted", _reject_exhausted(config), single=True)
+            self.db_thread.submit("reject_exhausted", _reject_exhausted(config), single=True)
         if now >= sched.stats:
             sched.stats = now + config.metrics.interval
-            self.upkeep.submit("stats", stats_task(config), self.on_stats, single=True)
+            self.db_thread.submit("stats", stats_task(config), self.on_stats, single=True)
 
     def send_heartbeat(self, config: Config, jobs: list[Job], busy: int) -> None:
-        self.upkeep.submit(
+        self.db_thread.submit(
             "heartbeat",
             heartbeat_task(config, jobs, busy),
             lambda valid: self.on_heartbeat(jobs, valid),
@@ -192,7 +192,7 @@ class Duties:
                 status=status or "lease_lost or database unavailable",
             )
 
-        self.upkeep.submit("fail", fail, logged)
+        self.db_thread.submit("fail", fail, logged)
 
     def release(self, job: Job) -> None:
         """Fenced: a row that moved on since (committed, reclaimed) just gets `lease_lost`."""
@@ -200,7 +200,7 @@ class Duties:
         def logged(released: bool | None) -> None:
             event(log, "job released", file_id=job.id, attempt=job.attempt, released=bool(released))
 
-        self.upkeep.submit("release", lambda db: db.release(job), logged)
+        self.db_thread.submit("release", lambda db: db.release(job), logged)
 
     def lease_lost(self, job: Job, slot: int) -> None:
         self.metrics.job_killed_lease_lost()
@@ -212,7 +212,7 @@ class Duties:
             attempt=job.attempt,
             slot=slot,
         )
-        self.upkeep.submit("lease_lost", lambda db: db.record_lease_lost(job))
+        self.db_thread.submit("lease_lost", lambda db: db.record_lease_lost(job))
 
     def give_back_leases(self, abandoned: list[uuid.UUID], name: str) -> None:
         """Drop leases their holders could not (a sweep pass killed mid-way), fenced on
@@ -226,17 +226,17 @@ class Duties:
             if dropped is None:
                 abandoned.append(holder)
 
-        self.upkeep.submit(f"drop_lease:{holder}", lambda db: db.drop_lease(name, holder), retry)
+        self.db_thread.submit(f"drop_lease:{holder}", lambda db: db.drop_lease(name, holder), retry)
 
     # -- the host registry -------------------------------------------------------------
 
     def register(self, config: Config) -> HostInfo:
         host = host_info(config, busy=0)
-        self.upkeep.submit("register", lambda db: db.register_host(host))
+        self.db_thread.submit("register", lambda db: db.register_host(host))
         return host
 
     def deregister(self, host: HostInfo) -> None:
-        self.upkeep.submit("deregister", lambda db: db.deregister_host(host.host, host.pid))
+        self.db_thread.submit("deregister", lambda db: db.deregister_host(host.host, host.pid))
 
 
 def _reject_exhausted(config: Config) -> Callable[[QueueDB], list[int]]:

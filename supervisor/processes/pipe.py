@@ -40,7 +40,7 @@ from derivd.processes.procutil import rss_mb, set_proctitle
 from derivd.queue.db import Job
 
 if TYPE_CHECKING:
-    from derivd.jobs import JobResult
+    from derivd.worker import JobResult
 
 log = logging.getLogger("derivd.supervisor")
 
@@ -74,7 +74,7 @@ def encode_lines(kind: str, key: str, items: Sequence[Any], **extra: Any) -> lis
 
 
 class Reporter:
-    """The worker's hooks (derivd.jobs.WorkerHooks) over the status and progress pipes;
+    """The worker's hooks (derivd.worker.WorkerHooks) over the status and progress pipes;
     also decides an RSS recycle after each reported batch of outcomes."""
 
     def __init__(self, status_w: int, progress_w: int, *, slot: int, max_rss_mb: int) -> None:

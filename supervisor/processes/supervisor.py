@@ -3,7 +3,7 @@
 The parent never imports pyvips and never holds a storage client: children build their
 own after fork (`derivd.processes.child`). Its own database work (fail the attempt of a
 worker it killed past `job_timeout`, release jobs, reject exhausted rows, queue stats,
-LISTEN) is `derivd.processes.upkeep`; what a worker's exit means is
+LISTEN) is `derivd.processes.dbthread`; what a worker's exit means is
 `derivd.processes.lifecycle`; the pipes are `derivd.processes.pipe`.
 
 Signal handlers only queue the signal and write to a wake-up pipe; the main loop
@@ -27,6 +27,7 @@ from derivd.config import Config, ConfigError
 from derivd.ops.logs import event
 from derivd.ops.metrics import Metrics
 from derivd.processes.child import ChildSpec, run_child
+from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.duties import Duties, to_kill
 from derivd.processes.lifecycle import (
     BootFailure,
@@ -42,8 +43,7 @@ from derivd.processes.lifecycle import (
 )
 from derivd.processes.pipe import WorkerProc
 from derivd.processes.procutil import SignalQueue, sd_notify, set_proctitle, watchdog_interval
-from derivd.processes.sweeper import SweepProcess
-from derivd.processes.upkeep import Upkeep
+from derivd.processes.sweep_child import SweepChild
 from derivd.queue.db import Job
 
 log = logging.getLogger("derivd.supervisor")
@@ -66,7 +66,7 @@ class RunResult:
     message: str | None = None
 
 
-class Arbiter:
+class Supervisor:
     def __init__(
         self,
         config: Config,
@@ -95,12 +95,14 @@ class Arbiter:
         self.watchdog_at = 0.0
         self.title = ""
         # One LISTEN connection for the fleet (none in --burst: no worker ever idles).
-        self.upkeep = Upkeep.for_supervisor(dsn, config, wake=self.signals.wake, listen=not burst)
-        self.upkeep.on_notify = self.on_notify
-        self.upkeep.on_listening = self.on_listening
-        self.duties = Duties(self.upkeep, self.metrics, self.on_lost)
+        self.db_thread = DatabaseThread.for_supervisor(
+            dsn, config, wake=self.signals.wake, listen=not burst
+        )
+        self.db_thread.on_notify = self.on_notify
+        self.db_thread.on_listening = self.on_listening
+        self.duties = Duties(self.db_thread, self.metrics, self.on_lost)
         self.status_at = 0.0
-        self.sweeper = SweepProcess()
+        self.sweeper = SweepChild()
 
     # -- signals -----------------------------------------------------------------------
 
@@ -167,7 +169,7 @@ class Arbiter:
         """Descriptors a forked child must close: the other children's pipes, the wake-up
         pipe, the LISTEN connection and the metrics socket are the parent's alone."""
         fds = [fd for w in self.workers.values() for fd in w.fds()]
-        fds += [*self.signals.fds(), *self.upkeep.fds()]
+        fds += [*self.signals.fds(), *self.db_thread.fds()]
         metrics_fd = self.metrics.fileno()
         if metrics_fd is not None:
             fds.append(metrics_fd)
@@ -466,7 +468,7 @@ class Arbiter:
                 self.signals.drain()
             else:
                 self.read_status(by_fd[fd])
-        self.upkeep.poll()  # last: the workers' own news is read first
+        self.db_thread.poll()  # last: the workers' own news is read first
 
     def finished(self) -> bool:
         if self.workers:
@@ -487,7 +489,7 @@ class Arbiter:
             backend=self.config.derive.backend,
             burst=self.burst,
         )
-        self.upkeep.start()
+        self.db_thread.start()
         host = self.duties.register(self.config)
         try:
             while True:
@@ -509,7 +511,7 @@ class Arbiter:
             self.duties.give_back_leases(self.sweeper.abandoned, "sweep")
             if self.outcome is None:  # a clean stop: leave the registry
                 self.duties.deregister(host)
-            self.upkeep.close(self._close_timeout())
+            self.db_thread.close(self._close_timeout())
         outcome = self.outcome or RunResult(0)
         event(log, "supervisor stopped", code=outcome.code)
         return outcome

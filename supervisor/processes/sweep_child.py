@@ -25,7 +25,7 @@ from derivd.processes.procutil import set_pdeathsig, set_proctitle
 log = logging.getLogger("derivd.sweep")
 
 
-class SweepProcess:
+class SweepChild:
     def __init__(self) -> None:
         self.pid: int | None = None
         self.started = 0.0
