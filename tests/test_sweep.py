@@ -58,7 +58,6 @@ def sweeper(queue: QueueDB, storage: Storage, **guards: float) -> Sweeper:
         storage,
         orphan_guard=guards.get("orphan_guard", 30.0),
         delete_guard=guards.get("delete_guard", 30.0),
-        max_attempts=3,
     )
 
 
@@ -189,26 +188,6 @@ def test_deletion_removes_every_version_and_every_derived_object_once(
     assert len(queue.file_variants(tenth_id)) == 1
     # A second pass finds nothing left to do.
     assert sweeper(queue, storage, delete_guard=0.0).run_once() == SweepReport()
-
-
-def test_expired_lease_on_the_last_attempt_is_rejected_by_the_sweep(
-    queue: QueueDB, fs_root: Path
-) -> None:
-    """A busy queue is never idle, so workers would not get round to it: the sweep does."""
-    storage = FsStorage(fs_root)
-    file_id, _ = stored_original(queue, storage)
-    for attempt in (1, 2, 3):
-        job = claim_one(queue, lease_s=LEASE, max_attempts=3)
-        assert job is not None and job.attempt == attempt
-        sql(queue.dsn or "", "UPDATE archive_files SET lease_until = now() - interval '1 s'")
-    assert claim_one(queue, lease_s=LEASE, max_attempts=3) is None  # not a fourth run
-    report = sweeper(queue, storage).run_once()
-    assert report.exhausted == [file_id]
-    row = queue.file_row(file_id)
-    assert row is not None and (row["status"], row["error_code"]) == (
-        "rejected",
-        "attempts_exhausted",
-    )
 
 
 def test_a_second_sweeper_skips_while_one_is_working(
