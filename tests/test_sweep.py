@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -223,6 +223,46 @@ def test_a_sweeper_whose_lease_was_taken_over_stops(
         assert other.take_lease("sweep", uuid.uuid4(), ttl_s=LEASE)
     with pytest.raises(SweepLeaseLost):
         first._renew()
+
+
+class SlowStore(FsStorage):
+    """A store whose every delete takes a minute (of the sweeper's clock): at the second
+    one another host's sweep takes the lease over, as it would once ours expired."""
+
+    def __init__(self, root: Path, clock: list[float], steal: Callable[[], None]) -> None:
+        super().__init__(root)
+        self.clock, self.steal, self.deletes = clock, steal, 0
+
+    def delete_all_versions(self, key: str) -> int:
+        self.deletes += 1
+        self.clock[0] += 60.0
+        if self.deletes == 2:
+            self.steal()
+        return super().delete_all_versions(key)
+
+
+def test_the_lease_is_renewed_within_a_batch_and_the_pass_stops_when_it_cannot(
+    queue: QueueDB, dsn: str, fs_root: Path
+) -> None:
+    keys = [k for _ in range(3) for k in orphan(queue, FsStorage(fs_root))[1]]
+    age_orphans(dsn, 3600)
+    clock = [0.0]
+
+    def steal() -> None:
+        sql(dsn, "UPDATE derivd_leases SET holder = gen_random_uuid() WHERE name = 'sweep'")
+
+    store = SlowStore(fs_root, clock, steal)
+    pass_ = Sweeper(queue, store, orphan_guard=30.0, delete_guard=30.0, clock=lambda: clock[0])
+    report = pass_.run_once()
+    # Two deletes (two minutes of a 120 s lease) went through with renewals; the third
+    # found the lease gone and stopped the pass, though its batch was not finished.
+    assert report.error is not None and "lease" in report.error
+    assert store.deletes == 2 and len(report.orphans_deleted) == 2
+    assert sorted(storage_keys(fs_root)) == sorted(set(keys) - set(report.orphans_deleted))
+
+
+def storage_keys(fs_root: Path) -> list[str]:
+    return list(FsStorage(fs_root).list_keys("derived/"))
 
 
 def test_concurrent_sweepers_remove_each_thing_exactly_once(dsn: str, fs_root: Path) -> None:
