@@ -81,12 +81,6 @@ def defaults(**env: str) -> Config:
     return load_config(None, env=env)
 
 
-@pytest.fixture
-def queue(dsn: str) -> Iterator[QueueDB]:
-    with QueueDB.open(dsn, role="test") as q:
-        yield q
-
-
 def test_numbers_match_the_database_and_the_status_verdict(dsn: str, queue: QueueDB) -> None:
     seed_queue(queue, ready=4, rejected=2, queued=3, expired=2)
     cfg = defaults(DERIVD_STATUS_MIN_FINISHED="5")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -48,12 +48,6 @@ def settings(**sections: dict[str, Any]) -> Callable[[], Config]:
     for section, values in sections.items():
         config = config.replace(section, **values)
     return lambda: config
-
-
-@pytest.fixture
-def queue(dsn: str) -> Iterator[QueueDB]:
-    with QueueDB.open(dsn) as q:
-        yield q
 
 
 # -- the contract ------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from botocore.config import Config as BotoConfig
 from configs import make_config
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY
-from fixtures.work import run_job, run_one
+from fixtures.work import make_worker, run_job, run_one
 from helpers import sql, wait_for
 from PIL import Image
 
@@ -143,23 +143,6 @@ def fs_config(dsn: str, root: Path, **sections: dict[str, Any]) -> Config:
 
 def pillow(config: Config) -> Handler:
     return create_handler("pillow", config.derive.spec())
-
-
-def make_worker(
-    config: Config,
-    dsn: str,
-    storage: Storage,
-    handler: Handler | None = None,
-    *,
-    rng: random.Random | None = None,
-) -> Worker:
-    return Worker(
-        config,
-        queue=QueueDB.open(dsn),
-        storage=storage,
-        handler=handler or pillow(config),
-        rng=rng,
-    )
 
 
 def enqueue_original(dsn: str, storage: Storage, data: bytes | None = None) -> tuple[int, str]:
@@ -303,7 +286,7 @@ def test_storage_outage_requeues_with_growing_jittered_delay_then_succeeds(
     )
     storage = s3_storage(url, s3_bucket)
     file_id, _ = enqueue_original(dsn, storage)
-    worker = make_worker(config, dsn, storage, rng=random.Random(42))
+    worker = make_worker(config, dsn, storage, pillow(config), rng=random.Random(42))
     worker_cleanup.append(worker)
     expected = random.Random(42)  # the same draws the worker will make
 
@@ -356,7 +339,7 @@ def test_fixed_retry_delay_without_jitter(
     )
     storage = s3_storage(url, s3_bucket)
     file_id, _ = enqueue_original(dsn, storage)
-    worker = make_worker(config, dsn, storage)
+    worker = make_worker(config, dsn, storage, pillow(config))
     worker_cleanup.append(worker)
     proxy.fail(p=1.0)
     for _ in range(2):
@@ -488,7 +471,7 @@ def test_crash_after_put_leaves_an_orphan_the_sweep_removes_after_the_guard(
 
     def child() -> None:
         storage = DiesAfterFirstPut(s3_storage(endpoint, s3_bucket))
-        run_one(make_worker(config, dsn, storage))
+        run_one(make_worker(config, dsn, storage, pillow(config)))
 
     assert run_in_child(child) == 70
     crashed = row(dsn, file_id)
@@ -507,7 +490,7 @@ def test_crash_after_put_leaves_an_orphan_the_sweep_removes_after_the_guard(
 
     # Another worker takes the expired lease over and commits its own objects.
     wait_for(lambda: lease_expired_or_final(dsn, file_id), "the crashed attempt's lease")
-    worker = make_worker(config, dsn, s3_storage(endpoint, s3_bucket))
+    worker = make_worker(config, dsn, s3_storage(endpoint, s3_bucket), pillow(config))
     worker_cleanup.append(worker)
     result = run_one(worker)
     assert result is not None and result.outcome == "ready" and result.job.attempt == 2
@@ -629,7 +612,7 @@ def test_no_row_event_or_log_line_holds_exception_text_or_credentials(
     flaky = ScriptedGetFailures(
         real, [StorageUnavailable(secret_text), ConnectionError(secret_text), None]
     )
-    worker = make_worker(config, dsn, flaky)
+    worker = make_worker(config, dsn, flaky, pillow(config))
     worker_cleanup.append(worker)
     proxy.fail(p=1.0, code="ServiceUnavailable")
     for _ in range(3):

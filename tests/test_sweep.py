@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,12 +44,6 @@ def age_deletions(dsn: str, seconds: int) -> None:
         f"UPDATE archive_files SET updated_at = updated_at - interval '{seconds} s' "
         "WHERE status = 'deleting'",
     )
-
-
-@pytest.fixture
-def queue(dsn: str) -> Iterator[QueueDB]:
-    with QueueDB.open(dsn) as q:
-        yield q
 
 
 def sweeper(queue: QueueDB, storage: Storage, **guards: float) -> Sweeper:
