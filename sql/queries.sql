@@ -450,5 +450,5 @@ SELECT derivd_rehome_default_events(
 
 -- name: default_events
 -- Whether the DEFAULT partition holds events (days no partition covered: the partition
--- upkeep was away longer than it creates ahead): `derivd status` warns.
+-- duty was away longer than it creates ahead): `derivd status` warns.
 SELECT EXISTS (SELECT 1 FROM archive_events_default) AS present;

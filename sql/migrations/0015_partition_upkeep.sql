@@ -1,13 +1,13 @@
--- Event partitions that recover from a long outage of their upkeep (issue 21, item 12).
+-- Event partitions that recover from a long outage of the duty that makes them (issue 21, item 12).
 --
--- Why: partitions are made 8 days ahead; a fleet whose partition upkeep stopped for
+-- Why: partitions are made 8 days ahead; a fleet whose partition rounds stopped for
 -- longer (sweep off, supervisors down while workers of an older release ran) logged its
 -- events into archive_events_default. derivd_event_partitions then skipped every day
 -- that DEFAULT held rows of (creating it would have to move them), so those days kept
 -- landing in DEFAULT, and DEFAULT was dropped only once its newest row was past
 -- retention: with one recent row it held the old ones forever.
 --
--- Now the upkeep moves DEFAULT's rows out: derivd_rehome_default_events swaps in an
+-- Now each round moves DEFAULT's rows out: derivd_rehome_default_events swaps in an
 -- empty DEFAULT partition, creates the day partition of every day the old one held
 -- (within retention), copies those rows there (ids kept) and drops the old table with
 -- whatever was past retention. Every DDL statement here takes ACCESS EXCLUSIVE on

@@ -63,7 +63,7 @@ RECENT_EVENTS: tuple[tuple[str, EventKind], ...] = (
 
 
 DEFAULT_EVENTS = (
-    "archive_events_default holds events: days no partition covered (the partition upkeep "
+    "archive_events_default holds events: days no partition covered (the partition duty "
     "was away longer than the week it creates ahead); a supervisor moves them out within "
     "[sweep] partitions_interval, or run `derivd sweep`"
 )

@@ -18,7 +18,7 @@ write and no wake-up of the parent), the child writes a fixed-size record per jo
 the lease token and the CLOCK_MONOTONIC start time (the parent's deadline for that job).
 
 The parent writes WAKE to the child's command pipe to end an idle wait; stopping is
-SIGTERM, killing is SIGKILL to the child's process group (the arbiter's business).
+SIGTERM, killing is SIGKILL to the child's process group (the supervisor's business).
 """
 
 from __future__ import annotations

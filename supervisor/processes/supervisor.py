@@ -383,7 +383,7 @@ class Supervisor:
 
     def on_crash(self, worker: WorkerProc, slot: Slot, how: str) -> None:
         # The row stays `processing`; its lease expires and the next claim counts the
-        # attempt (or reject_exhausted ends it): a job that kills workers cannot loop.
+        # attempt (or the ExhaustedRejection duty ends it): a job that kills workers cannot loop.
         event(
             log,
             "worker died",

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the parent never imports the sweep's storage clients
 log = logging.getLogger("derivd.sweep")
 
 
-class SweepChild(Duty[SweepReport]):
+class SweepChild(Duty["SweepReport"]):
     name = "sweep"
 
     def __init__(
