@@ -30,6 +30,16 @@ SELECT to_regclass('derivd_migrations') IS NOT NULL AS present;
 -- name: migrations_record
 INSERT INTO derivd_migrations (name) VALUES (%(name)s);
 
+-- name: functions_missing
+-- Which of the functions this derivd calls (`names`: those of sql/functions.sql) the
+-- database lacks. A release may add a function without a migration; its hosts must not
+-- start before `derivd migrate` has created it.
+SELECT n AS name
+  FROM unnest(%(names)s::text[]) AS n
+ WHERE NOT EXISTS (SELECT 1 FROM pg_proc AS p
+                    WHERE p.proname = n AND pg_function_is_visible(p.oid))
+ ORDER BY n;
+
 -- name: enqueue
 -- Queue confirmed originals (key and version already stored). Returns the new ids in order.
 INSERT INTO archive_files (status, original_key, original_version)

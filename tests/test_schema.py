@@ -10,7 +10,8 @@ against an empty database.
 
 Issue 22: sql/schema.sql and sql/functions.sql are the readable home of the schema; an
 empty database migrated is exactly them (pg_dump of both), and every `migrate` puts
-functions.sql's bodies back, except on a database a newer derivd migrated.
+functions.sql's bodies back, except on a database a newer derivd migrated; a function
+this version needs and the database lacks is refused like a missing migration.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from fixtures.cli import derivd_command
 from helpers import sql, wait_for
 
 from derivd.embedded.pgcluster import EmbeddedCluster
-from derivd.queue.db import SchemaMismatch, migrate
+from derivd.queue.db import SchemaMismatch, check_schema, migrate
 from derivd.queue.sqlfiles import functions, migrations, queries
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
@@ -313,3 +314,17 @@ def test_migrate_leaves_a_newer_schemas_functions_alone(dsn: str) -> None:
     with pytest.raises(SchemaMismatch, match="schema is newer"):
         migrate(dsn)
     assert function_bodies(dsn) == newer
+
+
+def test_a_function_added_without_a_migration_is_refused_until_migrate(dsn: str) -> None:
+    """A release may add a function to functions.sql alone: its hosts must not start on a
+    database the previous release migrated (their first call would fail), but say so."""
+    sql(dsn, "DROP FUNCTION derivd_host_stale(timestamptz, float8)")
+    with pytest.raises(SchemaMismatch) as refused:
+        check_schema(dsn)
+    assert str(refused.value) == (
+        "the database schema is behind this derivd (missing: derivd_host_stale()); "
+        "run `derivd migrate`"
+    )
+    assert migrate(dsn) == []
+    check_schema(dsn)
