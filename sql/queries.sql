@@ -61,10 +61,11 @@ UNLISTEN {channel};
 -- name: claim
 -- Lease up to `limit` claimable rows (expired leases under the attempt cap first, then
 -- the oldest due queued rows), each with its own fresh token and lease (derivd_claim in
--- sql/functions.sql). The claim alone commits without waiting for its WAL flush (synchronous_commit off for this one transaction only): a claim lost in
--- a server crash just leaves the rows as they were, and each attempt's fenced commit,
--- fail or release, all durable, flush it anyway. That halves the flushes a job waits
--- for; the fence (the token) is untouched.
+-- sql/functions.sql). The claim alone commits without waiting for its WAL flush
+-- (synchronous_commit off for this one transaction only): a claim lost in a server crash
+-- just leaves the rows as they were, and each attempt's fenced commit, fail or release,
+-- all durable, flush it anyway. That halves the flushes a job waits for; the fence (the
+-- token) is untouched.
 SELECT c.*
   FROM set_config('synchronous_commit', 'off', true) AS no_flush_wait,
        derivd_claim(%(limit)s::integer, %(lease_s)s::float8, %(max_attempts)s::integer,
@@ -86,16 +87,17 @@ SELECT id FROM derivd_commit(%(jobs)s::jsonb) AS id;
 -- name: commit_and_claim
 -- A worker's steady state in one round trip and one durable transaction: the commit,
 -- then the claim, in one function body (derivd_commit_and_claim in sql/functions.sql;
--- derivd_commit and derivd_claim wrap it). Rows: kind = 'committed' (id) or 'claimed' (the claim's columns).
+-- derivd_commit and derivd_claim wrap it). Rows: kind = 'committed' (id) or 'claimed'
+-- (the claim's columns).
 SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, %(limit)s::integer,
                                       %(lease_s)s::float8, %(max_attempts)s::integer,
                                       %(host)s::text);
 
 -- name: fail
--- The fenced failure (derivd_fail in sql/functions.sql). retry = true: back to `queued` after
--- delay_s unless the attempts are used up; retry = false (content errors): `rejected` at
--- once. `extra_event` (e.g. 'timeout') is appended too. Returns the new status, or no
--- row when the fence failed (a `lease_lost` event is appended instead).
+-- The fenced failure (derivd_fail in sql/functions.sql). retry = true: back to `queued`
+-- after delay_s unless the attempts are used up; retry = false (content errors):
+-- `rejected` at once. `extra_event` (e.g. 'timeout') is appended too. Returns the new
+-- status, or no row when the fence failed (a `lease_lost` event is appended instead).
 SELECT status, error_code
   FROM derivd_fail(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer, %(retry)s::boolean,
                    %(code)s::text, %(max_attempts)s::integer, %(delay_s)s::float8,
