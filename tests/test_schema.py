@@ -280,6 +280,24 @@ def test_migrations_produce_schema_sql_and_functions_sql(
     assert migrated == from_files, "\n".join(drift)
 
 
+# The first migration written after functions.sql became the home of every body.
+FIRST_AFTER_FUNCTIONS_SQL = "0012"
+
+
+def test_no_newer_migration_replaces_a_function() -> None:
+    """`migrate` runs functions.sql after the migrations: a body a migration replaced
+    would be put back at once, silently. A new body goes into functions.sql. (A migration
+    may still CREATE a new function it needs itself, e.g. for a trigger, which then
+    lives on in functions.sql.)"""
+    replaces = re.compile(r"CREATE\s+OR\s+REPLACE\s+FUNCTION", re.IGNORECASE)
+    offenders = [
+        m.name
+        for m in migrations()
+        if m.name >= FIRST_AFTER_FUNCTIONS_SQL and replaces.search(m.sql)
+    ]
+    assert offenders == [], f"change these functions in sql/functions.sql: {offenders}"
+
+
 def function_bodies(dsn: str) -> dict[str, str]:
     rows = sql(
         dsn,
