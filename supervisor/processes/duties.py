@@ -373,7 +373,11 @@ class Listening(DatabaseDuty[str]):
         return self.config().database.listen_retry
 
     def run_once(self, db: QueueDB) -> str:
-        """`listening` (a new connection), `connected`, `pooled` or `unavailable`."""
+        """`listening` (a new connection), `connected`, `pooled`, `unavailable`, or `off`
+        while [queue] listen = no (a reload may turn it on or off)."""
+        if not self.config().queue.listen:
+            self.listener.close()
+            return "off"
         return self.listener.connect()
 
     def on_result(self, result: str | None) -> None:
