@@ -46,7 +46,7 @@ pytest: install
 
 # Each tier alone; `make test` runs them all in one pytest session.
 test-unit: install
-	DERIVD_TEST_TIER=unit $(BIN)/pytest -q -n $(PYTEST_WORKERS) -m unit tests
+	PYTEST_DERIVD_TIER=unit $(BIN)/pytest -q -n $(PYTEST_WORKERS) -m unit tests
 test-integration: install
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m integration tests
 test-acceptance: install

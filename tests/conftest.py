@@ -45,7 +45,7 @@ TEMPLATE_DB = "derivd_template"
 # --------------------------------------------------------------------------- tiers
 # unit: no services; integration: PostgreSQL and/or moto's S3; acceptance: the `derivd`
 # process itself. A test's tier follows from the fixtures it uses (or an explicit
-# marker), so `pytest -m unit` runs alone; with DERIVD_TEST_TIER=unit the service fixtures
+# marker), so `pytest -m unit` runs alone; with PYTEST_DERIVD_TIER=unit the service fixtures
 # fail, which proves that the unit tier needs none.
 SERVICE_FIXTURES = frozenset(
     {
@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _refuse_services_in_unit_tier() -> None:
-    if os.environ.get("DERIVD_TEST_TIER") == "unit":
+    if os.environ.get("PYTEST_DERIVD_TIER") == "unit":
         pytest.fail("a unit-tier test asked for a service fixture")
 
 

@@ -198,6 +198,6 @@ def test_the_rendered_dashboard_matches_the_database(
     problems = {p["signal"] for p in report["problems"]}
     assert problems == {"recent_rejected_ratio"}
 
-    out = os.environ.get("DERIVD_DASHBOARD_SCREENSHOT")
-    if out:  # DERIVD_DASHBOARD_SCREENSHOT=docs/dashboard.png: the README's picture
+    out = os.environ.get("PYTEST_DERIVD_SCREENSHOT")
+    if out:  # PYTEST_DERIVD_SCREENSHOT=docs/dashboard.png: the README's picture
         screenshot(url, profile, Path(out))

@@ -341,7 +341,10 @@ def run_status(
     from derivd.embedded.runtime import database
 
     try:
-        with database(config) as dsn, QueueDB.open(dsn, role="derivd-status") as queue:
+        with (
+            database(config, read_only=True) as dsn,
+            QueueDB.open(dsn, role="derivd-status") as queue,
+        ):
             if not watch:
                 code, text = check_once(queue, config.status, as_json_out=as_json_out)
                 click.echo(text)

@@ -8,6 +8,7 @@ metrics endpoint (with the dashboard) live as long as the supervisor. See
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,11 +16,13 @@ from pathlib import Path
 from derivd.config import Config, load_config
 from derivd.embedded.runtime import database
 from derivd.ops.dashboard import Dashboard
-from derivd.ops.metrics import Metrics
+from derivd.ops.metrics import Metrics, listening_line
 from derivd.processes.arbiter import Arbiter, RunResult
 from derivd.processes.procutil import Pidfile, PidfileError
 from derivd.queue.db import DatabaseUnavailable, connect, is_pooled
 from derivd.redact import redact
+
+log = logging.getLogger("derivd")
 
 
 def listen_problem(config: Config, dsn: str, *, burst: bool = False) -> str | None:
@@ -77,7 +80,12 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
         if config.metrics.listen:
             # The dashboard follows the supervisor's current config (SIGHUP reloads it).
             dashboard = Dashboard(dsn, lambda: arbiter.config, metrics)
-            metrics.serve(config.metrics.listen, dashboard=dashboard.route)
+            metrics.serve(
+                config.metrics.listen,
+                dashboard=dashboard.route,
+                where=config.where("metrics", "listen"),
+            )
+        log.info("%s", listening_line(metrics.address))
         try:
             return arbiter.run()
         finally:
