@@ -94,9 +94,7 @@ class Result:
     variants: tuple[Variant, ...]
 
 
-def enqueue(
-    conn: psycopg.Connection[Any], original_key: str, original_version: str | None
-) -> int:
+def enqueue(conn: psycopg.Connection[Any], original_key: str, original_version: str | None) -> int:
     """Queue a stored original, read later by key AND version id. Returns the row id.
     A missing version (None: the PUT to an unversioned bucket returned none) raises
     MissingVersion."""
