@@ -21,7 +21,7 @@ import boto3
 import pytest
 from fixtures.cli import run_cli as _run_cli
 from fixtures.faultproxy import FaultProxy
-from fixtures.pgbouncer import DIRECT_FOR, PgBouncer
+from fixtures.pgbouncer import DIRECT_FOR, NO_PGBOUNCER, PgBouncer, find_pgbouncer
 from fixtures.s3 import (
     AWS_ENV_UNSET,
     TEST_ACCESS_KEY,
@@ -141,8 +141,13 @@ def pg_template(pg_cluster: EmbeddedCluster) -> str:
 
 
 @pytest.fixture(scope="session")
-def pgbouncer(pg_cluster: EmbeddedCluster, pg_root: Path) -> Iterator[PgBouncer]:
-    """PgBouncer in transaction mode (pool of 3 per database) in front of the cluster."""
+def pgbouncer(request: pytest.FixtureRequest, pg_root: Path) -> Iterator[PgBouncer]:
+    """PgBouncer in transaction mode (pool of 3 per database) in front of the cluster.
+    Where none is installed every test that needs it skips, with one line for them all
+    (checked before the cluster starts: a run without PgBouncer pays nothing for it)."""
+    if find_pgbouncer() is None:
+        pytest.skip(NO_PGBOUNCER)
+    pg_cluster: EmbeddedCluster = request.getfixturevalue("pg_cluster")
     bouncer = PgBouncer(
         pg_root / "pgbouncer", pg_host="127.0.0.1", pg_port=pg_cluster.port, user="derivd"
     ).start()
@@ -167,13 +172,15 @@ def dsn(
 ) -> Iterator[str]:
     """A fresh, migrated, otherwise empty database for this test only (reached through
     PgBouncer when the test is parametrized so: see `pooler`)."""
+    pooled = getattr(request, "param", "direct") == "pgbouncer"
+    # Before the database exists: a missing PgBouncer skips the test here.
+    bouncer: PgBouncer | None = request.getfixturevalue("pgbouncer") if pooled else None
     name = f"test_{next(_db_numbers)}"
     if not pg_cluster.is_running():  # a chaos test may have left it stopped
         pg_cluster.start()
     pg_cluster.create_database(name, template=pg_template)
     direct = pg_cluster.dsn(name)
-    if getattr(request, "param", "direct") == "pgbouncer":
-        bouncer: PgBouncer = request.getfixturevalue("pgbouncer")
+    if bouncer is not None:
         yield bouncer.dsn(direct)
     else:
         yield direct
