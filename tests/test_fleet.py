@@ -64,18 +64,19 @@ def kinds(sup: Supervisor, file_id: int) -> list[str]:
     return [kind for kind, _, _ in sup.events(file_id)]
 
 
-HEARTBEAT_S = 0.5
-# A deletion is seen by the first heartbeat after it: within one interval. The bound
-# allows three more, for a supervisor thread scheduled late on a loaded machine; the
-# other way this job could end, job_timeout, is twenty times as far.
-KILL_DUE_S = 4 * HEARTBEAT_S
+HEARTBEAT_S, KILL_GRACE_S = 0.5, 1.0
+# A deletion is seen by the first heartbeat after it (within one interval); the running
+# job is killed (TERM, then KILL after kill_grace) and `lease_lost` recorded once it is
+# reaped. The bound allows three more intervals, for a supervisor thread scheduled late
+# on a loaded machine; job_timeout, the other way this job could end, is 20 s.
+KILL_DUE_S = HEARTBEAT_S + KILL_GRACE_S + 3 * HEARTBEAT_S
 
 
 def test_deleting_a_running_job_kills_it_at_the_next_heartbeat(fleet: Fleet) -> None:
     sup = fleet(
         "host-a",
         queue={"lease": "30", "heartbeat": str(HEARTBEAT_S)},
-        supervisor={"job_timeout": str(40 * HEARTBEAT_S), "kill_grace": "1", "workers": "1"},
+        supervisor={"job_timeout": "20", "kill_grace": str(KILL_GRACE_S), "workers": "1"},
     ).start()
     [file_id] = sup.enqueue("hang")
     victim = wait_for(lambda: sup.worker_on_job(file_id), "a worker on the job")
