@@ -1,4 +1,5 @@
-"""Load the named query blocks of `sql/queries.sql` and the ordered migrations."""
+"""Load the named query blocks of `sql/queries.sql`, the ordered migrations and
+`sql/functions.sql` (the current body of every function, which `migrate` re-applies)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,8 @@ def migrations() -> list[Migration]:
         Migration(entry.name.removesuffix(".sql"), entry.read_text(encoding="utf-8"))
         for entry in sorted(found, key=lambda e: e.name)
     ]
+
+
+def functions() -> str:
+    """sql/functions.sql, one script: every function as it is now (CREATE OR REPLACE)."""
+    return files("derivd.sql").joinpath("functions.sql").read_text(encoding="utf-8")
