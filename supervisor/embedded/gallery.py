@@ -5,9 +5,9 @@ their error code.
 The page is self-contained in its folder: every image it shows is copied next to it
 (read back from the store by key and version, so it works for `fs` and `s3` alike), and
 an original a browser cannot display (TIFF) is shown through a PNG preview, labelled so.
-Variants are shown at their real size, so a thumbnail looks like a thumbnail beside its
-preview; originals, often larger than a screen, are scaled to fit ORIGINAL_BOX and say
-so; a sample that is no image at all gets a labelled empty frame, never a broken image.
+Variants are shown at their real size (only one wider than the window shrinks to fit),
+so a thumbnail looks like a thumbnail beside its preview; originals, often larger than a
+screen, are scaled to fit ORIGINAL_BOX and say so; a sample that is no image at all gets a labelled empty frame, never a broken image.
 
 A card is a list of `Figure`s (the original, then the variants): to show more about an
 original, add a figure or a part after it in `_card`.
@@ -60,8 +60,8 @@ def esc(value: object) -> str:
 STYLE = (
     "body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;background:#fafafa;color:#1d2430}"
     ".card{display:flex;gap:1.2em;align-items:flex-end;flex-wrap:wrap;background:#fff;"
-    "border:1px solid #e3e6ea;padding:.8em;margin:0 0 1em;overflow-x:auto}"
-    "figure{margin:0}img{display:block;max-width:none;"
+    "border:1px solid #e3e6ea;padding:.8em;margin:0 0 1em}"
+    "figure{margin:0;max-width:100%}img{display:block;max-width:100%;height:auto;"
     "background:repeating-conic-gradient(#eee 0 25%,#fff 0 50%) 0 0/16px 16px}"
     ".nothing{display:flex;align-items:center;justify-content:center;width:160px;"
     "height:120px;border:1px dashed #b8bec6;color:#6b7480;font-size:12px;text-align:center}"
