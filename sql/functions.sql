@@ -13,7 +13,7 @@
 -- Order matters only for the SQL-language functions, whose bodies the server checks when
 -- they are created: each comes after what it calls.
 
--- == Why the lease protocol runs in functions =============================================
+-- == Why the lease protocol runs in functions ===========================================
 -- At claim_batch = 1 the server's CPU per job was mostly parsing and planning large CTE
 -- statements (2.5x more through a transaction pooler, where nothing can be prepared).
 -- PL/pgSQL prepares each statement of a function once per server connection and keeps
@@ -41,11 +41,12 @@
 -- synchronous_commit is set by the calling statement (`claim` in sql/queries.sql), not
 -- in derivd_claim.
 
--- == Triggers ===============================================================================
+-- == Triggers ===========================================================================
 
 -- archive_events is append-only: UPDATE, DELETE and TRUNCATE are refused (on every
 -- partition: see derivd_guard_partition). Old days leave only by DROP of their partition.
-CREATE OR REPLACE FUNCTION archive_events_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION archive_events_append_only() RETURNS trigger
+LANGUAGE plpgsql AS $$
 BEGIN
     RAISE EXCEPTION 'archive_events is append-only';
 END $$;
@@ -54,7 +55,8 @@ END $$;
 -- in any language) notifies `derivd_queued` (derivd.queue.db.QUEUED_CHANNEL). The payload
 -- is constant, so PostgreSQL folds the notifications of one transaction into one, and a
 -- bulk enqueue costs a single wake-up.
-CREATE OR REPLACE FUNCTION archive_files_notify_queued() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION archive_files_notify_queued() RETURNS trigger
+LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_notify('derivd_queued', '');
     RETURN NULL;
@@ -69,8 +71,6 @@ END $$;
 -- notifications appear in commit order); one NOTIFY per job would cap a database at one
 -- commit per WAL flush, fleet-wide. Distinct payloads are not folded: a batch commit
 -- sends one notification per registered row, when the committing transaction ends.
-
--- == archive_events: daily partitions ======================================================
 CREATE OR REPLACE FUNCTION archive_files_notify_finished() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -80,9 +80,12 @@ BEGIN
     RETURN NULL;
 END $$;
 
+-- == archive_events: daily partitions ===================================================
+
 -- Row triggers are cloned onto every partition; a statement trigger is not, so each
 -- partition gets its own TRUNCATE guard.
-CREATE OR REPLACE FUNCTION derivd_guard_partition(part regclass) RETURNS void LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION derivd_guard_partition(part regclass) RETURNS void
+LANGUAGE plpgsql AS $$
 BEGIN
     EXECUTE format('CREATE TRIGGER archive_events_no_truncate BEFORE TRUNCATE ON %s '
                    'FOR EACH STATEMENT EXECUTE FUNCTION archive_events_append_only()', part);
@@ -117,8 +120,6 @@ END $$;
 
 -- Drop the partitions that end on or before `cutoff`, whole, and the DEFAULT partition
 -- when its newest row is older than `cutoff` (recreated empty). Returns what it dropped.
-
--- == The lease protocol =====================================================================
 CREATE OR REPLACE FUNCTION derivd_drop_event_partitions(cutoff timestamptz)
 RETURNS SETOF text LANGUAGE plpgsql AS $$
 DECLARE
@@ -142,6 +143,8 @@ BEGIN
         RETURN NEXT 'archive_events_default';
     END IF;
 END $$;
+
+-- == The lease protocol =================================================================
 
 -- A worker's steady state in one round trip and one durable transaction: the fenced
 -- commit of its finished attempts, then the claim of up to `lim` next rows (lim = 0:
@@ -335,22 +338,6 @@ END $$;
 
 -- Give a job back (shutdown, or too little lease left) without burning its attempt;
 -- fenced, a failed fence appends `lease_lost`. Returns whether it was released.
-
--- == The fleet ===============================================================================
-
--- The staleness rule of the host registry: a host is stale once three of its own
--- heartbeat intervals pass without one. One late or lost heartbeat is no reason to call
--- a host dead, and with the heartbeat at most a third of the lease ([queue] heartbeat) a
--- host is called stale no later than its leases expire. `derivd status` shows stale
--- hosts; the sweep prunes them after the [sweep] guard. LANGUAGE sql and STABLE, so the
--- server inlines it into the calling query (now() is that statement's time).
-CREATE OR REPLACE FUNCTION derivd_host_stale(last_heartbeat timestamptz, heartbeat_s float8)
-RETURNS boolean
-LANGUAGE sql STABLE AS $$
-    SELECT last_heartbeat < now() - make_interval(secs => 3 * heartbeat_s)
-$$;
-
--- == Queue health and the dashboard =========================================================
 CREATE OR REPLACE FUNCTION derivd_release(file_id bigint, token uuid, attempt integer)
 RETURNS boolean
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
@@ -376,6 +363,22 @@ BEGIN
     VALUES (derivd_release.file_id, 'released', n + 1, token);
     RETURN true;
 END $$;
+
+-- == The fleet ==========================================================================
+
+-- The staleness rule of the host registry: a host is stale once three of its own
+-- heartbeat intervals pass without one. One late or lost heartbeat is no reason to call
+-- a host dead, and with the heartbeat at most a third of the lease ([queue] heartbeat) a
+-- host is called stale no later than its leases expire. `derivd status` shows stale
+-- hosts; the sweep prunes them after the [sweep] guard. LANGUAGE sql and STABLE, so the
+-- server inlines it into the calling query (now() is that statement's time).
+CREATE OR REPLACE FUNCTION derivd_host_stale(last_heartbeat timestamptz, heartbeat_s float8)
+RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT last_heartbeat < now() - make_interval(secs => 3 * heartbeat_s)
+$$;
+
+-- == Queue health and the dashboard =====================================================
 
 -- Queue health whose cost does not grow with history, cached for the fleet. A cached
 -- result younger than max_age_s is returned as it is; otherwise the caller takes the

@@ -30,6 +30,16 @@ SELECT to_regclass('derivd_migrations') IS NOT NULL AS present;
 -- name: migrations_record
 INSERT INTO derivd_migrations (name) VALUES (%(name)s);
 
+-- name: functions_missing
+-- Which of the functions this derivd calls (`names`: those of sql/functions.sql) the
+-- database lacks. A release may add a function without a migration; its hosts must not
+-- start before `derivd migrate` has created it.
+SELECT n AS name
+  FROM unnest(%(names)s::text[]) AS n
+ WHERE NOT EXISTS (SELECT 1 FROM pg_proc AS p
+                    WHERE p.proname = n AND pg_function_is_visible(p.oid))
+ ORDER BY n;
+
 -- name: enqueue
 -- Queue confirmed originals (key and version already stored). Returns the new ids in order.
 INSERT INTO archive_files (status, original_key, original_version)
@@ -51,10 +61,11 @@ UNLISTEN {channel};
 -- name: claim
 -- Lease up to `limit` claimable rows (expired leases under the attempt cap first, then
 -- the oldest due queued rows), each with its own fresh token and lease (derivd_claim in
--- sql/functions.sql). The claim alone commits without waiting for its WAL flush (synchronous_commit off for this one transaction only): a claim lost in
--- a server crash just leaves the rows as they were, and each attempt's fenced commit,
--- fail or release, all durable, flush it anyway. That halves the flushes a job waits
--- for; the fence (the token) is untouched.
+-- sql/functions.sql). The claim alone commits without waiting for its WAL flush
+-- (synchronous_commit off for this one transaction only): a claim lost in a server crash
+-- just leaves the rows as they were, and each attempt's fenced commit, fail or release,
+-- all durable, flush it anyway. That halves the flushes a job waits for; the fence (the
+-- token) is untouched.
 SELECT c.*
   FROM set_config('synchronous_commit', 'off', true) AS no_flush_wait,
        derivd_claim(%(limit)s::integer, %(lease_s)s::float8, %(max_attempts)s::integer,
@@ -76,16 +87,17 @@ SELECT id FROM derivd_commit(%(jobs)s::jsonb) AS id;
 -- name: commit_and_claim
 -- A worker's steady state in one round trip and one durable transaction: the commit,
 -- then the claim, in one function body (derivd_commit_and_claim in sql/functions.sql;
--- derivd_commit and derivd_claim wrap it). Rows: kind = 'committed' (id) or 'claimed' (the claim's columns).
+-- derivd_commit and derivd_claim wrap it). Rows: kind = 'committed' (id) or 'claimed'
+-- (the claim's columns).
 SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, %(limit)s::integer,
                                       %(lease_s)s::float8, %(max_attempts)s::integer,
                                       %(host)s::text);
 
 -- name: fail
--- The fenced failure (derivd_fail in sql/functions.sql). retry = true: back to `queued` after
--- delay_s unless the attempts are used up; retry = false (content errors): `rejected` at
--- once. `extra_event` (e.g. 'timeout') is appended too. Returns the new status, or no
--- row when the fence failed (a `lease_lost` event is appended instead).
+-- The fenced failure (derivd_fail in sql/functions.sql). retry = true: back to `queued`
+-- after delay_s unless the attempts are used up; retry = false (content errors):
+-- `rejected` at once. `extra_event` (e.g. 'timeout') is appended too. Returns the new
+-- status, or no row when the fence failed (a `lease_lost` event is appended instead).
 SELECT status, error_code
   FROM derivd_fail(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer, %(retry)s::boolean,
                    %(code)s::text, %(max_attempts)s::integer, %(delay_s)s::float8,

@@ -11,7 +11,7 @@
 -- Columns are in the order the migrations added them: that is the order the database
 -- has, and `SELECT *` shows.
 
--- == Vocabularies ============================================================================
+-- == Vocabularies =======================================================================
 -- The one copy of each vocabulary in the database (derivd.states is the Python one;
 -- tests/test_states.py compares them). Domains, not CHECKs listing the values on each
 -- table: PostgreSQL re-reads a table's CHECK constraints from their stored text for
@@ -27,7 +27,7 @@ CREATE DOMAIN derivd_event_kind AS text CONSTRAINT derivd_event_kind_check CHECK
     'ready', 'retry', 'rejected', 'lease_lost', 'timeout', 'released', 'exhausted',
     'delete_requested', 'deleted', 'operator_retry'));
 
--- == The queue ===============================================================================
+-- == The queue ==========================================================================
 -- One row per original. Upload APIs read and write it too (README: the columns they use
 -- are a contract). derived_* describe the primary (first) variant; archive_variants
 -- lists them all.
@@ -136,7 +136,7 @@ CREATE TRIGGER archive_files_finished_update AFTER UPDATE OF status ON archive_f
           AND OLD.status IS DISTINCT FROM NEW.status)
     EXECUTE FUNCTION archive_files_notify_finished();
 
--- == Events ==================================================================================
+-- == Events =============================================================================
 -- Append-only history with safe fields only: no exception text, paths or credentials.
 -- UPDATE, DELETE and TRUNCATE are refused on every partition, and `[sweep]
 -- events_retention_days` drops whole days: DROP TABLE of a partition rewrites nothing and
@@ -176,7 +176,7 @@ CREATE TABLE archive_events_default PARTITION OF archive_events DEFAULT;
 SELECT derivd_guard_partition('archive_events_default');
 SELECT derivd_event_partitions((now() AT TIME ZONE 'UTC')::date, 8);
 
--- == The fleet ===============================================================================
+-- == The fleet ==========================================================================
 -- The host registry: one row per supervisor, named by its [supervisor] host_id. A
 -- supervisor registers at start, refreshes its row with every heartbeat (database time)
 -- and deletes it on a clean stop; a host whose heartbeat is three intervals old is stale,

@@ -13,10 +13,10 @@ Connections: any psycopg 3 connection, in autocommit mode or not.
   it raises ConnectionBusy otherwise, and commits the short transactions it opens itself.
 
 `wait` registers the file it waits for (only registered files are announced:
-archive_files_notify_finished in sql/functions.sql), LISTENs on `derivd_finished`
-(CHANNEL; the payload is the row id only), reads the row, and
-sleeps on the connection until the row's id arrives, so a file that finished before
-`wait` began is seen by the read. It reads the row again every RECHECK_S seconds: a
+archive_files_notify_finished in sql/functions.sql), LISTENs on CHANNEL
+(`derivd_finished`; the payload is the row id only), reads the row, and sleeps on the
+connection until the row's id arrives, so a file that finished before `wait` began is
+seen by the read. It reads the row again every RECHECK_S seconds: a
 finish committed by a transaction that began before the registration was visible is not
 announced, and is seen by that read. Through a
 transaction-mode pooler (PgBouncer) LISTEN does not work: give `wait` a direct

@@ -24,7 +24,7 @@ from psycopg.rows import dict_row
 
 from derivd import __version__
 from derivd.errors import ErrorCode, Transient
-from derivd.queue.sqlfiles import functions, migrations, queries
+from derivd.queue.sqlfiles import function_names, functions, migrations, queries
 from derivd.redact import redact
 
 # The notification channels, as the triggers in sql/functions.sql spell them
@@ -207,32 +207,42 @@ class SchemaMismatch(Exception):
 
 
 def check_schema(dsn: str) -> None:
-    """Raise SchemaMismatch unless the database has every packaged migration and no
-    migration this version does not know; DatabaseUnavailable when it cannot be asked.
+    """Raise SchemaMismatch unless the database has every packaged migration, no
+    migration this version does not know, and every function of sql/functions.sql;
+    DatabaseUnavailable when it cannot be asked.
 
     Every command that uses the schema calls this first, before it touches storage, so
     that a missing or foreign schema is one line instead of a traceback halfway through.
+    A release may add a function without a migration: its hosts are refused until
+    `derivd migrate` has created it, as they would be for a missing migration.
     """
+    applied: set[str] = set()
+    absent: list[str] = []
     with connect(dsn, application_name="derivd-check") as conn:
         try:
             row = conn.execute(_q("migrations_exists")).fetchone()
-            present = bool(row and row[0])
-            applied = {r[0] for r in conn.execute(_q("migrations_applied"))} if present else set()
+            if row and row[0]:
+                applied = {r[0] for r in conn.execute(_q("migrations_applied"))}
+                names = {"names": function_names()}
+                absent = [r[0] for r in conn.execute(_q("functions_missing"), names)]
         except psycopg.Error as error:
             raise DatabaseUnavailable(f"database error: {one_line(error)}") from None
-    problem = schema_problem(applied, {m.name for m in migrations()})
+    problem = schema_problem(applied, {m.name for m in migrations()}, absent)
     if problem:
         raise SchemaMismatch(problem)
 
 
-def schema_problem(applied: set[str], packaged: set[str]) -> str | None:
-    """What is wrong with a database that has `applied` for this version's `packaged`."""
+def schema_problem(
+    applied: set[str], packaged: set[str], absent_functions: Sequence[str] = ()
+) -> str | None:
+    """What is wrong with a database that has `applied` for this version's `packaged`
+    migrations and lacks `absent_functions` of its sql/functions.sql."""
     if not applied:
         return NO_SCHEMA
     newer = newer_schema(applied, packaged)
     if newer:
         return newer
-    missing = sorted(packaged - applied)
+    missing = sorted(packaged - applied) or [f"{name}()" for name in absent_functions]
     if missing:
         return (
             f"the database schema is behind this derivd (missing: {', '.join(missing)}); "
