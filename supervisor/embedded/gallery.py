@@ -7,7 +7,8 @@ The page is self-contained in its folder: every image it shows is copied next to
 an original a browser cannot display (TIFF) is shown through a PNG preview, labelled so.
 Variants are shown at their real size (only one wider than the window shrinks to fit),
 so a thumbnail looks like a thumbnail beside its preview; originals, often larger than a
-screen, are scaled to fit ORIGINAL_BOX and say so; a sample that is no image at all gets a labelled empty frame, never a broken image.
+screen, are scaled to fit ORIGINAL_BOX and say so; a sample that is no image at all gets
+a labelled empty frame, never a broken image.
 
 A card is a list of `Figure`s (the original, then the variants): to show more about an
 original, add a figure or a part after it in `_card`.
