@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from fixtures.cli import derivd_command
-from fixtures.faketime import find_libfaketime
+from fixtures.faketime import clock_env, find_libfaketime
 from fixtures.pgproxy import PgProxy
 from helpers import alive, sql, wait_for
 from test_supervisor import FAST, Supervisor
@@ -265,14 +265,14 @@ def host_clocks(env: dict[str, str]) -> tuple[float, float]:
 @pytest.mark.skipif(LIBFAKETIME is None, reason="libfaketime (Debian: faketime) absent")
 @pytest.mark.parametrize("offset", ["-1h", "+1h"])
 def test_a_host_clock_an_hour_off_changes_no_lease_decision(fleet: Fleet, offset: str) -> None:
-    # Every clock of the process is off (libfaketime fakes CLOCK_MONOTONIC too: keeping it
-    # real breaks its sleep calls); the database's clock is right. libfaketime counts the
-    # faked monotonic clock from the faked wall clock, not from boot, so an hour back
-    # stays positive on a machine up for minutes (a fresh CI machine): checked here.
-    skew = {"LD_PRELOAD": str(LIBFAKETIME), "FAKETIME": offset}
+    # The host's clocks are an hour off, with a monotonic clock a real host could have,
+    # also on a machine up for less than an hour (see clock_env); the database's clock
+    # is right.
+    assert LIBFAKETIME is not None
+    skew = clock_env(LIBFAKETIME, offset)
     wall, monotonic = host_clocks(skew)
     assert abs(abs(wall - time.time()) - 3600) < 60  # the fake clock works
-    assert monotonic > 0, f"a negative monotonic clock under FAKETIME={offset}"
+    assert monotonic > 0
     fast = {
         "queue": {"lease": "3", "heartbeat": "0.5", "renew": "yes"},
         "supervisor": {"job_timeout": "20", "kill_grace": "1", "workers": "1"},
