@@ -5,6 +5,7 @@ shown (upright, 8-bit sRGB, straight alpha), shrunk to `SMALL_EDGE` px on its lo
 edge, and the facts it read from the header. Everything else is computed here, the same way
 for every backend:
 
+- `has_alpha` (the backend's): some pixel of the first frame is less than opaque.
 - `colour`: the representative colour, the alpha-weighted mean of the sRGB pixels
   (`#rrggbb`): what a page paints before anything has loaded.
 - `placeholder`: ThumbHash (Evan Wallace, MIT, github.com/evanw/thumbhash), ported from

@@ -39,6 +39,10 @@ from derivd.handlers.sniff import input_format
 _NO_CODEC = ("not been built in", "Unsupported codec")
 _OVER_LIMIT = "ecurity limit"
 _EIGHT_BIT = frozenset({"L", "LA", "RGB", "RGBA"})
+# Item types whose pixels pi-heif decodes: HEVC (libde265) and libheif's own uncompressed
+# and mask codecs. AV1 outside an AVIF-branded file, VVC, JPEG 2000, H.264 and JPEG in
+# HEIF are valid files this build cannot decode: unsupported_content.
+_DECODABLE = frozenset({b"hvc1", b"unci", b"mski"})
 
 
 def configure(spec: DeriveSpec) -> None:
@@ -68,6 +72,9 @@ class Header:
 def read_header(original: bytes, spec: DeriveSpec) -> Header:
     """Open the file (boxes and handles only) and check every limit before any decode."""
     boxes = declared(original)
+    if boxes.codec is not None and boxes.codec not in _DECODABLE:
+        codec = boxes.codec.decode("latin-1")
+        raise UnsupportedContent(f"HEIF image coded as {codec!r}: no decoder in this build")
     if boxes.tiles > HEIF_MAX_TILES:
         raise ResourceLimit(f"{boxes.tiles} tiles > HEIF_MAX_TILES {HEIF_MAX_TILES}")
     if boxes.samples > spec.max_frames:

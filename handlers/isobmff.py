@@ -26,12 +26,15 @@ _CONTAINERS = (b"moov", b"trak", b"mdia", b"minf", b"stbl")
 @dataclass(frozen=True)
 class Declared:
     """The primary item's tile count (1 for a plain coded image), its stored size (`ispe`,
-    before any rotation; None when not found) and the largest number of samples any
-    track declares (0 without tracks)."""
+    before any rotation; None when not found), the largest number of samples any track
+    declares (0 without tracks) and the codec of its pixels."""
 
     tiles: int
     samples: int
     size: tuple[int, int] | None = None
+    # The coding of the primary's pixels: its item type (`hvc1`, `av01`, `unci`, ...),
+    # or, for a derived image (a grid), its first input's. None when not found.
+    codec: bytes | None = None
 
 
 def _boxes(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
@@ -68,6 +71,51 @@ def _primary(data: bytes, meta: tuple[int, int]) -> int | None:
     if data[lo] == 0:
         return int(struct.unpack(">H", data[lo + 4 : lo + 6])[0])
     return int(struct.unpack(">I", data[lo + 4 : lo + 8])[0]) if pitm[1] - lo >= 8 else None
+
+
+def _item_types(data: bytes, meta: tuple[int, int]) -> dict[int, bytes]:
+    """Item id -> item type, from the `infe` entries (versions 2 and 3) of `iinf`."""
+    iinf = _child(data, *meta, b"iinf")
+    if iinf is None or iinf[1] - iinf[0] < _FULL_BOX + 2:
+        return {}
+    start = iinf[0] + _FULL_BOX + (2 if data[iinf[0]] == 0 else 4)
+    types: dict[int, bytes] = {}
+    for kind, lo, hi in _boxes(data, start, iinf[1]):
+        if kind != b"infe" or hi - lo < _FULL_BOX + 8:
+            continue
+        version = data[lo]
+        if version == 2:
+            item, kind_at = int.from_bytes(data[lo + 4 : lo + 6], "big"), lo + 8
+        elif version == 3 and hi - lo >= _FULL_BOX + 10:
+            item, kind_at = int.from_bytes(data[lo + 4 : lo + 8], "big"), lo + 10
+        else:
+            continue
+        types[item] = data[kind_at : kind_at + 4]
+    return types
+
+
+def _first_input(data: bytes, meta: tuple[int, int], primary: int) -> int | None:
+    """The first item the primary is derived from (`dimg`), if it is derived."""
+    iref = _child(data, *meta, b"iref")
+    if iref is None or iref[1] - iref[0] < _FULL_BOX:
+        return None
+    id_fmt, id_size = (">I", 4) if data[iref[0]] != 0 else (">H", 2)
+    for kind, lo, hi in _boxes(data, iref[0] + _FULL_BOX, iref[1]):
+        if kind == b"dimg" and hi - lo >= 2 * id_size + 2:
+            (source,) = struct.unpack(id_fmt, data[lo : lo + id_size])
+            if source == primary:
+                at = lo + id_size + 2
+                return int(struct.unpack(id_fmt, data[at : at + id_size])[0])
+    return None
+
+
+def _codec(data: bytes, meta: tuple[int, int], primary: int) -> bytes | None:
+    types = _item_types(data, meta)
+    kind = types.get(primary)
+    if kind in (b"grid", b"iden", b"iovl"):
+        first = _first_input(data, meta, primary)
+        kind = types.get(first) if first is not None else None
+    return kind
 
 
 def _tiles(data: bytes, meta: tuple[int, int], primary: int) -> int:
@@ -135,11 +183,13 @@ def _samples(data: bytes, start: int, end: int) -> int:
 
 def declared(data: bytes) -> Declared:
     """Tiles of the primary item and samples of the longest track, from the box headers."""
-    tiles, size = 1, None
+    tiles, size, codec = 1, None, None
     meta = _child(data, 0, len(data), b"meta")
     if meta is not None and meta[1] - meta[0] >= _FULL_BOX:
         inner = (meta[0] + _FULL_BOX, meta[1])
         primary = _primary(data, inner)
         if primary is not None:
             tiles, size = _tiles(data, inner, primary), _size(data, inner, primary)
-    return Declared(tiles=tiles, samples=_samples(data, 0, len(data)), size=size)
+            codec = _codec(data, inner, primary)
+    samples = _samples(data, 0, len(data))
+    return Declared(tiles=tiles, samples=samples, size=size, codec=codec)

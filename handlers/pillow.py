@@ -273,8 +273,17 @@ def analysis_of(decoded: Decoded, fmt: str, frames: int) -> Analysis:
     first = decoded.frames[0]
     return analyse(
         small_copy(first), width=decoded.upright[0], height=decoded.upright[1], fmt=fmt,
-        frames=frames, has_alpha=first.mode in ("RGBA", "LA"),
+        frames=frames, has_alpha=_transparent(first),
     )  # fmt: skip
+
+
+def _transparent(frame: Image.Image) -> bool:
+    """Whether any pixel of the frame is less than opaque (an opaque alpha channel, or
+    libvips' always-present GIF alpha, does not count: both backends agree on pixels)."""
+    if frame.mode not in ("RGBA", "LA"):
+        return False
+    low, _ = frame.getchannel("A").getextrema()
+    return bool(low < 255)  # type: ignore[operator]  # one band: ints, not tuples
 
 
 def decode_heif(original: bytes, spec: DeriveSpec) -> tuple[Decoded, int]:

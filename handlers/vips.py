@@ -314,8 +314,18 @@ def small_copy(decoded: Decoded) -> Small:
 def analysis_of(decoded: Decoded, fmt: str) -> Analysis:
     return analyse(
         small_copy(decoded), width=decoded.upright[0], height=decoded.upright[1], fmt=fmt,
-        frames=decoded.frames, has_alpha=bool(decoded.base.hasalpha()),
+        frames=decoded.frames, has_alpha=_transparent(decoded),
     )  # fmt: skip
+
+
+def _transparent(decoded: Decoded) -> bool:
+    """Whether any pixel of the first frame is less than opaque (libvips gives every GIF
+    an alpha band: its presence alone says nothing)."""
+    base = decoded.base
+    if not base.hasalpha():
+        return False
+    first = base.crop(0, 0, base.width, decoded.page_height)
+    return bool(first[first.bands - 1].min() < 255)
 
 
 class VipsHandler:
