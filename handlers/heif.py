@@ -91,20 +91,43 @@ def read_header(original: bytes, spec: DeriveSpec) -> Header:
     return Header(width, height, frames, bool(image.has_alpha), image)
 
 
-def decode(header: Header) -> Image.Image:
-    """The primary image as 8-bit L, LA, RGB or RGBA; its ICC profile in `info`."""
+@dataclass(frozen=True)
+class Pixels:
+    """The decoded primary image: 8-bit, packed rows, `mode` one of L, LA, RGB, RGBA."""
+
+    data: bytes | memoryview  # libheif's buffer itself where no conversion was needed
+    width: int
+    height: int
+    mode: str
+    icc: bytes | None
+
+    @property
+    def bands(self) -> int:
+        return len(self.mode)
+
+
+def decode(header: Header) -> Pixels:
+    """The primary image's pixels. libheif's own 8-bit output is handed on as it is (no
+    copy); deep grey and premultiplied alpha go through Pillow to 8-bit, straight alpha."""
     try:
         image = header.image
-        mode = image.mode
-        pixels = Image.frombytes(mode, image.size, image.data, "raw", mode, image.stride)
+        mode, (width, height), data, stride = image.mode, image.size, image.data, image.stride
     except Exception as error:
         raise _classify(error) from None
-    icc = image.info.get("icc_profile")
-    if mode not in _EIGHT_BIT:
-        pixels = _eight_bit(pixels)
-    if icc:
-        pixels.info["icc_profile"] = icc
-    return pixels
+    icc = image.info.get("icc_profile") or None
+    if mode in _EIGHT_BIT and stride == width * len(mode):
+        return Pixels(data, width, height, mode, icc)
+    converted = _eight_bit(Image.frombytes(mode, (width, height), data, "raw", mode, stride))
+    return Pixels(converted.tobytes(), width, height, converted.mode, icc)
+
+
+def to_pillow(pixels: Pixels) -> Image.Image:
+    """The pixels as a Pillow image, the ICC profile in `info` (as Pillow's decoders do)."""
+    size = (pixels.width, pixels.height)
+    image = Image.frombytes(pixels.mode, size, pixels.data)
+    if pixels.icc:
+        image.info["icc_profile"] = pixels.icc
+    return image
 
 
 def _eight_bit(image: Image.Image) -> Image.Image:

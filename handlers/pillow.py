@@ -290,7 +290,7 @@ def decode_heif(original: bytes, spec: DeriveSpec) -> tuple[Decoded, int]:
     """HEIC/HEIF through pi-heif (handlers/heif.py): the primary image, upright."""
     header = heif.read_header(original, spec)
     upright = (header.width, header.height)
-    frame = _to_base(heif.decode(header), base_size(*upright, spec.variants))
+    frame = _to_base(heif.to_pillow(heif.decode(header)), base_size(*upright, spec.variants))
     return Decoded([frame], [100], 0, upright), header.frames
 
 

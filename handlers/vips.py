@@ -283,11 +283,10 @@ def decode_heif(original: bytes, spec: DeriveSpec) -> Decoded:
     pixels = heif.decode(header)
     upright = (header.width, header.height)
     size = base_size(*upright, spec.variants)
-    bands = len(pixels.getbands())
-    image = pyvips.Image.new_from_memory(pixels.tobytes(), pixels.width, pixels.height,
-                                         bands, "uchar")  # fmt: skip
-    image = image.copy(interpretation="srgb" if bands >= 3 else "b-w")
-    icc = pixels.info.get("icc_profile")
+    image = pyvips.Image.new_from_memory(pixels.data, pixels.width, pixels.height,
+                                         pixels.bands, "uchar")  # fmt: skip
+    image = image.copy(interpretation="srgb" if pixels.bands >= 3 else "b-w")
+    icc = pixels.icc
     if icc:
         image.set_type(pyvips.GValue.blob_type, "icc-profile-data", icc)
     thumb = image.thumbnail_image(

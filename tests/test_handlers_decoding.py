@@ -170,7 +170,7 @@ AVIF_SPEC = DeriveSpec(variants=(VariantSpec("card", 320, formats=("avif", "webp
 
 
 def test_pillow_without_an_avif_encoder_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An old Pillow (before 11.2.1) has no AVIF: the handler is never created, and the
+    """An old Pillow (wheels before 11.3.0) has no AVIF: the handler is never created, and the
     reason is one line (the worker's boot error stops the supervisor with it)."""
     real = pillow_backend.features.check
     monkeypatch.setattr(
