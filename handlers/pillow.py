@@ -76,12 +76,12 @@ def missing_encoders(formats: set[str]) -> list[str]:
     )  # fmt: skip
 
 
-def check_encoders(backend: str, formats: set[str]) -> None:
+def check_encoders(spec: DeriveSpec) -> None:
     """MissingEncoder, one line, when the configured variants need what Pillow lacks."""
-    missing = missing_encoders(formats)
+    missing = missing_encoders({fmt for v in spec.variants for fmt in v.formats})
     if missing:
         raise MissingEncoder(
-            f"backend {backend}: Pillow {PIL.__version__} cannot write {', '.join(missing)} "
+            f"backend pillow: Pillow {PIL.__version__} cannot write {', '.join(missing)} "
             "(setup.cfg's Pillow floor has every encoder derivd uses)"
         )
 
@@ -325,7 +325,7 @@ class PillowHandler:
 
     def __init__(self, spec: DeriveSpec) -> None:
         self.spec = spec
-        check_encoders(self.name, {fmt for v in spec.variants for fmt in v.formats})
+        check_encoders(spec)
         configure(spec)
 
     def derive(self, original: bytes, spec: DeriveSpec) -> Derivation:

@@ -30,7 +30,7 @@ from derivd.handlers.base import (
     decoding,
     target_size,
 )
-from derivd.handlers.registry import create_handler
+from derivd.handlers.registry import create_handler, missing_encoder
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +180,9 @@ def test_pillow_without_an_avif_encoder_refuses_to_start(monkeypatch: pytest.Mon
         create_handler("pillow", AVIF_SPEC)
     assert "avif" in str(caught.value) and "\n" not in str(caught.value)
     create_handler("pillow", SPEC)  # WebP only: fine
+    # `derivd config check` says the same before anything starts.
+    assert missing_encoder("pillow", AVIF_SPEC) == str(caught.value)
+    assert missing_encoder("pillow", SPEC) is None
 
 
 def test_vips_without_a_saver_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
