@@ -65,7 +65,6 @@ class Header:
     width: int
     height: int
     frames: int  # top-level images (a burst), or a sequence's samples when more
-    has_alpha: bool
     image: Any  # pi_heif.HeifImage: decoded on first access to its pixels
 
 
@@ -88,7 +87,7 @@ def read_header(original: bytes, spec: DeriveSpec) -> Header:
     frames = max(len(heif), boxes.samples, 1)
     # Only the primary image is decoded: the pixel limit counts it once.
     check_declared_size(width, height, frames, spec, decoded_frames=1)
-    return Header(width, height, frames, bool(image.has_alpha), image)
+    return Header(width, height, frames, image)
 
 
 @dataclass(frozen=True)
