@@ -195,3 +195,11 @@ def test_vips_without_a_saver_refuses_to_start(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(MissingEncoder) as caught:
         create_handler("vips", AVIF_SPEC)
     assert "avif" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_worker_reports_a_missing_encoder_in_one_line() -> None:
+    """The boot error the supervisor stops with is the reason itself, no class name."""
+    from derivd.processes.child import _boot_error_text
+
+    reason = "backend pillow: Pillow 10.4.0 cannot write avif"
+    assert _boot_error_text(MissingEncoder(reason)) == reason

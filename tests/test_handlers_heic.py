@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
 from pathlib import Path
 
 import pi_heif
@@ -110,6 +111,28 @@ def test_bombs_are_refused_before_any_pixel_is_decoded(
         handler.derive(read(name), SPEC)
     assert caught.value.code == "resource_limit"
     assert RAISE_IF_DECODED not in str(caught.value)
+
+
+def _box(kind: bytes, payload: bytes) -> bytes:
+    return struct.pack(">I", 8 + len(payload)) + kind + payload
+
+
+def _with_track(data: bytes, samples: int) -> bytes:
+    """The file plus a `moov` whose one track declares `samples` samples (an image
+    sequence: libheif lists only items, so the boxes are where the count is)."""
+    stsz = _box(b"stsz", bytes(4) + struct.pack(">II", 0, samples))
+    track = _box(b"trak", _box(b"mdia", _box(b"minf", _box(b"stbl", stsz))))
+    return data + _box(b"moov", track)
+
+
+def test_a_long_image_sequence_is_refused_from_its_boxes(
+    handler: Handler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    never_decoded(monkeypatch)
+    assert declared(_with_track(read("burst_5.heic"), 1000)).samples == 1000
+    with pytest.raises(Permanent) as caught:
+        handler.derive(_with_track(read("burst_5.heic"), 1000), SPEC)
+    assert caught.value.code == "resource_limit"
 
 
 def test_the_bombs_are_what_they_say() -> None:
