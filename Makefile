@@ -81,6 +81,7 @@ chaos: install
 bench: install
 	$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/pip install -q 'matplotlib>=3.7'
 	$(BIN)/python bench/derive.py
+	$(BIN)/python bench/heic.py
 	$(BIN)/python bench/queue_peers.py
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/claim_scale.py

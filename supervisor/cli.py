@@ -254,6 +254,12 @@ def config_check(state: State) -> None:
     except ConfigError as error:
         click.echo(str(error), err=True)
         sys.exit(2)
+    from derivd.handlers.registry import missing_encoder
+
+    problem = missing_encoder(cfg.derive.backend, cfg.derive_spec())
+    if problem:
+        click.echo(f"{cfg.source}: [derive] {problem}", err=True)
+        sys.exit(2)
     click.echo(f"{cfg.source}: ok")
 
 
