@@ -13,7 +13,7 @@
 -- Order matters only for the SQL-language functions, whose bodies the server checks when
 -- they are created: each comes after what it calls.
 
--- == Why the lease protocol runs in functions =============================================
+-- == Why the lease protocol runs in functions ===========================================
 -- At claim_batch = 1 the server's CPU per job was mostly parsing and planning large CTE
 -- statements (2.5x more through a transaction pooler, where nothing can be prepared).
 -- PL/pgSQL prepares each statement of a function once per server connection and keeps
@@ -41,11 +41,12 @@
 -- synchronous_commit is set by the calling statement (`claim` in sql/queries.sql), not
 -- in derivd_claim.
 
--- == Triggers ===============================================================================
+-- == Triggers ===========================================================================
 
 -- archive_events is append-only: UPDATE, DELETE and TRUNCATE are refused (on every
 -- partition: see derivd_guard_partition). Old days leave only by DROP of their partition.
-CREATE OR REPLACE FUNCTION archive_events_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION archive_events_append_only() RETURNS trigger
+LANGUAGE plpgsql AS $$
 BEGIN
     RAISE EXCEPTION 'archive_events is append-only';
 END $$;
@@ -54,7 +55,8 @@ END $$;
 -- in any language) notifies `derivd_queued` (derivd.queue.db.QUEUED_CHANNEL). The payload
 -- is constant, so PostgreSQL folds the notifications of one transaction into one, and a
 -- bulk enqueue costs a single wake-up.
-CREATE OR REPLACE FUNCTION archive_files_notify_queued() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION archive_files_notify_queued() RETURNS trigger
+LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_notify('derivd_queued', '');
     RETURN NULL;
@@ -102,8 +104,6 @@ END $$;
 -- notifications appear in commit order); one NOTIFY per job would cap a database at one
 -- commit per WAL flush, fleet-wide. Distinct payloads are not folded: a batch commit
 -- sends one notification per registered row, when the committing transaction ends.
-
--- == archive_events: daily partitions ======================================================
 CREATE OR REPLACE FUNCTION archive_files_notify_finished() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -113,45 +113,91 @@ BEGIN
     RETURN NULL;
 END $$;
 
+-- == archive_events: daily partitions ===================================================
+
 -- Row triggers are cloned onto every partition; a statement trigger is not, so each
 -- partition gets its own TRUNCATE guard.
-CREATE OR REPLACE FUNCTION derivd_guard_partition(part regclass) RETURNS void LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION derivd_guard_partition(part regclass) RETURNS void
+LANGUAGE plpgsql AS $$
 BEGIN
     EXECUTE format('CREATE TRIGGER archive_events_no_truncate BEFORE TRUNCATE ON %s '
                    'FOR EACH STATEMENT EXECUTE FUNCTION archive_events_append_only()', part);
 END $$;
 
+-- Partitions are made 8 days ahead by the EventPartitions duty (derivd.processes.duties):
+-- every supervisor at start and every [sweep] partitions_interval, and `derivd sweep`.
+-- Each DDL statement below takes ACCESS EXCLUSIVE on archive_events, so the caller runs
+-- each function under a short lock_timeout (derivd.queue.db.DDL_LOCK_TIMEOUT_S) and
+-- retries later rather than queue every job's commit behind a long reader. Two hosts
+-- doing this at once serialise on a transaction-scoped advisory lock (it holds through a
+-- transaction pooler); the second finds nothing left to do.
+
 -- Daily partitions for `days` days from `first` (UTC dates), unless present. Partition
 -- `archive_events_to_YYYYMMDD` holds the day before that date. A day whose rows already
--- sit in the DEFAULT partition is left there (creating its partition would have to move
--- them). Returns the partitions created.
+-- sit in the DEFAULT partition is left to derivd_rehome_default_events. Returns the
+-- partitions created.
 CREATE OR REPLACE FUNCTION derivd_event_partitions(first date, days integer)
 RETURNS SETOF text LANGUAGE plpgsql AS $$
 DECLARE
     d date;
-    part text;
-    low timestamptz;
-    high timestamptz;
 BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('derivd_event_partitions'));
     FOR i IN 0 .. days - 1 LOOP
         d := first + i;
-        part := 'archive_events_to_' || to_char(d + 1, 'YYYYMMDD');
-        low := d::timestamp AT TIME ZONE 'UTC';
-        high := (d + 1)::timestamp AT TIME ZONE 'UTC';
-        CONTINUE WHEN to_regclass(part) IS NOT NULL;
+        CONTINUE WHEN to_regclass('archive_events_to_' || to_char(d + 1, 'YYYYMMDD')) IS NOT NULL;
         CONTINUE WHEN EXISTS (SELECT 1 FROM archive_events_default
-                               WHERE at >= low AND at < high);
-        EXECUTE format('CREATE TABLE %I PARTITION OF archive_events FOR VALUES FROM (%L) TO (%L)',
-                       part, low, high);
-        PERFORM derivd_guard_partition(part::regclass);
-        RETURN NEXT part;
+                               WHERE at >= d::timestamp AT TIME ZONE 'UTC'
+                                 AND at < (d + 1)::timestamp AT TIME ZONE 'UTC');
+        RETURN NEXT derivd_event_partition(d);
     END LOOP;
 END $$;
 
--- Drop the partitions that end on or before `cutoff`, whole, and the DEFAULT partition
--- when its newest row is older than `cutoff` (recreated empty). Returns what it dropped.
+-- The partition of one UTC day (created and guarded unless present); its name.
+CREATE OR REPLACE FUNCTION derivd_event_partition(d date)
+RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    part text := 'archive_events_to_' || to_char(d + 1, 'YYYYMMDD');
+BEGIN
+    IF to_regclass(part) IS NULL THEN
+        EXECUTE format('CREATE TABLE %I PARTITION OF archive_events FOR VALUES FROM (%L) TO (%L)',
+                       part, d::timestamp AT TIME ZONE 'UTC',
+                       (d + 1)::timestamp AT TIME ZONE 'UTC');
+        PERFORM derivd_guard_partition(part::regclass);
+    END IF;
+    RETURN part;
+END $$;
 
--- == The lease protocol =====================================================================
+-- Empty the DEFAULT partition after an outage of the partition rounds longer than the
+-- days they make ahead (its rows would otherwise stay: the days it holds rows of can get
+-- no partition, and with one recent row its old ones outlive retention). Its rows from
+-- `cutoff` on (every row when cutoff is NULL: no retention) move to the partitions of
+-- their days, ids kept; the older ones go with the old table. Returns the day partitions
+-- that received rows (none when DEFAULT was empty).
+CREATE OR REPLACE FUNCTION derivd_rehome_default_events(cutoff timestamptz)
+RETURNS SETOF text LANGUAGE plpgsql AS $$
+DECLARE
+    d date;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('derivd_event_partitions'));
+    IF NOT EXISTS (SELECT 1 FROM archive_events_default) THEN
+        RETURN;
+    END IF;
+    ALTER TABLE archive_events DETACH PARTITION archive_events_default;
+    ALTER TABLE archive_events_default RENAME TO archive_events_default_old;
+    CREATE TABLE archive_events_default PARTITION OF archive_events DEFAULT;
+    PERFORM derivd_guard_partition('archive_events_default');
+    FOR d IN SELECT DISTINCT (at AT TIME ZONE 'UTC')::date FROM archive_events_default_old
+              WHERE cutoff IS NULL OR at >= cutoff ORDER BY 1 LOOP
+        RETURN NEXT derivd_event_partition(d);
+    END LOOP;
+    INSERT INTO archive_events OVERRIDING SYSTEM VALUE
+    SELECT * FROM archive_events_default_old
+     WHERE cutoff IS NULL OR at >= cutoff ORDER BY id;
+    DROP TABLE archive_events_default_old;
+END $$;
+
+-- Drop the partitions that end on or before `cutoff`, whole. Returns what it dropped.
+-- (DEFAULT's old rows go with derivd_rehome_default_events.)
 CREATE OR REPLACE FUNCTION derivd_drop_event_partitions(cutoff timestamptz)
 RETURNS SETOF text LANGUAGE plpgsql AS $$
 DECLARE
@@ -168,13 +214,9 @@ BEGIN
         EXECUTE format('DROP TABLE %I', part);
         RETURN NEXT part;
     END LOOP;
-    IF (SELECT max(at) < cutoff FROM archive_events_default) THEN
-        DROP TABLE archive_events_default;
-        CREATE TABLE archive_events_default PARTITION OF archive_events DEFAULT;
-        PERFORM derivd_guard_partition('archive_events_default');
-        RETURN NEXT 'archive_events_default';
-    END IF;
 END $$;
+
+-- == The lease protocol =================================================================
 
 -- A worker's steady state in one round trip and one durable transaction: the fenced
 -- commit of its finished attempts, then the claim of up to `lim` next rows (lim = 0:
@@ -246,7 +288,7 @@ BEGIN
                    lease_until = NULL,
                    finished_at = now(),
                    updated_at = now()
-             WHERE f.id = j.id AND f.lease_token = j.token
+             WHERE f.id = j.id AND f.lease_token = j.token  -- the fence (see the top)
             RETURNING f.attempts, f.rederive_of)
         INSERT INTO archive_events AS e (file_id, kind, attempt, lease_token)
         SELECT j.id, CASE WHEN d.attempts IS NULL THEN 'lease_lost' ELSE 'ready' END,
@@ -502,22 +544,6 @@ END $$;
 
 -- Give a job back (shutdown, or too little lease left) without burning its attempt;
 -- fenced, a failed fence appends `lease_lost`. Returns whether it was released.
-
--- == The fleet ===============================================================================
-
--- The staleness rule of the host registry: a host is stale once three of its own
--- heartbeat intervals pass without one. One late or lost heartbeat is no reason to call
--- a host dead, and with the heartbeat at most a third of the lease ([queue] heartbeat) a
--- host is called stale no later than its leases expire. `derivd status` shows stale
--- hosts; the sweep prunes them after the [sweep] guard. LANGUAGE sql and STABLE, so the
--- server inlines it into the calling query (now() is that statement's time).
-CREATE OR REPLACE FUNCTION derivd_host_stale(last_heartbeat timestamptz, heartbeat_s float8)
-RETURNS boolean
-LANGUAGE sql STABLE AS $$
-    SELECT last_heartbeat < now() - make_interval(secs => 3 * heartbeat_s)
-$$;
-
--- == Queue health and the dashboard =========================================================
 CREATE OR REPLACE FUNCTION derivd_release(file_id bigint, token uuid, attempt integer)
 RETURNS boolean
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
@@ -543,6 +569,22 @@ BEGIN
     VALUES (derivd_release.file_id, 'released', n + 1, token);
     RETURN true;
 END $$;
+
+-- == The fleet ==========================================================================
+
+-- The staleness rule of the host registry: a host is stale once three of its own
+-- heartbeat intervals pass without one. One late or lost heartbeat is no reason to call
+-- a host dead, and with the heartbeat at most a third of the lease ([queue] heartbeat) a
+-- host is called stale no later than its leases expire. `derivd status` shows stale
+-- hosts; the sweep prunes them after the [sweep] guard. LANGUAGE sql and STABLE, so the
+-- server inlines it into the calling query (now() is that statement's time).
+CREATE OR REPLACE FUNCTION derivd_host_stale(last_heartbeat timestamptz, heartbeat_s float8)
+RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT last_heartbeat < now() - make_interval(secs => 3 * heartbeat_s)
+$$;
+
+-- == Queue health and the dashboard =====================================================
 
 -- Queue health whose cost does not grow with history, cached for the fleet. A cached
 -- result younger than max_age_s is returned as it is; otherwise the caller takes the

@@ -30,6 +30,16 @@ SELECT to_regclass('derivd_migrations') IS NOT NULL AS present;
 -- name: migrations_record
 INSERT INTO derivd_migrations (name) VALUES (%(name)s);
 
+-- name: functions_missing
+-- Which of the functions this derivd calls (`names`: those of sql/functions.sql) the
+-- database lacks. A release may add a function without a migration; its hosts must not
+-- start before `derivd migrate` has created it.
+SELECT n AS name
+  FROM unnest(%(names)s::text[]) AS n
+ WHERE NOT EXISTS (SELECT 1 FROM pg_proc AS p
+                    WHERE p.proname = n AND pg_function_is_visible(p.oid))
+ ORDER BY n;
+
 -- name: enqueue
 -- Queue confirmed originals (key and version already stored), all at one priority and
 -- tenant (NULL: none). Returns the new ids in order.
@@ -87,10 +97,10 @@ SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, %(limit)s::integer,
                                       %(host)s::text, %(tenant_cap)s::integer);
 
 -- name: fail
--- The fenced failure (derivd_fail in sql/functions.sql). retry = true: back to `queued` after
--- delay_s unless the attempts are used up; retry = false (content errors): `rejected` at
--- once. `extra_event` (e.g. 'timeout') is appended too. Returns the new status, or no
--- row when the fence failed (a `lease_lost` event is appended instead).
+-- The fenced failure (derivd_fail in sql/functions.sql). retry = true: back to `queued`
+-- after delay_s unless the attempts are used up; retry = false (content errors):
+-- `rejected` at once. `extra_event` (e.g. 'timeout') is appended too. Returns the new
+-- status, or no row when the fence failed (a `lease_lost` event is appended instead).
 SELECT status, error_code
   FROM derivd_fail(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer, %(retry)s::boolean,
                    %(code)s::text, %(max_attempts)s::integer, %(delay_s)s::float8,
@@ -533,3 +543,29 @@ SELECT %(id)s, 'lease_lost', %(attempt)s, %(token)s
  WHERE NOT EXISTS (SELECT 1 FROM archive_files
                     WHERE id = %(id)s AND lease_token = %(token)s)
 RETURNING 1;
+
+-- Partition upkeep and timeouts (issue 21, items 11 and 12) ---------------------------
+
+-- name: lock_timeout
+-- How long the statements after it in this transaction may wait for a lock (partition
+-- DDL takes ACCESS EXCLUSIVE on archive_events: it gives up rather than queue every
+-- job's commit behind a long reader, and is retried later).
+SELECT set_config('lock_timeout', %(timeout)s, true);
+
+-- name: session_timeouts
+-- Bounds for a direct connection of the supervisor (never sent through a pooler, where
+-- a session setting would stick to a server connection other clients share).
+SELECT set_config('statement_timeout', %(statement)s, false),
+       set_config('lock_timeout', %(lock)s, false);
+
+-- name: rehome_default_events
+-- Move the DEFAULT partition's rows to the partitions of their days, dropping those
+-- older than `days` days (every row moves when days is 0). Returns the day partitions
+-- that received rows (derivd_rehome_default_events, sql/functions.sql).
+SELECT derivd_rehome_default_events(
+           CASE WHEN %(days)s > 0 THEN now() - make_interval(days => %(days)s) END) AS part;
+
+-- name: default_events
+-- Whether the DEFAULT partition holds events (days no partition covered: the partition
+-- duty was away longer than it creates ahead): `derivd status` warns.
+SELECT EXISTS (SELECT 1 FROM archive_events_default) AS present;

@@ -11,7 +11,7 @@
 -- Columns are in the order the migrations added them: that is the order the database
 -- has, and `SELECT *` shows.
 
--- == Vocabularies ============================================================================
+-- == Vocabularies =======================================================================
 -- The one copy of each vocabulary in the database (derivd.states is the Python one;
 -- tests/test_states.py compares them). Domains, not CHECKs listing the values on each
 -- table: PostgreSQL re-reads a table's CHECK constraints from their stored text for
@@ -33,7 +33,7 @@ CREATE DOMAIN derivd_tenant AS text
     CONSTRAINT derivd_tenant_check CHECK (
         char_length(VALUE) BETWEEN 1 AND 200 AND VALUE !~ '[[:cntrl:]]');
 
--- == The queue ===============================================================================
+-- == The queue ==========================================================================
 -- One row per original. Upload APIs read and write it too (README: the columns they use
 -- are a contract). derived_* describe the primary (first) variant; archive_variants
 -- lists them all.
@@ -205,8 +205,7 @@ CREATE TABLE derivd_backfills (
     finished_at timestamptz
 );
 
--- == Events ==================================================================================
--- Append-only history with safe fields only: no exception text, paths or credentials.
+-- == Events ===========================================================================-- Append-only history with safe fields only: no exception text, paths or credentials.
 -- UPDATE, DELETE and TRUNCATE are refused on every partition, and `[sweep]
 -- events_retention_days` drops whole days: DROP TABLE of a partition rewrites nothing and
 -- leaves no dead rows.
@@ -237,15 +236,16 @@ CREATE TRIGGER archive_events_no_update BEFORE UPDATE OR DELETE ON archive_event
 CREATE TRIGGER archive_events_no_truncate BEFORE TRUNCATE ON archive_events
     FOR EACH STATEMENT EXECUTE FUNCTION archive_events_append_only();
 
--- Partition `archive_events_to_YYYYMMDD` holds the day before that date (UTC); the sweep
--- creates them a week ahead (derivd_event_partitions). The DEFAULT partition catches rows
--- no partition covers (only if sweeps stopped for longer than that): nothing is ever
--- refused, and it is dropped whole once its newest row is past retention.
+-- Partition `archive_events_to_YYYYMMDD` holds the day before that date (UTC); every
+-- supervisor creates them a week ahead (derivd_event_partitions, the EventPartitions duty).
+-- The DEFAULT partition catches rows no partition covers (only if no partition round ran
+-- for longer than that): nothing is ever refused, and the next round moves its rows into
+-- the partitions of their days (derivd_rehome_default_events).
 CREATE TABLE archive_events_default PARTITION OF archive_events DEFAULT;
 SELECT derivd_guard_partition('archive_events_default');
 SELECT derivd_event_partitions((now() AT TIME ZONE 'UTC')::date, 8);
 
--- == The fleet ===============================================================================
+-- == The fleet ==========================================================================
 -- The host registry: one row per supervisor, named by its [supervisor] host_id. A
 -- supervisor registers at start, refreshes its row with every heartbeat (database time)
 -- and deletes it on a clean stop; a host whose heartbeat is three intervals old is stale,

@@ -13,10 +13,10 @@ Connections: any psycopg 3 connection, in autocommit mode or not.
   it raises ConnectionBusy otherwise, and commits the short transactions it opens itself.
 
 `wait` registers the file it waits for (only registered files are announced:
-archive_files_notify_finished in sql/functions.sql), LISTENs on `derivd_finished`
-(CHANNEL; the payload is the row id only), reads the row, and
-sleeps on the connection until the row's id arrives, so a file that finished before
-`wait` began is seen by the read. It reads the row again every RECHECK_S seconds: a
+archive_files_notify_finished in sql/functions.sql), LISTENs on CHANNEL
+(`derivd_finished`; the payload is the row id only), reads the row, and sleeps on the
+connection until the row's id arrives, so a file that finished before `wait` began is
+seen by the read. It reads the row again every RECHECK_S seconds: a
 finish committed by a transaction that began before the registration was visible is not
 announced, and is seen by that read. Through a
 transaction-mode pooler (PgBouncer) LISTEN does not work: give `wait` a direct
@@ -109,12 +109,14 @@ class Result:
 def enqueue(
     conn: psycopg.Connection[Any],
     original_key: str,
-    original_version: str,
+    original_version: str | None,
     *,
     priority: int = 0,
     tenant: str | None = None,
 ) -> int:
     """Queue a stored original, read later by key AND version id. Returns the row id.
+    A missing version (None: the PUT to an unversioned bucket returned none) raises
+    MissingVersion.
 
     `priority`: -100..100, higher runs first (0: live uploads; backfill uses -10).
     `tenant`: whose file it is (None: no tenant); tenants with work at one priority

@@ -20,7 +20,6 @@ from helpers import sql
 from derivd import client
 from derivd.config import Config
 from derivd.fingerprint import configured_set, target_digest
-from derivd.jobs import Worker
 from derivd.ops.backfill import Apply, BackfillRunning, Plan, differences, scan
 from derivd.ops.dashboard import Snapshot
 from derivd.ops.dashboard_page import render
@@ -28,6 +27,7 @@ from derivd.ops.status import as_json, collect, render_table
 from derivd.ops.sweep import Sweeper
 from derivd.queue.db import QueueDB
 from derivd.storage.base import Storage, new_original_key, open_storage
+from derivd.worker import Worker
 
 pytestmark = pytest.mark.pooler
 
@@ -106,7 +106,7 @@ def readable_set(dsn: str, storage: Storage, file_id: int) -> dict[str, str | No
 
 
 def sweep(queue: QueueDB, storage: Storage) -> None:
-    Sweeper(queue, storage, orphan_guard=0, delete_guard=0, max_attempts=3).run_once()
+    Sweeper(queue, storage, orphan_guard=0, delete_guard=0).run_once()
 
 
 def unreferenced(queue: QueueDB, storage: Storage) -> set[str]:
@@ -188,7 +188,7 @@ def test_the_old_objects_stay_until_delete_guard(
     (old,) = queue.file_variants(f)
     apply(queue, new_cfg)
     drain(new_cfg)
-    Sweeper(queue, storage, orphan_guard=0, delete_guard=3600, max_attempts=3).run_once()
+    Sweeper(queue, storage, orphan_guard=0, delete_guard=3600).run_once()
     assert storage.get(old.key, old.version)  # a client that just read the old key
     sweep(queue, storage)
     assert old.key not in set(storage.list_keys("derived/"))

@@ -10,7 +10,8 @@ against an empty database.
 
 Issue 22: sql/schema.sql and sql/functions.sql are the readable home of the schema; an
 empty database migrated is exactly them (pg_dump of both), and every `migrate` puts
-functions.sql's bodies back, except on a database a newer derivd migrated.
+functions.sql's bodies back, except on a database a newer derivd migrated; a function
+this version needs and the database lacks is refused like a missing migration.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from fixtures.cli import derivd_command
 from helpers import sql, wait_for
 
 from derivd.embedded.pgcluster import EmbeddedCluster
-from derivd.queue.db import SchemaMismatch, migrate
+from derivd.queue.db import SchemaMismatch, check_schema, migrate
 from derivd.queue.sqlfiles import functions, migrations, queries
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
@@ -279,6 +280,24 @@ def test_migrations_produce_schema_sql_and_functions_sql(
     assert migrated == from_files, "\n".join(drift)
 
 
+# The first migration written after functions.sql became the home of every body.
+FIRST_AFTER_FUNCTIONS_SQL = "0012"
+
+
+def test_no_newer_migration_replaces_a_function() -> None:
+    """`migrate` runs functions.sql after the migrations: a body a migration replaced
+    would be put back at once, silently. A new body goes into functions.sql. (A migration
+    may still CREATE a new function it needs itself, e.g. for a trigger, which then
+    lives on in functions.sql.)"""
+    replaces = re.compile(r"CREATE\s+OR\s+REPLACE\s+FUNCTION", re.IGNORECASE)
+    offenders = [
+        m.name
+        for m in migrations()
+        if m.name >= FIRST_AFTER_FUNCTIONS_SQL and replaces.search(m.sql)
+    ]
+    assert offenders == [], f"change these functions in sql/functions.sql: {offenders}"
+
+
 def function_bodies(dsn: str) -> dict[str, str]:
     rows = sql(
         dsn,
@@ -313,3 +332,17 @@ def test_migrate_leaves_a_newer_schemas_functions_alone(dsn: str) -> None:
     with pytest.raises(SchemaMismatch, match="schema is newer"):
         migrate(dsn)
     assert function_bodies(dsn) == newer
+
+
+def test_a_function_added_without_a_migration_is_refused_until_migrate(dsn: str) -> None:
+    """A release may add a function to functions.sql alone: its hosts must not start on a
+    database the previous release migrated (their first call would fail), but say so."""
+    sql(dsn, "DROP FUNCTION derivd_host_stale(timestamptz, float8)")
+    with pytest.raises(SchemaMismatch) as refused:
+        check_schema(dsn)
+    assert str(refused.value) == (
+        "the database schema is behind this derivd (missing: derivd_host_stale()); "
+        "run `derivd migrate`"
+    )
+    assert migrate(dsn) == []
+    check_schema(dsn)

@@ -9,6 +9,7 @@ from functools import cache
 from importlib.resources import files
 
 _NAME = re.compile(r"^--\s*name:\s*([a-z0-9_]+)\s*$", re.MULTILINE)
+_FUNCTION = re.compile(r"^CREATE OR REPLACE FUNCTION\s+([a-z0-9_]+)\s*\(", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -55,3 +56,8 @@ def migrations() -> list[Migration]:
 def functions() -> str:
     """sql/functions.sql, one script: every function as it is now (CREATE OR REPLACE)."""
     return files("derivd.sql").joinpath("functions.sql").read_text(encoding="utf-8")
+
+
+def function_names() -> list[str]:
+    """The name of every function sql/functions.sql defines, sorted."""
+    return sorted(set(_FUNCTION.findall(functions())))
