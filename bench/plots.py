@@ -149,7 +149,8 @@ def traffic(data: Data) -> tuple[Figure, str]:
         ("small tenant's wait, s (log)", ["p50_s", "max_s"],
          [("shared" if r["shared"] else "one FIFO", r) for r in data["tenant"]]),
         ("claim at 1M queued / 10k tenants, ms", ["p50_ms", "p99_ms"],
-         [(f"cap {r['cap']}", r) for r in data["scale"]]),
+         [(f"cap {r['cap']}" if isinstance(r["cap"], int) else str(r["cap"]), r)
+          for r in data["scale"]]),
         ("server CPU per job, ms", ["server_ms"],
          [(k, v) for k, v in data["cpu"].items()]),
     ]  # fmt: skip

@@ -163,8 +163,9 @@ DELETE FROM pending_objects WHERE key = ANY(%(keys)s::text[]);
 WITH locked AS (
     SELECT id, rederive_of
       FROM archive_files
-     WHERE (id = ANY(%(ids)s::bigint[]) OR rederive_of = ANY(%(ids)s::bigint[]))
-       AND status NOT IN ('deleting', 'deleted')
+     WHERE (id = ANY(%(ids)s::bigint[]) AND status NOT IN ('deleting', 'deleted'))
+        OR (rederive_of = ANY(%(ids)s::bigint[]) AND rederive_of IS NOT NULL
+            AND status IN ('queued', 'processing'))
      ORDER BY rederive_of IS NULL, id
        FOR UPDATE
 ), done AS (

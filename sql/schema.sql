@@ -117,13 +117,12 @@ CREATE INDEX archive_files_claim_order ON archive_files (priority DESC, fair_ran
 CREATE INDEX archive_files_tenant_rank
     ON archive_files (priority, (coalesce(tenant, '')), fair_rank)
     WHERE status = 'queued';
--- At most one live re-derivation per file; `derivd delete` finds them all.
+-- At most one live re-derivation per file; `derivd delete` finds them here (a finished
+-- one has nothing to revoke).
 -- (`rederive_of IS NOT NULL` first: no other row enters it, so a claim or an
 -- enqueue costs it nothing.)
 CREATE UNIQUE INDEX archive_files_rederive_live ON archive_files (rederive_of)
     WHERE rederive_of IS NOT NULL AND status IN ('queued', 'processing');
-CREATE INDEX archive_files_rederive ON archive_files (rederive_of)
-    WHERE rederive_of IS NOT NULL;
 
 -- Every variant of a ready row, one row per variant and format, each with the
 -- Content-Type it was PUT with, and the token of the attempt that stored it.
@@ -166,8 +165,8 @@ CREATE TRIGGER archive_files_queued_update AFTER UPDATE OF status ON archive_fil
     FOR EACH ROW WHEN (NEW.status = 'queued' AND OLD.status IS DISTINCT FROM 'queued')
     EXECUTE FUNCTION archive_files_notify_queued();
 -- On insert only (a pending row gets its rank too, kept when it is queued): a BEFORE
--- UPDATE row trigger would lock every claimed and committed row once more (measured:
--- +14 % server CPU per job, bench/traffic.py), even with a WHEN that is false.
+-- UPDATE row trigger makes every UPDATE of the table fetch and lock the old row once
+-- more for it (claims and commits included), even with a WHEN that is false.
 CREATE TRIGGER archive_files_fair_rank BEFORE INSERT ON archive_files
     FOR EACH ROW WHEN (NEW.fair_rank IS NULL)
     EXECUTE FUNCTION archive_files_fair_rank();

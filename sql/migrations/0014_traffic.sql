@@ -58,8 +58,8 @@ BEGIN
 END $$;
 
 -- On insert only (a pending row gets its rank too, kept when it is queued): a BEFORE
--- UPDATE row trigger would lock every claimed and committed row once more (measured:
--- +14 % server CPU per job, bench/traffic.py), even with a WHEN that is false.
+-- UPDATE row trigger makes every UPDATE of the table fetch and lock the old row once
+-- more for it (claims and commits included), even with a WHEN that is false.
 CREATE TRIGGER archive_files_fair_rank BEFORE INSERT ON archive_files
     FOR EACH ROW WHEN (NEW.fair_rank IS NULL)
     EXECUTE FUNCTION archive_files_fair_rank();
@@ -70,13 +70,12 @@ CREATE TRIGGER archive_files_fair_rank BEFORE INSERT ON archive_files
 CREATE SEQUENCE derivd_claim_turns CYCLE;
 
 -- == Re-derivations (backfill) ========================================================
--- At most one live re-derivation per file; `derivd delete` finds them all.
+-- At most one live re-derivation per file; `derivd delete` finds them here (a finished
+-- one has nothing to revoke).
 -- (`rederive_of IS NOT NULL` first: no other row enters it, so a claim or an
 -- enqueue costs it nothing.)
 CREATE UNIQUE INDEX archive_files_rederive_live ON archive_files (rederive_of)
     WHERE rederive_of IS NOT NULL AND status IN ('queued', 'processing');
-CREATE INDEX archive_files_rederive ON archive_files (rederive_of)
-    WHERE rederive_of IS NOT NULL;
 
 -- What spec made each variant (derivd.fingerprint); NULL: made before this migration.
 ALTER TABLE archive_variants ADD COLUMN fingerprint text;
