@@ -348,9 +348,10 @@ BEGIN
         RETURN;
     END IF;
     oldest := nextval('derivd_claim_turns') % 20 = 0;
-    IF tenant_cap < 1 THEN
-        -- One statement picks and locks the rows; a branch is read only for what the
-        -- ones before it leave of the limit, and the two last ones exclude each other.
+    IF tenant_cap < 1 AND NOT oldest THEN
+        -- One statement picks and locks the rows; the second branch is read only for
+        -- what the first leaves of the limit. (Two statements below rather than one with
+        -- a third branch switched off: an unused branch is still set up at every call.)
         SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier)
           INTO ids, since, tiers
           FROM (SELECT * FROM (SELECT f.id, f.lease_until AS since, 0 AS tier
@@ -364,15 +365,24 @@ BEGIN
                 SELECT * FROM (SELECT f.id, f.available_at, 1
                                  FROM archive_files AS f
                                 WHERE f.status = 'queued' AND f.available_at <= now()
-                                  AND NOT oldest
                                 ORDER BY f.priority DESC, f.fair_rank, f.id
                                 LIMIT lim
                                   FOR UPDATE SKIP LOCKED) AS ranked
+                LIMIT lim) AS c;
+    ELSIF tenant_cap < 1 THEN
+        SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier)
+          INTO ids, since, tiers
+          FROM (SELECT * FROM (SELECT f.id, f.lease_until AS since, 0 AS tier
+                                 FROM archive_files AS f
+                                WHERE f.status = 'processing' AND f.lease_until < now()
+                                  AND f.attempts < derivd_commit_and_claim.max_attempts
+                                ORDER BY f.lease_until
+                                LIMIT lim
+                                  FOR UPDATE SKIP LOCKED) AS expired
                 UNION ALL
                 SELECT * FROM (SELECT f.id, f.available_at, 1
                                  FROM archive_files AS f
                                 WHERE f.status = 'queued' AND f.available_at <= now()
-                                  AND oldest
                                 ORDER BY f.available_at, f.id
                                 LIMIT lim
                                   FOR UPDATE SKIP LOCKED) AS oldest_first
