@@ -226,6 +226,7 @@ def baseline_claim_at_scale(
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(SEED_QUEUED, {"n": n})
         conn.execute("VACUUM (ANALYZE) archive_files")
+        conn.execute("CHECKPOINT")
     seeded = time.perf_counter() - started
     times = _claims(dsn, claims, CLAIM["baseline"])
     return {
@@ -250,6 +251,7 @@ def claim_at_scale(pg: EmbeddedCluster, n: int, tenants: int, claims: int) -> li
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(SEED_MANY_TENANTS, {"n": n, "tenants": tenants})
         conn.execute("VACUUM (ANALYZE) archive_files")
+        conn.execute("CHECKPOINT")  # the seed's writes are not flushed during the claims
     seeded = time.perf_counter() - started
     rows = []
     for cap in (0, 10):
