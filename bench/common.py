@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import psycopg
 
@@ -137,19 +138,32 @@ def save_results(name: str, data: dict[str, object]) -> Path:
     return path
 
 
-def burst_drain(ini: Path, log: Path, dsn: str) -> tuple[int, float, float]:
-    """`derivd -c INI run --burst` to its end (output to `log`): the rows now `ready`, the
-    drain as the database saw it (first claim to last finish, s) and the run's wall time."""
+class Burst(NamedTuple):
+    """One `derivd run --burst` to its end."""
+
+    ready: int  # rows now `ready`
+    drain_s: float  # first claim to last finish, as the database saw it
+    wall_s: float  # the process's start to its exit: boot and shutdown included
+    cpu_s: float  # user + system of the supervisor and its workers (not PostgreSQL's)
+    peak_rss_mb: float  # the largest of those processes
+
+
+def burst_drain(ini: Path, log: Path, dsn: str) -> Burst:
+    """`derivd -c INI run --burst` to its end (output to `log`), measured as a whole: the
+    kernel's accounting of the process and every child it waited for (wait4)."""
     started = time.perf_counter()
     with log.open("w") as out:
-        subprocess.run(
+        proc = subprocess.Popen(
             [str(DERIVD), "-c", str(ini), "run", "--burst"],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            check=True,
         )
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args)
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
             "SELECT count(*) FILTER (WHERE status = 'ready'),"
@@ -157,4 +171,5 @@ def burst_drain(ini: Path, log: Path, dsn: str) -> tuple[int, float, float]:
             "  FROM archive_files"
         ).fetchone()
     assert row is not None
-    return int(row[0]), float(row[1] or 0.0), wall
+    cpu = usage.ru_utime + usage.ru_stime
+    return Burst(int(row[0]), float(row[1] or 0.0), wall, cpu, usage.ru_maxrss / 1024)
