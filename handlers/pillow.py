@@ -2,9 +2,11 @@
 
 Per job: open with only the accepted plugins (so Pillow never hands EPS to Ghostscript or
 guesses at TGA), check the limits from the header, decode once (the first frame, or every
-frame when a variant is animated; JPEG shrunk on load by `draft` to the size the largest
-variant needs), orient, convert to 8-bit sRGB, then shape and encode each variant from that
-one decoded image (`pillow_variants`), with metadata stripped.
+frame when a variant is animated; JPEG shrunk on load by `draft` as `[derive]
+shrink_on_load` and `geometry.jpeg_shrink` say, then reduced and resampled with Lanczos;
+Pillow has no scaled WebP decode, so WebP is decoded whole), orient, convert to 8-bit
+sRGB, then shape and encode each variant from that one decoded image (`pillow_variants`),
+with metadata stripped.
 
 Malformed EXIF is treated as orientation 1, as libvips does: the pixels are fine, only the
 metadata is junk, and the derivative is stripped of it anyway.
@@ -29,7 +31,7 @@ from derivd.handlers.base import (
     check_input_size,
     decoding,
 )
-from derivd.handlers.geometry import base_size
+from derivd.handlers.geometry import base_size, jpeg_shrink
 from derivd.handlers.pillow_variants import REDUCING_GAP, Decoded, derive_variants
 from derivd.handlers.sniff import TIFF_COMPRESSION, accepted_format, png_chunks_intact, tiff_tags
 
@@ -183,10 +185,11 @@ def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> Decoded:
     turn = orientation(im)
     upright = (stored[1], stored[0]) if turn in _SIDEWAYS else stored
     base = base_size(*upright, spec.variants)
-    if im.format in ("JPEG", "MPO"):
-        # DCT-domain downscale to the smallest power-of-two reduction still at least as
-        # large as the base the variants need; draft works in stored axes.
-        im.draft(im.mode, (base[1], base[0]) if turn in _SIDEWAYS else base)
+    shrink = jpeg_shrink(upright, base, spec.shrink_on_load)
+    if im.format in ("JPEG", "MPO") and shrink > 1:
+        # DCT-domain downscale by `shrink` (the rule both backends share), which draft
+        # picks for a requested size of the stored size over `shrink`.
+        im.draft(im.mode, (stored[0] // shrink, stored[1] // shrink))
     animated = any(v.animated for v in spec.variants)
     count = int(getattr(im, "n_frames", 1)) if animated else 1
     frames, durations = [], []
