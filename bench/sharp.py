@@ -19,12 +19,13 @@ orientation 6; photo-like scenes with grain from tests/imagegen.py, cached in be
 
 Each side is timed as a whole process (start to exit); CPU and peak RSS are the kernel's
 accounting of the process and its children (wait4): PostgreSQL's own CPU is not counted.
-Fidelity: SSIM (tests/fidelity.py) of each derivd output against sharp's output for the
-same input, and against the same backend's full-decode reference (the handler with
-`shrink_on_load = off`: no shrink-on-load at all, same resize, same encoder), for every
-distinct input. Prints a table with the load average beside each run (the machine may be
-shared: quote CPU per image over images/s when the load is high), writes
-bench/out/sharp.json (bench/plots.py draws chart-sharp.png from it).
+Fidelity, the lowest over the distinct inputs: SSIM (tests/fidelity.py) of each derivd
+output against sharp's output for the same input, and of the backend's variant against its
+own full decode (the handler with `shrink_on_load = off`: no shrink-on-load at all, the
+same resize; both written as PNG, so the JPEG encoder's loss does not count twice).
+Prints a table with the load average beside each run (the machine may be shared: quote CPU
+per image over images/s when the load is high), writes bench/out/sharp.json
+(bench/plots.py draws chart-sharp.png from it).
 
 When `node`/`npm` are missing the sharp side is skipped (one line says so) and derivd's
 figures are still measured. The fixture is a Flickr photograph (grizdave, 2569067123)
@@ -44,19 +45,29 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from common import ROOT, Burst, burst_drain, cluster, fresh_db, machine, save_results, table
+from common import (
+    ROOT,
+    Burst,
+    Measured,
+    burst_drain,
+    cluster,
+    fresh_db,
+    machine,
+    measured,
+    save_results,
+    table,
+)
 
 sys.path.insert(0, str(ROOT / "tests"))
-from fidelity import ssim  # noqa: E402
+from fidelity import ssim
 
-from derivd.storage.fs import FsStorage  # noqa: E402
+from derivd.storage.fs import FsStorage
 
 SHARP_VERSION = "0.34.5"
 HOME = ROOT / "bench" / ".sharp"  # git-ignored: node_modules, the fixture
@@ -164,25 +175,14 @@ def install_sharp() -> bool:
     return True
 
 
-def measure(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float]:
-    """(wall s, CPU s, peak RSS MiB) of a command and the children it waited for."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"{Path(argv[1]).name} exited with {proc.returncode}")
-    return time.perf_counter() - started, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
-
-
-def run_sharp(mode: str, inputs: list[Path], workers: int, out: Path) -> tuple[float, ...]:
+def run_sharp(mode: str, inputs: list[Path], workers: int, out: Path) -> Measured:
     """sharp_task.js over `inputs`; its outputs land in `out` as NNNN-<stem>.jpg."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     env = dict(os.environ, NODE_PATH=str(HOME / "node_modules"))
     argv = ["node", str(TASK), mode, str(workers), str(BOX[0]), str(BOX[1]), str(QUALITY),
             str(out), *map(str, inputs)]  # fmt: skip
-    return measure(argv, env)
+    return measured(argv, out.with_suffix(".log"), env)
 
 
 # --- derivd -------------------------------------------------------------------------------
@@ -226,16 +226,20 @@ def run_derivd(pg: Any, backend: str, inputs: list[Path], workers: int, work: Pa
     return burst, [by_key[f"originals/{n:04d}"] for n in range(len(inputs))]
 
 
-def full_decode_reference(backend: str, data: bytes) -> bytes:
-    """The same backend's output without shrink-on-load: what fast decoding is held to."""
+def decode_fidelity(backend: str, data: bytes) -> float:
+    """SSIM of the backend's variant as derived (`[derive] shrink_on_load = fast`, the
+    default) against its full decode (`off`), both written lossless (PNG): what the
+    decoding costs, without counting the JPEG encoder's own loss twice."""
     from derivd.handlers.base import DeriveSpec, VariantSpec
     from derivd.handlers.registry import create_handler
 
-    variant = VariantSpec("bench", box=BOX, fit="cover", formats=("jpeg",), quality=QUALITY)
-    spec = DeriveSpec(variants=(variant,), quality=QUALITY, concurrency=1)
-    spec = replace(spec, shrink_on_load="off")
-    (out,) = create_handler(backend, spec).derive(data, spec)
-    return bytes(out.data)
+    variant = VariantSpec("bench", box=BOX, fit="cover", formats=("png",))
+    made = []
+    for mode in ("fast", "off"):
+        spec = replace(DeriveSpec(variants=(variant,), concurrency=1), shrink_on_load=mode)
+        (out,) = create_handler(backend, spec).derive(data, spec)
+        made.append(bytes(out.data))
+    return ssim(made[1], made[0])
 
 
 # --- one set ------------------------------------------------------------------------------
@@ -251,7 +255,8 @@ def one_set(pg: Any, name: str, distinct: list[Path], args: argparse.Namespace, 
             print(f"{name}: sharp {mode} ...", file=sys.stderr, flush=True)
             out = work / f"sharp-{name}-{mode}"
             wall, cpu, rss = run_sharp(mode, inputs, args.workers, out)
-            runs.append(Run(name, f"sharp:{mode}", len(inputs), wall, cpu, rss, os.getloadavg()[0]))
+            runs.append(Run(name, f"sharp:{mode}", len(inputs), wall, cpu, rss,
+                            os.getloadavg()[0]))  # fmt: skip
         for path in sorted(out.iterdir()):
             sharp_out[int(path.name[:4])] = path.read_bytes()
     for backend in args.backends:
@@ -264,10 +269,8 @@ def one_set(pg: Any, name: str, distinct: list[Path], args: argparse.Namespace, 
         firsts = {distinct.index(path): n for n, path in reversed(list(enumerate(inputs)))}
         if sharp_out:
             run.ssim_vs_sharp_min = min(ssim(sharp_out[n], outputs[n]) for n in firsts.values())
-        run.ssim_vs_full_min = min(
-            ssim(full_decode_reference(backend, distinct[d].read_bytes()), outputs[n])
-            for d, n in firsts.items()
-        )
+        run.ssim_vs_full_min = min(decode_fidelity(backend, path.read_bytes())
+                                   for path in distinct)  # fmt: skip
         runs.append(run)
     return runs
 
@@ -282,8 +285,12 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=240)
     parser.add_argument("--sets", nargs="+", default=["sharp", "phone"], choices=["sharp", "phone"])
     parser.add_argument("--backends", nargs="+", default=["vips", "pillow"])
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="derivd workers and sharp's cores (default: one per core)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="derivd workers and sharp's cores (default: one per core)",
+    )
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--fixture", type=Path, help=f"a local copy of sharp's {FIXTURE_NAME}")
     args = parser.parse_args()

@@ -185,8 +185,9 @@ def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> Decoded:
     turn = orientation(im)
     upright = (stored[1], stored[0]) if turn in _SIDEWAYS else stored
     base = base_size(*upright, spec.variants)
-    shrink = jpeg_shrink(upright, base, spec.shrink_on_load)
-    if im.format in ("JPEG", "MPO") and shrink > 1:
+    jpeg = im.format in ("JPEG", "MPO")
+    shrink = jpeg_shrink(upright, base, spec.shrink_on_load) if jpeg else 1
+    if shrink > 1:
         # DCT-domain downscale by `shrink` (the rule both backends share), which draft
         # picks for a requested size of the stored size over `shrink`.
         im.draft(im.mode, (stored[0] // shrink, stored[1] // shrink))
@@ -197,12 +198,23 @@ def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> Decoded:
         if index:
             im.seek(index)
         im.load()
-        oriented = ImageOps.exif_transpose(im) if turn != 1 else im
+        whole = _whole_pixels(im, stored, shrink)
+        oriented = ImageOps.exif_transpose(whole) if turn != 1 else whole
         frame = _to_base(oriented, base)
         # to_srgb may hand back the file image itself, whose pixels the next seek replaces.
         frames.append(frame.copy() if frame is im and count > 1 else frame)
         durations.append(int(im.info.get("duration", 100) or 100))
     return Decoded(frames, durations, int(im.info.get("loop", 0) or 0), upright)
+
+
+def _whole_pixels(im: Image.Image, stored: tuple[int, int], shrink: int) -> Image.Image:
+    """A JPEG decoded at 1/shrink, without the partial pixel its last row and column hold
+    when the stored size is not a multiple of `shrink`. Pillow rounds the scaled size up,
+    libvips (and so sharp) down; resampling that partial pixel as a whole one shifts the
+    result by a fraction of a pixel: SSIM 0.92 against sharp's output on its fixture,
+    0.99 without it."""
+    whole = (stored[0] // shrink, stored[1] // shrink)
+    return im if shrink == 1 or im.size == whole else im.crop((0, 0, *whole))
 
 
 # Modes Pillow resamples with Lanczos as they are; palettes and 16-bit go to sRGB first.
