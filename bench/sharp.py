@@ -226,13 +226,15 @@ def run_derivd(pg: Any, backend: str, inputs: list[Path], workers: int, work: Pa
     return burst, [by_key[f"originals/{n:04d}"] for n in range(len(inputs))]
 
 
-def decode_fidelity(backend: str, data: bytes) -> float:
+def decode_fidelity(backend: str, data: bytes) -> float | None:
     """SSIM of the backend's variant as derived (`[derive] shrink_on_load = fast`, the
     default) against its full decode (`off`), both written lossless (PNG): what the
     decoding costs, without counting the JPEG encoder's own loss twice."""
     from derivd.handlers.base import DeriveSpec, VariantSpec
     from derivd.handlers.registry import create_handler
 
+    if "shrink_on_load" not in DeriveSpec.__dataclass_fields__:
+        return None  # a derivd from before the setting (a before/after comparison)
     variant = VariantSpec("bench", box=BOX, fit="cover", formats=("png",))
     made = []
     for mode in ("fast", "off"):
@@ -269,8 +271,8 @@ def one_set(pg: Any, name: str, distinct: list[Path], args: argparse.Namespace, 
         firsts = {distinct.index(path): n for n, path in reversed(list(enumerate(inputs)))}
         if sharp_out:
             run.ssim_vs_sharp_min = min(ssim(sharp_out[n], outputs[n]) for n in firsts.values())
-        run.ssim_vs_full_min = min(decode_fidelity(backend, path.read_bytes())
-                                   for path in distinct)  # fmt: skip
+        fidelity = [decode_fidelity(backend, path.read_bytes()) for path in distinct]
+        run.ssim_vs_full_min = None if None in fidelity else min(filter(None, fidelity))
         runs.append(run)
     return runs
 
@@ -293,6 +295,7 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--fixture", type=Path, help=f"a local copy of sharp's {FIXTURE_NAME}")
+    parser.add_argument("--label", default="", help="written as bench/out/sharp-LABEL.json")
     args = parser.parse_args()
     with_sharp = install_sharp()
     sets: dict[str, list[Path]] = {}
@@ -323,8 +326,9 @@ def main() -> None:
                      r.load_1min])  # fmt: skip
     print(table(["set", "side", "images/s", "vs sharp's best", "CPU ms/image", "peak RSS MiB",
                  "SSIM vs sharp (min)", "SSIM vs full decode (min)", "load"], rows))  # fmt: skip
-    path = save_results("sharp", {
+    path = save_results(f"sharp-{args.label}" if args.label else "sharp", {
         "machine": lines, "sharp_version": SHARP_VERSION if with_sharp else None,
+        "label": args.label,
         "runs": [asdict(r) | {"images_per_s": r.images_per_s,
                               "cpu_ms_per_image": r.cpu_ms_per_image} for r in runs],
     })  # fmt: skip
