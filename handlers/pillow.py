@@ -198,36 +198,44 @@ def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> Decoded:
         if index:
             im.seek(index)
         im.load()
-        whole = _whole_pixels(im, stored, shrink)
-        oriented = ImageOps.exif_transpose(whole) if turn != 1 else whole
-        frame = _to_base(oriented, base)
+        box = _whole_pixels(im, stored, shrink)
+        if turn != 1:  # the transpose copies anyway: cut the partial pixel off before it
+            oriented, box = ImageOps.exif_transpose(im.crop(box) if box else im), None
+        else:
+            oriented = im
+        frame = _to_base(oriented, base, box)
         # to_srgb may hand back the file image itself, whose pixels the next seek replaces.
         frames.append(frame.copy() if frame is im and count > 1 else frame)
         durations.append(int(im.info.get("duration", 100) or 100))
     return Decoded(frames, durations, int(im.info.get("loop", 0) or 0), upright)
 
 
-def _whole_pixels(im: Image.Image, stored: tuple[int, int], shrink: int) -> Image.Image:
-    """A JPEG decoded at 1/shrink, without the partial pixel its last row and column hold
-    when the stored size is not a multiple of `shrink`. Pillow rounds the scaled size up,
-    libvips (and so sharp) down; resampling that partial pixel as a whole one shifts the
-    result by a fraction of a pixel: SSIM 0.92 against sharp's output on its fixture,
-    0.99 without it."""
+def _whole_pixels(
+    im: Image.Image, stored: tuple[int, int], shrink: int
+) -> tuple[int, int, int, int] | None:
+    """The box of whole pixels of a JPEG decoded at 1/shrink, or None when all are whole.
+
+    When the stored size is not a multiple of `shrink`, the last row and column hold a
+    partial pixel: Pillow rounds the scaled size up, libvips (and so sharp) down.
+    Resampling it as a whole one shifts the result by a fraction of a pixel (SSIM 0.92
+    against sharp's output on its fixture, 0.99 without it)."""
     whole = (stored[0] // shrink, stored[1] // shrink)
-    return im if shrink == 1 or im.size == whole else im.crop((0, 0, *whole))
+    return None if shrink == 1 or im.size == whole else (0, 0, *whole)
 
 
 # Modes Pillow resamples with Lanczos as they are; palettes and 16-bit go to sRGB first.
 _RESIZABLE = frozenset({"L", "LA", "RGB", "RGBA", "CMYK"})
 
 
-def _to_base(image: Image.Image, base: tuple[int, int]) -> Image.Image:
+def _to_base(image: Image.Image, base: tuple[int, int],
+             box: tuple[int, int, int, int] | None = None) -> Image.Image:  # fmt: skip
     """Down to the base size once, as libvips' thumbnail does, and to 8-bit sRGB: every
     variant then resamples a base-sized image instead of the (drafted) original, and the
-    colour transform runs on the base's pixels, not the original's (also as libvips)."""
-    if image.size != base and image.mode in _RESIZABLE:
+    colour transform runs on the base's pixels, not the original's (also as libvips).
+    `box`: the part of `image` to resample (`_whole_pixels`), read in place, not copied."""
+    if (image.size != base or box) and image.mode in _RESIZABLE:
         icc = image.info.get("icc_profile")
-        image = image.resize(base, Image.Resampling.LANCZOS, reducing_gap=REDUCING_GAP)
+        image = image.resize(base, Image.Resampling.LANCZOS, box=box, reducing_gap=REDUCING_GAP)
         if icc:
             image.info["icc_profile"] = icc
     image = to_srgb(image)
