@@ -2,10 +2,10 @@
 
 `load_base` runs libvips' `thumbnail` once, to the size the most demanding variant needs
 (`geometry.base_size`): shrink-on-load (`open_shrunk`), EXIF autorotation, colour
-management to sRGB and 16-to-8-bit all happen there. When more than one output will read
-the base it is rendered to memory once (`copy_memory`): libvips pipelines are
-demand-driven, and without that every variant would decode the original again. A single
-output streams from the decoder to the encoder, a centred cover crop included.
+management to sRGB and 16-to-8-bit all happen there. The handler renders the base to
+memory once (`copy_memory`) before any variant: libvips pipelines are demand-driven, and
+without that every variant (and the analysis) would decode the original again, and a
+decoder fault would surface inside an encoder.
 
 Each variant is then shaped from the base (`thumbnail_image` to resize, `crop` or
 `smartcrop` for cover) and encoded with the parameters pinned in `derivd.handlers.outputs`.
@@ -116,9 +116,9 @@ def _page_height(image: Any) -> int:
 def derive_variants(
     base: Any, page_height: int, upright: tuple[int, int], spec: DeriveSpec
 ) -> list[DerivedVariant]:
+    # The base is in memory already (the handler renders it before any encoder runs):
+    # every variant reads these pixels, none decodes the original again.
     count = max(1, base.height // page_height)
-    if _reads_twice(spec, count):
-        base = base.copy_memory()
     frames = [base.crop(0, i * page_height, base.width, page_height) for i in range(count)]
     out: list[DerivedVariant] = []
     for variant in spec.variants:
@@ -132,16 +132,6 @@ def derive_variants(
             data = encode(image, shaped, fmt, variant, spec)
             out.append(DerivedVariant.of(variant.name, data, width, height, fmt))
     return out
-
-
-def _reads_twice(spec: DeriveSpec, frames: int) -> bool:
-    """Whether the base must be rendered to memory once, or its pixels would be decoded
-    again for each reader: more than one output, a smart crop (it scores the whole base
-    before cutting), an upscale, or the frames of an animation. A single output streams
-    from the decoder, a centred cover crop included (it reads rows in order)."""
-    if sum(len(v.formats) for v in spec.variants) > 1 or frames > 1:
-        return True
-    return any(v.upscale or (v.fit == "cover" and v.gravity != "centre") for v in spec.variants)
 
 
 def shape(frames: list[Any], upright: tuple[int, int], variant: VariantSpec) -> list[Any]:

@@ -21,11 +21,11 @@ from types import FrameType
 from typing import NoReturn
 
 from derivd.config import Config
-from derivd.jobs import IdleWait, Worker
 from derivd.processes.lifecycle import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK
 from derivd.processes.pipe import Reporter
 from derivd.processes.procutil import set_pdeathsig, set_proctitle
-from derivd.queue.db import one_line
+from derivd.redact import one_line
+from derivd.worker import IdleWait, Worker
 
 log = logging.getLogger("derivd.worker")
 
@@ -108,10 +108,11 @@ def _after_fork(spec: ChildSpec, stop: ChildStop) -> None:
 
 def _boot_error_text(error: BaseException) -> str:
     from derivd.errors import Transient
+    from derivd.handlers.base import MissingEncoder
     from derivd.handlers.registry import UnknownHandler
     from derivd.storage.base import StorageConfigError
 
-    if isinstance(error, Transient | StorageConfigError | UnknownHandler):
+    if isinstance(error, Transient | StorageConfigError | UnknownHandler | MissingEncoder):
         return one_line(error)
     return f"{type(error).__name__}: {one_line(error)}"
 
