@@ -4,12 +4,14 @@
 
 The 720x588 cover JPEG q80 variant of bench/sharp.py, on sharp's fixture and on one 12 MP
 phone photo, both backends, one thread (as a worker). Each step is called through the
-handler's own functions, so the same script profiles any version of them (`--label`
-names the version in the JSON: run it on the tree before a change and after):
+handler's own functions (`decode_original`, `derive_variants`); `--label` names the tree
+in the JSON (steps-before.json was made with the handlers before issue 23, whose decode
+functions had other names):
 
 - decode + resize: sniff, header, limits and the decode to the base the variants need,
   rendered to memory (libvips streams the two together, so they are one step here);
-- crop + encode: the variant shaped from that base and encoded, its SHA-256 taken;
+- crop + encode: the variant shaped from that base and encoded, its SHA-256 taken
+  (the original's analysis, which `derive` adds, is not in either step);
 - store: the variant written to the fs store (a temporary file, fsync, rename);
 - queue: the CPU per job of `derivd run --burst` with the `noop` backend over `--jobs`
   rows (claim, fenced commit, supervisor; PostgreSQL's own CPU is not counted);
@@ -59,21 +61,15 @@ def cpu_ms(step: Callable[[], Any], repeat: int) -> float:
 
 def vips_steps(data: bytes) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     from derivd.handlers import vips
-    from derivd.handlers.geometry import base_size
     from derivd.handlers.vips_variants import derive_variants
 
     create_handler("vips", SPEC)  # configure libvips as a worker does
 
     def decode() -> Any:
-        header = vips.read_header(data, vips.sniff_loader(data))
-        base, page_height = vips.decode_base(
-            data, base_size(*header.upright, SPEC.variants), header, False
-        )
-        return base.copy_memory(), page_height, header.upright
+        return vips.decode_original(data, SPEC)  # the base, rendered to memory
 
     def encode(decoded: Any) -> Any:
-        base, page_height, upright = decoded
-        return derive_variants(base, page_height, upright, SPEC)
+        return derive_variants(decoded.base, decoded.page_height, decoded.upright, SPEC)
 
     return decode, encode
 
@@ -85,9 +81,7 @@ def pillow_steps(data: bytes) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     create_handler("pillow", SPEC)
 
     def decode() -> Any:
-        im = pillow.open_image(data)
-        pillow.check_limits(im, SPEC)
-        return pillow.decode(im, SPEC)
+        return pillow.decode_original(data, SPEC)[0]
 
     def encode(decoded: Any) -> Any:
         return derive_variants(decoded, SPEC)
