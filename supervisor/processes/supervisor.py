@@ -27,10 +27,10 @@ from typing import Any
 from derivd.config import Config, ConfigError
 from derivd.ops.logs import event
 from derivd.ops.metrics import Metrics
+from derivd.processes.bookkeeping import Bookkeeping
 from derivd.processes.child import ChildSpec, run_child
 from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.duties import (
-    Bookkeeping,
     Duty,
     EventPartitions,
     ExhaustedRejection,
