@@ -18,6 +18,11 @@ from derivd.queue.retry import record_failure
 log = logging.getLogger("derivd.supervisor")
 
 
+def warn(message: str, job: Job, **fields: object) -> None:
+    """A warning about one attempt: its file and attempt number, and `fields`."""
+    event(log, message, logging.WARNING, file_id=job.id, attempt=job.attempt, **fields)
+
+
 class Bookkeeping:
     """The supervisor's one-off writes, through the database thread: the attempts it ends
     itself (timed out, released, lease lost), leases of killed sweep passes, and its host
@@ -37,16 +42,8 @@ class Bookkeeping:
             )
 
         def logged(status: str | None) -> None:
-            event(
-                log,
-                "job timed out",
-                logging.WARNING,
-                file_id=job.id,
-                attempt=job.attempt,
-                slot=slot,
-                timeout_s=timeout,
-                status=status or "lease_lost or database unavailable",
-            )
+            status = status or "lease_lost or database unavailable"
+            warn("job timed out", job, slot=slot, timeout_s=timeout, status=status)
 
         self.thread.submit("fail", fail, logged)
 
@@ -60,14 +57,7 @@ class Bookkeeping:
 
     def lease_lost(self, job: Job, slot: int) -> None:
         self.metrics.job_killed_lease_lost()
-        event(
-            log,
-            "job killed: lease lost",
-            logging.WARNING,
-            file_id=job.id,
-            attempt=job.attempt,
-            slot=slot,
-        )
+        warn("job killed: lease lost", job, slot=slot)
         self.thread.submit("lease_lost", lambda db: db.record_lease_lost(job))
 
     def give_back_leases(self, abandoned: list[uuid.UUID], name: str) -> None:
