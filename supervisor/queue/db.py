@@ -285,13 +285,15 @@ def check_schema(dsn: str) -> None:
     """
     applied: set[str] = set()
     absent: list[str] = []
-    with connect(dsn, application_name="derivd-check") as conn:
+    bound = PARENT_STATEMENT_TIMEOUT_S  # `derivd run` asks before it forks anything
+    with connect(dsn, application_name="derivd-check", bound_s=bound) as conn:
         try:
-            row = conn.execute(_q("migrations_exists")).fetchone()
-            if row and row[0]:
-                applied = {r[0] for r in conn.execute(_q("migrations_applied"))}
-                names = {"names": function_names()}
-                absent = [r[0] for r in conn.execute(_q("functions_missing"), names)]
+            with bounded(conn, bound):
+                row = conn.execute(_q("migrations_exists")).fetchone()
+                if row and row[0]:
+                    applied = {r[0] for r in conn.execute(_q("migrations_applied"))}
+                    names = {"names": function_names()}
+                    absent = [r[0] for r in conn.execute(_q("functions_missing"), names)]
         except psycopg.Error as error:
             raise DatabaseUnavailable(f"database error: {one_line(error)}") from None
     problem = schema_problem(applied, {m.name for m in migrations()}, absent)
