@@ -88,6 +88,18 @@ def test_each_duty_is_paced_by_its_own_setting_not_poll_interval() -> None:
     assert len(thread.submitted) == 6
 
 
+def test_an_interval_of_zero_is_off_and_a_reload_turns_the_duty_back_on() -> None:
+    current = [Config().replace("queue", exhausted_interval=0.0)]
+    thread = FakeThread()
+    duty = ExhaustedRejection(lambda: current[0], thread)  # type: ignore[arg-type]
+    duty.start(0.0)
+    duty.tick(1000.0)
+    assert thread.submitted == [] and duty.next_round == float("inf")  # no busy loop
+    current[0] = Config().replace("queue", exhausted_interval=30.0)  # SIGHUP
+    duty.tick(1001.0)
+    assert thread.submitted == ["reject_exhausted"] and duty.next_round == 1031.0
+
+
 # -- rows whose worker died on their last attempt ---------------------------------------
 
 

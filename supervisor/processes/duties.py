@@ -70,25 +70,32 @@ class Duty(ABC, Generic[T]):
 
     def __init__(self, config: Callable[[], Config]) -> None:
         self.config = config  # the supervisor's current configuration (SIGHUP changes it)
-        self.due_at = math.inf  # monotonic; inf: stopped
+        self.active = False
+        self.due_at = 0.0  # monotonic time of the next round, while active
 
     @property
     @abstractmethod
     def interval(self) -> float:
-        """Seconds between rounds, from the duty's own setting (0: off)."""
+        """Seconds between rounds, from the duty's own setting (0: off; a reload may
+        turn it on or off)."""
+
+    @property
+    def next_round(self) -> float:
+        """When `tick` next has something to do (inf: stopped, or off)."""
+        return self.due_at if self.active and self.interval > 0 else math.inf
 
     def start(self, now: float) -> None:
         """The first round at the first chance."""
-        self.due_at = now if self.interval > 0 else math.inf
+        self.active, self.due_at = True, now
 
     def stop(self) -> None:
-        self.due_at = math.inf
+        self.active = False
 
     def tick(self, now: float) -> None:
         """Launch a round when one is due. Never waits."""
-        if now < self.due_at:
+        if now < self.next_round:
             return
-        self.due_at = now + self.interval if self.interval > 0 else math.inf
+        self.due_at = now + self.interval
         self.launch()
 
     @abstractmethod
