@@ -317,17 +317,40 @@ UNLISTEN derivd_finished;
 SELECT status FROM archive_files WHERE id = %(id)s;
 
 -- name: client_result
--- derivd.client.result: the row and every variant, one per variant and format (only a
--- ready row's variants are official). No row: unknown id.
+-- derivd.client.result: the row, every variant (one per variant and format) and the
+-- original's analysis; only a ready row's variants and analysis are official (NULL
+-- analysis: none, or the handler analysed nothing). No row: unknown id.
 SELECT f.status, f.error_code,
        coalesce((SELECT jsonb_agg(jsonb_build_object(
                     'name', v.name, 'key', v.key, 'version', v.version, 'format', v.format,
                     'width', v.width, 'height', v.height, 'sha256', v.sha256)
                   ORDER BY v.name, v.format)
                    FROM archive_variants AS v
-                  WHERE v.file_id = f.id AND f.status = 'ready'), '[]'::jsonb) AS variants
+                  WHERE v.file_id = f.id AND f.status = 'ready'), '[]'::jsonb) AS variants,
+       CASE WHEN f.status = 'ready' AND f.original_width IS NOT NULL THEN jsonb_build_object(
+           'width', f.original_width, 'height', f.original_height,
+           'format', f.original_format, 'frames', f.original_frames,
+           'has_alpha', f.original_has_alpha, 'colour', f.original_colour,
+           'placeholder', f.original_placeholder, 'dhash', f.original_dhash) END AS original
   FROM archive_files AS f
  WHERE f.id = %(id)s;
+
+-- name: similar
+-- derivd.client.similar: the other ready files whose dhash differs from this file's in at
+-- most `max` bits, nearest first. One row with a NULL id: none (or this file has no
+-- dhash); no row: unknown id. `#` is XOR; bit_count of the bigint as bit(64) counts the
+-- differing bits (PostgreSQL 14+; before: length(replace(x::bit(64)::text, '0', ''))).
+-- A scan of the ready rows: its cost at 1M rows is measured in bench/similar.py.
+SELECT s.id
+  FROM archive_files AS me
+  LEFT JOIN LATERAL (
+        SELECT f.id, bit_count((f.original_dhash # me.original_dhash)::bit(64)) AS distance
+          FROM archive_files AS f
+         WHERE f.status = 'ready' AND f.id <> me.id
+           AND bit_count((f.original_dhash # me.original_dhash)::bit(64)) <= %(max)s) AS s
+    ON true
+ WHERE me.id = %(id)s
+ ORDER BY s.distance, s.id;
 
 -- name: dashboard_in_flight
 -- The dashboard's jobs in flight (every host), oldest lease first, through the partial

@@ -14,7 +14,7 @@ import socket
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import date, datetime
 from typing import Any, LiteralString
 
@@ -24,6 +24,7 @@ from psycopg.rows import dict_row
 
 from derivd import __version__
 from derivd.errors import ErrorCode, Transient
+from derivd.handlers.base import Analysis
 from derivd.queue.sqlfiles import migrations, queries
 from derivd.redact import redact
 
@@ -54,7 +55,18 @@ class StoredVariant:
     content_type: str = "image/webp"
 
 
-def _commit_row(job: Job, variants: Sequence[StoredVariant]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Finished:
+    """A derived attempt for the fenced commit: its variants as stored (the first is the
+    primary) and the analysis of the original (None: the handler analysed nothing)."""
+
+    job: Job
+    variants: Sequence[StoredVariant]
+    original: Analysis | None = None
+
+
+def _commit_row(finished: Finished) -> dict[str, Any]:
+    job, variants, original = finished.job, finished.variants, finished.original
     primary = variants[0] if variants else None
     return {
         "id": job.id,
@@ -66,6 +78,8 @@ def _commit_row(job: Job, variants: Sequence[StoredVariant]) -> dict[str, Any]:
         "width": primary.width if primary else None,
         "height": primary.height if primary else None,
         "variants": [v.__dict__ for v in variants],
+        # Absent keys are NULLs to the commit function (migration 0013).
+        **({f"original_{k}": v for k, v in asdict(original).items()} if original else {}),
     }
 
 
@@ -337,18 +351,18 @@ class QueueDB:
     def register_pending(self, job: Job, keys: Sequence[str]) -> None:
         self._all("register_pending", {"id": job.id, "token": job.token, "keys": list(keys)})
 
-    def commit_many(self, results: Sequence[tuple[Job, Sequence[StoredVariant]]]) -> set[int]:
+    def commit_many(self, results: Sequence[Finished]) -> set[int]:
         """Commit several attempts in one durable statement, each fenced on its own
-        token. Returns the ids that committed; every other one lost its lease (and got a
-        `lease_lost` event)."""
+        token, with its variants and analysis. Returns the ids that committed; every other
+        one lost its lease (and got a `lease_lost` event)."""
         if not results:
             return set()
-        jobs = json.dumps([_commit_row(j, v) for j, v in results])
+        jobs = json.dumps([_commit_row(f) for f in results])
         return {int(r["id"]) for r in self._all("commit", {"jobs": jobs})}
 
     def commit_and_claim(
         self,
-        results: Sequence[tuple[Job, Sequence[StoredVariant]]],
+        results: Sequence[Finished],
         *,
         limit: int,
         lease_s: float,
@@ -361,7 +375,7 @@ class QueueDB:
         rows = self._all(
             "commit_and_claim",
             {
-                "jobs": json.dumps([_commit_row(j, v) for j, v in results]),
+                "jobs": json.dumps([_commit_row(f) for f in results]),
                 "limit": limit,
                 "lease_s": lease_s,
                 "max_attempts": max_attempts,
@@ -559,6 +573,12 @@ class QueueDB:
     def client_result(self, file_id: int) -> dict[str, Any] | None:
         """Status, error code and (for a ready row) every variant; None: unknown id."""
         return self._one("client_result", {"id": file_id})
+
+    def similar(self, file_id: int, max_distance: int) -> list[int] | None:
+        """Ids of the other ready files within `max_distance` bits of this file's dhash,
+        nearest first; None: unknown id."""
+        rows = self._all("similar", {"id": file_id, "max": max_distance})
+        return [int(r["id"]) for r in rows if r["id"] is not None] if rows else None
 
     # -- the dashboard -----------------------------------------------------------------
 
