@@ -261,12 +261,20 @@ SELECT error_code, count(*)::int AS n
 -- name: file_row
 SELECT id, status, attempts, available_at, lease_token, lease_until, original_key,
        original_version, derived_key, derived_version, sha256, width, height, error_code,
-       created_at, claimed_at, finished_at
+       created_at, updated_at, claimed_at, claimed_by, finished_at, original_width,
+       original_height, original_format, original_frames, original_has_alpha,
+       original_colour, original_placeholder, original_dhash
   FROM archive_files WHERE id = %(id)s;
 
 -- name: file_variants
 SELECT name, key, version, sha256, width, height, format, content_type
   FROM archive_variants WHERE file_id = %(id)s ORDER BY name, format;
+
+-- name: file_events
+-- `derivd show`: one file's events in order, from every retained day's partition (each
+-- found through its (file_id, at) index).
+SELECT at, kind, attempt, error_code, actor, lease_token
+  FROM archive_events WHERE file_id = %(id)s ORDER BY at, id;
 
 -- name: database_exists
 -- Cluster administration (the embedded cluster and the test suite): run on the

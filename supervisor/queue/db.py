@@ -542,6 +542,11 @@ class QueueDB:
     def file_variants(self, file_id: int) -> list[StoredVariant]:
         return [StoredVariant(**r) for r in self._all("file_variants", {"id": file_id})]
 
+    def file_events(self, file_id: int) -> list[dict[str, Any]]:
+        """The file's events (at, kind, attempt, error_code, actor, lease_token), oldest
+        first."""
+        return self._all("file_events", {"id": file_id})
+
     # -- derivd.client: upload APIs, on the caller's own connection --------------------
 
     def enqueue_one(self, key: str, version: str) -> int:
