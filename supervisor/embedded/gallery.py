@@ -1,4 +1,5 @@
 """The demo's gallery: `<state_dir>/demo/index.html`, each sample original beside its
+placeholder and representative colour (the analysis an app gets at `ready`) and its
 variants (dimensions, format, bytes, saving against the original), rejected ones with
 their error code.
 
@@ -18,6 +19,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from derivd.client import Original
+from derivd.embedded.thumbhash import png_data_uri
 from derivd.queue.db import StoredVariant
 from derivd.storage.base import Storage
 
@@ -31,6 +34,7 @@ class Sample:
     status: str
     error_code: str | None
     variants: Sequence[StoredVariant]
+    original: Original | None = None  # the analysis (derivd.client.result), once ready
 
 
 def esc(value: object) -> str:
@@ -54,6 +58,8 @@ def write_gallery(folder: Path, samples: Sequence[Sample], storage: Storage) -> 
         "figure{margin:0}img{max-width:360px;max-height:240px;display:block;"
         "background:repeating-conic-gradient(#eee 0 25%,#fff 0 50%) 0 0/16px 16px}"
         "figcaption{font-size:12px;color:#4a5360}.rejected{color:#a11818;font-weight:600}"
+        ".swatch{display:inline-block;width:.9em;height:.9em;vertical-align:-.1em;"
+        "border:1px solid #0003;margin-right:.3em}"
         "</style></head><body>"
         f"<h1>derivd demo</h1><p>{ready} of {len(samples)} samples ready; each original "
         "(left) beside the variants derivd made from it.</p>" + "".join(cards) + "</body></html>\n",
@@ -69,6 +75,8 @@ def _card(folder: Path, n: int, sample: Sample, storage: Storage) -> str:
         f'<section class="card" data-status="{esc(sample.status)}">',
         _figure(shown, f"original: {sample.path.name}", note + _describe_bytes(original)),
     ]
+    if sample.original is not None:
+        parts.append(_analysis(sample.original))
     if sample.status == "rejected":
         parts.append(f'<p class="rejected">rejected: {esc(sample.error_code)}</p>')
     elif sample.status != "ready":
@@ -104,6 +112,30 @@ def _displayable(folder: Path, n: int, path: Path, data: bytes) -> tuple[str, st
     (folder / name).write_bytes(data)
     shape = f"{size[0]}x{size[1]} {fmt.lower()}, " if size and fmt else ""
     return name, shape
+
+
+def _analysis(original: Original) -> str:
+    """What an app paints before the variants load: the ThumbHash placeholder, decoded
+    here into a PNG data URI and stretched to the original's displayed aspect, and the
+    representative colour as a swatch."""
+    width = 120
+    height = max(1, round(width * original.height / original.width))
+    try:
+        src = png_data_uri(original.placeholder)
+    except (ValueError, IndexError):  # a malformed hash: show the colour alone
+        src = ""
+    picture = (
+        f'<img class="placeholder" src="{esc(src)}" alt="placeholder" '
+        f'width="{width}" height="{height}">'
+        if src
+        else ""
+    )
+    return (
+        f'<figure class="analysis">{picture}<figcaption><b>placeholder</b><br>'
+        f'<span class="swatch" style="background:{esc(original.colour)}"></span>'
+        f"{esc(original.colour)}<br>{original.width}x{original.height} "
+        f"{esc(original.format)}</figcaption></figure>"
+    )
 
 
 def _figure(src: str, title: str, caption: str) -> str:
