@@ -273,3 +273,20 @@ def test_similar_refuses_an_unknown_id_and_an_impossible_distance(
         client.similar(conn, 12345)
     with pytest.raises(ValueError, match="0-64"):
         client.similar(conn, 1, max_distance=65)
+
+
+def test_the_readme_similar_sql_answers_as_the_client_does(
+    conn: psycopg.Connection[Any], queue: QueueDB
+) -> None:
+    """README "From any other language" gives the query for other languages: as written
+    ($1 the file, $2 the distance), it finds what client.similar finds."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = readme.split("-- similar:", 1)[1].split("```", 1)[0]
+    lines = block.splitlines()[1:]  # past the rest of the comment's first line
+    query = "\n".join(line for line in lines if not line.startswith("--"))
+    query = query.replace("$1", "%(id)s").replace("$2", "%(max)s")
+    me = ready(queue, conn, PHOTO)
+    near = ready(queue, conn, replace(PHOTO, dhash=PHOTO.dhash ^ 0b11))
+    ready(queue, conn, replace(PHOTO, dhash=PHOTO.dhash ^ 0xFFFF))
+    found = [r[0] for r in conn.execute(query, {"id": me, "max": 6})]  # type: ignore[call-overload]
+    assert found == client.similar(conn, me) == [near]
