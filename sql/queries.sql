@@ -344,21 +344,10 @@ SELECT f.status, f.error_code,
  WHERE f.id = %(id)s;
 
 -- name: similar
--- derivd.client.similar: the other ready files whose dhash differs from this file's in at
--- most `max` bits, nearest first. One row with a NULL id: none (or this file has no
--- dhash); no row: unknown id. `#` is XOR; bit_count of the bigint as bit(64) counts the
--- differing bits (PostgreSQL 14+; before: length(replace(x::bit(64)::text, '0', ''))).
--- A scan of the ready rows: its cost at 1M rows is measured in bench/similar.py.
-SELECT s.id
-  FROM archive_files AS me
-  LEFT JOIN LATERAL (
-        SELECT f.id, bit_count((f.original_dhash # me.original_dhash)::bit(64)) AS distance
-          FROM archive_files AS f
-         WHERE f.status = 'ready' AND f.id <> me.id
-           AND bit_count((f.original_dhash # me.original_dhash)::bit(64)) <= %(max)s) AS s
-    ON true
- WHERE me.id = %(id)s
- ORDER BY s.distance, s.id;
+-- derivd.client.similar: the other ready files within `max` bits of this file's dhash,
+-- nearest first; none when it has no dhash (or no row has this id). The function takes
+-- the optional band index when it exists (migration 0013, README).
+SELECT id FROM derivd_similar(%(id)s, %(max)s) AS id;
 
 -- name: dashboard_in_flight
 -- The dashboard's jobs in flight (every host), oldest lease first, through the partial

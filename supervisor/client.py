@@ -184,10 +184,11 @@ def similar(conn: psycopg.Connection[Any], file_id: int, max_distance: int = 6) 
     its handler analyses nothing). UnknownFile for an id no row has."""
     if not 0 <= max_distance <= 64:
         raise ValueError(f"max_distance must be within 0-64 bits, not {max_distance}")
+    queue = QueueDB(conn)
     with _own(conn):
-        ids = QueueDB(conn).similar(file_id, max_distance)
-    if ids is None:
-        raise UnknownFile(f"no file with id {file_id}")
+        ids = queue.similar(file_id, max_distance)
+        if not ids and queue.status_of(file_id) is None:
+            raise UnknownFile(f"no file with id {file_id}")
     return ids
 
 

@@ -6,6 +6,7 @@ database refuses what the worker would refuse (migration 0013)."""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -53,6 +54,12 @@ def queue(dsn: str) -> Iterator[QueueDB]:
 def stored(dsn: str, file_id: int) -> dict[str, Any]:
     (row,) = sql(dsn, f"SELECT {', '.join(COLUMNS)} FROM archive_files WHERE id = %s", (file_id,))
     return row
+
+
+def signed(value: int) -> int:
+    """The low 64 bits of `value` as a signed 64-bit integer (a dhash)."""
+    unsigned = value & (2**64 - 1)
+    return unsigned - 2**64 if unsigned >= 2**63 else unsigned
 
 
 def ready(queue: QueueDB, conn: psycopg.Connection[Any], original: Analysis | None) -> int:
@@ -239,9 +246,7 @@ def test_similar_finds_near_duplicates_nearest_first(
         return ready(queue, conn, replace(PHOTO, dhash=dhash))
 
     def flip(bits: int) -> int:
-        """`base` with the `bits` flipped, as a signed 64-bit value again."""
-        unsigned = (base ^ bits) & (2**64 - 1)
-        return unsigned - 2**64 if unsigned >= 2**63 else unsigned
+        return signed(base ^ bits)
 
     me = with_hash(base)
     same = with_hash(base)
@@ -278,15 +283,50 @@ def test_similar_refuses_an_unknown_id_and_an_impossible_distance(
 def test_the_readme_similar_sql_answers_as_the_client_does(
     conn: psycopg.Connection[Any], queue: QueueDB
 ) -> None:
-    """README "From any other language" gives the query for other languages: as written
-    ($1 the file, $2 the distance), it finds what client.similar finds."""
+    """README "From any other language" gives the statements for other languages: as
+    written ($1 the file, $2 the distance), each finds what client.similar finds."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     block = readme.split("-- similar:", 1)[1].split("```", 1)[0]
-    lines = block.splitlines()[1:]  # past the rest of the comment's first line
-    query = "\n".join(line for line in lines if not line.startswith("--"))
-    query = query.replace("$1", "%(id)s").replace("$2", "%(max)s")
+    code = "\n".join(line.split("--")[0] for line in block.splitlines()[1:])
+    statements = [s.replace("$1", "%(id)s").replace("$2", "%(max)s") for s in code.split(";")]
+    statements = [s for s in statements if s.strip()]
+    assert len(statements) == 2
     me = ready(queue, conn, PHOTO)
     near = ready(queue, conn, replace(PHOTO, dhash=PHOTO.dhash ^ 0b11))
     ready(queue, conn, replace(PHOTO, dhash=PHOTO.dhash ^ 0xFFFF))
-    found = [r[0] for r in conn.execute(query, {"id": me, "max": 6})]  # type: ignore[call-overload]
-    assert found == client.similar(conn, me) == [near]
+    for statement in statements:
+        found = [r[0] for r in conn.execute(statement, {"id": me, "max": 6})]  # type: ignore[call-overload]
+        assert found == client.similar(conn, me) == [near], statement
+
+
+def test_the_optional_band_index_gives_the_same_answers(
+    conn: psycopg.Connection[Any], queue: QueueDB
+) -> None:
+    """README's CREATE INDEX, as written: derivd_similar then probes it (up to 7 bits)
+    and finds exactly what the scan finds."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    create = readme.split("```sql\nCREATE INDEX CONCURRENTLY archive_files_dhash_bands", 1)[1]
+    create = "CREATE INDEX CONCURRENTLY archive_files_dhash_bands" + create.split("```", 1)[0]
+    rng = random.Random(19)
+    base = [rng.getrandbits(64) - 2**63 for _ in range(40)]
+    ids = [ready(queue, conn, replace(PHOTO, dhash=h)) for h in base]
+    for h in base[:20]:  # near copies: 1-8 bits flipped, across every band
+        flips = sum(1 << b for b in rng.sample(range(64), rng.randint(1, 8)))
+        unsigned = (h ^ flips) & (2**64 - 1)
+        ready(
+            queue, conn, replace(PHOTO, dhash=unsigned - 2**64 if unsigned >= 2**63 else unsigned)
+        )
+    scans = {(i, d): client.similar(conn, i, d) for i in ids[:20] for d in (0, 3, 6, 7, 8)}
+    assert any(scans.values())
+    conn.execute(create)  # type: ignore[arg-type]
+    conn.execute("SET enable_seqscan = off")  # as a large table would choose
+    plan = "\n".join(
+        r[0]
+        for r in conn.execute(
+            "EXPLAIN SELECT f.id FROM archive_files AS f"
+            " WHERE derivd_dhash_bands(f.original_dhash) && derivd_dhash_probes(1)"
+            " AND f.original_dhash IS NOT NULL"
+        )
+    )
+    assert "archive_files_dhash_bands" in plan, plan
+    assert {key: client.similar(conn, *key) for key in scans} == scans

@@ -579,11 +579,10 @@ class QueueDB:
         """Status, error code and (for a ready row) every variant; None: unknown id."""
         return self._one("client_result", {"id": file_id})
 
-    def similar(self, file_id: int, max_distance: int) -> list[int] | None:
+    def similar(self, file_id: int, max_distance: int) -> list[int]:
         """Ids of the other ready files within `max_distance` bits of this file's dhash,
-        nearest first; None: unknown id."""
-        rows = self._all("similar", {"id": file_id, "max": max_distance})
-        return [int(r["id"]) for r in rows if r["id"] is not None] if rows else None
+        nearest first (none for an unknown id, too)."""
+        return [int(r["id"]) for r in self._all("similar", {"id": file_id, "max": max_distance})]
 
     # -- the dashboard -----------------------------------------------------------------
 
