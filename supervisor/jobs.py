@@ -29,8 +29,6 @@ from derivd.storage.base import Storage, derived_key, open_storage
 
 log = logging.getLogger("derivd.worker")
 
-NOTIFY_CHANNEL = "derivd_queued"
-
 
 @dataclass(frozen=True)
 class JobResult:
