@@ -532,7 +532,7 @@ $$;
 -- within one bit (pigeonhole: 4 bands x 2 bits = 8), so the rows whose bands meet the
 -- file's 68 probes (each band's value and its 16 one-bit neighbours: derivd_dhash_probes)
 -- hold every answer up to 7 bits; the exact distance then filters them. It makes similar
--- ~20x faster at 1M rows and costs each analysed commit ~20 % more WAL, which is why no
+-- ~50x faster at 1M rows and costs each analysed commit ~18 % more WAL, which is why no
 -- migration creates it. Without the index the band filter is slower than the plain scan,
 -- so derivd_similar probes only when the index exists.
 
