@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from fixtures.work import claim_one, commit_one
-from test_analysis import PHOTO
+from test_analysis_stored import PHOTO
 
 from derivd.queue.db import QueueDB, StoredVariant
 from derivd.storage.fs import FsStorage
