@@ -47,8 +47,3 @@ def problem(analysis: Analysis) -> str | None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def distance(a: int, b: int) -> int:
-    """Hamming distance of two dhashes (signed 64-bit): the bits in which they differ."""
-    return ((a ^ b) & (2**64 - 1)).bit_count()
