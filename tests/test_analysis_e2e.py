@@ -18,15 +18,14 @@ from typing import Any
 import psycopg
 import pytest
 from configs import make_config
-from fixtures.work import run_one
+from fixtures.work import make_worker, run_one
 from PIL import Image
 
 from derivd import analysis, client
 from derivd.config import Config
 from derivd.handlers.registry import create_handler
-from derivd.jobs import Worker
 from derivd.queue.db import QueueDB
-from derivd.storage.base import new_original_key, open_storage
+from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
 
 RunCli = Callable[..., CompletedProcess[str]]
@@ -125,12 +124,7 @@ def test_a_worker_on_s3_stores_the_analysis(
         },
         derive={"backend": backend, "variants": "thumb:64"},
     )
-    worker = Worker(
-        config,
-        queue=QueueDB.open(dsn),
-        storage=open_storage(config),
-        handler=create_handler(backend, config.derive_spec()),
-    )
+    worker = make_worker(config, dsn)
     key = new_original_key()
     (file_id,) = worker.queue.enqueue(
         [(key, worker.storage.put(key, photo(640, 480), "image/jpeg"))]

@@ -16,14 +16,14 @@ import psycopg
 import pytest
 from configs import make_config
 from faulthandlers import Script
-from fixtures.work import claim_one, commit_one, run_one
+from fixtures.work import claim_one, commit_one, make_worker, run_one
 from helpers import sql
 
 from derivd import analysis, client
 from derivd.handlers.base import Analysis
-from derivd.jobs import Worker
 from derivd.queue.db import QueueDB
 from derivd.storage.fs import FsStorage
+from derivd.worker import Worker
 
 LONG = 60.0
 PHOTO = Analysis(
@@ -43,12 +43,6 @@ COLUMNS = [f"original_{name}" for name in asdict(PHOTO)]
 def conn(dsn: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(dsn, autocommit=True) as c:
         yield c
-
-
-@pytest.fixture
-def queue(dsn: str) -> Iterator[QueueDB]:
-    with QueueDB.open(dsn) as q:
-        yield q
 
 
 def stored(dsn: str, file_id: int) -> dict[str, Any]:
@@ -197,7 +191,7 @@ def test_a_lost_lease_stores_no_analysis(
 
 def script_worker(dsn: str, fs_root: Path) -> Worker:
     config = make_config(dsn, fs_root=fs_root, derive={"backend": "faulthandlers:Script"})
-    return Worker(config, queue=QueueDB.open(dsn), storage=FsStorage(fs_root), handler=Script())
+    return make_worker(config, dsn, FsStorage(fs_root), Script())
 
 
 def enqueue_script(worker: Worker, conn: psycopg.Connection[Any], script: str) -> int:

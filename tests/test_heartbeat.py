@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 import uuid
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,13 +19,6 @@ from derivd.queue.db import HostInfo, Job, QueueDB
 
 LONG = 60.0
 HOST = HostInfo("host-a", 4242, "0.1.0", "vips", 2, 1, 10.0)
-
-
-@pytest.fixture
-def queue(dsn: str) -> Iterator[QueueDB]:
-    q = QueueDB.open(dsn)
-    yield q
-    q.close()
 
 
 def enqueue(queue: QueueDB, n: int) -> list[int]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -33,8 +33,8 @@ from derivd.queue.db import (
     QueueDB,
     QueueStats,
     SchemaMismatch,
-    one_line,
 )
+from derivd.redact import one_line
 from derivd.states import EventKind, Status
 
 HEALTHY = 0
@@ -62,6 +62,13 @@ RECENT_EVENTS: tuple[tuple[str, EventKind], ...] = (
 )
 
 
+DEFAULT_EVENTS = (
+    "archive_events_default holds events: days no partition covered (the partition duty "
+    "was away longer than the week it creates ahead); a supervisor moves them out within "
+    "[sweep] partitions_interval, or run `derivd sweep`"
+)
+
+
 class StatusUnavailable(Exception):
     """The queue's health cannot be read (one line for the operator)."""
 
@@ -76,6 +83,7 @@ class Report:
     window_s: float
     checked_at: float = field(default_factory=time.time)
     hosts: list[dict[str, Any]] = field(default_factory=list)  # the host registry
+    warnings: list[str] = field(default_factory=list)  # degraded, not unhealthy
 
     @property
     def counts(self) -> dict[str, int]:
@@ -113,6 +121,7 @@ def collect(queue: QueueDB, window_s: float) -> Report:
             rejected_by_code=queue.rejections_by_code(since),
             window_s=window_s,
             hosts=queue.hosts(),
+            warnings=[DEFAULT_EVENTS] if queue.default_events() else [],
         )
     except DatabaseUnavailable as error:
         raise StatusUnavailable(str(error)) from None
@@ -192,6 +201,7 @@ def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict
         },
         "problems": [a.__dict__ for a in alarms],
         "hosts": [host_json(h) for h in report.hosts],
+        "warnings": report.warnings,
     }
 
 
@@ -300,6 +310,7 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
         )
     lines += _host_lines(report.hosts)
     lines.append("")
+    lines += [f"WARNING {warning}" for warning in report.warnings]
     if not alarms:
         lines.append("health: ok")
     for alarm in alarms:
@@ -316,9 +327,12 @@ def _show(alarm: Alarm) -> str:
     return f"{alarm.value:g} > {alarm.limit:g}"
 
 
-def check_once(queue: QueueDB, limits: StatusSettings, *, as_json_out: bool) -> tuple[int, str]:
-    """(exit status, text) of one look at the queue."""
+def check_once(
+    queue: QueueDB, limits: StatusSettings, *, as_json_out: bool, warnings: Sequence[str] = ()
+) -> tuple[int, str]:
+    """(exit status, text) of one look at the queue; `warnings` are added to its own."""
     report = collect(queue, limits.window)
+    report.warnings[:0] = warnings
     alarms = evaluate(report, limits)
     if as_json_out:
         text = json.dumps(as_json(report, alarms, limits), sort_keys=False)
@@ -342,8 +356,11 @@ def run_status(
 
     try:
         with database(config) as dsn, QueueDB.open(dsn, role="derivd-status") as queue:
+            warnings = _listen_warnings(config, dsn)
             if not watch:
-                code, text = check_once(queue, config.status, as_json_out=as_json_out)
+                code, text = check_once(
+                    queue, config.status, as_json_out=as_json_out, warnings=warnings
+                )
                 click.echo(text)
                 return code
             return _watch(queue, config.status, as_json_out, interval, count)
@@ -356,6 +373,16 @@ def run_status(
     ) as e:
         click.echo(f"derivd: {e}", err=True)
         return UNAVAILABLE
+
+
+def _listen_warnings(config: Config, dsn: str) -> list[str]:
+    """The supervisors' LISTEN path, checked as they check it on every (re)connect."""
+    from derivd.processes.duties import listen_problem
+
+    if not config.queue.listen:
+        return []
+    problem = listen_problem(config, dsn)
+    return [f"wake-ups fall back to polling: {problem}"] if problem else []
 
 
 def _watch(
