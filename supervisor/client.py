@@ -113,8 +113,10 @@ class Result:
     original: Original | None = None  # None until ready (and from a handler that analyses nothing)
 
 
-def enqueue(conn: psycopg.Connection[Any], original_key: str, original_version: str) -> int:
-    """Queue a stored original, read later by key AND version id. Returns the row id."""
+def enqueue(conn: psycopg.Connection[Any], original_key: str, original_version: str | None) -> int:
+    """Queue a stored original, read later by key AND version id. Returns the row id.
+    A missing version (None: the PUT to an unversioned bucket returned none) raises
+    MissingVersion."""
     if not isinstance(original_key, str) or not original_key.strip():
         raise ValueError("original_key is required: the key the original was stored under")
     if not isinstance(original_version, str) or not original_version.strip():

@@ -69,15 +69,17 @@ def gallery(tmp_path: Path, placeholder: str) -> Path:
 def test_the_gallery_shows_each_placeholder_and_colour(tmp_path: Path) -> None:
     placeholder = b64(flat_hash(TEAL, landscape=False, short=5))
     page = gallery(tmp_path, placeholder).read_text()
-    assert page.count('class="placeholder"') == 1  # the queued sample has no analysis
-    assert f'src="{thumbhash.png_data_uri(placeholder)}"' in page
-    assert 'width="120" height="160"' in page  # the original's aspect (600x800)
-    assert '<span class="swatch" style="background:#ff0000"></span>#ff0000' in page
+    assert page.count('data-kind="placeholder"') == 1  # the queued sample has no analysis
+    figure = page.split('data-kind="placeholder"', 1)[1].split("</figure>", 1)[0]
+    assert f'src="{thumbhash.png_data_uri(placeholder)}"' in figure
+    assert 'width="120" height="160"' in figure  # the original's aspect (600x800)
+    assert '<span class="swatch" style="background:#ff0000"></span>#ff0000' in figure
 
 
 def test_a_malformed_placeholder_leaves_the_colour(tmp_path: Path) -> None:
     page = gallery(tmp_path, "AAAA").read_text()
-    assert 'class="placeholder"' not in page and "#ff0000" in page
+    figure = page.split('data-kind="placeholder"', 1)[1].split("</figure>", 1)[0]
+    assert "<img" not in figure and "nothing to show" in figure and "#ff0000" in figure
 
 
 @pytest.mark.skipif(browser() is None, reason="no chromium for the browser check")

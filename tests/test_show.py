@@ -144,3 +144,13 @@ def test_show_an_unknown_id_is_one_line_and_exit_1(
         assert result.stdout == ""
         assert result.stderr.splitlines() == ["derivd: no file with id 424242"]
     assert cli("show", "0").returncode == 2  # click's usage error: ids start at 1
+
+
+def test_show_never_creates_a_cluster(run_cli: RunCli, tmp_path: Path) -> None:
+    """From a directory where nothing ran (empty [database] dsn: the embedded cluster),
+    `show` says there is no database, in one line, and leaves the directory empty."""
+    result = run_cli("show", "1", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("derivd: no embedded database under "), line
+    assert result.stdout == "" and list(tmp_path.iterdir()) == []

@@ -355,7 +355,10 @@ def run_status(
     from derivd.embedded.runtime import database
 
     try:
-        with database(config) as dsn, QueueDB.open(dsn, role="derivd-status") as queue:
+        with (
+            database(config, read_only=True) as dsn,
+            QueueDB.open(dsn, role="derivd-status") as queue,
+        ):
             warnings = _listen_warnings(config, dsn)
             if not watch:
                 code, text = check_once(
