@@ -92,7 +92,8 @@ class Variant:
 
 @dataclass(frozen=True)
 class Original:
-    """What derivd learned about the original from its one decode (README "Analysis")."""
+    """What derivd learned about the original from its one decode (README, "Analysis of
+    the original")."""
 
     width: int  # as displayed, after orientation
     height: int

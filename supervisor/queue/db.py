@@ -92,7 +92,7 @@ def _commit_row(finished: Finished) -> dict[str, Any]:
         "width": primary.width if primary else None,
         "height": primary.height if primary else None,
         "variants": [v.__dict__ for v in variants],
-        # Absent keys are NULLs to the commit function (migration 0013).
+        # Absent keys are NULLs to the commit (derivd_commit_and_claim, sql/functions.sql).
         **({f"original_{k}": v for k, v in asdict(original).items()} if original else {}),
     }
 
