@@ -47,6 +47,8 @@ def test_charts_for_what_is_present_and_one_section(tmp_path: Path) -> None:
         for side, rate, cpu in (("sharp:per-core", 39.4, 45), ("derivd:vips", 41.0, 40))
     ]
     (out / "sharp.json").write_text(json.dumps({"runs": sides}))
+    sizes = [["10,000", "scan", 15.2, 25.3, 15], ["10,000", "GIN band index", 4.9, 16.7, 15]]
+    (out / "similar.json").write_text(json.dumps({"similar": sizes}))
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\ntext\n")
 
@@ -55,6 +57,7 @@ def test_charts_for_what_is_present_and_one_section(tmp_path: Path) -> None:
         "chart-throughput.png",
         "chart-latency.png",
         "chart-sharp.png",
+        "chart-similar.png",
     ]
     for png, _ in made:
         assert (tmp_path / png).read_bytes().startswith(b"\x89PNG")
