@@ -37,6 +37,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from derivd.queue.db import QueueDB
+from derivd.storage.base import InvalidKey
 
 CHANNEL = "derivd_finished"
 # Longest a finish goes unseen when it raced the registration (see the module docstring).
@@ -49,6 +50,7 @@ __all__ = [
     "FINAL",
     "ClientError",
     "ConnectionBusy",
+    "InvalidKey",
     "MissingVersion",
     "Result",
     "UnknownFile",
@@ -95,7 +97,12 @@ class Result:
 
 
 def enqueue(conn: psycopg.Connection[Any], original_key: str, original_version: str) -> int:
-    """Queue a stored original, read later by key AND version id. Returns the row id."""
+    """Queue a stored original, read later by key AND version id. Returns the row id.
+
+    InvalidKey (a ValueError), and nothing queued, for a key derivd's stores refuse
+    (`..`, a leading `/`, a space, ...: derivd.storage.base.validate_key), as derivd
+    could never read it. A key that is valid but names no object (or no such version)
+    is queued, and rejected by the worker at once as `missing_original`."""
     if not isinstance(original_key, str) or not original_key.strip():
         raise ValueError("original_key is required: the key the original was stored under")
     if not isinstance(original_version, str) or not original_version.strip():

@@ -80,6 +80,17 @@ def test_enqueue_refuses_a_missing_version(
     assert conn.execute("SELECT count(*) FROM archive_files").fetchone() == (0,)
 
 
+@pytest.mark.parametrize("key", ["../../etc/passwd", "/abs.jpg", "My Photo.jpg", "a\x00b"])
+def test_enqueue_refuses_a_key_derivd_could_never_read(
+    conn: psycopg.Connection[Any], key: str
+) -> None:
+    """The stores' own rule (derivd.storage.base.validate_key): such a row would only
+    ever end `missing_original`."""
+    with pytest.raises(client.InvalidKey, match="key"):
+        client.enqueue(conn, key, "ver-1")
+    assert conn.execute("SELECT count(*) FROM archive_files").fetchone() == (0,)
+
+
 # The registration any language sends before waiting (README "From any other language").
 REGISTER = (
     "INSERT INTO derivd_waiters (file_id, waiter, until)"

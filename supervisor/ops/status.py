@@ -160,8 +160,9 @@ def evaluate(report: Report, limits: StatusSettings) -> list[Alarm]:
                 ratio,
                 limits.max_rejected_ratio,
                 "many jobs are rejected: unsupported/corrupt_content or resource_limit "
-                "mean bad input; processing_failed or attempts_exhausted mean a broken "
-                "backend or crashing workers",
+                "mean bad input; missing_original: the upload API queues keys or versions "
+                "the store does not have; processing_failed or attempts_exhausted mean a "
+                "broken backend or crashing workers",
             )
         )
     return alarms

@@ -26,6 +26,7 @@ from derivd import __version__
 from derivd.errors import ErrorCode, Transient
 from derivd.queue.sqlfiles import migrations, queries
 from derivd.redact import redact
+from derivd.storage.base import validate_key
 
 
 class DatabaseUnavailable(Transient):
@@ -482,10 +483,11 @@ class QueueDB:
     # -- producers and operators -------------------------------------------------------
 
     def enqueue(self, originals: Sequence[tuple[str, str | None]]) -> list[int]:
-        """Queue stored originals given as (key, version id). Returns the new ids."""
+        """Queue stored originals given as (key, version id). Returns the new ids.
+        InvalidKey, and nothing queued, when a key is one the stores refuse."""
         if not originals:
             return []
-        keys = [key for key, _ in originals]
+        keys = [validate_key(key) for key, _ in originals]
         versions = [version for _, version in originals]
         return [r["id"] for r in self._all("enqueue", {"keys": keys, "versions": versions})]
 
@@ -531,7 +533,8 @@ class QueueDB:
     # -- derivd.client: upload APIs, on the caller's own connection --------------------
 
     def enqueue_one(self, key: str, version: str) -> int:
-        row = self._one("client_enqueue", {"key": key, "version": version})
+        """One stored original (derivd.client.enqueue); InvalidKey as `enqueue`."""
+        row = self._one("client_enqueue", {"key": validate_key(key), "version": version})
         assert row is not None  # INSERT … RETURNING always returns its row
         return int(row["id"])
 
