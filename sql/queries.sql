@@ -356,8 +356,9 @@ SELECT minutes_ago, finished, median_s
 -- (`jobs`: a JSON array of {id, token}, running and claimed-unstarted) still hold their
 -- lease, fenced by id + token + `processing`; with `renew`, exactly those leases are
 -- extended to now() + lease_s. The host's registry row is refreshed (created if pruned).
--- Returns the ids whose lease still holds; every other id sent is lost. Database time
--- throughout: no host clock enters a lease decision.
+-- Returns the ids whose lease still holds, and the ids whose attempt has just ended
+-- itself (committed, failed or released by that very token: see `finished`); every
+-- other id sent is lost. Database time throughout: no host clock enters a lease decision.
 WITH held AS (
     SELECT * FROM jsonb_to_recordset(%(jobs)s::jsonb) AS j(id bigint, token uuid)
 ), checked AS (
@@ -382,10 +383,31 @@ WITH held AS (
            workers = EXCLUDED.workers, busy = EXCLUDED.busy,
            heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now()
     RETURNING 1
+), finished AS (
+    -- Not lost: ended by its own attempt. A worker's fenced commit (or failure, or
+    -- release) can land between the supervisor's last reading of its reports and this
+    -- statement; the report is on its way, and killing the worker for it would kill a
+    -- healthy worker. The row's last change is then that outcome: its event carries the
+    -- attempt's token and the same transaction time (updated_at = at = now()). A row
+    -- moved on since (reclaimed, deleted, rejected as exhausted or by hand) has no such
+    -- event at its updated_at. Evaluated only for held ids whose row left `processing`,
+    -- i.e. almost never; `at =` prunes the event partitions to one.
+    SELECT f.id
+      FROM archive_files AS f
+      JOIN held AS h ON f.id = h.id
+     WHERE f.status IN ('ready', 'queued', 'rejected')
+       AND f.id = ANY(%(ids)s::bigint[])
+       AND EXISTS (SELECT 1 FROM archive_events AS e
+                    WHERE e.at = f.updated_at AND e.file_id = f.id
+                      AND e.lease_token = h.token
+                      AND e.kind IN ('ready', 'retry', 'rejected', 'released')
+                   OFFSET 0)  -- keeps it a lookup per row, never a join over all events
 )
 SELECT id FROM checked
 UNION ALL
-SELECT id FROM renewed;
+SELECT id FROM renewed
+UNION ALL
+SELECT id FROM finished;
 
 -- name: register_host
 -- A supervisor starts: its registry row, started now (replacing a row its previous run

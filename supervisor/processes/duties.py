@@ -75,7 +75,9 @@ def heartbeat_task(config: Config, jobs: list[Job], busy: int) -> Callable[[Queu
 
 
 def lost_tokens(sent: Iterable[Job], valid: set[int]) -> set[uuid.UUID]:
-    """The leases the database no longer grants: sent in the heartbeat, not returned."""
+    """The leases the database no longer grants: sent in the heartbeat, not returned (it
+    returns the held ones and those their own attempt just ended: a worker whose job
+    committed is never killed for it)."""
     return {job.token for job in sent if job.id not in valid}
 
 

@@ -409,7 +409,9 @@ class QueueDB:
         self, host: HostInfo, jobs: Sequence[Job], *, renew: bool, lease_s: float
     ) -> set[int]:
         """Check (and with `renew`, extend) the leases of `jobs` and refresh the host's
-        registry row, in one statement. Returns the ids whose lease still holds."""
+        registry row, in one statement. Returns the ids that are not lost: whose lease
+        still holds, or whose attempt has just ended itself (committed, failed or
+        released with its own token) before its worker could report it."""
         params = {
             **host.__dict__,
             "jobs": json.dumps([{"id": j.id, "token": str(j.token)} for j in jobs]),
