@@ -191,6 +191,7 @@ def enqueue(state: State, paths: tuple[Path, ...], quiet: bool) -> None:
 @click.option("--max-oldest-age", type=click.FloatRange(min=0), help="Override [status].")
 @click.option("--max-expired-leases", type=click.IntRange(min=0), help="Override [status].")
 @click.option("--max-rejected-ratio", type=click.FloatRange(0, 1), help="Override [status].")
+@click.option("--min-hosts", type=click.IntRange(min=0), help="Override [status].")
 @pass_state
 @friendly_errors
 def status(
@@ -202,8 +203,10 @@ def status(
     max_oldest_age: float | None,
     max_expired_leases: int | None,
     max_rejected_ratio: float | None,
+    min_hosts: int | None,
 ) -> None:
-    """Queue health: rows per status, oldest claimable age, expired leases, rejected share.
+    """Queue health: rows per status, oldest claimable age, expired leases, rejected share,
+    live hosts.
 
     \b
     Exit status (a health check for cron, systemd or Kubernetes):
@@ -219,6 +222,7 @@ def status(
         "max_oldest_age": max_oldest_age,
         "max_expired_leases": max_expired_leases,
         "max_rejected_ratio": max_rejected_ratio,
+        "min_hosts": min_hosts,
     }
     overrides = {k: v for k, v in limits.items() if v is not None}
     if overrides:

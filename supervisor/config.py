@@ -347,6 +347,12 @@ class StatusSettings:
     window: float = setting(
         3600.0, "seconds of events behind the recent counts and rejected share", check=positive
     )
+    min_hosts: int = setting(
+        1,
+        "unhealthy when fewer supervisors are alive while work is claimable (due queued rows "
+        "or expired leases); 0: off",
+        check=non_negative,
+    )
 
 
 @dataclass(frozen=True)

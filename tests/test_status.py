@@ -15,7 +15,7 @@ from fixtures.s3 import free_port
 from fixtures.work import claim_one
 
 from derivd.ops.status import HEALTHY, UNAVAILABLE, UNHEALTHY
-from derivd.queue.db import QueueDB
+from derivd.queue.db import HostInfo, QueueDB
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -24,10 +24,16 @@ RunCli = Callable[..., subprocess.CompletedProcess[str]]
 LENIENT = {"DERIVD_STATUS_MIN_FINISHED": "1", "DERIVD_STATUS_MAX_REJECTED_RATIO": "0.5"}
 
 
+# A supervisor that is running (its registry row, fresh): the seeded queue has claimable
+# work, which with no live host is unhealthy ([status] min_hosts).
+RUNNING = HostInfo("web-1", 4242, "0.1.0", "vips", 2, 0, 10.0)
+
+
 @pytest.fixture
 def seeded_dsn(dsn: str) -> str:
     with QueueDB.open(dsn) as queue:
         seed_queue(queue, ready=6, rejected=2, queued=3, expired=2)
+        queue.register_host(RUNNING)
     return dsn
 
 
@@ -127,6 +133,42 @@ def test_watch_refreshes_and_keeps_the_last_verdict(run_cli: RunCli, seeded_dsn:
     assert result.returncode == HEALTHY, result.stderr
     frames = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(frames) == 3 and all(f["counts"]["ready"] == 6 for f in frames)
+
+
+def test_no_live_host_while_work_is_claimable_is_unhealthy(
+    run_cli: RunCli, seeded_dsn: str
+) -> None:
+    with QueueDB.open(seeded_dsn) as queue:
+        queue.deregister_host(RUNNING.host, RUNNING.pid)  # a clean stop
+    table = status(run_cli, seeded_dsn)
+    assert table.returncode == UNHEALTHY, table.stdout
+    assert "hosts: none running" in table.stdout
+    assert "no supervisor has run" not in table.stdout
+    assert "UNHEALTHY live_hosts: 0 < 1 while work is claimable" in table.stdout
+    data = json.loads(status(run_cli, seeded_dsn, "--json").stdout)
+    assert [p["signal"] for p in data["problems"]] == ["live_hosts"]
+    assert (data["live_hosts"], data["thresholds"]["min_hosts"]) == (0, 1)
+    # 0 turns the check off, from the command line or the settings.
+    assert status(run_cli, seeded_dsn, "--min-hosts", "0").returncode == HEALTHY
+    assert status(run_cli, seeded_dsn, DERIVD_STATUS_MIN_HOSTS="0").returncode == HEALTHY
+
+
+def test_a_stale_host_is_not_a_live_one(run_cli: RunCli, seeded_dsn: str) -> None:
+    with psycopg.connect(seeded_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE derivd_hosts SET last_heartbeat = now() - interval '31 seconds'")
+    result = status(run_cli, seeded_dsn, "--json")
+    assert result.returncode == UNHEALTHY
+    data = json.loads(result.stdout)
+    assert [h["alive"] for h in data["hosts"]] == [False]
+    assert [p["signal"] for p in data["problems"]] == ["live_hosts"]
+
+
+def test_no_live_host_is_healthy_while_nothing_is_claimable(run_cli: RunCli, dsn: str) -> None:
+    with QueueDB.open(dsn) as queue:
+        seed_queue(queue, ready=2, rejected=0, queued=0)
+    result = status(run_cli, dsn)
+    assert result.returncode == HEALTHY, result.stdout
+    assert "(judged while work is claimable)" in result.stdout
 
 
 def test_unreachable_database_is_one_line_and_its_own_exit_status(run_cli: RunCli) -> None:

@@ -7,9 +7,10 @@ The exit status makes it a health check (cron, systemd, Kubernetes):
     2  bad configuration or usage (like every derivd command)
     3  cannot tell: the database is unreachable or has no derivd schema
 
-The three thresholds tell the usual troubles apart: claimable work waiting too long
-(too little capacity), expired leases piling up (workers crash or hang, or the lease is
-too short), and a large rejected share (bad input, or a broken backend).
+The thresholds tell the usual troubles apart: claimable work waiting too long (too
+little capacity), expired leases piling up (workers crash or hang, or the lease is too
+short), a large rejected share (bad input, or a broken backend), and claimable work with
+no live supervisor to claim it (derivd is not running: `[status] min_hosts`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,16 @@ class Report:
         finished = self.recent_finished
         return self.recent_rejected / finished if finished else None
 
+    @property
+    def live_hosts(self) -> int:
+        """Supervisors that heartbeated within three of their intervals."""
+        return sum(1 for h in self.hosts if h["alive"])
+
+    @property
+    def claimable(self) -> bool:
+        """Some row could be claimed now: a due queued row, or an expired lease."""
+        return self.stats.oldest_claimable_age_s is not None or self.stats.expired_leases > 0
+
 
 @dataclass(frozen=True)
 class Alarm:
@@ -165,6 +176,16 @@ def evaluate(report: Report, limits: StatusSettings) -> list[Alarm]:
                 "broken backend or crashing workers",
             )
         )
+    if limits.min_hosts and report.claimable and report.live_hosts < limits.min_hosts:
+        alarms.append(
+            Alarm(
+                "live_hosts",
+                report.live_hosts,
+                limits.min_hosts,
+                "work is claimable and too few supervisors are alive to claim it: start "
+                "`derivd run` (or its service) on a host, or see why it stopped in its log",
+            )
+        )
     return alarms
 
 
@@ -190,7 +211,9 @@ def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict
             "max_expired_leases": limits.max_expired_leases,
             "max_rejected_ratio": limits.max_rejected_ratio,
             "min_finished": limits.min_finished,
+            "min_hosts": limits.min_hosts,
         },
+        "live_hosts": report.live_hosts,
         "problems": [a.__dict__ for a in alarms],
         "hosts": [host_json(h) for h in report.hosts],
     }
@@ -216,7 +239,8 @@ def host_json(row: dict[str, Any]) -> dict[str, Any]:
 
 def _host_lines(hosts: list[dict[str, Any]]) -> list[str]:
     if not hosts:
-        return ["", "hosts: none registered (no supervisor has run since the last prune)"]
+        # A clean stop removes its host's row; a dead host's row is pruned once stale.
+        return ["", "hosts: none running"]
     lines = [
         "",
         f"  {'host':<24}{'pid':>8}  {'state':<6}{'workers':>8}{'busy':>6}"
@@ -290,6 +314,13 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
             + ("" if judged else f" (judged from {limits.min_finished})"),
         ),
         row("rejected share (all rows)", _percent(stats.rejected_ratio), "", None),
+        row(
+            "live hosts",
+            str(report.live_hosts),
+            _limit(limits.min_hosts, lambda v: str(int(v))),
+            "live_hosts" if report.claimable else None,
+            "" if report.claimable else "(judged while work is claimable)",
+        ),
         "",
         f"last {window}: "
         + "  ".join(f"{label} {report.events.get(kind, 0)}" for label, kind in RECENT_EVENTS),
@@ -314,6 +345,8 @@ def _show(alarm: Alarm) -> str:
         return f"{duration(alarm.value)} > {duration(alarm.limit)}"
     if alarm.signal == "recent_rejected_ratio":
         return f"{_percent(alarm.value)} > {_percent(alarm.limit)}"
+    if alarm.signal == "live_hosts":
+        return f"{alarm.value:g} < {alarm.limit:g} while work is claimable"
     return f"{alarm.value:g} > {alarm.limit:g}"
 
 
