@@ -243,20 +243,14 @@ RETURNING id;
 -- sql/migrations/0008_queue_functions.sql).
 SELECT derivd_queue_stats(%(max_age_s)s::float8) AS payload;
 
--- name: event_counts
--- How many events of each kind (lease_lost, timeout, ...) since the given time.
-SELECT kind, count(*)::int AS n
-  FROM archive_events
- WHERE at >= %(since)s
- GROUP BY kind;
-
--- name: rejections_by_code
--- Rows rejected since the given time, by error code (`rejected` and `exhausted` events):
--- tells bad input (unsupported/corrupt/limit) from a broken backend (processing_failed).
-SELECT error_code, count(*)::int AS n
-  FROM archive_events
- WHERE at >= %(since)s AND kind IN ('rejected', 'exhausted')
- GROUP BY error_code;
+-- name: event_window
+-- The last `window_s` seconds of events, cached for the fleet like queue_stats (a result
+-- computed less than max_age_s ago is reused; 0: compute now): how many of each kind
+-- (lease_lost, timeout, ...), and the rejections (`rejected` and `exhausted` events) by
+-- error code, which tell bad input (unsupported/corrupt/limit) from an upload API that
+-- queues what is not stored (missing_original) and a broken backend (processing_failed)
+-- (derivd_event_window, sql/migrations/0012_missing_original_event_window.sql).
+SELECT derivd_event_window(%(window_s)s::float8, %(max_age_s)s::float8) AS payload;
 
 -- name: file_row
 SELECT id, status, attempts, available_at, lease_token, lease_until, original_key,

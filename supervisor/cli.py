@@ -30,8 +30,7 @@ def friendly_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from derivd.embedded.pgbin import PostgresNotFound
-        from derivd.embedded.pgcluster import EmbeddedClusterError
+        from derivd.embedded import EmbeddedError
         from derivd.errors import Transient
         from derivd.queue.db import SchemaMismatch
         from derivd.storage.base import StorageConfigError
@@ -42,7 +41,7 @@ def friendly_errors(fn: F) -> F:
             die(f"bad configuration:\n{error}", 2)
         except SchemaMismatch as error:
             die(str(error), 3)  # as `derivd status` says it
-        except (Transient, StorageConfigError, EmbeddedClusterError, PostgresNotFound) as error:
+        except (Transient, StorageConfigError, EmbeddedError) as error:
             die(str(error))
 
     return wrapper  # type: ignore[return-value]

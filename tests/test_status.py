@@ -22,6 +22,8 @@ RunCli = Callable[..., subprocess.CompletedProcess[str]]
 # Thresholds the seeded queue below stays within: the default ones, with the rejected
 # share judged on it (it has fewer finished jobs than the default minimum).
 LENIENT = {"DERIVD_STATUS_MIN_FINISHED": "1", "DERIVD_STATUS_MAX_REJECTED_RATIO": "0.5"}
+# Tests that change the queue between two looks read it afresh each time.
+FRESH = {"DERIVD_STATUS_MAX_AGE": "0"}
 
 
 # A supervisor that is running (its registry row, fresh): the seeded queue has claimable
@@ -97,7 +99,9 @@ def test_expired_lease_threshold_from_the_config_file(
         # the claim off the expired rows, which claims would otherwise take first.
         job = claim_one(queue, lease_s=-1.0, max_attempts=1)
         assert job is not None and job.attempt == 1
-    crossed = run_cli("-c", str(ini), "status", env={"DERIVD_DATABASE_DSN": seeded_dsn, **LENIENT})
+    crossed = run_cli(
+        "-c", str(ini), "status", env={"DERIVD_DATABASE_DSN": seeded_dsn, **LENIENT, **FRESH}
+    )
     assert crossed.returncode == UNHEALTHY
     assert "UNHEALTHY expired_leases: 3 > 2" in crossed.stdout
     assert "raise [queue] lease" in crossed.stdout
@@ -133,6 +137,22 @@ def test_watch_refreshes_and_keeps_the_last_verdict(run_cli: RunCli, seeded_dsn:
     assert result.returncode == HEALTHY, result.stderr
     frames = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(frames) == 3 and all(f["counts"]["ready"] == 6 for f in frames)
+
+
+def test_counts_and_recent_events_are_shared_for_max_age(run_cli: RunCli, seeded_dsn: str) -> None:
+    """A health probe every few seconds reads what the last reader (a supervisor, another
+    probe) computed less than `[status] max_age` ago; 0 computes each time."""
+    first = json.loads(status(run_cli, seeded_dsn, "--json").stdout)
+    with QueueDB.open(seeded_dsn) as queue:
+        job = claim_one(queue, lease_s=60.0, max_attempts=3)
+        assert job is not None
+        assert queue.fail(job, retry=False, code="corrupt_content", max_attempts=3) == "rejected"
+    cached = json.loads(status(run_cli, seeded_dsn, "--json").stdout)
+    fresh = json.loads(status(run_cli, seeded_dsn, "--json", DERIVD_STATUS_MAX_AGE="0").stdout)
+    assert cached["counts"] == first["counts"] and cached["events"] == first["events"]
+    assert fresh["counts"]["rejected"] == first["counts"]["rejected"] + 1
+    assert fresh["events"]["rejected"] == first["events"]["rejected"] + 1
+    assert fresh["rejected_by_code"]["corrupt_content"] == 3
 
 
 def test_no_live_host_while_work_is_claimable_is_unhealthy(

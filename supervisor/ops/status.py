@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -114,14 +114,18 @@ class Alarm:
     hint: str
 
 
-def collect(queue: QueueDB, window_s: float) -> Report:
-    """Read the health signals; StatusUnavailable when the database cannot answer."""
-    since = datetime.now(UTC) - timedelta(seconds=window_s)
+def collect(queue: QueueDB, limits: StatusSettings) -> Report:
+    """Read the health signals; StatusUnavailable when the database cannot answer. The
+    counts and the recent events are shared with the fleet: a reading younger than
+    `[status] max_age` is reused, so a probe every few seconds costs a cache read, not a
+    count over the table and the window's events."""
+    window_s, max_age_s = limits.window, limits.max_age
     try:
+        recent = queue.event_window(window_s=window_s, max_age_s=max_age_s)
         return Report(
-            stats=queue.queue_stats(),
-            events=queue.event_counts(since),
-            rejected_by_code=queue.rejections_by_code(since),
+            stats=queue.queue_stats(max_age_s=max_age_s),
+            events=recent.events,
+            rejected_by_code=recent.rejected_by_code,
             window_s=window_s,
             hosts=queue.hosts(),
         )
@@ -352,7 +356,7 @@ def _show(alarm: Alarm) -> str:
 
 def check_once(queue: QueueDB, limits: StatusSettings, *, as_json_out: bool) -> tuple[int, str]:
     """(exit status, text) of one look at the queue."""
-    report = collect(queue, limits.window)
+    report = collect(queue, limits)
     alarms = evaluate(report, limits)
     if as_json_out:
         text = json.dumps(as_json(report, alarms, limits), sort_keys=False)
@@ -370,12 +374,13 @@ def run_status(
     count: int | None = None,
 ) -> int:
     """The `derivd status` command. Returns the exit status (see the module doc)."""
-    from derivd.embedded.pgbin import PostgresNotFound
-    from derivd.embedded.pgcluster import EmbeddedClusterError
+    from derivd.embedded import EmbeddedError
     from derivd.embedded.runtime import database
 
     try:
-        with database(config) as dsn, QueueDB.open(dsn, role="derivd-status") as queue:
+        # One connection: the schema is checked on the one that reads the status.
+        with database(config, check=False) as dsn, QueueDB.open(dsn, role="derivd-status") as queue:
+            queue.check_schema()
             if not watch:
                 code, text = check_once(queue, config.status, as_json_out=as_json_out)
                 click.echo(text)
@@ -385,8 +390,7 @@ def run_status(
         StatusUnavailable,
         DatabaseUnavailable,
         SchemaMismatch,
-        EmbeddedClusterError,
-        PostgresNotFound,
+        EmbeddedError,
     ) as e:
         click.echo(f"derivd: {e}", err=True)
         return UNAVAILABLE

@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from derivd import __version__
@@ -108,10 +107,10 @@ def stats_task(config: Config) -> Callable[[QueueDB], Snapshot]:
     max_age = config.metrics.interval  # shared gauges: reuse another host's recent stats
 
     def run(db: QueueDB) -> Snapshot:
-        since = datetime.now(UTC) - timedelta(seconds=window)
         pruned = db.prune_hosts(guard_s=guard)
         stats = db.queue_stats(max_age_s=max_age)
-        return Snapshot(stats, db.event_counts(since), db.hosts(), pruned)
+        recent = db.event_window(window_s=window, max_age_s=max_age)
+        return Snapshot(stats, recent.events, db.hosts(), pruned)
 
     return run
 

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import date, datetime
+from datetime import date
 from typing import Any, LiteralString
 
 import psycopg
@@ -112,6 +112,14 @@ class QueueStats:
         return self.counts.get("rejected", 0) / finished if finished else 0.0
 
 
+@dataclass(frozen=True)
+class EventWindow:
+    """The recent events: how many of each kind, and the rejections by error code."""
+
+    events: dict[str, int]
+    rejected_by_code: dict[str, int]
+
+
 def one_line(error: BaseException) -> str:
     """The first line of a driver error, secrets masked: enough to act on, no dumps."""
     text = str(error).strip().splitlines()
@@ -192,12 +200,19 @@ def check_schema(dsn: str) -> None:
     that a missing or foreign schema is one line instead of a traceback halfway through.
     """
     with connect(dsn, application_name="derivd-check") as conn:
-        try:
-            row = conn.execute(_q("migrations_exists")).fetchone()
-            present = bool(row and row[0])
-            applied = {r[0] for r in conn.execute(_q("migrations_applied"))} if present else set()
-        except psycopg.Error as error:
-            raise DatabaseUnavailable(f"database error: {one_line(error)}") from None
+        check_schema_on(conn)
+
+
+def check_schema_on(conn: psycopg.Connection[Any]) -> None:
+    """check_schema on a connection the caller holds (a command that opens one only)."""
+    try:
+        row = conn.execute(_q("migrations_exists")).fetchone()
+        present = bool(row and row[0])
+        applied = {r[0] for r in conn.execute(_q("migrations_applied"))} if present else set()
+    except psycopg.OperationalError as error:
+        raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
+    except psycopg.Error as error:
+        raise DatabaseUnavailable(f"database error: {one_line(error)}") from None
     problem = schema_problem(applied, {m.name for m in migrations()})
     if problem:
         raise SchemaMismatch(problem)
@@ -300,6 +315,11 @@ class QueueDB:
 
     def close(self) -> None:
         self.conn.close()
+
+    def check_schema(self) -> None:
+        """SchemaMismatch unless the schema is this version's (module check_schema)."""
+        self._reconnect_if_broken()
+        check_schema_on(self.conn)
 
     def __enter__(self) -> QueueDB:
         return self
@@ -519,12 +539,17 @@ class QueueDB:
             estimated=tuple(str(s) for s in payload.get("estimated") or ()),
         )
 
-    def event_counts(self, since: datetime) -> dict[str, int]:
-        return {r["kind"]: r["n"] for r in self._all("event_counts", {"since": since})}
-
-    def rejections_by_code(self, since: datetime) -> dict[str, int]:
-        rows = self._all("rejections_by_code", {"since": since})
-        return {str(r["error_code"] or "none"): r["n"] for r in rows}
+    def event_window(self, *, window_s: float, max_age_s: float = 0.0) -> EventWindow:
+        """The last `window_s` seconds of events; a result another host (or probe)
+        computed less than `max_age_s` ago is reused (0: compute now)."""
+        row = self._one("event_window", {"window_s": window_s, "max_age_s": max_age_s}) or {}
+        payload: dict[str, Any] = row.get("payload") or {}
+        return EventWindow(
+            events={str(k): int(v) for k, v in (payload.get("events") or {}).items()},
+            rejected_by_code={
+                str(k): int(v) for k, v in (payload.get("rejected_by_code") or {}).items()
+            },
+        )
 
     def file_row(self, file_id: int) -> dict[str, Any] | None:
         return self._one("file_row", {"id": file_id})
