@@ -10,14 +10,15 @@ a fresh connection as the command opens them.
     .venv/bin/python bench/status_probe.py [--runs 7] [--large 4000000]
     .venv/bin/python bench/status_probe.py --serve   # seed, print the DSNs, keep running
 
-With --serve the databases stay up until Ctrl-C, to time the command with any other tool
-(e.g. `/usr/bin/time -v derivd status --json` with DERIVD_DATABASE_DSN set).
+With --serve the databases stay up until Ctrl-C or SIGTERM, to time the command with any
+other tool (e.g. `/usr/bin/time -v derivd status --json` with DERIVD_DATABASE_DSN set).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -151,6 +152,8 @@ def main() -> None:
         if args.serve:
             for name, dsn in dsns.items():
                 print(f"DERIVD_DATABASE_DSN='{dsn}'  # {name}", flush=True)
+            # SIGTERM too (a background job ignores SIGINT): the cluster is stopped on exit.
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
             try:
                 while True:
                     time.sleep(3600)
