@@ -1,6 +1,13 @@
 -- Every query derivd runs. Blocks start with `-- name: <name>`; the comment lines that
--- follow say what the query is for. Parameters are psycopg named placeholders. Only
+-- follow say what the query is for. Parameters are psycopg named placeholders; `{name}`
+-- is an identifier composed with psycopg.sql.Identifier, never text pasted in. Only
 -- supervisor/queue/db.py executes these; nothing else in derivd builds SQL.
+--
+-- The lease protocol's bodies (derivd_claim, derivd_commit, ...) and the triggers' are in
+-- sql/functions.sql, the tables in sql/schema.sql. The fence is `id + lease_token`
+-- everywhere, here as in the functions: archive_files_lease_check makes a row hold a
+-- token exactly while it is `processing`, so a token match is the status check, and the
+-- plan stays on the primary key (functions.sql says more).
 
 -- name: migrations_lock
 -- Serialise `derivd migrate` across hosts: a transaction-scoped advisory lock.
@@ -23,6 +30,16 @@ SELECT to_regclass('derivd_migrations') IS NOT NULL AS present;
 -- name: migrations_record
 INSERT INTO derivd_migrations (name) VALUES (%(name)s);
 
+-- name: functions_missing
+-- Which of the functions this derivd calls (`names`: those of sql/functions.sql) the
+-- database lacks. A release may add a function without a migration; its hosts must not
+-- start before `derivd migrate` has created it.
+SELECT n AS name
+  FROM unnest(%(names)s::text[]) AS n
+ WHERE NOT EXISTS (SELECT 1 FROM pg_proc AS p
+                    WHERE p.proname = n AND pg_function_is_visible(p.oid))
+ ORDER BY n;
+
 -- name: enqueue
 -- Queue confirmed originals (key and version already stored). Returns the new ids in order.
 INSERT INTO archive_files (status, original_key, original_version)
@@ -32,18 +49,23 @@ SELECT 'queued', k, v
 RETURNING id;
 
 -- name: listen
--- The supervisor's wake-up channel (sql/migrations/0002_notify.sql notifies it whenever a
--- row enters `queued`).
-LISTEN derivd_queued;
+-- Listen on `{channel}`: derivd.queue.db's QUEUED_CHANNEL (the supervisor's wake-up: the
+-- trigger archive_files_notify_queued notifies it whenever a row enters `queued`) or
+-- FINISHED_CHANNEL (derivd.client.wait: archive_files_notify_finished sends a row's id
+-- when it becomes ready, rejected, deleting or deleted, if a waiter registered it).
+LISTEN {channel};
+
+-- name: unlisten
+UNLISTEN {channel};
 
 -- name: claim
 -- Lease up to `limit` claimable rows (expired leases under the attempt cap first, then
--- the oldest due queued rows), each with its own fresh token and lease (derivd_claim: the claim half of
--- derivd_commit_and_claim, sql/migrations/0010_lean_job.sql). The claim alone commits without waiting for
--- its WAL flush (synchronous_commit off for this one transaction only): a claim lost in
--- a server crash just leaves the rows as they were, and each attempt's fenced commit,
--- fail or release, all durable, flush it anyway. That halves the flushes a job waits
--- for; the fence (the token) is untouched.
+-- the oldest due queued rows), each with its own fresh token and lease (derivd_claim in
+-- sql/functions.sql). The claim alone commits without waiting for its WAL flush
+-- (synchronous_commit off for this one transaction only): a claim lost in a server crash
+-- just leaves the rows as they were, and each attempt's fenced commit, fail or release,
+-- all durable, flush it anyway. That halves the flushes a job waits for; the fence (the
+-- token) is untouched.
 SELECT c.*
   FROM set_config('synchronous_commit', 'off', true) AS no_flush_wait,
        derivd_claim(%(limit)s::integer, %(lease_s)s::float8, %(max_attempts)s::integer,
@@ -58,32 +80,32 @@ ON CONFLICT (key) DO NOTHING;
 -- name: commit
 -- The fenced commit of one or more finished attempts (`jobs`: a JSON array of
 -- {id, token, attempt, derived_key, derived_version, sha256, width, height, variants}),
--- durable; each row passes or fails its own fence (derivd_commit: the commit half of
--- derivd_commit_and_claim, migration 0010).
+-- durable; each row passes or fails its own fence (derivd_commit in sql/functions.sql).
 -- Returns the ids that committed.
 SELECT id FROM derivd_commit(%(jobs)s::jsonb) AS id;
 
 -- name: commit_and_claim
 -- A worker's steady state in one round trip and one durable transaction: the commit,
--- then the claim, in one function body (migration 0010; derivd_commit and derivd_claim
--- wrap it). Rows: kind = 'committed' (id) or 'claimed' (the claim's columns).
+-- then the claim, in one function body (derivd_commit_and_claim in sql/functions.sql;
+-- derivd_commit and derivd_claim wrap it). Rows: kind = 'committed' (id) or 'claimed'
+-- (the claim's columns).
 SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, %(limit)s::integer,
                                       %(lease_s)s::float8, %(max_attempts)s::integer,
                                       %(host)s::text);
 
 -- name: fail
--- The fenced failure (derivd_fail, migration 0008). retry = true: back to `queued` after
--- delay_s unless the attempts are used up; retry = false (content errors): `rejected` at
--- once. `extra_event` (e.g. 'timeout') is appended too. Returns the new status, or no
--- row when the fence failed (a `lease_lost` event is appended instead).
+-- The fenced failure (derivd_fail in sql/functions.sql). retry = true: back to `queued`
+-- after delay_s unless the attempts are used up; retry = false (content errors):
+-- `rejected` at once. `extra_event` (e.g. 'timeout') is appended too. Returns the new
+-- status, or no row when the fence failed (a `lease_lost` event is appended instead).
 SELECT status, error_code
   FROM derivd_fail(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer, %(retry)s::boolean,
                    %(code)s::text, %(max_attempts)s::integer, %(delay_s)s::float8,
                    %(extra_event)s::text);
 
 -- name: release
--- Give a job back during shutdown without burning its attempt (derivd_release, migration
--- 0008; fenced, a failed fence appends `lease_lost`).
+-- Give a job back during shutdown without burning its attempt (derivd_release in
+-- sql/functions.sql; fenced, a failed fence appends `lease_lost`).
 SELECT derivd_release(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer)::int AS released;
 
 -- name: reject_exhausted
@@ -116,7 +138,9 @@ SELECT id FROM done;
 
 -- name: orphans_due
 -- Objects written by attempts that never committed, older than the guard, and whose
--- attempt can no longer commit (its token is not a live lease).
+-- attempt can no longer commit (its token is not a live lease). Not a fence: a search by
+-- token, and `status = 'processing'` is what lets it read the partial index of
+-- processing rows instead of the whole table (no index holds every token).
 SELECT p.key
   FROM pending_objects AS p
  WHERE p.created_at < now() - make_interval(secs => %(guard_s)s)
@@ -239,8 +263,8 @@ RETURNING id;
 -- name: queue_stats
 -- Queue health whose cost does not grow with history, cached for the fleet: a result
 -- another host computed less than max_age_s ago is reused (0: compute now). Live
--- counts exact, final states planner estimates on a big table (derivd_queue_stats,
--- sql/migrations/0008_queue_functions.sql).
+-- counts exact, final states planner estimates on a big table (derivd_queue_stats in
+-- sql/functions.sql).
 SELECT derivd_queue_stats(%(max_age_s)s::float8) AS payload;
 
 -- name: event_window
@@ -249,7 +273,7 @@ SELECT derivd_queue_stats(%(max_age_s)s::float8) AS payload;
 -- (lease_lost, timeout, ...), and the rejections (`rejected` and `exhausted` events) by
 -- error code, which tell bad input (unsupported/corrupt/limit) from an upload API that
 -- queues what is not stored (missing_original) and a broken backend (processing_failed)
--- (derivd_event_window, sql/migrations/0012_missing_original_event_window.sql).
+-- (derivd_event_window in sql/functions.sql).
 SELECT derivd_event_window(%(window_s)s::float8, %(max_age_s)s::float8) AS payload;
 
 -- name: file_row
@@ -286,7 +310,7 @@ RETURNING id;
 
 -- name: wait_register
 -- derivd.client.wait, first: the file this waiter waits for, until its deadline. Only
--- registered files are announced on `derivd_finished` (migration 0011).
+-- registered files are announced on `derivd_finished` (archive_files_notify_finished).
 INSERT INTO derivd_waiters (file_id, waiter, until)
 VALUES (%(id)s, %(waiter)s, now() + make_interval(secs => %(timeout_s)s::float8));
 
@@ -296,15 +320,6 @@ DELETE FROM derivd_waiters WHERE file_id = %(id)s AND waiter = %(waiter)s;
 -- name: forget_stale_waiters
 -- The sweep: rows of waiters that died without removing theirs (a minute past deadline).
 DELETE FROM derivd_waiters WHERE until < now() - interval '1 minute' RETURNING file_id;
-
--- name: listen_finished
--- derivd.client.wait: sql/migrations/0007_finished_notify.sql notifies this channel with a
--- row's id when it becomes ready, rejected, deleting or deleted, if a waiter registered
--- it (wait_register, migration 0011).
-LISTEN derivd_finished;
-
--- name: unlisten_finished
-UNLISTEN derivd_finished;
 
 -- name: client_status
 -- derivd.client.wait: the row's status now (no row: the id is unknown).
@@ -338,18 +353,20 @@ SELECT id, attempts, claimed_by,
 -- The dashboard's chart: jobs finished (ready, rejected, exhausted events) per minute
 -- over the last hour, counted from at most `cap` events, with the median duration (claim
 -- to finish) of at most `sample` of each minute's latest jobs
--- (derivd_finished_per_minute, sql/migrations/0009_dashboard_minutes.sql): its cost is
--- bounded by the hour's window, not by the table's history.
+-- (derivd_finished_per_minute in sql/functions.sql): its cost is bounded by the hour's
+-- window, not by the table's history.
 SELECT minutes_ago, finished, median_s
   FROM derivd_finished_per_minute(%(cap)s::integer, %(sample)s::integer);
 
--- Host registry and heartbeat (issue 12; migration 0004) -----------------------------
+-- Host registry and heartbeat (the derivd_hosts table) --------------------------------
 
 -- name: heartbeat
 -- One statement per host every [queue] heartbeat: which of the jobs this host holds
 -- (`jobs`: a JSON array of {id, token}, running and claimed-unstarted) still hold their
--- lease, fenced by id + token + `processing`; with `renew`, exactly those leases are
--- extended to now() + lease_s. The host's registry row is refreshed (created if pruned).
+-- lease, fenced by id + token; with `renew`, exactly those leases are extended to
+-- now() + lease_s. The host's registry row is refreshed (created if pruned); with
+-- `starting` (a supervisor starts, holding no jobs: QueueDB.register_host) it is
+-- started now, replacing a row its previous run left behind: the registry's one upsert.
 -- Returns the ids whose lease still holds, and the ids whose attempt has just ended
 -- itself (committed, failed or released by that very token: see `finished`); every
 -- other id sent is lost. Database time throughout: no host clock enters a lease decision.
@@ -359,13 +376,13 @@ WITH held AS (
     SELECT f.id
       FROM archive_files AS f
       JOIN held AS h ON f.id = h.id AND f.lease_token = h.token
-     WHERE NOT %(renew)s AND f.status = 'processing'
+     WHERE NOT %(renew)s
        AND f.id = ANY(%(ids)s::bigint[])  -- by primary key (the JSON hides the row count)
 ), renewed AS (
     UPDATE archive_files AS f
        SET lease_until = now() + make_interval(secs => %(lease_s)s)
       FROM held AS h
-     WHERE %(renew)s AND f.id = h.id AND f.lease_token = h.token AND f.status = 'processing'
+     WHERE %(renew)s AND f.id = h.id AND f.lease_token = h.token
        AND f.id = ANY(%(ids)s::bigint[])
     RETURNING f.id
 ), host AS (
@@ -375,7 +392,8 @@ WITH held AS (
     ON CONFLICT (host) DO UPDATE
        SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
            workers = EXCLUDED.workers, busy = EXCLUDED.busy,
-           heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now()
+           heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now(),
+           started_at = CASE WHEN %(starting)s THEN now() ELSE r.started_at END
     RETURNING 1
 ), finished AS (
     -- Not lost: ended by its own attempt. A worker's fenced commit (or failure, or
@@ -403,32 +421,25 @@ SELECT id FROM renewed
 UNION ALL
 SELECT id FROM finished;
 
--- name: register_host
--- A supervisor starts: its registry row, started now (replacing a row its previous run
--- left behind).
-INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
-VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, 0, %(heartbeat_s)s)
-ON CONFLICT (host) DO UPDATE
-   SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
-       workers = EXCLUDED.workers, busy = 0, heartbeat_s = EXCLUDED.heartbeat_s,
-       started_at = now(), last_heartbeat = now();
-
 -- name: deregister_host
 -- A clean stop. Fenced on the pid: a newer supervisor under the same name keeps its row.
 DELETE FROM derivd_hosts WHERE host = %(host)s AND pid = %(pid)s;
 
 -- name: prune_hosts
--- Rows of hosts that stopped heartbeating (stale) for longer than the guard.
+-- Rows of hosts that stopped heartbeating (stale: derivd_host_stale) for longer than the
+-- guard.
 DELETE FROM derivd_hosts
- WHERE last_heartbeat < now() - make_interval(secs => greatest(%(guard_s)s, 3 * heartbeat_s))
+ WHERE derivd_host_stale(last_heartbeat, heartbeat_s)
+   AND last_heartbeat < now() - make_interval(secs => %(guard_s)s)
 RETURNING host;
 
 -- name: hosts
--- The registry for `derivd status` and the metrics: alive = a heartbeat within three of
--- its intervals; in_flight = rows it holds in `processing` (via the partial index).
+-- The registry for `derivd status` and the metrics: alive = not stale (derivd_host_stale:
+-- a heartbeat within three of its intervals); in_flight = rows it holds in `processing`
+-- (via the partial index).
 SELECT h.host, h.pid, h.version, h.backend, h.workers, h.busy, h.started_at,
        extract(epoch FROM now() - h.last_heartbeat)::float8 AS heartbeat_age_s,
-       h.last_heartbeat >= now() - make_interval(secs => 3 * h.heartbeat_s) AS alive,
+       NOT derivd_host_stale(h.last_heartbeat, h.heartbeat_s) AS alive,
        (SELECT count(*) FROM archive_files AS f
          WHERE f.status = 'processing' AND f.claimed_by = h.host)::int AS in_flight
   FROM derivd_hosts AS h
@@ -436,9 +447,9 @@ SELECT h.host, h.pid, h.version, h.backend, h.workers, h.busy, h.started_at,
 
 -- name: record_lease_lost
 -- The supervisor killed a job whose lease the heartbeat found gone: a `lease_lost`
--- event, unless the lease is (still) this attempt's after all.
+-- event, unless the lease is (still) this attempt's after all (the fence: id + token).
 INSERT INTO archive_events (file_id, kind, attempt, lease_token)
 SELECT %(id)s, 'lease_lost', %(attempt)s, %(token)s
  WHERE NOT EXISTS (SELECT 1 FROM archive_files
-                    WHERE id = %(id)s AND lease_token = %(token)s AND status = 'processing')
+                    WHERE id = %(id)s AND lease_token = %(token)s)
 RETURNING 1;

@@ -12,10 +12,11 @@ Connections: any psycopg 3 connection, in autocommit mode or not.
   outside a transaction (PostgreSQL delivers notifications only between transactions):
   it raises ConnectionBusy otherwise, and commits the short transactions it opens itself.
 
-`wait` registers the file it waits for (only registered files are announced: migration
-0011), LISTENs on `derivd_finished` (the payload is the row id only), reads the row, and
-sleeps on the connection until the row's id arrives, so a file that finished before
-`wait` began is seen by the read. It reads the row again every RECHECK_S seconds: a
+`wait` registers the file it waits for (only registered files are announced:
+archive_files_notify_finished in sql/functions.sql), LISTENs on CHANNEL
+(`derivd_finished`; the payload is the row id only), reads the row, and sleeps on the
+connection until the row's id arrives, so a file that finished before `wait` began is
+seen by the read. It reads the row again every RECHECK_S seconds: a
 finish committed by a transaction that began before the registration was visible is not
 announced, and is seen by that read. Through a
 transaction-mode pooler (PgBouncer) LISTEN does not work: give `wait` a direct
@@ -36,10 +37,10 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
+from derivd.queue.db import FINISHED_CHANNEL as CHANNEL
 from derivd.queue.db import QueueDB
 from derivd.storage.base import InvalidKey
 
-CHANNEL = "derivd_finished"
 # Longest a finish goes unseen when it raced the registration (see the module docstring).
 RECHECK_S = 1.0
 # `deleting` counts: a file on its way out will never become ready.

@@ -28,8 +28,6 @@ from derivd.storage.base import ObjectMissing, Storage, derived_key, open_storag
 
 log = logging.getLogger("derivd.worker")
 
-NOTIFY_CHANNEL = "derivd_queued"
-
 
 @dataclass(frozen=True)
 class JobResult:

@@ -1,11 +1,10 @@
 """The queue's vocabulary: row statuses, event kinds and error codes, once in Python.
 
-The database is the authority: the domains of sql/migrations/0010_lean_job.sql
-(derivd_status, derivd_error_code, derivd_event_kind; 0012 adds `missing_original`), to
-which the tables' CHECK constraints cast their columns. These literals are their one
-Python copy; every other module imports from here, and tests/test_states.py reads the
-domains' constraints back from a migrated database (pg_get_constraintdef) and fails when
-the two disagree.
+The database is the authority: the domains of sql/schema.sql (derivd_status,
+derivd_error_code, derivd_event_kind), to which the tables' CHECK constraints cast their
+columns. These literals are their one Python copy; every other module imports from here,
+and tests/test_states.py reads the domains' constraints back from a migrated database
+(pg_get_constraintdef) and fails when the two disagree.
 """
 
 from __future__ import annotations

@@ -75,7 +75,13 @@ def listening(conn: psycopg.Connection[Any], channel: str) -> bool:
         "SELECT query FROM pg_stat_activity"
         " WHERE datname = current_database() AND pid <> pg_backend_pid()"
     ).fetchall()
-    return any(f"LISTEN {channel}".upper() in str(r[0]).upper() for r in rows)
+    return any(listens_on(str(r[0]), channel) for r in rows)
+
+
+def listens_on(query: str, channel: str) -> bool:
+    """Whether `query` (a session's statement in pg_stat_activity) LISTENs on `channel`,
+    its name quoted (derivd composes it as an identifier) or not."""
+    return f"LISTEN {channel}".upper() in query.replace('"', "").upper()
 
 
 def stop_process(proc: subprocess.Popen[Any], timeout: float = 60.0) -> int:

@@ -1,6 +1,6 @@
 """The heartbeat statement and the host registry on a real PostgreSQL (issue 12): one
 statement per host checks (and with renewal extends) every held lease, fenced by id +
-token + `processing`; hosts register, go stale after three missed heartbeats, are pruned
+token; hosts register, go stale after three missed heartbeats, are pruned
 after the guard and deregister on a clean stop. All times are the database's."""
 
 from __future__ import annotations
@@ -245,6 +245,26 @@ def test_host_registers_refreshes_goes_stale_is_pruned_and_deregisters(
     queue.deregister_host("host-a", 4242)
     assert queue.hosts() == []
     assert file_id
+
+
+def test_a_restart_starts_the_row_again_and_a_heartbeat_keeps_its_start(
+    queue: QueueDB, dsn: str
+) -> None:
+    """register_host and heartbeat share one upsert; only a (re)start resets started_at
+    and busy. A host that is not stale is never pruned, however short the guard."""
+    queue.register_host(HOST)
+    sql(dsn, "UPDATE derivd_hosts SET started_at = started_at - interval '1 hour'")
+    [before] = queue.hosts()
+    queue.heartbeat(replace(HOST, busy=2), [], renew=False, lease_s=LONG)
+    [beat] = queue.hosts()
+    assert (beat["started_at"], beat["busy"]) == (before["started_at"], 2)
+    queue.register_host(HOST)
+    [restarted] = queue.hosts()
+    assert restarted["started_at"] > before["started_at"] and restarted["busy"] == 0
+    # Two of three intervals (10 s each) missed: alive, so a 5 s guard prunes nothing.
+    sql(dsn, "UPDATE derivd_hosts SET last_heartbeat = now() - interval '20 seconds'")
+    assert queue.hosts()[0]["alive"] is True
+    assert queue.prune_hosts(guard_s=5) == []
 
 
 def test_host_names_are_checked_by_the_database_too(queue: QueueDB) -> None:

@@ -62,6 +62,7 @@ def test_wheel_carries_every_source_file_under_its_derivd_name(wheel_names: list
     assert expected - set(wheel_names) == set()
     assert "derivd/py.typed" in wheel_names
     assert "derivd/sql/queries.sql" in wheel_names
+    assert "derivd/sql/functions.sql" in wheel_names  # every `derivd migrate` runs it
     assert any(n.startswith("derivd/sql/migrations/0001_") for n in wheel_names)
 
 

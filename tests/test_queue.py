@@ -164,7 +164,7 @@ def refused(queue: QueueDB, statement: str, *params: object) -> str | None:
 
 
 def test_a_lease_token_exists_exactly_while_a_row_is_processing(queue: QueueDB) -> None:
-    """The fence is `id + lease_token` (migration 0008): the lease CHECK makes a token
+    """The fence is `id + lease_token` (sql/functions.sql): the lease CHECK makes a token
     match mean `status = 'processing'` too. No write can break that equivalence."""
     (file_id,) = queue.enqueue([("originals/a", "1")])
     token = "00000000-0000-4000-8000-000000000001"

@@ -1,6 +1,6 @@
 """One source for statuses, event kinds and error codes: the database's domains.
 
-The domains' constraints (migration 0010) are read back from a migrated database
+The domains' constraints (sql/schema.sql) are read back from a migrated database
 (pg_get_constraintdef), so a migration that adds a status or a code fails here until
 derivd.states says the same; every other Python copy is checked against derivd.states.
 """

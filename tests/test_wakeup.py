@@ -16,10 +16,9 @@ import psycopg
 import pytest
 from fixtures.idle import LIVENESS_S, IdleDaemon, idle_daemon
 from fixtures.work import claim_one, commit_one
-from helpers import wait_for
+from helpers import listens_on, wait_for
 
-from derivd.jobs import NOTIFY_CHANNEL
-from derivd.queue.db import QueueDB
+from derivd.queue.db import QUEUED_CHANNEL, QueueDB
 
 MARKER = "marker"
 
@@ -39,14 +38,14 @@ class Inbox:
         if not self.pending:
             return None
         notify = self.pending.popleft()
-        assert notify.channel == NOTIFY_CHANNEL
+        assert notify.channel == QUEUED_CHANNEL
         return notify.payload
 
 
 @pytest.fixture
 def listener(dsn: str) -> Iterator[Inbox]:
     conn = psycopg.connect(dsn, autocommit=True)
-    conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+    conn.execute(f"LISTEN {QUEUED_CHANNEL}")
     yield Inbox(conn)
     conn.close()
 
@@ -62,7 +61,7 @@ def producer(dsn: str) -> Iterator[psycopg.Connection[Any]]:
 def mark(producer: psycopg.Connection[Any]) -> None:
     # Notifications arrive in commit order: when the marker comes first, nothing that
     # committed before it notified.
-    producer.execute(f"NOTIFY {NOTIFY_CHANNEL}, '{MARKER}'")
+    producer.execute(f"NOTIFY {QUEUED_CHANNEL}, '{MARKER}'")
 
 
 def insert(producer: psycopg.Connection[Any], status: str) -> int:
@@ -152,7 +151,7 @@ def _listen_pids(conn: psycopg.Connection[Any]) -> set[int]:
     rows = conn.execute(
         "SELECT pid, query FROM pg_stat_activity WHERE datname = current_database()"
     ).fetchall()
-    return {int(r[0]) for r in rows if f"LISTEN {NOTIFY_CHANNEL}".upper() in str(r[1]).upper()}
+    return {int(r[0]) for r in rows if listens_on(str(r[1]), QUEUED_CHANNEL)}
 
 
 def test_lost_listen_connection_is_replaced(

@@ -1,7 +1,7 @@
 """The queue protocol: the only module that runs SQL (every query lives in `sql/`).
 
-Claim, fenced commit, fenced failure and fenced release (server-side functions since
-migration 0008: one small statement each, whose inner plans the server keeps per
+Claim, fenced commit, fenced failure and fenced release (server-side functions in
+sql/functions.sql: one small statement each, whose inner plans the server keeps per
 connection, prepared or pooled), plus the maintenance and operator queries. Each method
 is one statement in autocommit mode, so a claim is committed before any work starts and
 no transaction is ever held across work.
@@ -14,9 +14,9 @@ import socket
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date
-from typing import Any, LiteralString
+from typing import Any, Final, LiteralString
 
 import psycopg
 from psycopg import sql
@@ -24,9 +24,15 @@ from psycopg.rows import dict_row
 
 from derivd import __version__
 from derivd.errors import ErrorCode, Transient
-from derivd.queue.sqlfiles import migrations, queries
+from derivd.queue.sqlfiles import function_names, functions, migrations, queries
 from derivd.redact import redact
 from derivd.storage.base import validate_key
+
+# The notification channels, as the triggers in sql/functions.sql spell them
+# (archive_files_notify_queued, archive_files_notify_finished): a row entering `queued`
+# wakes the supervisors; a finished row wakes whoever waits for it (derivd.client.wait).
+QUEUED_CHANNEL: Final = "derivd_queued"
+FINISHED_CHANNEL: Final = "derivd_finished"
 
 
 class DatabaseUnavailable(Transient):
@@ -162,25 +168,42 @@ def _q(name: str) -> LiteralString:
     return query
 
 
-def migrate(dsn: str) -> list[str]:
-    """Apply pending migrations in order, in one transaction, under an advisory lock.
+def _on_channel(name: str, channel: str) -> sql.Composed:
+    """`listen` or `unlisten` on `channel`, composed as an identifier."""
+    return sql.SQL(_q(name)).format(channel=sql.Identifier(channel))
 
-    Safe to run from two hosts at once: the second waits for the lock, then finds
-    nothing left to do. Returns the names it applied.
+
+def migrate(dsn: str) -> list[str]:
+    """Apply pending migrations in order, then sql/functions.sql, in one transaction,
+    under an advisory lock. Returns the names of the migrations it applied.
+
+    Safe to run from two hosts at once: the second waits for the lock, then finds no
+    migration left and replaces the functions with the same bodies (two sessions
+    replacing one function at once would fail: the lock serialises them). One
+    transaction: a function body that does not fit the migrated tables rolls the whole
+    upgrade back, so the ledger never records migrations whose functions are missing.
+
+    A database that has migrations this version does not know belongs to a newer derivd:
+    SchemaMismatch, and nothing changes (this version's functions.sql would put older
+    bodies under the newer hosts of a rolling upgrade).
     """
     applied: list[str] = []
+    packaged = migrations()
     with connect(dsn, application_name="derivd-migrate") as conn:
         conn.autocommit = False
         with conn.transaction():
             conn.execute(_q("migrations_lock"))
             conn.execute(_q("migrations_table"))
             done = {row[0] for row in conn.execute(_q("migrations_applied"))}
-            for migration in migrations():
+            if newer := newer_schema(done, {m.name for m in packaged}):
+                raise SchemaMismatch(newer)
+            for migration in packaged:
                 if migration.name in done:
                     continue
                 conn.execute(migration.sql)  # type: ignore[arg-type]  # package data
                 conn.execute(_q("migrations_record"), {"name": migration.name})
                 applied.append(migration.name)
+            conn.execute(functions())  # type: ignore[arg-type]  # package data
     return applied
 
 
@@ -193,11 +216,14 @@ class SchemaMismatch(Exception):
 
 
 def check_schema(dsn: str) -> None:
-    """Raise SchemaMismatch unless the database has every packaged migration and no
-    migration this version does not know; DatabaseUnavailable when it cannot be asked.
+    """Raise SchemaMismatch unless the database has every packaged migration, no
+    migration this version does not know, and every function of sql/functions.sql;
+    DatabaseUnavailable when it cannot be asked.
 
     Every command that uses the schema calls this first, before it touches storage, so
     that a missing or foreign schema is one line instead of a traceback halfway through.
+    A release may add a function without a migration: its hosts are refused until
+    `derivd migrate` has created it, as they would be for a missing migration.
     """
     with connect(dsn, application_name="derivd-check") as conn:
         check_schema_on(conn)
@@ -205,30 +231,34 @@ def check_schema(dsn: str) -> None:
 
 def check_schema_on(conn: psycopg.Connection[Any]) -> None:
     """check_schema on a connection the caller holds (a command that opens one only)."""
+    applied: set[str] = set()
+    absent: list[str] = []
     try:
         row = conn.execute(_q("migrations_exists")).fetchone()
-        present = bool(row and row[0])
-        applied = {r[0] for r in conn.execute(_q("migrations_applied"))} if present else set()
+        if row and row[0]:
+            applied = {r[0] for r in conn.execute(_q("migrations_applied"))}
+            names = {"names": function_names()}
+            absent = [r[0] for r in conn.execute(_q("functions_missing"), names)]
     except psycopg.OperationalError as error:
         raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
     except psycopg.Error as error:
         raise DatabaseUnavailable(f"database error: {one_line(error)}") from None
-    problem = schema_problem(applied, {m.name for m in migrations()})
+    problem = schema_problem(applied, {m.name for m in migrations()}, absent)
     if problem:
         raise SchemaMismatch(problem)
 
 
-def schema_problem(applied: set[str], packaged: set[str]) -> str | None:
-    """What is wrong with a database that has `applied` for this version's `packaged`."""
+def schema_problem(
+    applied: set[str], packaged: set[str], absent_functions: Sequence[str] = ()
+) -> str | None:
+    """What is wrong with a database that has `applied` for this version's `packaged`
+    migrations and lacks `absent_functions` of its sql/functions.sql."""
     if not applied:
         return NO_SCHEMA
-    newer = sorted(applied - packaged)
+    newer = newer_schema(applied, packaged)
     if newer:
-        return (
-            f"the database schema is newer than this derivd ({__version__}) knows "
-            f"(unknown migrations: {', '.join(newer)}); upgrade derivd on this host"
-        )
-    missing = sorted(packaged - applied)
+        return newer
+    missing = sorted(packaged - applied) or [f"{name}()" for name in absent_functions]
     if missing:
         return (
             f"the database schema is behind this derivd (missing: {', '.join(missing)}); "
@@ -237,8 +267,20 @@ def schema_problem(applied: set[str], packaged: set[str]) -> str | None:
     return None
 
 
+def newer_schema(applied: set[str], packaged: set[str]) -> str | None:
+    """Why a database that has `applied` belongs to a newer derivd than `packaged`, if it
+    does."""
+    newer = sorted(applied - packaged)
+    if not newer:
+        return None
+    return (
+        f"the database schema is newer than this derivd ({__version__}) knows "
+        f"(unknown migrations: {', '.join(newer)}); upgrade derivd on this host"
+    )
+
+
 class QueueListener:
-    """One LISTEN connection on the `derivd_queued` channel (held by the supervisor).
+    """One LISTEN connection on QUEUED_CHANNEL (held by the supervisor).
 
     `connect` (re)opens it and reports whether it did; `drain` reads whatever has arrived
     without blocking. Any database error closes the connection: the caller polls until a
@@ -264,7 +306,7 @@ class QueueListener:
         except DatabaseUnavailable:
             return False
         try:
-            conn.execute(_q("listen"))
+            conn.execute(_on_channel("listen", QUEUED_CHANNEL))
         except psycopg.Error:
             conn.close()
             return False
@@ -432,17 +474,25 @@ class QueueDB:
         registry row, in one statement. Returns the ids that are not lost: whose lease
         still holds, or whose attempt has just ended itself (committed, failed or
         released with its own token) before its worker could report it."""
+        return self._host_seen(host, jobs, renew=renew, lease_s=lease_s, starting=False)
+
+    def register_host(self, host: HostInfo) -> None:
+        """A supervisor starts: its registry row, idle and started now. The heartbeat's
+        statement, holding no jobs: the registry's upsert is written once."""
+        self._host_seen(replace(host, busy=0), [], renew=False, lease_s=0.0, starting=True)
+
+    def _host_seen(
+        self, host: HostInfo, jobs: Sequence[Job], *, renew: bool, lease_s: float, starting: bool
+    ) -> set[int]:
         params = {
             **host.__dict__,
             "jobs": json.dumps([{"id": j.id, "token": str(j.token)} for j in jobs]),
             "ids": [j.id for j in jobs],
             "renew": renew,
             "lease_s": lease_s,
+            "starting": starting,
         }
         return {int(r["id"]) for r in self._all("heartbeat", params)}
-
-    def register_host(self, host: HostInfo) -> None:
-        self._all("register_host", host.__dict__)
 
     def deregister_host(self, host: str, pid: int) -> None:
         self._all("deregister_host", {"host": host, "pid": pid})
@@ -576,10 +626,14 @@ class QueueDB:
         return len(self._all("forget_stale_waiters"))
 
     def listen_finished(self) -> None:
-        self._all("listen_finished")
+        self._on_channel("listen", FINISHED_CHANNEL)
 
     def unlisten_finished(self) -> None:
-        self._all("unlisten_finished")
+        self._on_channel("unlisten", FINISHED_CHANNEL)
+
+    def _on_channel(self, name: str, channel: str) -> None:
+        with self._cursor() as cur:
+            cur.execute(_on_channel(name, channel))
 
     def status_of(self, file_id: int) -> str | None:
         """The row's status, or None when no row has this id."""

@@ -1,4 +1,5 @@
-"""Load the named query blocks of `sql/queries.sql` and the ordered migrations."""
+"""Load the named query blocks of `sql/queries.sql`, the ordered migrations and
+`sql/functions.sql` (the current body of every function, which `migrate` re-applies)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from functools import cache
 from importlib.resources import files
 
 _NAME = re.compile(r"^--\s*name:\s*([a-z0-9_]+)\s*$", re.MULTILINE)
+_FUNCTION = re.compile(r"^CREATE OR REPLACE FUNCTION\s+([a-z0-9_]+)\s*\(", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -49,3 +51,13 @@ def migrations() -> list[Migration]:
         Migration(entry.name.removesuffix(".sql"), entry.read_text(encoding="utf-8"))
         for entry in sorted(found, key=lambda e: e.name)
     ]
+
+
+def functions() -> str:
+    """sql/functions.sql, one script: every function as it is now (CREATE OR REPLACE)."""
+    return files("derivd.sql").joinpath("functions.sql").read_text(encoding="utf-8")
+
+
+def function_names() -> list[str]:
+    """The name of every function sql/functions.sql defines, sorted."""
+    return sorted(set(_FUNCTION.findall(functions())))

@@ -1,0 +1,561 @@
+-- Every function of derivd's schema, as it is now: `derivd migrate` runs this whole file
+-- after the pending migrations, on every run, in the migrations' transaction and under
+-- their lock (so two hosts never replace the same function at once, and a body that
+-- does not fit the tables rolls the whole upgrade back). Change a function here, not in a
+-- migration; migrations do what only they can (tables, columns, indexes, data moves).
+--
+-- Signatures are a contract with every host of the fleet, including hosts still on the
+-- previous release during a rolling upgrade: name, argument names and types and result
+-- columns stay as they are (CREATE OR REPLACE refuses to change them anyway). A new
+-- shape is a new function next to the old one; the old one goes (a migration's DROP, and
+-- out of this file) once no release calls it. Bodies may change freely.
+--
+-- Order matters only for the SQL-language functions, whose bodies the server checks when
+-- they are created: each comes after what it calls.
+
+-- == Why the lease protocol runs in functions ===========================================
+-- At claim_batch = 1 the server's CPU per job was mostly parsing and planning large CTE
+-- statements (2.5x more through a transaction pooler, where nothing can be prepared).
+-- PL/pgSQL prepares each statement of a function once per server connection and keeps
+-- the plan, whichever client (or pooler) calls it; the client sends one small
+-- `SELECT * FROM derivd_x(...)`. Each body is a few short statements whose plans are
+-- primary-key or partial-index lookups.
+--
+-- The fence: a commit, failure or release changes a row only while it is `processing`
+-- under the caller's token (a failed fence appends `lease_lost`); every claimed row gets
+-- its own fresh token and lease; times are the database's. The fence is written
+-- `id = ... AND lease_token = token`: archive_files_lease_check (schema.sql) makes a row
+-- hold a lease token exactly while it is `processing`, so the token match is the status
+-- check, and it keeps the plan on the primary key (with `status = 'processing'` spelled
+-- out, a generic plan may scan the partial index of every processing row). The queries
+-- of sql/queries.sql that check a lease are written the same way.
+--
+-- #variable_conflict use_column: inside the bodies an unqualified name is a column (the
+-- OUT parameters of RETURNS TABLE share their names with columns).
+--
+-- plan_cache_mode = force_generic_plan: every statement inside is planned once per server
+-- connection, its plan kept (left to choose, the server re-planned custom plans for some
+-- statements at every call). The plans are index lookups whatever the parameters: the
+-- primary key, or the partial indexes of queued and processing rows. A function's SET
+-- clause undoes every local setting made inside it on return, which is why the claim's
+-- synchronous_commit is set by the calling statement (`claim` in sql/queries.sql), not
+-- in derivd_claim.
+
+-- == Triggers ===========================================================================
+
+-- archive_events is append-only: UPDATE, DELETE and TRUNCATE are refused (on every
+-- partition: see derivd_guard_partition). Old days leave only by DROP of their partition.
+CREATE OR REPLACE FUNCTION archive_events_append_only() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'archive_events is append-only';
+END $$;
+
+-- Wake idle workers at once: any row entering `queued` (from derivd or from an upload API
+-- in any language) notifies `derivd_queued` (derivd.queue.db.QUEUED_CHANNEL). The payload
+-- is constant, so PostgreSQL folds the notifications of one transaction into one, and a
+-- bulk enqueue costs a single wake-up.
+CREATE OR REPLACE FUNCTION archive_files_notify_queued() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('derivd_queued', '');
+    RETURN NULL;
+END $$;
+
+-- Tell a waiting upload API that its file is done: a row reaching a final state (ready,
+-- rejected) or leaving the pipeline (deleting, deleted) notifies `derivd_finished`
+-- (derivd.queue.db.FINISHED_CHANNEL) with its id as the payload, and nothing else (the
+-- listener reads the row itself: derivd.client.wait). Only when someone registered in
+-- derivd_waiters waits for it: a transaction that has sent a NOTIFY takes a lock on the
+-- whole instance when it commits and holds it until its commit is on disk (so that
+-- notifications appear in commit order); one NOTIFY per job would cap a database at one
+-- commit per WAL flush, fleet-wide. Distinct payloads are not folded: a batch commit
+-- sends one notification per registered row, when the committing transaction ends.
+CREATE OR REPLACE FUNCTION archive_files_notify_finished() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM derivd_waiters AS w WHERE w.file_id = NEW.id) THEN
+        PERFORM pg_notify('derivd_finished', NEW.id::text);
+    END IF;
+    RETURN NULL;
+END $$;
+
+-- == archive_events: daily partitions ===================================================
+
+-- Row triggers are cloned onto every partition; a statement trigger is not, so each
+-- partition gets its own TRUNCATE guard.
+CREATE OR REPLACE FUNCTION derivd_guard_partition(part regclass) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    EXECUTE format('CREATE TRIGGER archive_events_no_truncate BEFORE TRUNCATE ON %s '
+                   'FOR EACH STATEMENT EXECUTE FUNCTION archive_events_append_only()', part);
+END $$;
+
+-- Daily partitions for `days` days from `first` (UTC dates), unless present. Partition
+-- `archive_events_to_YYYYMMDD` holds the day before that date. A day whose rows already
+-- sit in the DEFAULT partition is left there (creating its partition would have to move
+-- them). Returns the partitions created.
+CREATE OR REPLACE FUNCTION derivd_event_partitions(first date, days integer)
+RETURNS SETOF text LANGUAGE plpgsql AS $$
+DECLARE
+    d date;
+    part text;
+    low timestamptz;
+    high timestamptz;
+BEGIN
+    FOR i IN 0 .. days - 1 LOOP
+        d := first + i;
+        part := 'archive_events_to_' || to_char(d + 1, 'YYYYMMDD');
+        low := d::timestamp AT TIME ZONE 'UTC';
+        high := (d + 1)::timestamp AT TIME ZONE 'UTC';
+        CONTINUE WHEN to_regclass(part) IS NOT NULL;
+        CONTINUE WHEN EXISTS (SELECT 1 FROM archive_events_default
+                               WHERE at >= low AND at < high);
+        EXECUTE format('CREATE TABLE %I PARTITION OF archive_events FOR VALUES FROM (%L) TO (%L)',
+                       part, low, high);
+        PERFORM derivd_guard_partition(part::regclass);
+        RETURN NEXT part;
+    END LOOP;
+END $$;
+
+-- Drop the partitions that end on or before `cutoff`, whole, and the DEFAULT partition
+-- when its newest row is older than `cutoff` (recreated empty). Returns what it dropped.
+CREATE OR REPLACE FUNCTION derivd_drop_event_partitions(cutoff timestamptz)
+RETURNS SETOF text LANGUAGE plpgsql AS $$
+DECLARE
+    part text;
+BEGIN
+    FOR part IN
+        SELECT c.relname::text
+          FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
+         WHERE i.inhparent = 'archive_events'::regclass
+           AND c.relname ~ '^archive_events_to_[0-9]{8}$'
+           AND to_date(right(c.relname, 8), 'YYYYMMDD')::timestamp AT TIME ZONE 'UTC' <= cutoff
+         ORDER BY c.relname
+    LOOP
+        EXECUTE format('DROP TABLE %I', part);
+        RETURN NEXT part;
+    END LOOP;
+    IF (SELECT max(at) < cutoff FROM archive_events_default) THEN
+        DROP TABLE archive_events_default;
+        CREATE TABLE archive_events_default PARTITION OF archive_events DEFAULT;
+        PERFORM derivd_guard_partition('archive_events_default');
+        RETURN NEXT 'archive_events_default';
+    END IF;
+END $$;
+
+-- == The lease protocol =================================================================
+
+-- A worker's steady state in one round trip and one durable transaction: the fenced
+-- commit of its finished attempts, then the claim of up to `lim` next rows (lim = 0:
+-- commit only). Rows: kind = 'committed' (id only) or 'claimed' (the claim's columns).
+--
+-- The commit (`jobs`: a JSON array of {id, token, attempt, derived_key, derived_version,
+-- sha256, width, height, variants}): each row passes or fails its own fence. Its fenced
+-- UPDATE and its event (`ready`, or `lease_lost` when the fence fails) are one
+-- statement; for a row that passes, its variants are recorded and, when it stored some,
+-- its attempt's write-ahead entries cleared (an attempt registers pending objects
+-- exactly for the variants it PUTs).
+--
+-- The claim: up to `lim` claimable rows, expired leases still under the attempt cap
+-- first (their worker died), then the oldest queued rows that are due; each gets its own
+-- fresh token and lease and records `host` as its holder. wait_s is how long the row had
+-- been claimable (queue wait); tier and claimable_since give the claim order. It stays
+-- durable here because the commit wrote first; the claim alone is made non-durable by its
+-- caller (derivd_claim, below).
+--
+-- derivd_commit and derivd_claim are thin wrappers over this one body (one copy of each
+-- piece of logic; every job would otherwise pay two more function scans, ~80 us of ~580).
+CREATE OR REPLACE FUNCTION derivd_commit_and_claim(jobs jsonb, lim integer, lease_s float8,
+                                                   max_attempts integer, host text)
+RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
+               original_key text, original_version text, wait_s float8, tier integer,
+               claimable_since timestamptz)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+DECLARE
+    j record;
+    committed boolean;
+    ids bigint[];
+    since timestamptz[];
+    tiers integer[];
+BEGIN
+    FOR j IN
+        SELECT *
+          FROM jsonb_to_recordset(jobs)
+               AS x(id bigint, token uuid, attempt integer, derived_key text,
+                    derived_version text, sha256 text, width integer, height integer,
+                    variants jsonb)
+    LOOP
+        WITH done AS (
+            UPDATE archive_files AS f
+               SET status = 'ready',
+                   derived_key = j.derived_key,
+                   derived_version = j.derived_version,
+                   sha256 = j.sha256,
+                   width = j.width,
+                   height = j.height,
+                   error_code = NULL,
+                   lease_token = NULL,
+                   lease_until = NULL,
+                   finished_at = now(),
+                   updated_at = now()
+             WHERE f.id = j.id AND f.lease_token = j.token  -- the fence (see the top)
+            RETURNING f.attempts)
+        INSERT INTO archive_events AS e (file_id, kind, attempt, lease_token)
+        SELECT j.id, CASE WHEN d.attempts IS NULL THEN 'lease_lost' ELSE 'ready' END,
+               coalesce(d.attempts, j.attempt), j.token
+          FROM (SELECT) AS one LEFT JOIN done AS d ON true
+        RETURNING e.kind = 'ready' INTO committed;
+        CONTINUE WHEN NOT committed;
+        IF jsonb_array_length(coalesce(j.variants, '[]')) > 0 THEN
+            INSERT INTO archive_variants AS a (file_id, name, format, content_type, key,
+                                               version, sha256, width, height, lease_token)
+            SELECT j.id, v.name, v.format, v.content_type, v.key, v.version, v.sha256,
+                   v.width, v.height, j.token
+              FROM jsonb_to_recordset(j.variants)
+                   AS v(name text, format text, content_type text, key text,
+                        version text, sha256 text, width integer, height integer)
+            ON CONFLICT (file_id, name, format) DO UPDATE
+               SET key = EXCLUDED.key, version = EXCLUDED.version,
+                   sha256 = EXCLUDED.sha256, width = EXCLUDED.width,
+                   height = EXCLUDED.height, content_type = EXCLUDED.content_type,
+                   lease_token = EXCLUDED.lease_token, created_at = now();
+            DELETE FROM pending_objects WHERE lease_token = j.token;
+        END IF;
+        kind := 'committed';
+        id := j.id;
+        RETURN NEXT;
+    END LOOP;
+    IF lim < 1 THEN
+        RETURN;
+    END IF;
+    -- The claim: one statement picks and locks the rows (the second branch
+    -- is only read for what the first leaves of the limit), one UPDATE by primary key.
+    -- It sees the commit above: a committed row is no longer claimable.
+    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier) INTO ids, since, tiers
+      FROM (SELECT * FROM (SELECT f.id, f.lease_until AS since, 0 AS tier
+                             FROM archive_files AS f
+                            WHERE f.status = 'processing' AND f.lease_until < now()
+                              AND f.attempts < derivd_commit_and_claim.max_attempts
+                            ORDER BY f.lease_until
+                            LIMIT lim
+                              FOR UPDATE SKIP LOCKED) AS expired
+            UNION ALL
+            SELECT * FROM (SELECT f.id, f.available_at, 1
+                             FROM archive_files AS f
+                            WHERE f.status = 'queued' AND f.available_at <= now()
+                            ORDER BY f.available_at, f.id
+                            LIMIT lim
+                              FOR UPDATE SKIP LOCKED) AS due
+            LIMIT lim) AS c;
+    IF ids IS NULL THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    UPDATE archive_files AS f
+       SET status = 'processing',
+           lease_token = gen_random_uuid(),
+           lease_until = now() + make_interval(secs => derivd_commit_and_claim.lease_s),
+           attempts = f.attempts + 1,
+           claimed_at = now(),
+           claimed_by = derivd_commit_and_claim.host,
+           updated_at = now()
+      FROM unnest(ids, since, tiers) AS c(id, since, tier)
+     WHERE f.id = c.id
+    RETURNING 'claimed'::text, f.id, f.lease_token, f.attempts, f.original_key,
+              f.original_version, extract(epoch FROM now() - c.since)::float8, c.tier,
+              c.since;
+END $$;
+
+-- The fenced commit alone: the ids that committed. The caller's transaction is durable.
+CREATE OR REPLACE FUNCTION derivd_commit(jobs jsonb)
+RETURNS SETOF bigint
+LANGUAGE sql AS $$
+    SELECT c.id FROM derivd_commit_and_claim(jobs, 0, 0, 0, NULL) AS c
+$$;
+
+-- The claim alone; its caller decides durability (`claim` in sql/queries.sql).
+CREATE OR REPLACE FUNCTION derivd_claim(lim integer, lease_s float8, max_attempts integer,
+                                        host text)
+RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
+               original_version text, wait_s float8, tier integer,
+               claimable_since timestamptz)
+LANGUAGE sql AS $$
+    SELECT c.id, c.lease_token, c.attempts, c.original_key, c.original_version, c.wait_s,
+           c.tier, c.claimable_since
+      FROM derivd_commit_and_claim('[]', lim, lease_s, max_attempts, host) AS c
+$$;
+
+-- The fenced failure. retry: back to `queued` after delay_s unless the attempts are used
+-- up; not retry (content errors): `rejected` at once. `code` is the final error code if
+-- the row is rejected now; `extra_event` (e.g. 'timeout') is appended too. Returns the
+-- new status, or no row when the fence failed (a `lease_lost` event is appended instead).
+CREATE OR REPLACE FUNCTION derivd_fail(file_id bigint, token uuid, attempt integer,
+                                       retry boolean, code text, max_attempts integer,
+                                       delay_s float8, extra_event text)
+RETURNS TABLE (status text, error_code text)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+DECLARE
+    again boolean;
+    n integer;
+    new_status text;
+    new_code text;
+BEGIN
+    UPDATE archive_files AS f
+       SET status = CASE WHEN retry AND f.attempts < derivd_fail.max_attempts
+                         THEN 'queued' ELSE 'rejected' END,
+           error_code = CASE WHEN retry AND f.attempts < derivd_fail.max_attempts
+                             THEN NULL ELSE code END,
+           available_at = CASE WHEN retry AND f.attempts < derivd_fail.max_attempts
+                               THEN now() + make_interval(secs => delay_s)
+                               ELSE f.available_at END,
+           finished_at = CASE WHEN retry AND f.attempts < derivd_fail.max_attempts
+                              THEN NULL ELSE now() END,
+           lease_token = NULL,
+           lease_until = NULL,
+           updated_at = now()
+     WHERE f.id = derivd_fail.file_id AND f.lease_token = token  -- the fence
+    RETURNING f.attempts, f.status, f.error_code INTO n, new_status, new_code;
+    IF NOT FOUND THEN
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+        VALUES (derivd_fail.file_id, 'lease_lost', derivd_fail.attempt, token);
+        RETURN;
+    END IF;
+    again := new_status = 'queued';
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+    VALUES (derivd_fail.file_id, CASE WHEN again THEN 'retry' ELSE 'rejected' END, n, token,
+            coalesce(new_code, code));
+    IF extra_event IS NOT NULL THEN
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+        VALUES (derivd_fail.file_id, extra_event, n, token, code);
+    END IF;
+    status := new_status;
+    error_code := new_code;
+    RETURN NEXT;
+END $$;
+
+-- Give a job back (shutdown, or too little lease left) without burning its attempt;
+-- fenced, a failed fence appends `lease_lost`. Returns whether it was released.
+CREATE OR REPLACE FUNCTION derivd_release(file_id bigint, token uuid, attempt integer)
+RETURNS boolean
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+DECLARE
+    n integer;
+BEGIN
+    UPDATE archive_files AS f
+       SET status = 'queued',
+           attempts = greatest(f.attempts - 1, 0),
+           available_at = now(),
+           lease_token = NULL,
+           lease_until = NULL,
+           updated_at = now()
+     WHERE f.id = derivd_release.file_id AND f.lease_token = token  -- the fence
+    RETURNING f.attempts INTO n;
+    IF NOT FOUND THEN
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+        VALUES (derivd_release.file_id, 'lease_lost', derivd_release.attempt, token);
+        RETURN false;
+    END IF;
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+    VALUES (derivd_release.file_id, 'released', n + 1, token);
+    RETURN true;
+END $$;
+
+-- == The fleet ==========================================================================
+
+-- The staleness rule of the host registry: a host is stale once three of its own
+-- heartbeat intervals pass without one. One late or lost heartbeat is no reason to call
+-- a host dead, and with the heartbeat at most a third of the lease ([queue] heartbeat) a
+-- host is called stale no later than its leases expire. `derivd status` shows stale
+-- hosts; the sweep prunes them after the [sweep] guard. LANGUAGE sql and STABLE, so the
+-- server inlines it into the calling query (now() is that statement's time).
+CREATE OR REPLACE FUNCTION derivd_host_stale(last_heartbeat timestamptz, heartbeat_s float8)
+RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT last_heartbeat < now() - make_interval(secs => 3 * heartbeat_s)
+$$;
+
+-- == Queue health and the dashboard =====================================================
+
+-- Queue health whose cost does not grow with history, cached for the fleet. A cached
+-- result younger than max_age_s is returned as it is; otherwise the caller takes the
+-- cache row's lock, and whoever waited for it finds the fresh result another host just
+-- computed (one computation per interval for the whole fleet). Counts of the live states
+-- are exact, from their partial indexes; the final states (ready, rejected, deleted) are
+-- exact while the table is small (under 50,000 rows by the planner's statistics) and
+-- planner estimates beyond (`estimated` lists which counts are). max_age_s = 0: compute
+-- now.
+CREATE OR REPLACE FUNCTION derivd_queue_stats(max_age_s float8)
+RETURNS jsonb
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    result jsonb;
+    total float8;
+    counts jsonb;
+BEGIN
+    SELECT s.payload INTO result
+      FROM derivd_stats_cache AS s
+     WHERE s.name = 'queue' AND s.computed_at > now() - make_interval(secs => max_age_s);
+    IF FOUND THEN
+        RETURN result;
+    END IF;
+    SELECT s.payload INTO result
+      FROM derivd_stats_cache AS s
+     WHERE s.name = 'queue'
+       AND s.computed_at > now() - make_interval(secs => max_age_s)
+       FOR UPDATE;
+    IF FOUND THEN  -- computed by the host whose lock this one waited for
+        RETURN result;
+    END IF;
+    -- The table's size by the planner's statistics, scaled to its size on disk now.
+    SELECT c.reltuples * CASE WHEN c.relpages > 0
+                              THEN pg_relation_size(c.oid)
+                                   / current_setting('block_size')::float8 / c.relpages
+                              ELSE 1 END
+      INTO total
+      FROM pg_class AS c WHERE c.oid = 'archive_files'::regclass;
+    IF total < 50000 THEN
+        -- LIMIT: bounded even if the statistics are far behind the table.
+        SELECT coalesce(jsonb_object_agg(few.status, few.n), '{}') INTO counts
+          FROM (SELECT a.status, count(*) AS n
+                  FROM (SELECT f.status FROM archive_files AS f LIMIT 50000) AS a
+                 GROUP BY a.status) AS few;
+    ELSE
+        SELECT coalesce(jsonb_object_agg(n.status, n.n) FILTER (WHERE n.n > 0), '{}') INTO counts
+          FROM (SELECT 'pending' AS status,
+                       (SELECT count(*) FROM archive_files WHERE status = 'pending') AS n
+                UNION ALL SELECT 'queued',
+                       (SELECT count(*) FROM archive_files WHERE status = 'queued')
+                UNION ALL SELECT 'processing',
+                       (SELECT count(*) FROM archive_files WHERE status = 'processing')
+                UNION ALL SELECT 'deleting',
+                       (SELECT count(*) FROM archive_files WHERE status = 'deleting')
+                UNION ALL
+                SELECT m.status, round(m.freq * total)::bigint
+                  FROM pg_stats AS s,
+                       unnest(s.most_common_vals::text::text[], s.most_common_freqs)
+                           AS m(status, freq)
+                 WHERE s.schemaname = current_schema() AND s.tablename = 'archive_files'
+                   AND s.attname = 'status'
+                   AND m.status IN ('ready', 'rejected', 'deleted')) AS n;
+    END IF;
+    result := jsonb_build_object(
+        'counts', counts,
+        'estimated', CASE WHEN total < 50000 THEN '[]'::jsonb
+                     ELSE '["ready", "rejected", "deleted"]'::jsonb END,
+        'oldest_claimable_age_s',
+            (SELECT extract(epoch FROM now() - min(f.available_at))::float8
+               FROM archive_files AS f
+              WHERE f.status = 'queued' AND f.available_at <= now()),
+        'expired_leases',
+            (SELECT count(*) FROM archive_files AS f
+              WHERE f.status = 'processing' AND f.lease_until < now()));
+    UPDATE derivd_stats_cache AS s
+       SET computed_at = now(), payload = result
+     WHERE s.name = 'queue';
+    RETURN result;
+END $$;
+
+-- The recent-events counts behind `derivd status`, the dashboard and the metrics (events
+-- per kind, and rejections per error code, over the last `window_s` seconds), cached for
+-- the fleet like derivd_queue_stats: a result younger than max_age_s is returned
+-- as it is; otherwise the caller takes the cache row's lock, and whoever waited for it
+-- finds the result another host (or probe) just computed. One row per window. Every
+-- caller used to count the window's events itself, in two statements: ~120 ms at 100
+-- jobs/s with the default one-hour window, paid by each health probe (bench/RESULTS.md,
+-- "derivd status as a health probe"). Now one scan per max_age_s for everyone.
+CREATE OR REPLACE FUNCTION derivd_event_window(window_s float8, max_age_s float8)
+RETURNS jsonb
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    key text := 'events ' || window_s::text;
+    result jsonb;
+BEGIN
+    SELECT s.payload INTO result
+      FROM derivd_stats_cache AS s
+     WHERE s.name = key AND s.computed_at > now() - make_interval(secs => max_age_s);
+    IF FOUND THEN
+        RETURN result;
+    END IF;
+    INSERT INTO derivd_stats_cache (name, computed_at, payload)
+    VALUES (key, '-infinity', '{}')
+    ON CONFLICT (name) DO NOTHING;
+    SELECT s.payload INTO result
+      FROM derivd_stats_cache AS s
+     WHERE s.name = key AND s.computed_at > now() - make_interval(secs => max_age_s)
+       FOR UPDATE;
+    IF FOUND THEN  -- computed by the caller whose lock this one waited for
+        RETURN result;
+    END IF;
+    WITH counted AS (
+        SELECT e.kind, e.error_code, count(*)::int AS n
+          FROM archive_events AS e
+         WHERE e.at >= now() - make_interval(secs => window_s)
+         GROUP BY e.kind, e.error_code
+    )
+    SELECT jsonb_build_object(
+               'events',
+               (SELECT coalesce(jsonb_object_agg(k.kind, k.n), '{}')
+                  FROM (SELECT c.kind, sum(c.n)::int AS n FROM counted AS c
+                         GROUP BY c.kind) AS k),
+               'rejected_by_code',
+               (SELECT coalesce(jsonb_object_agg(r.code, r.n), '{}')
+                  FROM (SELECT coalesce(c.error_code, 'none') AS code, sum(c.n)::int AS n
+                          FROM counted AS c
+                         WHERE c.kind IN ('rejected', 'exhausted')
+                         GROUP BY 1) AS r))
+      INTO result;
+    UPDATE derivd_stats_cache AS s
+       SET computed_at = now(), payload = result
+     WHERE s.name = key;
+    RETURN result;
+END $$;
+
+-- The dashboard's chart, at a cost that does not grow with the table: jobs finished per
+-- minute over the last hour counted from the events alone (capped at `cap` events), and
+-- the median duration of each minute from at most `sample` of its latest ready/rejected
+-- jobs, each looked up by primary key. (Joining every finishing event of the hour to its
+-- row made the planner hash the whole table: 0.9 s at 1M rows.)
+--
+-- SET jit = off: the probes' estimated cost crosses jit_above_cost, and compiling this
+-- one statement took longer (~0.7 s) than running it. A function's SET clause applies
+-- while it is planned and run, through a pooler too (no session setting).
+CREATE OR REPLACE FUNCTION derivd_finished_per_minute(cap integer, sample integer)
+RETURNS TABLE (minutes_ago integer, finished integer, median_s float8)
+LANGUAGE sql STABLE SET jit = off AS $$
+WITH recent AS (
+    SELECT e.file_id, e.at, e.kind,
+           least(floor(date_part('epoch', now() - e.at) / 60), 59)::integer AS minute
+      FROM archive_events AS e
+     WHERE e.at >= now() - interval '1 hour' AND e.kind IN ('ready', 'rejected', 'exhausted')
+     LIMIT cap
+), counted AS (
+    SELECT r.minute, count(*)::integer AS finished
+      FROM recent AS r
+     GROUP BY 1
+), latest AS (
+    -- exhausted rows have no meaningful duration (their last claim died)
+    SELECT s.minute, s.file_id, s.at
+      FROM (SELECT r.minute, r.file_id, r.at,
+                   row_number() OVER (PARTITION BY r.minute ORDER BY r.at DESC) AS n
+              FROM recent AS r
+             WHERE r.kind <> 'exhausted') AS s
+     WHERE s.n <= sample
+), durations AS (
+    -- claim to finish, from the row's last claim (LIMIT 1 keeps it a key lookup per job)
+    SELECT l.minute,
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY date_part('epoch', l.at - f.claimed_at))
+               FILTER (WHERE f.claimed_at <= l.at) AS median_s
+      FROM latest AS l
+     CROSS JOIN LATERAL (SELECT a.claimed_at FROM archive_files AS a
+                          WHERE a.id = l.file_id LIMIT 1) AS f
+     GROUP BY 1
+)
+SELECT c.minute, c.finished, d.median_s::float8
+  FROM counted AS c
+  LEFT JOIN durations AS d ON d.minute = c.minute
+ ORDER BY 1
+$$;
