@@ -14,7 +14,7 @@ batch 1 and 10 (its enqueue is not counted).
 - server CPU ms/job: CPU time of every PostgreSQL server process over the drain, read
   from /proc (the postmaster's own and its reaped children's times plus each live
   backend's), divided by the jobs. Includes everything the server did meanwhile
-  (autovacuum, WAL writer, the supervisors' maintenance queries).
+  (autovacuum, WAL writer, the supervisors' background duties).
 - WAL B/job: pg_current_wal_lsn() before and after.
 - claim p50/p99: one client claims and commits 2,000 jobs one at a time on the same
   history (derivd's claim statement; for pgqueuer its dequeue), timing each claim.

@@ -91,35 +91,80 @@ BEGIN
                    'FOR EACH STATEMENT EXECUTE FUNCTION archive_events_append_only()', part);
 END $$;
 
+-- Partitions are made 8 days ahead by the EventPartitions duty (derivd.processes.duties):
+-- every supervisor at start and every [sweep] partitions_interval, and `derivd sweep`.
+-- Each DDL statement below takes ACCESS EXCLUSIVE on archive_events, so the caller runs
+-- each function under a short lock_timeout (derivd.queue.db.DDL_LOCK_TIMEOUT_S) and
+-- retries later rather than queue every job's commit behind a long reader. Two hosts
+-- doing this at once serialise on a transaction-scoped advisory lock (it holds through a
+-- transaction pooler); the second finds nothing left to do.
+
 -- Daily partitions for `days` days from `first` (UTC dates), unless present. Partition
 -- `archive_events_to_YYYYMMDD` holds the day before that date. A day whose rows already
--- sit in the DEFAULT partition is left there (creating its partition would have to move
--- them). Returns the partitions created.
+-- sit in the DEFAULT partition is left to derivd_rehome_default_events. Returns the
+-- partitions created.
 CREATE OR REPLACE FUNCTION derivd_event_partitions(first date, days integer)
 RETURNS SETOF text LANGUAGE plpgsql AS $$
 DECLARE
     d date;
-    part text;
-    low timestamptz;
-    high timestamptz;
 BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('derivd_event_partitions'));
     FOR i IN 0 .. days - 1 LOOP
         d := first + i;
-        part := 'archive_events_to_' || to_char(d + 1, 'YYYYMMDD');
-        low := d::timestamp AT TIME ZONE 'UTC';
-        high := (d + 1)::timestamp AT TIME ZONE 'UTC';
-        CONTINUE WHEN to_regclass(part) IS NOT NULL;
+        CONTINUE WHEN to_regclass('archive_events_to_' || to_char(d + 1, 'YYYYMMDD')) IS NOT NULL;
         CONTINUE WHEN EXISTS (SELECT 1 FROM archive_events_default
-                               WHERE at >= low AND at < high);
-        EXECUTE format('CREATE TABLE %I PARTITION OF archive_events FOR VALUES FROM (%L) TO (%L)',
-                       part, low, high);
-        PERFORM derivd_guard_partition(part::regclass);
-        RETURN NEXT part;
+                               WHERE at >= d::timestamp AT TIME ZONE 'UTC'
+                                 AND at < (d + 1)::timestamp AT TIME ZONE 'UTC');
+        RETURN NEXT derivd_event_partition(d);
     END LOOP;
 END $$;
 
--- Drop the partitions that end on or before `cutoff`, whole, and the DEFAULT partition
--- when its newest row is older than `cutoff` (recreated empty). Returns what it dropped.
+-- The partition of one UTC day (created and guarded unless present); its name.
+CREATE OR REPLACE FUNCTION derivd_event_partition(d date)
+RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    part text := 'archive_events_to_' || to_char(d + 1, 'YYYYMMDD');
+BEGIN
+    IF to_regclass(part) IS NULL THEN
+        EXECUTE format('CREATE TABLE %I PARTITION OF archive_events FOR VALUES FROM (%L) TO (%L)',
+                       part, d::timestamp AT TIME ZONE 'UTC',
+                       (d + 1)::timestamp AT TIME ZONE 'UTC');
+        PERFORM derivd_guard_partition(part::regclass);
+    END IF;
+    RETURN part;
+END $$;
+
+-- Empty the DEFAULT partition after an outage of the partition rounds longer than the
+-- days they make ahead (its rows would otherwise stay: the days it holds rows of can get
+-- no partition, and with one recent row its old ones outlive retention). Its rows from
+-- `cutoff` on (every row when cutoff is NULL: no retention) move to the partitions of
+-- their days, ids kept; the older ones go with the old table. Returns the day partitions
+-- that received rows (none when DEFAULT was empty).
+CREATE OR REPLACE FUNCTION derivd_rehome_default_events(cutoff timestamptz)
+RETURNS SETOF text LANGUAGE plpgsql AS $$
+DECLARE
+    d date;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('derivd_event_partitions'));
+    IF NOT EXISTS (SELECT 1 FROM archive_events_default) THEN
+        RETURN;
+    END IF;
+    ALTER TABLE archive_events DETACH PARTITION archive_events_default;
+    ALTER TABLE archive_events_default RENAME TO archive_events_default_old;
+    CREATE TABLE archive_events_default PARTITION OF archive_events DEFAULT;
+    PERFORM derivd_guard_partition('archive_events_default');
+    FOR d IN SELECT DISTINCT (at AT TIME ZONE 'UTC')::date FROM archive_events_default_old
+              WHERE cutoff IS NULL OR at >= cutoff ORDER BY 1 LOOP
+        RETURN NEXT derivd_event_partition(d);
+    END LOOP;
+    INSERT INTO archive_events OVERRIDING SYSTEM VALUE
+    SELECT * FROM archive_events_default_old
+     WHERE cutoff IS NULL OR at >= cutoff ORDER BY id;
+    DROP TABLE archive_events_default_old;
+END $$;
+
+-- Drop the partitions that end on or before `cutoff`, whole. Returns what it dropped.
+-- (DEFAULT's old rows go with derivd_rehome_default_events.)
 CREATE OR REPLACE FUNCTION derivd_drop_event_partitions(cutoff timestamptz)
 RETURNS SETOF text LANGUAGE plpgsql AS $$
 DECLARE
@@ -136,12 +181,6 @@ BEGIN
         EXECUTE format('DROP TABLE %I', part);
         RETURN NEXT part;
     END LOOP;
-    IF (SELECT max(at) < cutoff FROM archive_events_default) THEN
-        DROP TABLE archive_events_default;
-        CREATE TABLE archive_events_default PARTITION OF archive_events DEFAULT;
-        PERFORM derivd_guard_partition('archive_events_default');
-        RETURN NEXT 'archive_events_default';
-    END IF;
 END $$;
 
 -- == The lease protocol =================================================================

@@ -453,3 +453,29 @@ SELECT %(id)s, 'lease_lost', %(attempt)s, %(token)s
  WHERE NOT EXISTS (SELECT 1 FROM archive_files
                     WHERE id = %(id)s AND lease_token = %(token)s)
 RETURNING 1;
+
+-- Partition upkeep and timeouts (issue 21, items 11 and 12) ---------------------------
+
+-- name: lock_timeout
+-- How long the statements after it in this transaction may wait for a lock (partition
+-- DDL takes ACCESS EXCLUSIVE on archive_events: it gives up rather than queue every
+-- job's commit behind a long reader, and is retried later).
+SELECT set_config('lock_timeout', %(timeout)s, true);
+
+-- name: session_timeouts
+-- Bounds for a direct connection of the supervisor (never sent through a pooler, where
+-- a session setting would stick to a server connection other clients share).
+SELECT set_config('statement_timeout', %(statement)s, false),
+       set_config('lock_timeout', %(lock)s, false);
+
+-- name: rehome_default_events
+-- Move the DEFAULT partition's rows to the partitions of their days, dropping those
+-- older than `days` days (every row moves when days is 0). Returns the day partitions
+-- that received rows (derivd_rehome_default_events, sql/functions.sql).
+SELECT derivd_rehome_default_events(
+           CASE WHEN %(days)s > 0 THEN now() - make_interval(days => %(days)s) END) AS part;
+
+-- name: default_events
+-- Whether the DEFAULT partition holds events (days no partition covered: the partition
+-- duty was away longer than it creates ahead): `derivd status` warns.
+SELECT EXISTS (SELECT 1 FROM archive_events_default) AS present;

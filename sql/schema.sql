@@ -168,10 +168,11 @@ CREATE TRIGGER archive_events_no_update BEFORE UPDATE OR DELETE ON archive_event
 CREATE TRIGGER archive_events_no_truncate BEFORE TRUNCATE ON archive_events
     FOR EACH STATEMENT EXECUTE FUNCTION archive_events_append_only();
 
--- Partition `archive_events_to_YYYYMMDD` holds the day before that date (UTC); the sweep
--- creates them a week ahead (derivd_event_partitions). The DEFAULT partition catches rows
--- no partition covers (only if sweeps stopped for longer than that): nothing is ever
--- refused, and it is dropped whole once its newest row is past retention.
+-- Partition `archive_events_to_YYYYMMDD` holds the day before that date (UTC); every
+-- supervisor creates them a week ahead (derivd_event_partitions, the EventPartitions duty).
+-- The DEFAULT partition catches rows no partition covers (only if no partition round ran
+-- for longer than that): nothing is ever refused, and the next round moves its rows into
+-- the partitions of their days (derivd_rehome_default_events).
 CREATE TABLE archive_events_default PARTITION OF archive_events DEFAULT;
 SELECT derivd_guard_partition('archive_events_default');
 SELECT derivd_event_partitions((now() AT TIME ZONE 'UTC')::date, 8);

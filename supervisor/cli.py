@@ -302,40 +302,47 @@ def _ids(values: list[int] | dict[int, str]) -> str:
 @pass_state
 @friendly_errors
 def sweep(state: State, orphan_guard: float | None, delete_guard: float | None) -> None:
-    """Run one cleanup pass now and print what it removed.
+    """Run one round of the fleet's cleanup duties now and print what they did.
 
     \b
-    A pass, in order:
+    In order:
       1. rejects files whose worker died on their last attempt (attempts_exhausted);
-      2. removes orphans: objects of attempts that never committed (a crash after
-         PUT, a lost lease), once older than [sweep] orphan_guard;
-      3. finishes `derivd delete`: after [sweep] delete_guard, removes every version
-         of the original and every derived object, then marks the file deleted.
+      2. event partitions: a week of days ahead, events of days no partition covered
+         moved out of the DEFAULT partition, days past [sweep] events_retention_days
+         dropped;
+      3. a sweep pass: removes orphans (objects of attempts that never committed: a
+         crash after PUT, a lost lease) once older than [sweep] orphan_guard, and
+         finishes `derivd delete` after [sweep] delete_guard (every version of the
+         original and every derived object, then the file is marked deleted).
 
-    The supervisor runs the same pass every [sweep] interval. Running it by hand is
-    safe at any time: one sweeper works at a time (any host), the others skip.
+    A running supervisor does each on its own timer. Running it by hand is safe at any
+    time: one sweeper works at a time (any host), the others skip.
     """
     from derivd.embedded.runtime import database
     from derivd.ops.sweep import open_sweeper
+    from derivd.processes.duties import EventPartitions, ExhaustedRejection
 
+    config = state.config
     with (
-        database(state.config) as dsn,
-        open_sweeper(
-            state.config, dsn, orphan_guard=orphan_guard, delete_guard=delete_guard
-        ) as sweeper,
+        database(config) as dsn,
+        open_sweeper(config, dsn, orphan_guard=orphan_guard, delete_guard=delete_guard) as sweeper,
     ):
+        exhausted = ExhaustedRejection(lambda: config).run_once(sweeper.queue)
+        partitions = EventPartitions(lambda: config).run_once(sweeper.queue)
         report = sweeper.run_once()
+    if exhausted:
+        click.echo(f"rejected (attempts exhausted): {_ids(exhausted)}")
+    if partitions.busy:
+        click.echo("event partitions: archive_events is locked by a long reader; try later")
     if report.skipped:
         click.echo("sweep: another sweep is running (this or another host); nothing done")
         return
-    if report.exhausted:
-        click.echo(f"rejected (attempts exhausted): {_ids(report.exhausted)}")
     for key in report.orphans_deleted:
         click.echo(f"orphan removed: {key}")
     if report.deletions_completed:
         click.echo(f"deleted: {_ids(report.deletions_completed)}")
     click.echo(
-        f"sweep: {len(report.exhausted)} exhausted, {len(report.orphans_deleted)} orphan(s), "
+        f"sweep: {len(exhausted)} exhausted, {len(report.orphans_deleted)} orphan(s), "
         f"{len(report.deletions_completed)} deletion(s), "
         f"{report.objects_deleted} object version(s) removed"
     )

@@ -135,6 +135,12 @@ class DatabaseSettings:
         check=check_dsn,
         secret=True,
     )
+    listen_retry: float = setting(
+        1.0,
+        "seconds between a supervisor's attempts to (re)open its LISTEN connection, each "
+        "checked for a pooler (workers poll meanwhile)",
+        check=positive,
+    )
 
 
 @dataclass(frozen=True)
@@ -214,6 +220,12 @@ class QueueSettings:
         1.0, "seconds between polls when idle (a fallback when listen = yes)", check=positive
     )
     listen: bool = setting(True, "wake idle workers with LISTEN/NOTIFY (yes/no)")
+    exhausted_interval: float = setting(
+        5.0,
+        "seconds between a supervisor's rejections of rows whose worker died on their last "
+        "attempt (attempts_exhausted)",
+        check=positive,
+    )
     claim_batch: int = setting(
         1,
         "rows claimed per round trip; raise for very short jobs; each row keeps its own lease",
@@ -302,8 +314,15 @@ class SweepSettings:
     )
     events_retention_days: int = setting(
         90,
-        "days archive_events keeps (whole days are dropped by the sweep); 0: keep forever",
+        "days archive_events keeps (whole days are dropped); 0: keep forever",
         check=non_negative,
+    )
+    partitions_interval: float = setting(
+        3600.0,
+        "seconds between a supervisor's rounds of archive_events partitions (a week of days "
+        "ahead, days past retention dropped; also at start); a round that finds the table "
+        "locked retries within a minute",
+        check=positive,
     )
     purge_deleted_days: int = setting(
         0,

@@ -103,3 +103,10 @@ def _mask_shapes(text: str) -> str:
     text = _PASSWORD_QUERY.sub(r"\1" + MASK, text)
     text = _PASSWORD_URL.sub(r"\1" + MASK + r"\2", text)
     return _PASSWORD_KV.sub(r"\1" + MASK, text)
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of an error (a driver's, a library's), secrets masked: enough to
+    act on, no dumps."""
+    text = str(error).strip().splitlines()
+    return redact(text[0]) if text else type(error).__name__

@@ -33,6 +33,7 @@ from fixtures.s3 import (
 
 from derivd.embedded.pgcluster import EmbeddedCluster, discard
 from derivd.processes.procutil import pid_alive
+from derivd.queue.db import QueueDB
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -180,6 +181,13 @@ def dsn(
     if not pg_cluster.is_running():
         pg_cluster.start()
     pg_cluster.drop_database(name)
+
+
+@pytest.fixture
+def queue(dsn: str) -> Iterator[QueueDB]:
+    """derivd's side of the test database: a connection of its own, as a worker's."""
+    with QueueDB.open(dsn) as q:
+        yield q
 
 
 @pytest.fixture

@@ -24,13 +24,6 @@ def conn(dsn: str) -> Iterator[psycopg.Connection[Any]]:
         yield c
 
 
-@pytest.fixture
-def queue(dsn: str) -> Iterator[QueueDB]:
-    """derivd's side: a worker's own connection."""
-    with QueueDB.open(dsn) as q:
-        yield q
-
-
 def _variants(file_id: int) -> list[StoredVariant]:
     return [
         StoredVariant("large", f"derived/{file_id}/t/large.webp", "v-large", "cd" * 32, 800, 600),

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import http.client
 import re
+import threading
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from typing import Any
 
 import pytest
 from fixtures.metrics import seed_queue
+from fixtures.pgproxy import PgProxy
 from fixtures.work import claim_one, commit_one
 from helpers import sql
 
@@ -81,12 +83,6 @@ def defaults(**env: str) -> Config:
     return load_config(None, env=env)
 
 
-@pytest.fixture
-def queue(dsn: str) -> Iterator[QueueDB]:
-    with QueueDB.open(dsn, role="test") as q:
-        yield q
-
-
 def test_numbers_match_the_database_and_the_status_verdict(dsn: str, queue: QueueDB) -> None:
     seed_queue(queue, ready=4, rejected=2, queued=3, expired=2)
     cfg = defaults(DERIVD_STATUS_MIN_FINISHED="5")
@@ -153,6 +149,33 @@ def test_reads_are_cached_for_the_refresh_interval(dsn: str, queue: QueueDB) -> 
     later = board.snapshot()
     assert board.reads == 2
     assert later.report is not None and later.report.counts["queued"] == 2
+
+
+def test_a_frozen_database_gets_the_last_view_with_its_age_and_one_reader(
+    dsn: str, queue: QueueDB
+) -> None:
+    """Issue 21, item 11: requests never wait on a slow read, nor start reads of their
+    own: one reader at a time, the others get the last snapshot and how old it is."""
+    seed_queue(queue, ready=1, rejected=0, queued=1)
+    cfg = defaults(DERIVD_METRICS_INTERVAL="10")
+    now = [1000.0]
+    proxy = PgProxy(dsn).start()
+    try:
+        board = Dashboard(proxy.dsn(dsn), lambda: cfg, Metrics(), clock=lambda: now[0])
+        first = board.snapshot()
+        assert first.report is not None and first.stale_s is None
+        proxy.hang()
+        now[0] += 30.0
+        threads_before = threading.active_count()
+        # Within the read's own bound (10 s), each request waits READ_WAIT_S at most.
+        views = [board.snapshot() for _ in range(2)]
+        page = board.route({}).body.decode()
+        assert board.reads == 2  # one read in flight, not three
+        assert threading.active_count() <= threads_before + 2  # the reader and its bound
+        assert all(v.report is first.report and v.stale_s == 30.0 for v in views)
+        assert "this view is 30s old" in page
+    finally:
+        proxy.stop()
 
 
 def test_database_down_says_cannot_tell(tmp_path: Any) -> None:

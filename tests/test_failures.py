@@ -25,7 +25,7 @@ from botocore.config import Config as BotoConfig
 from configs import make_config
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY
-from fixtures.work import run_job, run_one
+from fixtures.work import make_worker, run_job, run_one
 from helpers import sql, wait_for
 from PIL import Image
 
@@ -33,14 +33,15 @@ from derivd.config import Config
 from derivd.errors import CorruptContent
 from derivd.handlers.base import DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
-from derivd.jobs import IdleWait, Worker
 from derivd.ops.logs import JsonFormatter, TextFormatter
 from derivd.ops.sweep import Sweeper
+from derivd.processes.duties import ExhaustedRejection
 from derivd.queue.db import QueueDB
 from derivd.queue.retry import retry_delay
 from derivd.storage.base import ObjectMissing, Storage, StorageUnavailable, derived_prefix
 from derivd.storage.fs import FsStorage
 from derivd.storage.s3 import S3Storage
+from derivd.worker import IdleWait, Worker
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -142,23 +143,6 @@ def fs_config(dsn: str, root: Path, **sections: dict[str, Any]) -> Config:
 
 def pillow(config: Config) -> Handler:
     return create_handler("pillow", config.derive.spec())
-
-
-def make_worker(
-    config: Config,
-    dsn: str,
-    storage: Storage,
-    handler: Handler | None = None,
-    *,
-    rng: random.Random | None = None,
-) -> Worker:
-    return Worker(
-        config,
-        queue=QueueDB.open(dsn),
-        storage=storage,
-        handler=handler or pillow(config),
-        rng=rng,
-    )
 
 
 def enqueue_original(dsn: str, storage: Storage, data: bytes | None = None) -> tuple[int, str]:
@@ -302,7 +286,7 @@ def test_storage_outage_requeues_with_growing_jittered_delay_then_succeeds(
     )
     storage = s3_storage(url, s3_bucket)
     file_id, _ = enqueue_original(dsn, storage)
-    worker = make_worker(config, dsn, storage, rng=random.Random(42))
+    worker = make_worker(config, dsn, storage, pillow(config), rng=random.Random(42))
     worker_cleanup.append(worker)
     expected = random.Random(42)  # the same draws the worker will make
 
@@ -355,7 +339,7 @@ def test_fixed_retry_delay_without_jitter(
     )
     storage = s3_storage(url, s3_bucket)
     file_id, _ = enqueue_original(dsn, storage)
-    worker = make_worker(config, dsn, storage)
+    worker = make_worker(config, dsn, storage, pillow(config))
     worker_cleanup.append(worker)
     proxy.fail(p=1.0)
     for _ in range(2):
@@ -505,12 +489,15 @@ def test_worker_that_dies_every_time_is_rejected_after_exactly_max_attempts(
         worker.run(lambda: False, idle=IdleWait(), burst=True)
         worker.close()
 
-    exit_codes = []
+    exit_codes: list[int] = []
     for _ in range(10):  # bounded: a loop that never ends is the bug under test
-        if row(dsn, file_id)["status"] != "processing" and exit_codes:
+        if exit_codes[-1:] == [0]:  # drained: the row is claimable no more
             break
         wait_for(lambda: lease_expired_or_final(dsn, file_id), "the dead worker's lease")
         exit_codes.append(run_in_child(child))
+    # The supervisor's duty (here one round by hand) ends the row a claim never takes.
+    with QueueDB.open(dsn) as queue:
+        assert ExhaustedRejection(lambda: config).run_once(queue) == [file_id]
 
     assert exit_codes == [-signal.SIGKILL] * 3 + [0]
     assert len(runs.read_text().splitlines()) == 3
@@ -532,7 +519,7 @@ def test_crash_after_put_leaves_an_orphan_the_sweep_removes_after_the_guard(
 
     def child() -> None:
         storage = DiesAfterFirstPut(s3_storage(endpoint, s3_bucket))
-        run_one(make_worker(config, dsn, storage))
+        run_one(make_worker(config, dsn, storage, pillow(config)))
 
     assert run_in_child(child) == 70
     crashed = row(dsn, file_id)
@@ -551,16 +538,14 @@ def test_crash_after_put_leaves_an_orphan_the_sweep_removes_after_the_guard(
 
     # Another worker takes the expired lease over and commits its own objects.
     wait_for(lambda: lease_expired_or_final(dsn, file_id), "the crashed attempt's lease")
-    worker = make_worker(config, dsn, s3_storage(endpoint, s3_bucket))
+    worker = make_worker(config, dsn, s3_storage(endpoint, s3_bucket), pillow(config))
     worker_cleanup.append(worker)
     result = run_one(worker)
     assert result is not None and result.outcome == "ready" and result.job.attempt == 2
     committed = {v.key: v.version for v in worker.queue.file_variants(file_id)}
     assert not set(committed) & set(orphan_keys)
 
-    sweeper = Sweeper(
-        worker.queue, worker.storage, orphan_guard=30.0, delete_guard=300.0, max_attempts=2
-    )
+    sweeper = Sweeper(worker.queue, worker.storage, orphan_guard=30.0, delete_guard=300.0)
     before = sweeper.run_once()
     assert before.error is None and before.orphans_deleted == []
     assert written <= {k for k, _ in s3_versions(s3_client, s3_bucket, derived_prefix(file_id))}
@@ -611,7 +596,7 @@ def test_delete_while_processing_late_commit_changes_nothing_and_sweep_removes_a
     written = s3_versions(s3_client, s3_bucket, derived_prefix(file_id))
     assert len(written) == 2  # the losing attempt's PUTs happened
 
-    sweeper = Sweeper(worker.queue, storage, orphan_guard=3600.0, delete_guard=30.0, max_attempts=3)
+    sweeper = Sweeper(worker.queue, storage, orphan_guard=3600.0, delete_guard=30.0)
     before = sweeper.run_once()
     assert before.deletions_completed == [] and row(dsn, file_id)["status"] == "deleting"
     assert len(s3_versions(s3_client, s3_bucket, original_key)) == 2
@@ -675,7 +660,7 @@ def test_no_row_event_or_log_line_holds_exception_text_or_credentials(
     flaky = ScriptedGetFailures(
         real, [StorageUnavailable(secret_text), ConnectionError(secret_text), None]
     )
-    worker = make_worker(config, dsn, flaky)
+    worker = make_worker(config, dsn, flaky, pillow(config))
     worker_cleanup.append(worker)
     proxy.fail(p=1.0, code="ServiceUnavailable")
     for _ in range(3):

@@ -8,32 +8,24 @@ from __future__ import annotations
 import socket
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from configs import make_config, write_ini
-from fixtures.work import commit_one
+from fixtures.work import commit_one, make_worker
 from helpers import sql
 
 from derivd.config import Config, ConfigError, load_config
-from derivd.handlers.registry import create_handler
-from derivd.jobs import JobResult, Worker
-from derivd.processes.duties import heartbeat_task, held_jobs, lost_tokens, to_kill
+from derivd.ops.metrics import Metrics
+from derivd.processes.duties import Heartbeat, held_jobs, lost_tokens, to_kill
 from derivd.processes.pipe import WorkerProc
 from derivd.queue.db import HostInfo, Job, QueueDB
-from derivd.storage.fs import FsStorage
+from derivd.worker import JobResult
 
 LONG = 60.0
 HOST = HostInfo("host-a", 4242, "0.1.0", "vips", 2, 1, 10.0)
-
-
-@pytest.fixture
-def queue(dsn: str) -> Iterator[QueueDB]:
-    q = QueueDB.open(dsn)
-    yield q
-    q.close()
 
 
 def enqueue(queue: QueueDB, n: int) -> list[int]:
@@ -135,17 +127,23 @@ def test_a_job_its_own_attempt_just_ended_is_not_lost(
 class ReportsHeldBack:
     """Worker hooks that are the supervisor's side of the pipe (WorkerProc), with one
     fault injected: each time the worker reports outcomes (its commit is done), the
-    supervisor's heartbeat runs and decides whom to kill BEFORE the report arrives. That
-    is the race of issue 21 item 10, made to happen on every job."""
+    supervisor's heartbeat duty runs its round and decides whom to kill, as
+    Supervisor.on_lost does, BEFORE the report arrives. That is the race of issue 21
+    item 10, made to happen on every job."""
 
     def __init__(self, config: Config, supervisor_db: QueueDB) -> None:
-        self.config = config
         self.db = supervisor_db
         self.proc = WorkerProc(
             pid=1, slot=1, generation=1, status_r=-1, progress_r=-1, cmd_w=-1, spawned_at=0.0
         )
+        self.heartbeat = Heartbeat(
+            lambda: config, None, Metrics(), lambda: [self.proc], on_lost=self.on_lost
+        )
         self.raced: list[int] = []  # running job ids the heartbeat saw already final
         self.to_kill: list[WorkerProc] = []
+
+    def on_lost(self, lost: set[uuid.UUID]) -> None:
+        self.to_kill += to_kill([self.proc], lost)
 
     def jobs_claimed(self, jobs: Sequence[Job]) -> None:
         for job in jobs:
@@ -157,16 +155,9 @@ class ReportsHeldBack:
     def jobs_finished(self, results: Sequence[JobResult]) -> None:
         sent = held_jobs([self.proc])
         running = self.proc.running()
-        if running is not None:
-            [row] = sql(
-                self.config.database.dsn,
-                "SELECT status FROM archive_files WHERE id = %s",
-                (running[0].id,),
-            )
-            if row["status"] == "ready":
-                self.raced.append(running[0].id)
-        valid = heartbeat_task(self.config, sent, 1)(self.db)
-        self.to_kill += to_kill([self.proc], lost_tokens(sent, valid))
+        if running is not None and self.db.statuses([running[0].id]) == {running[0].id: "ready"}:
+            self.raced.append(running[0].id)
+        self.heartbeat.on_heartbeat(sent, self.heartbeat.run_once(self.db, sent, busy=1))
         for result in results:  # the report arrives
             self.proc.held.pop(result.job.id, None)
 
@@ -177,13 +168,8 @@ def test_a_heartbeat_never_kills_a_worker_whose_job_committed(
     config = make_config(dsn, fs_root=tmp_path / "store", derive={"backend": "noop"})
     ids = enqueue(queue, 3)
     hooks = ReportsHeldBack(config, queue)
-    worker = Worker(
-        config,
-        queue=QueueDB.open(dsn),
-        storage=FsStorage(tmp_path / "store"),
-        handler=create_handler("noop", config.derive_spec()),
-        hooks=hooks,
-    )
+    worker = make_worker(config, dsn)
+    worker.hooks = hooks
     try:
         assert worker.run(lambda: False, burst=True) == "drained"
     finally:

@@ -42,12 +42,6 @@ def cli(run_cli: RunCli, dsn: str, fs_root: Path, tmp_path: Path) -> Callable[..
     return call
 
 
-@pytest.fixture
-def queue(dsn: str) -> Any:
-    with QueueDB.open(dsn) as q:
-        yield q
-
-
 def expected_actor() -> str:
     return f"cli:{getpass.getuser()}@{socket.gethostname()}"
 

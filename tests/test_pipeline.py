@@ -8,30 +8,18 @@ from pathlib import Path
 
 import pytest
 from configs import make_config
-from fixtures.work import run_job, run_one
+from fixtures.work import make_worker, run_job, run_one
 from PIL import Image
 
-from derivd.config import Config
-from derivd.handlers.registry import create_handler
-from derivd.jobs import Worker
 from derivd.ops.enqueue import upload_and_queue
 from derivd.queue.db import QueueDB
-from derivd.storage.base import Storage, open_storage
+from derivd.storage.base import Storage
 
 
 def jpeg(width: int, height: int) -> bytes:
     buffer = io.BytesIO()
     Image.linear_gradient("L").resize((width, height)).convert("RGB").save(buffer, "JPEG")
     return buffer.getvalue()
-
-
-def make_worker(config: Config, dsn: str) -> Worker:
-    return Worker(
-        config,
-        queue=QueueDB.open(dsn),
-        storage=open_storage(config),
-        handler=create_handler(config.derive.backend, config.derive.spec()),
-    )
 
 
 def enqueue_bytes(tmp_path: Path, storage: Storage, dsn: str, blobs: dict[str, bytes]) -> list[int]:

@@ -38,13 +38,6 @@ def expire_lease(queue: QueueDB, file_id: int) -> None:
     )
 
 
-@pytest.fixture
-def queue(dsn: str) -> QueueDB:
-    q = QueueDB.open(dsn)
-    yield q
-    q.close()
-
-
 def test_migrate_is_idempotent(dsn: str) -> None:
     assert migrate(dsn) == []  # the template already has everything
 

@@ -1,5 +1,6 @@
-"""Tables that stay small: archive_events sheds whole days past retention, `deleted` rows
-are purged after their setting, and young events stay append-only."""
+"""Tables that stay small: archive_events sheds whole days past retention (the
+EventPartitions duty), `deleted` rows are purged after their setting (the sweep), and young
+events stay append-only."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 import psycopg
 import pytest
 
+from derivd.config import Config
 from derivd.ops.sweep import Sweeper, SweepReport
+from derivd.processes.duties import EventPartitions, PartitionRound
 from derivd.queue.db import QueueDB
 from derivd.storage.fs import FsStorage
 
@@ -35,12 +38,18 @@ def _events_size(conn: psycopg.Connection[Any]) -> int:
 
 
 def _sweep(queue: QueueDB, fs_root: Path, **settings: int) -> SweepReport:
-    """One sweep pass with the test guards and `settings` (retention, purge, batch)."""
-    guards = {"orphan_guard": 3600, "delete_guard": 300, "max_attempts": 3}
+    """One sweep pass with the test guards and `settings` (purge, batch)."""
+    guards = {"orphan_guard": 3600, "delete_guard": 300}
     return Sweeper(queue, FsStorage(fs_root), **guards, **settings).run_once()
 
 
-def test_one_sweep_drops_old_events_whole_and_keeps_young_ones_append_only(
+def _partitions(queue: QueueDB, retention_days: int) -> PartitionRound:
+    """One round of the event partition duty with `[sweep] events_retention_days`."""
+    config = Config().replace("sweep", events_retention_days=retention_days)
+    return EventPartitions(lambda: config).run_once(queue)
+
+
+def test_one_round_drops_old_events_whole_and_keeps_young_ones_append_only(
     dsn: str, fs_root: Path
 ) -> None:
     queue = QueueDB.open(dsn)
@@ -72,10 +81,11 @@ def test_one_sweep_drops_old_events_whole_and_keeps_young_ones_append_only(
     ).fetchone()
     big = _events_size(conn)
 
-    report = _sweep(queue, fs_root, events_retention_days=90)
+    done = _partitions(queue, 90)
 
-    assert report.error is None
-    assert len(report.partitions_dropped) == OLD_DAYS + 1  # the old days and DEFAULT
+    assert not done.busy
+    assert len(done.dropped) == OLD_DAYS  # the old days; DEFAULT's old rows went with it
+    assert _one(conn, "SELECT count(*) FROM archive_events_default") == 0
     assert (
         _one(conn, "SELECT count(*) FROM archive_events WHERE at < now() - interval '90 days'") == 0
     )
@@ -111,7 +121,7 @@ def test_one_sweep_drops_old_events_whole_and_keeps_young_ones_append_only(
     queue.close()
 
 
-def test_retention_zero_keeps_every_event(dsn: str, fs_root: Path) -> None:
+def test_retention_zero_keeps_every_event(dsn: str) -> None:
     with QueueDB.open(dsn) as queue:
         first = (dt.datetime.now(dt.UTC) - dt.timedelta(days=400)).date()
         queue.create_event_partitions(1, first=first)
@@ -119,8 +129,7 @@ def test_retention_zero_keeps_every_event(dsn: str, fs_root: Path) -> None:
             "INSERT INTO archive_events (file_id, kind, at) VALUES (1, 'ready', %s)",
             (dt.datetime.combine(first, dt.time(12), dt.UTC),),
         )
-        report = _sweep(queue, fs_root, events_retention_days=0)
-        assert report.partitions_dropped == []
+        assert _partitions(queue, 0).dropped == []
         assert _one(queue.conn, "SELECT count(*) FROM archive_events") == 1
 
 

@@ -229,7 +229,7 @@ def test_the_sql_scan_catches_string_building(snippet: str) -> None:
     (call,) = list(_execute_calls(tree))
     node, own = _resolve(tree, call)
     assert node is not None
-    for name in ("queue/db.py", "embedded/pgcluster.py", "jobs.py"):
+    for name in ("queue/db.py", "embedded/pgcluster.py", "worker.py"):
         assert not _allowed(Path(name), node, own), (name, snippet)
 
 

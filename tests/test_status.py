@@ -231,3 +231,25 @@ def test_each_host_shows_its_connection_budget() -> None:
     table = "\n".join(_host_lines([row]))
     assert "conns" in table
     assert table.splitlines()[2].split()[-1] == "11"
+
+
+@pytest.mark.pooler
+def test_a_pooled_listen_path_and_default_events_are_warned_of(
+    run_cli: RunCli, dsn: str, direct_dsn: str
+) -> None:
+    """Issue 21, items 12 and 14: what degrades the fleet without making it unhealthy is
+    shown, and the exit status stays 0."""
+    with QueueDB.open(dsn) as queue:
+        queue.conn.execute(
+            "INSERT INTO archive_events (file_id, kind, at)"
+            " VALUES (1, 'ready', now() + interval '20 days')"
+        )
+    result = status(run_cli, dsn)
+    assert result.returncode == 0, result.stderr
+    assert "WARNING archive_events_default holds events" in result.stdout
+    pooled = (
+        "WARNING wake-ups fall back to polling: [database] dsn goes through a connection pooler"
+    )
+    assert (pooled in result.stdout) == (dsn != direct_dsn)
+    direct = status(run_cli, dsn, "--json", DERIVD_DATABASE_LISTEN_DSN=direct_dsn)
+    assert not any("polling" in w for w in json.loads(direct.stdout)["warnings"])

@@ -246,7 +246,7 @@ def test_hanging_job_times_out_then_rejected(supervisor: Callable[..., Superviso
 
 def test_job_that_kills_its_worker_ends_exhausted(supervisor: Callable[..., Supervisor]) -> None:
     # Each attempt crashes the worker; the parent respawns (with slot backoff) and its
-    # maintenance rejects the row once the last attempt's lease has expired.
+    # ExhaustedRejection duty rejects the row once the last attempt's lease has expired.
     sup = supervisor(
         queue={"lease": "3", "max_attempts": "2"},
         supervisor={"job_timeout": "1.4", "kill_grace": "1"},

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,19 +46,12 @@ def age_deletions(dsn: str, seconds: int) -> None:
     )
 
 
-@pytest.fixture
-def queue(dsn: str) -> Iterator[QueueDB]:
-    with QueueDB.open(dsn) as q:
-        yield q
-
-
 def sweeper(queue: QueueDB, storage: Storage, **guards: float) -> Sweeper:
     return Sweeper(
         queue,
         storage,
         orphan_guard=guards.get("orphan_guard", 30.0),
         delete_guard=guards.get("delete_guard", 30.0),
-        max_attempts=3,
     )
 
 
@@ -191,26 +184,6 @@ def test_deletion_removes_every_version_and_every_derived_object_once(
     assert sweeper(queue, storage, delete_guard=0.0).run_once() == SweepReport()
 
 
-def test_expired_lease_on_the_last_attempt_is_rejected_by_the_sweep(
-    queue: QueueDB, fs_root: Path
-) -> None:
-    """A busy queue is never idle, so workers would not get round to it: the sweep does."""
-    storage = FsStorage(fs_root)
-    file_id, _ = stored_original(queue, storage)
-    for attempt in (1, 2, 3):
-        job = claim_one(queue, lease_s=LEASE, max_attempts=3)
-        assert job is not None and job.attempt == attempt
-        sql(queue.dsn or "", "UPDATE archive_files SET lease_until = now() - interval '1 s'")
-    assert claim_one(queue, lease_s=LEASE, max_attempts=3) is None  # not a fourth run
-    report = sweeper(queue, storage).run_once()
-    assert report.exhausted == [file_id]
-    row = queue.file_row(file_id)
-    assert row is not None and (row["status"], row["error_code"]) == (
-        "rejected",
-        "attempts_exhausted",
-    )
-
-
 def test_a_second_sweeper_skips_while_one_is_working(
     queue: QueueDB, dsn: str, fs_root: Path
 ) -> None:
@@ -244,6 +217,46 @@ def test_a_sweeper_whose_lease_was_taken_over_stops(
         assert other.take_lease("sweep", uuid.uuid4(), ttl_s=LEASE)
     with pytest.raises(SweepLeaseLost):
         first._renew()
+
+
+class SlowStore(FsStorage):
+    """A store whose every delete takes a minute (of the sweeper's clock): at the second
+    one another host's sweep takes the lease over, as it would once ours expired."""
+
+    def __init__(self, root: Path, clock: list[float], steal: Callable[[], None]) -> None:
+        super().__init__(root)
+        self.clock, self.steal, self.deletes = clock, steal, 0
+
+    def delete_all_versions(self, key: str) -> int:
+        self.deletes += 1
+        self.clock[0] += 60.0
+        if self.deletes == 2:
+            self.steal()
+        return super().delete_all_versions(key)
+
+
+def test_the_lease_is_renewed_within_a_batch_and_the_pass_stops_when_it_cannot(
+    queue: QueueDB, dsn: str, fs_root: Path
+) -> None:
+    keys = [k for _ in range(3) for k in orphan(queue, FsStorage(fs_root))[1]]
+    age_orphans(dsn, 3600)
+    clock = [0.0]
+
+    def steal() -> None:
+        sql(dsn, "UPDATE derivd_leases SET holder = gen_random_uuid() WHERE name = 'sweep'")
+
+    store = SlowStore(fs_root, clock, steal)
+    pass_ = Sweeper(queue, store, orphan_guard=30.0, delete_guard=30.0, clock=lambda: clock[0])
+    report = pass_.run_once()
+    # Two deletes (two minutes of a 120 s lease) went through with renewals; the third
+    # found the lease gone and stopped the pass, though its batch was not finished.
+    assert report.error is not None and "lease" in report.error
+    assert store.deletes == 2 and len(report.orphans_deleted) == 2
+    assert sorted(storage_keys(fs_root)) == sorted(set(keys) - set(report.orphans_deleted))
+
+
+def storage_keys(fs_root: Path) -> list[str]:
+    return list(FsStorage(fs_root).list_keys("derived/"))
 
 
 def test_concurrent_sweepers_remove_each_thing_exactly_once(dsn: str, fs_root: Path) -> None:

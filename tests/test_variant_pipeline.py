@@ -9,14 +9,11 @@ from pathlib import Path
 
 import pytest
 from configs import make_config
-from fixtures.work import run_one
+from fixtures.work import make_worker, run_one
 from PIL import Image
 from test_pipeline import enqueue_bytes, jpeg
 
 from derivd.config import Config, VariantSettings
-from derivd.handlers.registry import create_handler
-from derivd.jobs import Worker
-from derivd.queue.db import QueueDB
 from derivd.storage.base import open_storage
 
 SECTIONS = {
@@ -36,11 +33,6 @@ PIL_FORMAT = {"avif": "AVIF", "webp": "WEBP", "jpeg": "JPEG", "png": "PNG"}
 def with_sections(config: Config) -> Config:
     config = config.replace("derive", variants="card, thumb:160, sq")
     return dataclasses.replace(config, variant_sections=SECTIONS)
-
-
-def make_worker(config: Config, dsn: str) -> Worker:
-    return Worker(config, queue=QueueDB.open(dsn), storage=open_storage(config),
-                  handler=create_handler(config.derive.backend, config.derive_spec()))  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["vips", "pillow"])

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ConnectionBudget:
     workers: int  # one `dsn` connection per worker, held for the worker's life
-    supervisor: int  # maintenance, shared stats, heartbeat: one `dsn` connection
+    supervisor: int  # its background duties (heartbeat, stats, ...): one `dsn` connection
     sweep: int  # one `dsn` connection while a sweep pass runs
     listen: int  # one session on `listen_dsn` (or `dsn`) while `[queue] listen = yes`
 
@@ -24,12 +24,6 @@ class ConnectionBudget:
     @property
     def total(self) -> int:
         return self.dsn + self.listen
-
-    def describe(self) -> str:
-        return (
-            f"{self.total} = {self.workers} workers + 1 supervisor + {self.sweep} sweep"
-            f" + {self.listen} listen"
-        )
 
 
 def connection_budget(

@@ -2,10 +2,13 @@
 signals, thresholds and verdict), plus hosts, jobs in flight and the last hour per minute.
 
 Read at most once per `[metrics] interval`, whatever the number of open tabs: requests
-within the interval share one snapshot, and concurrent requests wait for the one read in
-progress instead of starting their own. Each read opens a short-lived connection and
-closes it, so the supervisor holds no extra connection between views and none lingers
-across a fork. Every query is bounded: counts as `derivd status` reads them, jobs in
+within the interval share one snapshot, and one reader thread at most reads the next
+(requests never start their own). A request waits for that read at most READ_WAIT_S;
+past it, it gets the last snapshot with its age (or "cannot tell" before any), so a slow
+database never piles up request threads behind it. Each read opens a short-lived,
+bounded connection (derivd.queue.db.connect `bound_s`) and closes it, so the supervisor
+holds no extra connection between views and none lingers across a fork.
+Every query is bounded: counts as `derivd status` reads them, jobs in
 flight through the partial index on processing rows (LIMIT), the hour's events through
 the BRIN index on their time, capped at MAX_ROWS, each minute's median duration from at
 most MEDIAN_SAMPLE of its jobs, looked up by key.
@@ -26,8 +29,10 @@ from derivd.config import Config, StatusSettings
 from derivd.ops.metrics import Metrics
 from derivd.ops.status import Alarm, Report, StatusUnavailable, collect, evaluate
 from derivd.ops.web import Response
-from derivd.queue.db import DatabaseUnavailable, QueueDB, one_line
+from derivd.queue.db import PARENT_STATEMENT_TIMEOUT_S, DatabaseUnavailable, QueueDB
+from derivd.redact import one_line
 
+READ_WAIT_S = 2.0  # a request waits this long for a fresh read, then gets the last one
 MAX_ROWS = 1_000_000  # the most rows one dashboard query may read
 MEDIAN_SAMPLE = 200  # a minute's median duration: from at most this many of its latest jobs
 IN_FLIGHT_SHOWN = 100
@@ -78,6 +83,7 @@ class Snapshot:
     in_flight: tuple[InFlight, ...] = ()
     minutes: tuple[Minute, ...] = ()
     minutes_capped: bool = False
+    stale_s: float | None = None  # served while a newer read is slow: this view's age
 
     @classmethod
     def taken(cls, config: Config, report: Report | None) -> Snapshot:
@@ -180,23 +186,54 @@ class Dashboard:
         self.clock = clock
         self._lock = threading.Lock()
         self._cached: tuple[float, Snapshot] | None = None
+        self._reading: threading.Event | None = None  # set when the read in flight ends
         self.reads = 0  # database reads so far (the cache's test counts them)
 
     def snapshot(self) -> Snapshot:
+        """The current snapshot: cached within the interval, else a fresh read if it comes
+        within READ_WAIT_S, else the last one with its age."""
+        config = self.config()
         with self._lock:
-            config = self.config()
             now = self.clock()
             if self._cached is not None and now - self._cached[0] < config.metrics.interval:
                 return self._cached[1]
+            reading = self._reading
+            if reading is None:
+                reading = self._reading = threading.Event()
+                threading.Thread(
+                    target=self._refresh, args=(config, reading), name="derivd-dashboard",
+                    daemon=True,
+                ).start()  # fmt: skip
+        reading.wait(READ_WAIT_S)
+        with self._lock:
+            cached = self._cached
+        if cached is not None and reading.is_set():
+            return cached[1]
+        if cached is not None:
+            return replace(cached[1], stale_s=max(0.0, self.clock() - cached[0]))
+        error = "the database has not answered yet"
+        return replace(Snapshot.taken(config, None), error=error, hosts=self._local(config))
+
+    def _refresh(self, config: Config, done: threading.Event) -> None:
+        try:
             snapshot = self._read(config)
-            self._cached = (self.clock(), snapshot)
-            return snapshot
+            with self._lock:
+                self._cached = (self.clock(), snapshot)
+        finally:
+            with self._lock:
+                self._reading = None
+            done.set()
+
+    def _local(self, config: Config) -> tuple[HostView, ...]:
+        return (local_host(self.metrics, config.host_id),)
 
     def _read(self, config: Config) -> Snapshot:
-        hosts = (local_host(self.metrics, config.host_id),)
+        hosts = self._local(config)
         self.reads += 1
         try:
-            with QueueDB.open(self.dsn, role="derivd-dashboard") as queue:
+            with QueueDB.open(
+                self.dsn, role="derivd-dashboard", bound_s=PARENT_STATEMENT_TIMEOUT_S
+            ) as queue:
                 return read_snapshot(queue, config, hosts)
         except (StatusUnavailable, DatabaseUnavailable) as error:
             return replace(Snapshot.taken(config, None), error=str(error), hosts=hosts)

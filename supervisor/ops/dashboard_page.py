@@ -45,6 +45,12 @@ def render(snapshot: Snapshot) -> str:
         _head(snapshot),
         _header(snapshot),
         f'<p class="error" id="error">{esc(snapshot.error)}</p>' if snapshot.error else "",
+        (
+            f'<p class="muted" id="stale">The database is slow to answer: this view is '
+            f"{esc(duration(snapshot.stale_s))} old.</p>"
+        )
+        if snapshot.stale_s is not None
+        else "",
     ]
     if report is not None:
         parts += [

@@ -31,7 +31,6 @@ from derivd.states import STATUSES, EventKind
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 RESTART_REASONS = ("crash", "timeout", "recycle", "reload", "lease_lost")
-OUTCOMES = ("ready", "retry", "rejected", "lease_lost", "released", "unknown")
 # The event kinds whose recent-window gauge always exists (0 included).
 COUNTED_EVENTS: tuple[EventKind, ...] = (
     "ready",

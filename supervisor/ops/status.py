@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -34,8 +34,8 @@ from derivd.queue.db import (
     QueueDB,
     QueueStats,
     SchemaMismatch,
-    one_line,
 )
+from derivd.redact import one_line
 from derivd.states import EventKind, Status
 
 HEALTHY = 0
@@ -63,6 +63,13 @@ RECENT_EVENTS: tuple[tuple[str, EventKind], ...] = (
 )
 
 
+DEFAULT_EVENTS = (
+    "archive_events_default holds events: days no partition covered (the partition duty "
+    "was away longer than the week it creates ahead); a supervisor moves them out within "
+    "[sweep] partitions_interval, or run `derivd sweep`"
+)
+
+
 class StatusUnavailable(Exception):
     """The queue's health cannot be read (one line for the operator)."""
 
@@ -77,6 +84,7 @@ class Report:
     window_s: float
     checked_at: float = field(default_factory=time.time)
     hosts: list[dict[str, Any]] = field(default_factory=list)  # the host registry
+    warnings: list[str] = field(default_factory=list)  # degraded, not unhealthy
 
     @property
     def counts(self) -> dict[str, int]:
@@ -128,6 +136,7 @@ def collect(queue: QueueDB, limits: StatusSettings) -> Report:
             rejected_by_code=recent.rejected_by_code,
             window_s=window_s,
             hosts=queue.hosts(),
+            warnings=[DEFAULT_EVENTS] if queue.default_events() else [],
         )
     except DatabaseUnavailable as error:
         raise StatusUnavailable(str(error)) from None
@@ -220,6 +229,7 @@ def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict
         "live_hosts": report.live_hosts,
         "problems": [a.__dict__ for a in alarms],
         "hosts": [host_json(h) for h in report.hosts],
+        "warnings": report.warnings,
     }
 
 
@@ -336,6 +346,7 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
         )
     lines += _host_lines(report.hosts)
     lines.append("")
+    lines += [f"WARNING {warning}" for warning in report.warnings]
     if not alarms:
         lines.append("health: ok")
     for alarm in alarms:
@@ -354,9 +365,12 @@ def _show(alarm: Alarm) -> str:
     return f"{alarm.value:g} > {alarm.limit:g}"
 
 
-def check_once(queue: QueueDB, limits: StatusSettings, *, as_json_out: bool) -> tuple[int, str]:
-    """(exit status, text) of one look at the queue."""
+def check_once(
+    queue: QueueDB, limits: StatusSettings, *, as_json_out: bool, warnings: Sequence[str] = ()
+) -> tuple[int, str]:
+    """(exit status, text) of one look at the queue; `warnings` are added to its own."""
     report = collect(queue, limits)
+    report.warnings[:0] = warnings
     alarms = evaluate(report, limits)
     if as_json_out:
         text = json.dumps(as_json(report, alarms, limits), sort_keys=False)
@@ -381,8 +395,11 @@ def run_status(
         # One connection: the schema is checked on the one that reads the status.
         with database(config, check=False) as dsn, QueueDB.open(dsn, role="derivd-status") as queue:
             queue.check_schema()
+            warnings = _listen_warnings(config, dsn, queue)
             if not watch:
-                code, text = check_once(queue, config.status, as_json_out=as_json_out)
+                code, text = check_once(
+                    queue, config.status, as_json_out=as_json_out, warnings=warnings
+                )
                 click.echo(text)
                 return code
             return _watch(queue, config.status, as_json_out, interval, count)
@@ -394,6 +411,27 @@ def run_status(
     ) as e:
         click.echo(f"derivd: {e}", err=True)
         return UNAVAILABLE
+
+
+def _listen_warnings(config: Config, dsn: str, queue: QueueDB) -> list[str]:
+    """The supervisors' LISTEN path, checked as they check it on every (re)connect. With
+    no listen_dsn that path is `dsn`, whose pooler this command's own connection can
+    tell: no second connection, and the supervisor's modules (metrics and all) are
+    imported only when there is something to say. A health probe runs this every few
+    seconds."""
+    if not config.queue.listen:
+        return []
+    if config.database.listen_dsn:
+        from derivd.processes.duties import listen_problem
+
+        problem = listen_problem(config, dsn)
+    elif queue.pooled():
+        from derivd.processes.duties import pooled_listen
+
+        problem = pooled_listen(config)
+    else:
+        problem = None
+    return [f"wake-ups fall back to polling: {problem}"] if problem else []
 
 
 def _watch(

@@ -1,35 +1,37 @@
-"""The sweeper: the cleanup duties that keep storage and the queue honest.
+"""The sweep: the cleanup that keeps storage and the queue honest (`Sweeper`, its logic).
 
 One pass (`Sweeper.run_once`) does these things, each safe to repeat:
 
-1. Rejects rows whose lease expired on their last allowed attempt (`attempts_exhausted`).
-   A running supervisor does it on its maintenance timer (every poll_interval), and
-   `run --burst` workers before they call the queue drained; the pass does it too, so
-   that `derivd sweep` ends such rows where no supervisor runs.
-2. Deletes orphans: objects written by attempts that never committed (a crash after
+1. Deletes orphans: objects written by attempts that never committed (a crash after
    PUT, a lost lease), once their write-ahead entry is older than `orphan_guard` and
    their attempt's token can no longer commit. Objects go first, the entries after:
    a crash in between repeats the deletes instead of leaking the objects.
-3. Completes deletions older than `delete_guard`: every version of the original and
+2. Completes deletions older than `delete_guard`: every version of the original and
    everything under `derived/<id>/`, then the row becomes `deleted`.
-4. Keeps the event log bounded: creates the daily archive_events partitions a week
-   ahead, drops whole the days past `events_retention_days`, and removes `deleted` rows
-   older than `purge_deleted_days` (when set).
+3. Removes `deleted` rows older than `purge_deleted_days` (when set), and the rows of
+   client waiters that died.
+
+(Rows whose worker died on their last attempt, and the event partitions, are duties of
+their own: derivd.processes.duties. The supervisor runs a pass in a forked child every
+`[sweep] interval`: derivd.processes.sweep_child.)
 
 Every step is idempotent (deleting what is gone is a no-op; the final UPDATEs are fenced
 on the state they leave). On top of that one cluster-wide lease (a row in
 derivd_leases, not a session lock: it must hold through a transaction-mode pooler) lets
 only one sweeper work at a time, so two hosts never race on the same objects; the other
-one skips its pass. The sweeper renews the lease before each batch and stops if it lost
-it; one that dies frees it after LEASE_TTL_S.
+one skips its pass. The pass renews the lease as it goes, at least every third of
+LEASE_TTL_S (within a batch too: a slow store must not outlast it), and stops the moment
+it cannot renew; a sweeper that dies frees it after LEASE_TTL_S.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -41,14 +43,15 @@ from derivd.storage.base import Storage, StorageUnavailable, derived_prefix, ope
 log = logging.getLogger("derivd.sweep")
 
 LEASE_NAME = "sweep"
-# Long enough for one batch of storage deletes; the lease is renewed before each batch.
-# (A pass the supervisor kills has its lease given back at once: see processes.sweeper.)
+# The pass renews it every third of this, item by item; a pass that dies frees it after
+# this long. (A pass the supervisor kills has its lease given back at once: see
+# processes.sweep_child.)
 LEASE_TTL_S = 120.0
-PARTITIONS_AHEAD_DAYS = 8
 
 
-class SweepLeaseLost(DatabaseUnavailable):
-    """Another sweeper took the lease over (ours expired mid-pass): stop this pass."""
+class SweepLeaseLost(Exception):
+    """The pass could not renew its lease (taken over, or the database is away): stop,
+    so at most one sweeper works on the same objects at a time."""
 
 
 @dataclass
@@ -57,11 +60,9 @@ class SweepReport:
     (what was done before it is still listed); `skipped` means another sweeper held the
     lock and this pass did nothing."""
 
-    exhausted: list[int] = field(default_factory=list)
     orphans_deleted: list[str] = field(default_factory=list)
     deletions_completed: list[int] = field(default_factory=list)
     objects_deleted: int = 0
-    partitions_dropped: list[str] = field(default_factory=list)
     purged: list[int] = field(default_factory=list)
     waiters_forgotten: int = 0  # rows of client waiters that died (derivd_waiters)
     skipped: bool = False
@@ -70,10 +71,8 @@ class SweepReport:
     @property
     def did_something(self) -> bool:
         return bool(
-            self.exhausted
-            or self.orphans_deleted
+            self.orphans_deleted
             or self.deletions_completed
-            or self.partitions_dropped
             or self.purged
             or self.waiters_forgotten
         )
@@ -87,21 +86,20 @@ class Sweeper:
         *,
         orphan_guard: float,
         delete_guard: float,
-        max_attempts: int,
-        events_retention_days: int = 0,
         purge_deleted_days: int = 0,
         batch: int = 500,
         holder: uuid.UUID | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.queue = queue
         self.storage = storage
         self.orphan_guard = orphan_guard
         self.delete_guard = delete_guard
-        self.max_attempts = max_attempts
-        self.events_retention_days = events_retention_days
         self.purge_deleted_days = purge_deleted_days
         self.batch = batch
         self.holder = holder or uuid.uuid4()  # this sweeper's fence on the shared lease
+        self.clock = clock
+        self.renewed_at = -math.inf  # clock time of the last renewal
 
     @classmethod
     def from_config(
@@ -119,8 +117,6 @@ class Sweeper:
             storage,
             orphan_guard=config.sweep.orphan_guard if orphan_guard is None else orphan_guard,
             delete_guard=config.sweep.delete_guard if delete_guard is None else delete_guard,
-            max_attempts=config.queue.max_attempts,
-            events_retention_days=config.sweep.events_retention_days,
             purge_deleted_days=config.sweep.purge_deleted_days,
             holder=holder,
         )
@@ -134,15 +130,15 @@ class Sweeper:
                 report.skipped = True
                 log.debug("another sweeper holds the lease; pass skipped")
                 return report
+            self.renewed_at = self.clock()
             try:
-                self._reject_exhausted(report)
                 self._delete_orphans(report)
                 self._complete_deletions(report)
                 self._bound_tables(report)
             finally:
                 with contextlib.suppress(DatabaseUnavailable):
                     self.queue.drop_lease(LEASE_NAME, self.holder)
-        except (StorageUnavailable, DatabaseUnavailable) as error:
+        except (StorageUnavailable, DatabaseUnavailable, SweepLeaseLost) as error:
             # Both messages are built by derivd from error codes: safe to show.
             report.error = str(error)
         except Exception as error:  # a bug or an fs error: keep the supervisor alive
@@ -154,28 +150,34 @@ class Sweeper:
     # -- the duties --------------------------------------------------------------------
 
     def _renew(self) -> None:
-        """Before each batch: still ours? A sweeper whose lease was taken over stops,
-        so at most one works on the same objects at a time."""
-        if not self.queue.take_lease(LEASE_NAME, self.holder, ttl_s=LEASE_TTL_S):
-            raise SweepLeaseLost("sweep lease lost to another sweeper")
-
-    def _reject_exhausted(self, report: SweepReport) -> None:
-        while True:
-            self._renew()
-            ids = self.queue.reject_exhausted(max_attempts=self.max_attempts, limit=self.batch)
-            report.exhausted += ids
-            if len(ids) < self.batch:
-                return
+        """Keep the lease: renewed once a third of its TTL has passed since the last
+        renewal (called before every batch and every item). A pass that cannot renew
+        stops, so at most one works on the same objects at a time."""
+        if self.clock() - self.renewed_at < LEASE_TTL_S / 3:
+            return
+        try:
+            renewed = self.queue.take_lease(LEASE_NAME, self.holder, ttl_s=LEASE_TTL_S)
+        except DatabaseUnavailable:
+            renewed = False
+        if not renewed:
+            raise SweepLeaseLost("sweep lease lost: could not renew it; pass stopped")
+        self.renewed_at = self.clock()
 
     def _delete_orphans(self, report: SweepReport) -> None:
         while True:
             self._renew()
             keys = self.queue.orphans_due(guard_s=self.orphan_guard, limit=self.batch)
-            for key in keys:
-                report.objects_deleted += self.storage.delete_all_versions(key)
-            # Only now: an entry forgotten before its object is gone would leak it.
-            self.queue.forget_orphans(keys)
-            report.orphans_deleted += keys
+            done: list[str] = []
+            try:
+                for key in keys:
+                    self._renew()
+                    report.objects_deleted += self.storage.delete_all_versions(key)
+                    done.append(key)
+            finally:
+                # Only now: an entry forgotten before its object is gone would leak it.
+                with contextlib.suppress(DatabaseUnavailable):
+                    self.queue.forget_orphans(done)
+                report.orphans_deleted += done
             if len(keys) < self.batch:
                 return
 
@@ -184,6 +186,7 @@ class Sweeper:
             self._renew()
             due = self.queue.deletions_due(guard_s=self.delete_guard, limit=self.batch)
             for file_id, original_key in due:
+                self._renew()
                 report.objects_deleted += self.storage.delete_all_versions(original_key)
                 report.objects_deleted += self.storage.delete_all_versions(derived_prefix(file_id))
                 # Fenced on `deleting`: False means another pass finished it first.
@@ -194,12 +197,7 @@ class Sweeper:
 
     def _bound_tables(self, report: SweepReport) -> None:
         self._renew()
-        self.queue.create_event_partitions(PARTITIONS_AHEAD_DAYS)
         report.waiters_forgotten = self.queue.forget_stale_waiters()
-        if self.events_retention_days:
-            report.partitions_dropped += self.queue.drop_event_partitions(
-                older_than_days=self.events_retention_days
-            )
         while self.purge_deleted_days:
             self._renew()
             ids = self.queue.purge_deleted(
@@ -211,11 +209,9 @@ class Sweeper:
 
     def _log(self, report: SweepReport) -> None:
         fields = {
-            "exhausted": len(report.exhausted),
             "orphans": len(report.orphans_deleted),
             "deletions": len(report.deletions_completed),
             "objects": report.objects_deleted,
-            "event_partitions_dropped": len(report.partitions_dropped),
             "purged": len(report.purged),
             "waiters_forgotten": report.waiters_forgotten,
         }

@@ -20,11 +20,11 @@ from types import FrameType
 from typing import NoReturn
 
 from derivd.config import Config
-from derivd.jobs import IdleWait, Worker
 from derivd.processes.lifecycle import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK
 from derivd.processes.pipe import Reporter
 from derivd.processes.procutil import set_pdeathsig, set_proctitle
-from derivd.queue.db import one_line
+from derivd.redact import one_line
+from derivd.worker import IdleWait, Worker
 
 log = logging.getLogger("derivd.worker")
 

@@ -3,7 +3,7 @@
 The embedded database (an empty `[database] dsn`) is started here, in the parent, before
 any fork; the children connect to it like to any other PostgreSQL. The pidfile and the
 metrics endpoint (with the dashboard) live as long as the supervisor. See
-`derivd.processes.arbiter` for the fleet and `derivd.processes.child` for one worker.
+`derivd.processes.supervisor` for the fleet and `derivd.processes.child` for one worker.
 """
 
 from __future__ import annotations
@@ -16,32 +16,19 @@ from derivd.config import Config, load_config
 from derivd.embedded.runtime import database
 from derivd.ops.dashboard import Dashboard
 from derivd.ops.metrics import Metrics
-from derivd.processes.arbiter import Arbiter, RunResult
+from derivd.processes.duties import listen_problem
 from derivd.processes.procutil import Pidfile, PidfileError
-from derivd.queue.db import DatabaseUnavailable, connect, is_pooled
+from derivd.processes.supervisor import RunResult, Supervisor
 from derivd.redact import redact
 
 
-def listen_problem(config: Config, dsn: str, *, burst: bool = False) -> str | None:
-    """Why LISTEN would silently hear nothing, or None. Through a transaction-mode
-    pooler a LISTEN lands on whichever server connection ran it and its notifications
-    reach nobody: wake-ups would be lost without a word, so refuse to start instead."""
+def startup_listen_problem(config: Config, dsn: str, *, burst: bool = False) -> str | None:
+    """Why LISTEN would silently hear nothing, checked before the first fork: through a
+    pooler wake-ups would be lost without a word, so refuse to start instead (a pooler
+    that appears later is the Listening duty's to report)."""
     if burst or not config.queue.listen:
         return None
-    target = config.database.listen_dsn or dsn
-    try:
-        with connect(target, application_name="derivd-check") as conn:
-            pooled = is_pooled(conn)
-    except DatabaseUnavailable:
-        return None  # the workers' boot reports an unreachable database
-    if not pooled:
-        return None
-    setting = "listen_dsn" if config.database.listen_dsn else "dsn"
-    return (
-        f"[database] {setting} goes through a connection pooler, where LISTEN hears "
-        "nothing: set [database] listen_dsn to a direct connection to PostgreSQL "
-        "(or [queue] listen = no to poll)"
-    )
+    return listen_problem(config, dsn)
 
 
 def run_daemon(config: Config, *, burst: bool = False, dsn: str | None = None) -> int:
@@ -61,7 +48,7 @@ def run_daemon(config: Config, *, burst: bool = False, dsn: str | None = None) -
 
 
 def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
-    problem = listen_problem(config, dsn, burst=burst)
+    problem = startup_listen_problem(config, dsn, burst=burst)
     if problem is not None:
         return RunResult(2, problem)
     path = config.supervisor.pidfile
@@ -73,13 +60,15 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
         return RunResult(1, str(error))
     try:
         metrics = Metrics()
-        arbiter = Arbiter(config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config))
+        supervisor = Supervisor(
+            config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config)
+        )
         if config.metrics.listen:
             # The dashboard follows the supervisor's current config (SIGHUP reloads it).
-            dashboard = Dashboard(dsn, lambda: arbiter.config, metrics)
+            dashboard = Dashboard(dsn, lambda: supervisor.config, metrics)
             metrics.serve(config.metrics.listen, dashboard=dashboard.route)
         try:
-            return arbiter.run()
+            return supervisor.run()
         finally:
             metrics.close()
     finally:

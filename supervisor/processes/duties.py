@@ -1,52 +1,121 @@
-"""What the supervisor asks of the database, and when: the heartbeat (lease check of every
-job held on this host, optional renewal, host registry), maintenance (reject exhausted
-rows), stats (queue gauges, host registry, pruning stale hosts), and the attempts it ends
-itself (timeouts, releases, lost leases).
+"""The supervisor's background duties, each with one contract (River's services).
 
-`Duties` hands each one to `derivd.processes.upkeep` (run on its thread) and reads the
-answers back in the loop; what to do about a lost lease is the arbiter's (`on_lost`).
+A duty is started and stopped with the supervisor, runs a round every `interval` seconds
+(its own setting), and `run_once(db)` is that round, here and now: what tests and
+`derivd sweep` call. `tick(now)` is the loop's side: when a round is due it launches one
+without waiting for it. The database duties run their rounds on the database thread
+(derivd.processes.dbthread); the sweep forks a child per round
+(derivd.processes.sweep_child), because only a child may hold a storage client.
+
+- `Heartbeat` ([queue] heartbeat): the leases of every job held on this host (renewed
+  with `renew`), and this host's registry row;
+- `ExhaustedRejection` ([queue] exhausted_interval): the one place that rejects rows whose
+  worker died on their last allowed attempt (`attempts_exhausted`);
+- `FleetStats` ([metrics] interval): the queue gauges, recent events, the registry;
+- `EventPartitions` ([sweep] partitions_interval, and at start: whichever process starts
+  first makes the days ahead): archive_events partitions ahead, the DEFAULT partition
+  emptied, days past retention dropped;
+- `Listening` ([database] listen_retry): the LISTEN connection (re)opened, and refused
+  (logged once) when it goes through a pooler.
+
+`Bookkeeping` holds the supervisor's one-off writes (attempts it ends itself, the host
+registry), through the same thread.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar
 
 from derivd import __version__
 from derivd.config import Config
 from derivd.ops.logs import event
 from derivd.ops.metrics import Metrics
+from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.pipe import WorkerProc
-from derivd.processes.upkeep import Upkeep
-from derivd.queue.db import HostInfo, Job, QueueDB, QueueStats
+from derivd.queue.db import (
+    PARENT_STATEMENT_TIMEOUT_S,
+    DatabaseUnavailable,
+    HostInfo,
+    Job,
+    LockBusy,
+    QueueDB,
+    QueueListener,
+    QueueStats,
+    open_connection,
+)
 from derivd.queue.retry import record_failure
 
 log = logging.getLogger("derivd.supervisor")
 
+T = TypeVar("T")
 
-@dataclass
-class Schedule:
-    """Monotonic due times of the periodic duties (0: at the first chance)."""
-
-    heartbeat: float = 0.0
-    maintenance: float = 0.0
-    stats: float = 0.0
-
-    def next(self) -> float:
-        return min(self.heartbeat, self.maintenance, self.stats)
+PARTITIONS_AHEAD_DAYS = 8
+# A partition round that found archive_events locked (a long reader) tries again this
+# soon instead of waiting for its interval.
+PARTITIONS_RETRY_S = 60.0
 
 
-@dataclass
-class HeartbeatState:
-    last_ok: float | None = None  # monotonic time of the last answered heartbeat
-    beats: int = 0
-    failures: int = 0
-    sent: list[Job] = field(default_factory=list)
+class Duty(ABC, Generic[T]):
+    """Started with the supervisor, stopped with it, a round every `interval` seconds."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: Callable[[], Config]) -> None:
+        self.config = config  # the supervisor's current configuration (SIGHUP changes it)
+        self.due_at = math.inf  # monotonic; inf: stopped
+
+    @property
+    @abstractmethod
+    def interval(self) -> float:
+        """Seconds between rounds, from the duty's own setting (0: off)."""
+
+    def start(self, now: float) -> None:
+        """The first round at the first chance."""
+        self.due_at = now if self.interval > 0 else math.inf
+
+    def stop(self) -> None:
+        self.due_at = math.inf
+
+    def tick(self, now: float) -> None:
+        """Launch a round when one is due. Never waits."""
+        if now < self.due_at:
+            return
+        self.due_at = now + self.interval if self.interval > 0 else math.inf
+        self.launch()
+
+    @abstractmethod
+    def launch(self) -> None:
+        """Start one round without waiting for it."""
+
+    @abstractmethod
+    def run_once(self, db: QueueDB) -> T:
+        """One round, here and now."""
+
+
+class DatabaseDuty(Duty[T]):
+    """A duty whose rounds run on the database thread, one at a time."""
+
+    def __init__(self, config: Callable[[], Config], thread: DatabaseThread | None = None) -> None:
+        super().__init__(config)
+        self.thread = thread  # None: run_once only (tests, `derivd sweep`)
+
+    def launch(self) -> None:
+        assert self.thread is not None
+        self.thread.submit(self.name, self.run_once, self.on_result, single=True)
+
+    def on_result(self, result: T | None) -> None:
+        """In the loop, after the round (None: the database failed)."""
+
+
+# -- the heartbeat -----------------------------------------------------------------------
 
 
 def host_info(config: Config, *, busy: int) -> HostInfo:
@@ -65,12 +134,6 @@ def held_jobs(workers: Iterable[WorkerProc]) -> list[Job]:
     """Every job held on this host: running, claimed and not started, derived and not
     yet committed. A worker being killed still holds its jobs until it is reaped."""
     return [job for w in workers for job in w.held.values()]
-
-
-def heartbeat_task(config: Config, jobs: list[Job], busy: int) -> Callable[[QueueDB], set[int]]:
-    info = host_info(config, busy=busy)
-    renew, lease = config.queue.renew, config.queue.lease
-    return lambda db: db.heartbeat(info, jobs, renew=renew, lease_s=lease)
 
 
 def lost_tokens(sent: Iterable[Job], valid: set[int]) -> set[uuid.UUID]:
@@ -92,8 +155,92 @@ def to_kill(workers: Iterable[WorkerProc], lost: set[uuid.UUID]) -> list[WorkerP
     return found
 
 
+class Heartbeat(DatabaseDuty[set[int]]):
+    name = "heartbeat"
+
+    def __init__(
+        self,
+        config: Callable[[], Config],
+        thread: DatabaseThread,
+        metrics: Metrics,
+        fleet: Callable[[], Iterable[WorkerProc]],
+        on_lost: Callable[[set[uuid.UUID]], None],
+    ) -> None:
+        super().__init__(config, thread)
+        self.metrics = metrics
+        self.fleet = fleet
+        self.on_lost = on_lost  # the supervisor kills the workers running these leases
+        self.last_ok: float | None = None  # monotonic time of the last answered heartbeat
+
+    @property
+    def interval(self) -> float:
+        return self.config().queue.heartbeat_s
+
+    def tick(self, now: float) -> None:
+        last = self.last_ok
+        self.metrics.set_heartbeat_age(None if last is None else now - last)
+        super().tick(now)
+
+    def launch(self) -> None:
+        workers = list(self.fleet())
+        jobs, busy = held_jobs(workers), sum(1 for w in workers if w.held)
+        assert self.thread is not None
+        self.thread.submit(
+            self.name,
+            lambda db: self.run_once(db, jobs, busy),
+            lambda valid: self.on_heartbeat(jobs, valid),
+            single=True,
+        )
+
+    def run_once(self, db: QueueDB, jobs: Sequence[Job] = (), busy: int = 0) -> set[int]:
+        """The ids of `jobs` whose lease still holds (renewed with [queue] renew)."""
+        config = self.config()
+        info = host_info(config, busy=busy)
+        return db.heartbeat(info, jobs, renew=config.queue.renew, lease_s=config.queue.lease)
+
+    def on_heartbeat(self, sent: list[Job], valid: set[int] | None) -> None:
+        self.metrics.heartbeat(ok=valid is not None)
+        if valid is None:
+            return
+        self.last_ok = time.monotonic()
+        lost = lost_tokens(sent, valid)
+        if lost:
+            self.on_lost(lost)
+
+
+# -- rows whose worker died on their last attempt -----------------------------------------
+
+
+class ExhaustedRejection(DatabaseDuty[list[int]]):
+    """Rows whose lease expired on their last allowed attempt are rejected
+    `attempts_exhausted`, never reclaimed: a file that kills its worker every time stops
+    after max_attempts runs. The claim never takes such a row, so this is the only way
+    out of `processing` for it."""
+
+    name = "reject_exhausted"
+    batch = 500
+
+    @property
+    def interval(self) -> float:
+        return self.config().queue.exhausted_interval
+
+    def run_once(self, db: QueueDB) -> list[int]:
+        max_attempts = self.config().queue.max_attempts
+        rejected: list[int] = []
+        while True:
+            ids = db.reject_exhausted(max_attempts=max_attempts, limit=self.batch)
+            for file_id in ids:
+                event(log, "attempts exhausted", logging.WARNING, file_id=file_id)
+            rejected += ids
+            if len(ids) < self.batch:
+                return rejected
+
+
+# -- the queue gauges ---------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
-class Snapshot:
+class FleetState:
     """One stats round: queue gauges, recent events, the host registry."""
 
     stats: QueueStats
@@ -102,75 +249,161 @@ class Snapshot:
     pruned: list[str]
 
 
-def stats_task(config: Config) -> Callable[[QueueDB], Snapshot]:
-    window, guard = config.status.window, config.sweep.orphan_guard
-    max_age = config.metrics.interval  # shared gauges: reuse another host's recent stats
-
-    def run(db: QueueDB) -> Snapshot:
-        pruned = db.prune_hosts(guard_s=guard)
-        stats = db.queue_stats(max_age_s=max_age)
-        recent = db.event_window(window_s=window, max_age_s=max_age)
-        return Snapshot(stats, recent.events, db.hosts(), pruned)
-
-    return run
-
-
-class Duties:
-    """The supervisor's database duties, on their timers, through `upkeep`'s thread."""
+class FleetStats(DatabaseDuty[FleetState]):
+    name = "stats"
 
     def __init__(
-        self, upkeep: Upkeep, metrics: Metrics, on_lost: Callable[[set[uuid.UUID]], None]
+        self, config: Callable[[], Config], thread: DatabaseThread, metrics: Metrics
     ) -> None:
-        self.upkeep = upkeep
+        super().__init__(config, thread)
         self.metrics = metrics
-        self.on_lost = on_lost  # the arbiter kills the workers running these leases
-        self.schedule = Schedule()
-        self.beat = HeartbeatState()
 
-    def tick(self, config: Config, now: float, workers: Iterable[WorkerProc], busy: int) -> None:
-        """Whatever is due: heartbeat, maintenance, stats. Never waits."""
-        last = self.beat.last_ok
-        self.metrics.set_heartbeat_age(None if last is None else now - last)
-        self.upkeep.check_stuck(now)
-        q, sched = config.queue, self.schedule
-        if now >= sched.heartbeat:
-            sched.heartbeat = now + q.heartbeat_s
-            self.send_heartbeat(config, held_jobs(workers), busy)
-        if now >= sched.maintenance:
-            sched.maintenance = now + q.poll_interval
-            self.upkeep.submit("reject_exhausted", _reject_exhausted(config), single=True)
-        if now >= sched.stats:
-            sched.stats = now + config.metrics.interval
-            self.upkeep.submit("stats", stats_task(config), self.on_stats, single=True)
+    @property
+    def interval(self) -> float:
+        return self.config().metrics.interval
 
-    def send_heartbeat(self, config: Config, jobs: list[Job], busy: int) -> None:
-        self.upkeep.submit(
-            "heartbeat",
-            heartbeat_task(config, jobs, busy),
-            lambda valid: self.on_heartbeat(jobs, valid),
-            single=True,
-        )
+    def run_once(self, db: QueueDB) -> FleetState:
+        config = self.config()
+        pruned = db.prune_hosts(guard_s=config.sweep.orphan_guard)
+        # Shared gauges: another host's readings younger than an interval are reused.
+        max_age = config.metrics.interval
+        stats = db.queue_stats(max_age_s=max_age)
+        recent = db.event_window(window_s=config.status.window, max_age_s=max_age)
+        return FleetState(stats, recent.events, db.hosts(), pruned)
 
-    def on_heartbeat(self, sent: list[Job], valid: set[int] | None) -> None:
-        self.metrics.heartbeat(ok=valid is not None)
-        if valid is None:
+    def on_result(self, result: FleetState | None) -> None:
+        if result is None:
             return
-        self.beat.last_ok = time.monotonic()
-        self.beat.beats += 1
-        lost = lost_tokens(sent, valid)
-        if lost:
-            self.on_lost(lost)
-
-    def on_stats(self, snapshot: Snapshot | None) -> None:
-        if snapshot is None:
-            return
-        self.metrics.set_queue(snapshot.stats)
-        self.metrics.set_event_counts(snapshot.events)
-        self.metrics.set_hosts(alive=sum(1 for h in snapshot.hosts if h["alive"]))
-        for host in snapshot.pruned:
+        self.metrics.set_queue(result.stats)
+        self.metrics.set_event_counts(result.events)
+        self.metrics.set_hosts(alive=sum(1 for h in result.hosts if h["alive"]))
+        for host in result.pruned:
             event(log, "stale host pruned", host=host)
 
-    # -- attempts the supervisor ends ----------------------------------------------------
+
+# -- event partitions ----------------------------------------------------------------------
+
+
+@dataclass
+class PartitionRound:
+    """What one partition round did; `busy`: it gave up waiting for its lock (a long
+    reader on archive_events) and is tried again soon."""
+
+    created: list[str] = field(default_factory=list)
+    rehomed: list[str] = field(default_factory=list)  # days that received DEFAULT's rows
+    dropped: list[str] = field(default_factory=list)
+    busy: bool = False
+
+
+class EventPartitions(DatabaseDuty[PartitionRound]):
+    name = "event_partitions"
+
+    @property
+    def interval(self) -> float:
+        return self.config().sweep.partitions_interval
+
+    def run_once(self, db: QueueDB) -> PartitionRound:
+        days = self.config().sweep.events_retention_days
+        done = PartitionRound()
+        try:
+            done.created = db.create_event_partitions(PARTITIONS_AHEAD_DAYS)
+            done.rehomed = db.rehome_default_events(older_than_days=days)
+            if days:
+                done.dropped = db.drop_event_partitions(older_than_days=days)
+        except LockBusy:
+            done.busy = True
+        if done.rehomed:
+            event(log, "events moved out of the DEFAULT partition", days=len(done.rehomed))
+        if done.dropped:
+            event(log, "event partitions dropped", partitions=len(done.dropped))
+        return done
+
+    def on_result(self, result: PartitionRound | None) -> None:
+        if result is None or result.busy:  # retried soon, not a whole interval later
+            self.due_at = min(self.due_at, time.monotonic() + PARTITIONS_RETRY_S)
+
+
+# -- LISTEN ---------------------------------------------------------------------------------
+
+
+def listen_problem(config: Config, dsn: str) -> str | None:
+    """Why LISTEN would silently hear nothing (the listen path goes through a pooler, where
+    a LISTEN lands on whichever server connection ran it), or None; None too when the
+    database cannot be asked (the workers' boot reports that)."""
+    target = config.database.listen_dsn or dsn
+    try:
+        conn, pooled = open_connection(
+            target, application_name="derivd-check", bound_s=PARENT_STATEMENT_TIMEOUT_S
+        )
+    except DatabaseUnavailable:
+        return None
+    conn.close()
+    return pooled_listen(config) if pooled else None
+
+
+def pooled_listen(config: Config) -> str:
+    setting = "listen_dsn" if config.database.listen_dsn else "dsn"
+    return (
+        f"[database] {setting} goes through a connection pooler, where LISTEN hears "
+        "nothing: set [database] listen_dsn to a direct connection to PostgreSQL "
+        "(or [queue] listen = no to poll)"
+    )
+
+
+class Listening(DatabaseDuty[str]):
+    """The one LISTEN connection of the fleet's wake-ups. Every (re)connect checks for a
+    pooler: through one, wake-ups would be lost without a word, so the connection is
+    dropped, the problem logged once (until LISTEN works again) and workers poll."""
+
+    name = "listen"
+
+    def __init__(
+        self,
+        config: Callable[[], Config],
+        thread: DatabaseThread,
+        listener: QueueListener,
+        on_listening: Callable[[], None],
+    ) -> None:
+        super().__init__(config, thread)
+        self.listener = listener
+        self.on_listening = on_listening  # notifications were lost meanwhile: wake all
+        self.problem: str | None = None
+        thread.watch(listener)
+
+    @property
+    def interval(self) -> float:
+        return self.config().database.listen_retry
+
+    def run_once(self, db: QueueDB) -> str:
+        """`listening` (a new connection), `connected`, `pooled`, `unavailable`, or `off`
+        while [queue] listen = no (a reload may turn it on or off)."""
+        if not self.config().queue.listen:
+            self.listener.close()
+            return "off"
+        return self.listener.connect()
+
+    def on_result(self, result: str | None) -> None:
+        if result == "listening":
+            if self.problem is not None:
+                event(log, "LISTEN works again: wake-ups resume")
+            self.problem = None
+            self.on_listening()
+        elif result == "pooled" and self.problem is None:
+            self.problem = pooled_listen(self.config())
+            log.warning("supervisor: %s; workers poll meanwhile", self.problem)
+
+
+# -- one-off writes -------------------------------------------------------------------------
+
+
+class Bookkeeping:
+    """The supervisor's one-off writes, through the database thread: the attempts it ends
+    itself (timed out, released, lease lost), leases of killed sweep passes, and its host
+    registry row."""
+
+    def __init__(self, thread: DatabaseThread, metrics: Metrics) -> None:
+        self.thread = thread
+        self.metrics = metrics
 
     def fail_timed_out(self, job: Job, config: Config, slot: int) -> None:
         """Record a timeout: resource_limit, retried while attempts remain."""
@@ -193,7 +426,7 @@ class Duties:
                 status=status or "lease_lost or database unavailable",
             )
 
-        self.upkeep.submit("fail", fail, logged)
+        self.thread.submit("fail", fail, logged)
 
     def release(self, job: Job) -> None:
         """Fenced: a row that moved on since (committed, reclaimed) just gets `lease_lost`."""
@@ -201,7 +434,7 @@ class Duties:
         def logged(released: bool | None) -> None:
             event(log, "job released", file_id=job.id, attempt=job.attempt, released=bool(released))
 
-        self.upkeep.submit("release", lambda db: db.release(job), logged)
+        self.thread.submit("release", lambda db: db.release(job), logged)
 
     def lease_lost(self, job: Job, slot: int) -> None:
         self.metrics.job_killed_lease_lost()
@@ -213,7 +446,7 @@ class Duties:
             attempt=job.attempt,
             slot=slot,
         )
-        self.upkeep.submit("lease_lost", lambda db: db.record_lease_lost(job))
+        self.thread.submit("lease_lost", lambda db: db.record_lease_lost(job))
 
     def give_back_leases(self, abandoned: list[uuid.UUID], name: str) -> None:
         """Drop leases their holders could not (a sweep pass killed mid-way), fenced on
@@ -227,27 +460,12 @@ class Duties:
             if dropped is None:
                 abandoned.append(holder)
 
-        self.upkeep.submit(f"drop_lease:{holder}", lambda db: db.drop_lease(name, holder), retry)
-
-    # -- the host registry -------------------------------------------------------------
+        self.thread.submit(f"drop_lease:{holder}", lambda db: db.drop_lease(name, holder), retry)
 
     def register(self, config: Config) -> HostInfo:
         host = host_info(config, busy=0)
-        self.upkeep.submit("register", lambda db: db.register_host(host))
+        self.thread.submit("register", lambda db: db.register_host(host))
         return host
 
     def deregister(self, host: HostInfo) -> None:
-        self.upkeep.submit("deregister", lambda db: db.deregister_host(host.host, host.pid))
-
-
-def _reject_exhausted(config: Config) -> Callable[[QueueDB], list[int]]:
-    """Rows whose worker died on their last attempt are rejected, not reclaimed."""
-    max_attempts = config.queue.max_attempts
-
-    def run(db: QueueDB) -> list[int]:
-        ids = db.reject_exhausted(max_attempts=max_attempts)
-        for file_id in ids:
-            event(log, "attempts exhausted", logging.WARNING, file_id=file_id)
-        return ids
-
-    return run
+        self.thread.submit("deregister", lambda db: db.deregister_host(host.host, host.pid))

@@ -1,8 +1,8 @@
 """A worker's life as pure decisions: when to kill it, what its exit means, when its
 slot may fork again.
 
-The arbiter gathers the facts (the exit status from waitpid, what the child said on its
-pipe, why the arbiter itself signalled it) and acts on the answer; nothing here forks,
+The supervisor gathers the facts (the exit status from waitpid, what the child said on its
+pipe, why the supervisor itself signalled it) and acts on the answer; nothing here forks,
 signals or touches the database, so tests call these functions directly (as gunicorn's
 own tests drive its arbiter).
 """
@@ -39,7 +39,7 @@ def deadline_action(worker: WorkerProc, now: float, *, job_timeout: float) -> st
 
 
 def next_deadline(worker: WorkerProc, now: float, *, job_timeout: float, poll: float) -> float:
-    """When the arbiter must look at `worker` again: its KILL escalation, its running
+    """When the supervisor must look at `worker` again: its KILL escalation, its running
     job's deadline, and (while it holds jobs) `poll` from now, to read a job start it
     was not woken for."""
     times = [math.inf]
@@ -66,7 +66,7 @@ class Exit(StrEnum):
 
 @dataclass
 class Slot:
-    """One of the `[supervisor] workers` places the arbiter keeps filled."""
+    """One of the `[supervisor] workers` places the supervisor keeps filled."""
 
     failures: int = 0  # crashes in a row
     not_before: float = 0.0  # backoff: no respawn before this (monotonic)
@@ -74,7 +74,7 @@ class Slot:
 
 
 def classify_exit(worker: WorkerProc, status: int, *, burst: bool) -> Exit:
-    """Why `worker` ended, from its wait status and what the arbiter knows of it."""
+    """Why `worker` ended, from its wait status and what the supervisor knows of it."""
     code = os.waitstatus_to_exitcode(status)
     if worker.boot_error is not None or (code == EXIT_BOOT_ERROR and not worker.ready):
         return Exit.BOOT_ERROR

@@ -18,7 +18,7 @@ write and no wake-up of the parent), the child writes a fixed-size record per jo
 the lease token and the CLOCK_MONOTONIC start time (the parent's deadline for that job).
 
 The parent writes WAKE to the child's command pipe to end an idle wait; stopping is
-SIGTERM, killing is SIGKILL to the child's process group (the arbiter's business).
+SIGTERM, killing is SIGKILL to the child's process group (the supervisor's business).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from derivd.processes.procutil import rss_mb, set_proctitle
 from derivd.queue.db import Job
 
 if TYPE_CHECKING:
-    from derivd.jobs import JobResult
+    from derivd.worker import JobResult
 
 log = logging.getLogger("derivd.supervisor")
 
@@ -74,7 +74,7 @@ def encode_lines(kind: str, key: str, items: Sequence[Any], **extra: Any) -> lis
 
 
 class Reporter:
-    """The worker's hooks (derivd.jobs.WorkerHooks) over the status and progress pipes;
+    """The worker's hooks (derivd.worker.WorkerHooks) over the status and progress pipes;
     also decides an RSS recycle after each reported batch of outcomes."""
 
     def __init__(self, status_w: int, progress_w: int, *, slot: int, max_rss_mb: int) -> None:

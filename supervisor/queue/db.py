@@ -2,15 +2,19 @@
 
 Claim, fenced commit, fenced failure and fenced release (server-side functions in
 sql/functions.sql: one small statement each, whose inner plans the server keeps per
-connection, prepared or pooled), plus the maintenance and operator queries. Each method
+connection, prepared or pooled), plus the queries of the supervisor's background duties,
+the sweep and operators. Each method
 is one statement in autocommit mode, so a claim is committed before any work starts and
 no transaction is ever held across work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -25,7 +29,7 @@ from psycopg.rows import dict_row
 from derivd import __version__
 from derivd.errors import ErrorCode, Transient
 from derivd.queue.sqlfiles import function_names, functions, migrations, queries
-from derivd.redact import redact
+from derivd.redact import one_line
 from derivd.storage.base import validate_key
 
 # The notification channels, as the triggers in sql/functions.sql spell them
@@ -37,6 +41,10 @@ FINISHED_CHANNEL: Final = "derivd_finished"
 
 class DatabaseUnavailable(Transient):
     """The database could not be reached or dropped the connection: retry later."""
+
+
+class LockBusy(Exception):
+    """A DDL statement gave up waiting for its lock (DDL_LOCK_TIMEOUT_S): retry later."""
 
 
 @dataclass(frozen=True)
@@ -126,32 +134,91 @@ class EventWindow:
     rejected_by_code: dict[str, int]
 
 
-def one_line(error: BaseException) -> str:
-    """The first line of a driver error, secrets masked: enough to act on, no dumps."""
-    text = str(error).strip().splitlines()
-    return redact(text[0]) if text else type(error).__name__
+# Every connection: TCP keepalives, so a server host that vanished (power, network) is
+# noticed within about a minute instead of a read that waits forever.
+KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 30,
+                              "keepalives_interval": 10, "keepalives_count": 3}  # fmt: skip
+# The supervisor's own statements (its database thread, LISTEN, the start-up check, the
+# dashboard) wait at most this long: server-side on a direct connection
+# (statement_timeout, lock_timeout), client-side everywhere (`bounded`: the socket is shut
+# down), which is what holds through a pooler whose server froze.
+PARENT_STATEMENT_TIMEOUT_S = 10.0
+PARENT_LOCK_TIMEOUT_S = 5.0
+# Partition DDL takes ACCESS EXCLUSIVE on archive_events: it waits at most this long for
+# its lock (every job's commit would queue behind it), then gives up and is retried.
+DDL_LOCK_TIMEOUT_S = 2.0
 
 
-def connect(dsn: str, *, application_name: str = "derivd") -> psycopg.Connection[Any]:
+def connect(
+    dsn: str, *, application_name: str = "derivd", bound_s: float | None = None
+) -> psycopg.Connection[Any]:
     """Open an autocommit connection, or raise DatabaseUnavailable with one line.
 
     Through a transaction-mode pooler the next statement may run on another server
     connection, where a statement prepared on this one does not exist: there psycopg
     prepares nothing (`prepare_threshold = None`). A direct connection keeps psycopg's
     prepared statements, which spare the server a parse and plan per call.
+
+    `bound_s` (the supervisor's connections): the pooler probe waits at most that long,
+    and a direct connection gets it as its statement_timeout (PARENT_LOCK_TIMEOUT_S as
+    its lock_timeout).
     """
+    return open_connection(dsn, application_name=application_name, bound_s=bound_s)[0]
+
+
+def open_connection(
+    dsn: str, *, application_name: str, bound_s: float | None
+) -> tuple[psycopg.Connection[Any], bool]:
+    """`connect`, and whether the connection goes through a pooler."""
     try:
         conn = psycopg.connect(
             dsn,
             autocommit=True,
             application_name=application_name,
             connect_timeout=10,
+            **KEEPALIVES,
         )
-        if is_pooled(conn):
-            conn.prepare_threshold = None
-        return conn
     except psycopg.OperationalError as error:
         raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
+    try:
+        with bounded(conn, bound_s):
+            pooled = is_pooled(conn)
+            if pooled:
+                conn.prepare_threshold = None
+            elif bound_s is not None:
+                conn.execute(_q("session_timeouts"), _session_timeouts(bound_s), prepare=False)
+    except psycopg.Error as error:
+        conn.close()
+        raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
+    return conn, pooled
+
+
+def _session_timeouts(bound_s: float) -> dict[str, str]:
+    lock_s = min(bound_s, PARENT_LOCK_TIMEOUT_S)
+    return {"statement": f"{int(bound_s * 1000)}ms", "lock": f"{int(lock_s * 1000)}ms"}
+
+
+@contextmanager
+def bounded(conn: psycopg.Connection[Any], seconds: float | None) -> Iterator[None]:
+    """Run the block's statements on `conn` for at most `seconds` (None: no bound): past
+    it the connection's socket is shut down, which fails the waiting read (psycopg raises
+    OperationalError, the connection is broken). A client-side bound holds whatever sits
+    between us and the server (a pooler waiting for a frozen server, a hung network)."""
+    if seconds is None:
+        yield
+        return
+    timer = threading.Timer(seconds, _shut_down, args=(conn,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _shut_down(conn: psycopg.Connection[Any]) -> None:
+    with contextlib.suppress(Exception), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def is_pooled(conn: psycopg.Connection[Any]) -> bool:
@@ -282,36 +349,46 @@ def newer_schema(applied: set[str], packaged: set[str]) -> str | None:
 class QueueListener:
     """One LISTEN connection on QUEUED_CHANNEL (held by the supervisor).
 
-    `connect` (re)opens it and reports whether it did; `drain` reads whatever has arrived
+    `connect` (re)opens it and says how that went; `drain` reads whatever has arrived
     without blocking. Any database error closes the connection: the caller polls until a
     later `connect` succeeds, and notifications sent meanwhile are lost (hence the
     caller's wake-everyone after a reconnect, and the workers' poll_interval fallback).
+    Every (re)connect checks for a pooler, where LISTEN would hear nothing: such a
+    connection is closed again and reported `pooled`.
     """
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, *, bound_s: float | None = PARENT_STATEMENT_TIMEOUT_S) -> None:
         self.dsn = dsn
+        self.bound_s = bound_s
         self.conn: psycopg.Connection[Any] | None = None
 
     @property
     def connected(self) -> bool:
         return self.conn is not None and not (self.conn.closed or self.conn.broken)
 
-    def connect(self) -> bool:
-        """Open and LISTEN if not connected. True when a new connection was made."""
+    def connect(self) -> str:
+        """Open and LISTEN if not connected: `listening` (a new connection), `connected`
+        (it was), `pooled` (through a pooler: closed again) or `unavailable`."""
         if self.connected:
-            return False
+            return "connected"
         self.close()
         try:
-            conn = connect(self.dsn, application_name="derivd-listen")
+            conn, pooled = open_connection(
+                self.dsn, application_name="derivd-listen", bound_s=self.bound_s
+            )
         except DatabaseUnavailable:
-            return False
+            return "unavailable"
+        if pooled:
+            conn.close()
+            return "pooled"
         try:
-            conn.execute(_on_channel("listen", QUEUED_CHANNEL))
+            with bounded(conn, self.bound_s):
+                conn.execute(_on_channel("listen", QUEUED_CHANNEL))
         except psycopg.Error:
             conn.close()
-            return False
+            return "unavailable"
         self.conn = conn
-        return True
+        return "listening"
 
     def fileno(self) -> int | None:
         return self.conn.fileno() if self.connected and self.conn is not None else None
@@ -341,22 +418,36 @@ class QueueDB:
         self.conn = conn
         self.dsn = dsn
         self.application_name = "derivd"
+        self.bound_s: float | None = None  # the supervisor's connections: see `connect`
 
     @classmethod
-    def open(cls, dsn: str, *, role: str = "derivd") -> QueueDB:
+    def open(cls, dsn: str, *, role: str = "derivd", bound_s: float | None = None) -> QueueDB:
+        """`bound_s`: every statement waits at most that long (the supervisor's own
+        connections; a worker's statements are bounded by its job's deadline)."""
         name = f"{role}@{socket.gethostname()}"
-        queue = cls(connect(dsn, application_name=name), dsn)
+        queue = cls(connect(dsn, application_name=name, bound_s=bound_s), dsn)
         queue.application_name = name
+        queue.bound_s = bound_s
         return queue
 
     def _reconnect_if_broken(self) -> None:
         # After a database restart the old connection is dead; the next call gets a new
         # one (or DatabaseUnavailable, which the caller treats as transient).
         if (self.conn.closed or self.conn.broken) and self.dsn is not None:
-            self.conn = connect(self.dsn, application_name=self.application_name)
+            self.conn = connect(
+                self.dsn, application_name=self.application_name, bound_s=self.bound_s
+            )
 
     def close(self) -> None:
         self.conn.close()
+
+    def pooled(self) -> bool:
+        """Whether this connection goes through a connection pooler (`is_pooled`)."""
+        self._reconnect_if_broken()
+        try:
+            return is_pooled(self.conn)
+        except psycopg.OperationalError as error:
+            raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
 
     def check_schema(self) -> None:
         """SchemaMismatch unless the schema is this version's (module check_schema)."""
@@ -373,8 +464,10 @@ class QueueDB:
     def _cursor(self) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
         self._reconnect_if_broken()
         try:
-            with self.conn.cursor(row_factory=dict_row) as cur:
+            with bounded(self.conn, self.bound_s), self.conn.cursor(row_factory=dict_row) as cur:
                 yield cur
+        except psycopg.errors.LockNotAvailable:
+            raise LockBusy("gave up waiting for a lock; retried later") from None
         except psycopg.OperationalError as error:
             raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
 
@@ -386,6 +479,14 @@ class QueueDB:
     def _one(self, name: str, params: dict[str, Any] | None = None) -> dict[str, Any] | None:
         rows = self._all(name, params)
         return rows[0] if rows else None
+
+    def _ddl(self, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        """`name` in a transaction of its own whose lock waits last at most
+        DDL_LOCK_TIMEOUT_S (LockBusy past it): partition DDL, never queued for long."""
+        with self._cursor() as cur, self.conn.transaction():
+            cur.execute(_q("lock_timeout"), {"timeout": f"{int(DDL_LOCK_TIMEOUT_S * 1000)}ms"})
+            cur.execute(_q(name), params)
+            return cur.fetchall() if cur.description else []
 
     # -- the lease protocol ------------------------------------------------------------
 
@@ -510,7 +611,7 @@ class QueueDB:
         params = {"id": job.id, "token": job.token, "attempt": job.attempt}
         return bool(self._all("record_lease_lost", params))
 
-    # -- maintenance -------------------------------------------------------------------
+    # -- the background duties and the sweep --------------------------------------------
 
     def reject_exhausted(self, *, max_attempts: int, limit: int = 100) -> list[int]:
         rows = self._all("reject_exhausted", {"max_attempts": max_attempts, "limit": limit})
@@ -541,12 +642,23 @@ class QueueDB:
         return bool(self._all("lease_drop", {"name": name, "holder": holder}))
 
     def create_event_partitions(self, days: int, *, first: date | None = None) -> list[str]:
-        rows = self._all("event_partitions", {"first": first, "days": days})
+        rows = self._ddl("event_partitions", {"first": first, "days": days})
         return [str(r["created"]) for r in rows]
 
+    def rehome_default_events(self, *, older_than_days: int) -> list[str]:
+        """Empty the DEFAULT partition into day partitions (rows older than
+        `older_than_days` are dropped; 0: none). The partitions that received rows."""
+        rows = self._ddl("rehome_default_events", {"days": older_than_days})
+        return [str(r["part"]) for r in rows]
+
     def drop_event_partitions(self, *, older_than_days: int) -> list[str]:
-        rows = self._all("drop_event_partitions", {"days": older_than_days})
+        rows = self._ddl("drop_event_partitions", {"days": older_than_days})
         return [str(r["dropped"]) for r in rows]
+
+    def default_events(self) -> bool:
+        """Whether the DEFAULT partition holds events (see `rehome_default_events`)."""
+        row = self._one("default_events")
+        return bool(row and row["present"])
 
     def purge_deleted(self, *, older_than_days: int, limit: int = 1000) -> list[int]:
         rows = self._all("purge_deleted", {"days": older_than_days, "limit": limit})

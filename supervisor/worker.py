@@ -326,13 +326,6 @@ class Worker:
             return "lease_lost"
         return "retry" if status == "queued" else "rejected"
 
-    def reject_exhausted(self) -> list[int]:
-        """Reject rows whose worker died on their last attempt (cheap; run when idle)."""
-        ids = self.queue.reject_exhausted(max_attempts=self.config.queue.max_attempts)
-        for file_id in ids:
-            event(log, "attempts exhausted", logging.WARNING, file_id=file_id)
-        return ids
-
     # -- the loop ----------------------------------------------------------------------
 
     def _claim_limit(self, max_jobs: int, *, pending: int = 0) -> int:
@@ -444,11 +437,8 @@ class Worker:
                 idle.wait(self.config.queue.poll_interval)
                 continue
             if not claimed:
-                # Before calling the queue drained, end rows whose worker died on their
-                # last attempt. A long-running fleet leaves that to the supervisor's
-                # maintenance, so an idle worker costs one claim per poll and no more.
-                if burst and self.reject_exhausted():
-                    continue
+                # Rows whose worker died on their last attempt are not claimable: the
+                # supervisor's ExhaustedRejection duty ends them (derivd.processes.duties).
                 if burst:
                     return "drained"
                 idle.wait(self.config.queue.poll_interval)

@@ -1,10 +1,11 @@
 """The prefork supervisor: keeps `[supervisor] workers` children alive and in line.
 
 The parent never imports pyvips and never holds a storage client: children build their
-own after fork (`derivd.processes.child`). Its own database work (fail the attempt of a
-worker it killed past `job_timeout`, release jobs, reject exhausted rows, queue stats,
-LISTEN) is `derivd.processes.upkeep`; what a worker's exit means is
-`derivd.processes.lifecycle`; the pipes are `derivd.processes.pipe`.
+own after fork (`derivd.processes.child`). Its background duties (heartbeat, exhausted
+rows, stats, event partitions, LISTEN, the sweep) are `derivd.processes.duties` and
+`derivd.processes.sweep_child`, and its database work runs on `derivd.processes.dbthread`;
+what a worker's exit means is `derivd.processes.lifecycle`; the pipes are
+`derivd.processes.pipe`.
 
 Signal handlers only queue the signal and write to a wake-up pipe; the main loop
 (`run`) dispatches: SIGTERM/SIGINT stop gracefully (a second one escalates), SIGHUP
@@ -27,7 +28,17 @@ from derivd.config import Config, ConfigError
 from derivd.ops.logs import event
 from derivd.ops.metrics import Metrics
 from derivd.processes.child import ChildSpec, run_child
-from derivd.processes.duties import Duties, to_kill
+from derivd.processes.dbthread import DatabaseThread
+from derivd.processes.duties import (
+    Bookkeeping,
+    Duty,
+    EventPartitions,
+    ExhaustedRejection,
+    FleetStats,
+    Heartbeat,
+    Listening,
+    to_kill,
+)
 from derivd.processes.lifecycle import (
     BootFailure,
     Exit,
@@ -42,9 +53,8 @@ from derivd.processes.lifecycle import (
 )
 from derivd.processes.pipe import WorkerProc
 from derivd.processes.procutil import SignalQueue, sd_notify, set_proctitle, watchdog_interval
-from derivd.processes.sweeper import SweepProcess
-from derivd.processes.upkeep import Upkeep
-from derivd.queue.db import Job
+from derivd.processes.sweep_child import SweepChild
+from derivd.queue.db import Job, QueueListener
 
 log = logging.getLogger("derivd.supervisor")
 
@@ -66,7 +76,7 @@ class RunResult:
     message: str | None = None
 
 
-class Arbiter:
+class Supervisor:
     def __init__(
         self,
         config: Config,
@@ -94,13 +104,21 @@ class Arbiter:
         self.watchdog = watchdog_interval()
         self.watchdog_at = 0.0
         self.title = ""
-        # One LISTEN connection for the fleet (none in --burst: no worker ever idles).
-        self.upkeep = Upkeep.for_supervisor(dsn, config, wake=self.signals.wake, listen=not burst)
-        self.upkeep.on_notify = self.on_notify
-        self.upkeep.on_listening = self.on_listening
-        self.duties = Duties(self.upkeep, self.metrics, self.on_lost)
+        self.db_thread = DatabaseThread(dsn, wake=self.signals.wake)
+        self.db_thread.on_notify = self.on_notify
+        self.books = Bookkeeping(self.db_thread, self.metrics)
+        current = lambda: self.config  # noqa: E731  (duties follow a reload)
+        self.duties: list[Duty[Any]] = [
+            Heartbeat(current, self.db_thread, self.metrics, self.workers.values, self.on_lost),
+            ExhaustedRejection(current, self.db_thread),
+            FleetStats(current, self.db_thread, self.metrics),
+            EventPartitions(current, self.db_thread),
+        ]
+        if not burst:  # one LISTEN connection for the fleet (--burst: no worker idles)
+            listener = QueueListener(config.database.listen_dsn or dsn)
+            self.duties.append(Listening(current, self.db_thread, listener, self.on_listening))
+        self.sweep = SweepChild(current, dsn, self._parent_fds)
         self.status_at = 0.0
-        self.sweeper = SweepProcess()
 
     # -- signals -----------------------------------------------------------------------
 
@@ -167,7 +185,7 @@ class Arbiter:
         """Descriptors a forked child must close: the other children's pipes, the wake-up
         pipe, the LISTEN connection and the metrics socket are the parent's alone."""
         fds = [fd for w in self.workers.values() for fd in w.fds()]
-        fds += [*self.signals.fds(), *self.upkeep.fds()]
+        fds += [*self.signals.fds(), *self.db_thread.fds()]
         metrics_fd = self.metrics.fileno()
         if metrics_fd is not None:
             fds.append(metrics_fd)
@@ -337,7 +355,7 @@ class Arbiter:
             return  # it finished within the grace after all (to_release has the rest)
         worker.held.pop(running[0].id, None)
         self.metrics.job_timed_out()
-        self.duties.fail_timed_out(running[0], self.config, worker.slot)
+        self.books.fail_timed_out(running[0], self.config, worker.slot)
 
     def on_lease_lost(self, worker: WorkerProc) -> None:
         """The heartbeat found the running job's lease gone (reclaimed, deleted,
@@ -346,7 +364,7 @@ class Arbiter:
         running = worker.running()
         if running is not None:  # else it finished (and reported) within the grace
             worker.held.pop(running[0].id, None)
-            self.duties.lease_lost(running[0], worker.slot)
+            self.books.lease_lost(running[0], worker.slot)
 
     def on_lost(self, lost: set[uuid.UUID]) -> None:
         """The heartbeat's answer: kill every worker whose running job the database no
@@ -361,11 +379,11 @@ class Arbiter:
 
     def release_job(self, worker: WorkerProc, job: Job) -> None:
         worker.held.pop(job.id, None)
-        self.duties.release(job)
+        self.books.release(job)
 
     def on_crash(self, worker: WorkerProc, slot: Slot, how: str) -> None:
         # The row stays `processing`; its lease expires and the next claim counts the
-        # attempt (or reject_exhausted ends it): a job that kills workers cannot loop.
+        # attempt (or the ExhaustedRejection duty ends it): a job that kills workers cannot loop.
         event(
             log,
             "worker died",
@@ -406,8 +424,8 @@ class Arbiter:
     def next_wakeup(self) -> float:
         now = time.monotonic()
         times = [now + LOOP_MAX_SLEEP]
-        if self.outcome is None:  # halting: no more maintenance, only reaping
-            times.append(self.duties.schedule.next())
+        if self.outcome is None:  # halting: no more duties, only reaping
+            times += [duty.due_at for duty in self.duties]
         timeout = self.config.supervisor.job_timeout
         times += [
             next_deadline(w, now, job_timeout=timeout, poll=PROGRESS_POLL)
@@ -420,9 +438,11 @@ class Arbiter:
             times.append(self.watchdog_at)
         return max(0.0, min(times) - now)
 
-    # -- maintenance -------------------------------------------------------------------
+    # -- the periodic step -------------------------------------------------------------
 
-    def maintenance(self) -> None:
+    def housekeeping(self) -> None:
+        """What the loop does besides its workers: gauges, the watchdog, the duties that
+        are due, the sweep, the systemd status line."""
         now = time.monotonic()
         busy = self.busy_count()
         self.metrics.set_workers(alive=sum(w.ready for w in self.workers.values()), busy=busy)
@@ -431,7 +451,8 @@ class Arbiter:
             self.watchdog_at = now + self.watchdog
         if self.outcome is not None:
             return
-        self.duties.tick(self.config, now, self.workers.values(), busy)
+        for duty in self.duties:
+            duty.tick(now)
         self.run_sweep(now)
         if now >= self.status_at:
             self.status_at = now + self.config.metrics.interval
@@ -439,14 +460,12 @@ class Arbiter:
 
     def run_sweep(self, now: float) -> None:
         """Every [sweep] interval, one sweep pass in a short-lived child (not in --burst,
-        and not while stopping)."""
-        self.sweeper.reap(self.config)
-        self.duties.give_back_leases(self.sweeper.abandoned, "sweep")
+        and no new one while stopping)."""
         if self.burst or self.stop_deadline is not None:
-            return
-        self.sweeper.schedule(self.config, now)
-        if self.sweeper.due(self.config, now):
-            self.sweeper.start(self.config, self.dsn, self._parent_fds())
+            self.sweep.reap()
+        else:
+            self.sweep.tick(now)
+        self.books.give_back_leases(self.sweep.abandoned, "sweep")
 
     def status_line(self) -> str:
         alive = sum(w.ready for w in self.workers.values())
@@ -466,7 +485,7 @@ class Arbiter:
                 self.signals.drain()
             else:
                 self.read_status(by_fd[fd])
-        self.upkeep.poll()  # last: the workers' own news is read first
+        self.db_thread.poll()  # last: the workers' own news is read first
 
     def finished(self) -> bool:
         if self.workers:
@@ -487,15 +506,20 @@ class Arbiter:
             backend=self.config.derive.backend,
             burst=self.burst,
         )
-        self.upkeep.start()
-        host = self.duties.register(self.config)
+        self.db_thread.start()
+        host = self.books.register(self.config)
+        now = time.monotonic()
+        for duty in self.duties:
+            duty.start(now)
+        if not self.burst:
+            self.sweep.start(now)
         try:
             while True:
                 self.handle_signals()
                 self.reap_workers()
                 self.manage_workers()  # right after reaping: a replacement comes first
                 self.enforce_deadlines()
-                self.maintenance()
+                self.housekeeping()
                 if self.finished():
                     break
                 title = self._title()
@@ -505,11 +529,13 @@ class Arbiter:
                 self.wait(self.next_wakeup())
         finally:
             self.signals.restore()
-            self.sweeper.stop()
-            self.duties.give_back_leases(self.sweeper.abandoned, "sweep")
+            for duty in self.duties:
+                duty.stop()
+            self.sweep.stop()
+            self.books.give_back_leases(self.sweep.abandoned, "sweep")
             if self.outcome is None:  # a clean stop: leave the registry
-                self.duties.deregister(host)
-            self.upkeep.close(self._close_timeout())
+                self.books.deregister(host)
+            self.db_thread.close(self._close_timeout())
         outcome = self.outcome or RunResult(0)
         event(log, "supervisor stopped", code=outcome.code)
         return outcome

@@ -1,0 +1,128 @@
+"""The sweep duty: every `[sweep] interval` the supervisor forks a child for one pass.
+
+A pass (derivd.ops.sweep.Sweeper) opens a storage client (boto3 for s3), and the parent
+must never hold one: the next fork would hand it to a worker. So each round is a
+short-lived child that runs `run_once` and exits; one pass at a time. A pass may outrun
+its interval (the next one just waits for it); one still running after two intervals is
+taken to hang and is killed. The pass's lease id is chosen here, before the fork: a pass
+killed with its lease taken has it given back by the supervisor (`abandoned`), so the
+next pass need not wait for the lease to expire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from derivd.config import Config
+from derivd.ops.logs import event
+from derivd.processes.duties import Duty
+from derivd.processes.procutil import set_pdeathsig, set_proctitle
+from derivd.queue.db import QueueDB
+
+if TYPE_CHECKING:  # the parent never imports the sweep's storage clients
+    from derivd.ops.sweep import SweepReport
+
+log = logging.getLogger("derivd.sweep")
+
+
+class SweepChild(Duty["SweepReport"]):
+    name = "sweep"
+
+    def __init__(
+        self,
+        config: Callable[[], Config],
+        dsn: str,
+        inherited_fds: Callable[[], tuple[int, ...]] = tuple,
+    ) -> None:
+        super().__init__(config)
+        self.dsn = dsn
+        self.inherited_fds = inherited_fds  # the parent's descriptors, closed in the child
+        self.pid: int | None = None
+        self.started = 0.0
+        self.holder: uuid.UUID | None = None  # the running pass's lease id
+        self.abandoned: list[uuid.UUID] = []  # leases of killed passes, to give back
+
+    @property
+    def interval(self) -> float:
+        return self.config().sweep.interval
+
+    def start(self, now: float) -> None:
+        """The first pass one interval after start (the other duties went first)."""
+        self.due_at = now + self.interval if self.interval > 0 else math.inf
+
+    def tick(self, now: float) -> None:
+        self.reap()
+        if self.pid is None:
+            super().tick(now)
+
+    def launch(self) -> None:
+        self.holder = uuid.uuid4()
+        inherited = self.inherited_fds()
+        pid = os.fork()
+        if pid == 0:
+            self._child(inherited)
+        self.pid, self.started = pid, time.monotonic()
+
+    def run_once(self, db: QueueDB) -> SweepReport:
+        """One pass here, with a storage client of this process's own."""
+        from derivd.ops.sweep import Sweeper
+        from derivd.storage.base import open_storage
+
+        sweeper = Sweeper.from_config(self.config(), db, open_storage(self.config()))
+        if self.holder is not None:
+            sweeper.holder = self.holder
+        return sweeper.run_once()
+
+    def reap(self) -> None:
+        """Collect a finished pass; kill one that outlived two intervals."""
+        if self.pid is None:
+            return
+        try:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            done, status = self.pid, 0
+        interval = self.interval
+        if done:
+            if os.waitstatus_to_exitcode(status) != 0:
+                event(log, "sweep pass failed", logging.WARNING, pid=self.pid)
+            self.pid = None
+        elif interval and time.monotonic() - self.started > 2 * interval:
+            event(log, "sweep pass overran; killing it", logging.WARNING, pid=self.pid)
+            os.kill(self.pid, signal.SIGKILL)
+            if self.holder is not None:
+                self.abandoned.append(self.holder)
+
+    def stop(self) -> None:
+        super().stop()
+        if self.pid is None:
+            return
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        self.pid = None
+        if self.holder is not None:
+            self.abandoned.append(self.holder)
+
+    def _child(self, inherited_fds: tuple[int, ...]) -> None:
+        code = 1
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+                signal.signal(sig, signal.SIG_DFL)
+            set_pdeathsig()
+            for fd in inherited_fds:  # the parent's pipes are not ours to hold open
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            set_proctitle("derivd: sweeper")
+            from derivd.ops.sweep import sweep_once
+
+            report = sweep_once(self.config(), self.dsn, holder=self.holder)
+            code = 0 if report.error is None else 1
+        finally:
+            os._exit(code)
