@@ -1,18 +1,20 @@
-# Two commands do all the set-up on a fresh machine: `make run` and `make test`.
+# Two commands do all the set-up on a fresh machine: `make run` (what running needs) and
+# `make test` (that plus the test toolchain and the programs the suite drives).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-stamp
 CONFIG ?= etc/derivd.ini
 PYTEST_WORKERS ?= 2
 
-.PHONY: install run test pytest test-unit test-integration test-acceptance lint typecheck chaos bench clean system-deps
+.PHONY: install install-run run test pytest test-unit test-integration test-acceptance lint typecheck chaos bench clean system-deps system-deps-run
 
-# What pip cannot bring: PostgreSQL's server (required), pgbouncer, chromium and faketime
-# (optional; their tests skip). Installed when missing as root with apt-get, otherwise
-# one line each says what to install.
+# What pip cannot bring. Running needs PostgreSQL's server only; the test suite also uses
+# pgbouncer, chromium and faketime (their tests skip, each with one line, without them).
+# Installed when missing as root with apt-get, otherwise one line each says what to install.
+system-deps-run:
+	@sh etc/system-deps.sh run
 system-deps:
-	@sh etc/system-deps.sh
+	@sh etc/system-deps.sh test
 
 # The folders supervisor/, handlers/ and sql/ install as derivd, derivd.handlers and
 # derivd.sql (setup.cfg's package_dir). A strict editable install links every file into
@@ -22,16 +24,32 @@ SOURCES := $(VENV)/.sources
 $(shell mkdir -p $(VENV) && find supervisor handlers sql \( -name '*.py' -o -name '*.sql' -o -name py.typed \) \
     | LC_ALL=C sort > $(SOURCES).new && (cmp -s $(SOURCES).new $(SOURCES) || mv $(SOURCES).new $(SOURCES)))
 
-$(STAMP): setup.cfg pyproject.toml $(SOURCES)
+# `make run` installs what derivd needs to run; `make test` (and every target below that
+# lints, checks types, tests or benchmarks) adds setup.cfg's `test` extra.
+RUN_STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
+
+define editable_install
 	[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	rm -rf build/__editable__.derivd-*
-	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=strict
-	touch $(STAMP)
+	$(BIN)/pip install -q -e '.$(1)' --config-settings editable_mode=strict
+endef
 
-install: system-deps $(STAMP)
+$(RUN_STAMP): setup.cfg pyproject.toml $(SOURCES)
+	$(call editable_install,)
+	touch $@
 
-run: install
+# The test install holds everything running needs too.
+$(TEST_STAMP): setup.cfg pyproject.toml $(SOURCES)
+	$(call editable_install,[test])
+	touch $@ $(RUN_STAMP)
+
+install-run: system-deps-run $(RUN_STAMP)
+
+install: system-deps $(TEST_STAMP)
+
+run: install-run
 	$(BIN)/derivd -c $(CONFIG) demo
 
 lint: install
@@ -46,7 +64,7 @@ pytest: install
 
 # Each tier alone; `make test` runs them all in one pytest session.
 test-unit: install
-	DERIVD_TEST_TIER=unit $(BIN)/pytest -q -n $(PYTEST_WORKERS) -m unit tests
+	PYTEST_DERIVD_TIER=unit $(BIN)/pytest -q -n $(PYTEST_WORKERS) -m unit tests
 test-integration: install
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m integration tests
 test-acceptance: install
@@ -63,6 +81,7 @@ chaos: install
 bench: install
 	$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/pip install -q 'matplotlib>=3.7'
 	$(BIN)/python bench/derive.py
+	$(BIN)/python bench/heic.py
 	$(BIN)/python bench/queue_peers.py
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/claim_scale.py

@@ -1,10 +1,18 @@
 #!/bin/sh
-# The programs pip cannot bring (`make system-deps` runs this before every install).
+# The programs pip cannot bring. `sh etc/system-deps.sh run` (make run): PostgreSQL's
+# server, which derivd needs. `sh etc/system-deps.sh test` (make test, make install): also
+# pgbouncer, chromium and faketime, which the test suite drives (the tests that need one
+# skip, each with one line, where it is missing).
 # Root with apt-get: install what is missing, with one `apt-get update` at most.
-# Otherwise: one line per missing program saying what to install. PostgreSQL's server is
-# required (exit 1 without it); pgbouncer, chromium and faketime are optional (the tests
-# that need them skip, each with one line).
+# Otherwise: one line per missing program saying what to install; exit 1 without
+# PostgreSQL's server.
 set -u
+
+purpose=${1:-test}
+case $purpose in
+    run|test) ;;
+    *) echo "usage: sh etc/system-deps.sh run|test" >&2; exit 2 ;;
+esac
 
 has_postgres() {
     command -v initdb >/dev/null 2>&1 && return 0
@@ -20,9 +28,11 @@ has_faketime() { command -v faketime >/dev/null 2>&1; }
 missing() {
     out=""
     has_postgres || out="$out postgresql"
-    has_pgbouncer || out="$out pgbouncer"
-    has_chromium || out="$out chromium"
-    has_faketime || out="$out faketime"
+    if [ "$purpose" = test ]; then
+        has_pgbouncer || out="$out pgbouncer"
+        has_chromium || out="$out chromium"
+        has_faketime || out="$out faketime"
+    fi
     echo "$out"
 }
 

@@ -32,6 +32,7 @@ __all__ = [
     "DeriveSpec",
     "DerivedVariant",
     "Handler",
+    "MissingEncoder",
     "Permanent",
     "ResourceLimit",
     "Transient",
@@ -52,6 +53,10 @@ ANIMATED_FORMATS = frozenset({"webp", "avif"})
 # 25 MiB per megapixel at the pinned effort (measured on noise, its worst case): 4096 x 4096
 # stays near 450 MiB, within the default [supervisor] max_worker_rss_mb of 1024.
 AVIF_MAX_PIXELS = 4096 * 4096
+# The most coded images one HEIF primary image may be assembled from (a grid's tiles). Each
+# tile is a decoder run of its own: a grid of thousands of tiny tiles costs far more CPU
+# than its pixel count says. Phones use 512 x 512 tiles: a 48 MP photo has 192.
+HEIF_MAX_TILES = 1024
 FITS = ("inside", "cover")
 GRAVITIES = ("centre", "attention", "entropy")
 
@@ -189,10 +194,14 @@ def check_input_size(original: bytes, spec: DeriveSpec) -> None:
         raise ResourceLimit(f"{len(original)} bytes > max_input_bytes {spec.max_input_bytes}")
 
 
-def check_declared_size(width: int, height: int, frames: int, spec: DeriveSpec) -> None:
-    """`max_frames` and `max_pixels` (width x height x frames) from the header alone."""
+def check_declared_size(
+    width: int, height: int, frames: int, spec: DeriveSpec, decoded_frames: int | None = None
+) -> None:
+    """`max_frames` and `max_pixels` (width x height x the frames decoded) from the header
+    alone. `decoded_frames` defaults to `frames`; a HEIF burst decodes only its primary."""
     if frames > spec.max_frames:
         raise ResourceLimit(f"{frames} frames > max_frames {spec.max_frames}")
+    frames = frames if decoded_frames is None else decoded_frames
     pixels = width * height * frames
     if pixels > spec.max_pixels:
         raise ResourceLimit(
@@ -200,15 +209,20 @@ def check_declared_size(width: int, height: int, frames: int, spec: DeriveSpec) 
         )
 
 
+class MissingEncoder(RuntimeError):
+    """The backend cannot write a format the configured variants need: raised when the
+    handler is created, so a worker refuses to start (one line) instead of failing jobs."""
+
+
 @contextmanager
 def decoding() -> Iterator[None]:
     """Classify whatever escapes a decoder while it parses the original's bytes.
 
     Decoders raise far more than their documented errors on hostile input (Pillow: TypeError,
-    OverflowError, struct.error, IndexError, ...; libvips: pyvips.Error). Inside a handler
-    nothing but the content is parsed (storage and the database are the worker's), so any of
-    them is `corrupt_content`, final on the first attempt; MemoryError is `resource_limit`.
-    Outcomes a handler raised on purpose pass through. Usable as a decorator on `derive`.
+    OverflowError, struct.error, IndexError, ...; libvips: pyvips.Error). Wrap only the
+    steps that parse the original (header, decode to the base): any of those is
+    `corrupt_content`, final on the first attempt; MemoryError is `resource_limit`.
+    Outcomes a handler raised on purpose pass through.
     """
     try:
         yield
@@ -218,3 +232,22 @@ def decoding() -> Iterator[None]:
         raise ResourceLimit("out of memory while decoding") from None
     except Exception as e:  # every escape is the content's: see the docstring
         raise CorruptContent(f"decode failed: {type(e).__name__}: {e}"[:300]) from None
+
+
+@contextmanager
+def encoding() -> Iterator[None]:
+    """Classify whatever escapes shaping and encoding the decoded pixels.
+
+    The user's bytes were read already: a fault here is the backend's or an encoder's,
+    never the content's. `processing_failed`, final: the same pixels through the same
+    encoder fail the same way, so a retry would only spend the attempts.
+    """
+    try:
+        yield
+    except Outcome:
+        raise
+    except MemoryError:
+        raise ResourceLimit("out of memory while encoding") from None
+    except Exception as e:  # see the docstring
+        raise Permanent("processing_failed", f"encode failed: {type(e).__name__}: {e}"[:300]
+                        ) from None  # fmt: skip

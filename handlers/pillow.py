@@ -17,21 +17,42 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from PIL import Image, ImageCms, ImageFile, ImageOps, TiffImagePlugin, UnidentifiedImageError
+import PIL
+from PIL import (
+    Image,
+    ImageCms,
+    ImageFile,
+    ImageOps,
+    TiffImagePlugin,
+    UnidentifiedImageError,
+    features,
+)
 
+from derivd.handlers import heif
+from derivd.handlers.analysis import Small, analyse, small_size
 from derivd.handlers.base import (
+    Analysis,
     CorruptContent,
     Derivation,
     DeriveSpec,
+    MissingEncoder,
     ResourceLimit,
     UnsupportedContent,
     check_declared_size,
     check_input_size,
     decoding,
+    encoding,
 )
 from derivd.handlers.geometry import base_size
+from derivd.handlers.isobmff import declared
 from derivd.handlers.pillow_variants import REDUCING_GAP, Decoded, derive_variants
-from derivd.handlers.sniff import TIFF_COMPRESSION, accepted_format, png_chunks_intact, tiff_tags
+from derivd.handlers.sniff import (
+    TIFF_COMPRESSION,
+    accepted_format,
+    input_format,
+    png_chunks_intact,
+    tiff_tags,
+)
 
 # Pillow plugin ids. MPO (a JPEG with a multi-picture index) comes in through the JPEG
 # plugin, which returns an MpoImageFile: it is not an id of its own.
@@ -43,8 +64,31 @@ _SIDEWAYS = frozenset({5, 6, 7, 8})
 _SRGB = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB"))
 
 
+# Pillow's feature name for each output format's encoder (PNG is built in).
+_ENCODER_FEATURES = {"webp": "webp", "avif": "avif", "jpeg": "jpg"}
+
+
+def missing_encoders(formats: set[str]) -> list[str]:
+    """The formats among `formats` this Pillow cannot write."""
+    return sorted(
+        fmt for fmt in formats
+        if fmt in _ENCODER_FEATURES and not features.check(_ENCODER_FEATURES[fmt])
+    )  # fmt: skip
+
+
+def check_encoders(spec: DeriveSpec) -> None:
+    """MissingEncoder, one line, when the configured variants need what Pillow lacks."""
+    missing = missing_encoders({fmt for v in spec.variants for fmt in v.formats})
+    if missing:
+        raise MissingEncoder(
+            f"backend pillow: Pillow {PIL.__version__} cannot write {', '.join(missing)} "
+            "(setup.cfg's Pillow floor has every encoder derivd uses)"
+        )
+
+
 def configure(spec: DeriveSpec) -> None:
     """Process-wide Pillow settings for a worker (it handles one image at a time)."""
+    heif.configure(spec)
     # Pillow's own bomb check, a backstop behind ours: it warns above this and raises at
     # twice it; we turn the warning into an error in `_strict_open`.
     Image.MAX_IMAGE_PIXELS = spec.max_pixels
@@ -112,11 +156,6 @@ def count_frames(im: ImageFile.ImageFile, cap: int) -> int:
     finally:
         im.seek(0)
     return count
-
-
-def check_limits(im: ImageFile.ImageFile, spec: DeriveSpec) -> None:
-    # Frames are counted only up to max_frames + 1 (count_frames stops there).
-    check_declared_size(*im.size, count_frames(im, spec.max_frames), spec)
 
 
 def orientation(im: Image.Image) -> int:
@@ -221,22 +260,79 @@ def _to_base(image: Image.Image, base: tuple[int, int]) -> Image.Image:
     return image
 
 
+def small_copy(frame: Image.Image) -> Small:
+    """The analysis' intermediate: the first frame, RGBA, SMALL_EDGE px."""
+    rgba = frame.convert("RGBA")
+    size = small_size(*rgba.size)
+    if rgba.size != size:
+        rgba = rgba.resize(size, Image.Resampling.BOX)
+    return Small(size[0], size[1], rgba.tobytes())
+
+
+def analysis_of(decoded: Decoded, fmt: str, frames: int) -> Analysis:
+    first = decoded.frames[0]
+    return analyse(
+        small_copy(first), width=decoded.upright[0], height=decoded.upright[1], fmt=fmt,
+        frames=frames, has_alpha=_transparent(first),
+    )  # fmt: skip
+
+
+def _transparent(frame: Image.Image) -> bool:
+    """Whether any pixel of the frame is less than opaque (an opaque alpha channel, or
+    libvips' always-present GIF alpha, does not count: both backends agree on pixels)."""
+    if frame.mode not in ("RGBA", "LA"):
+        return False
+    low, _ = frame.getchannel("A").getextrema()
+    return bool(low < 255)  # type: ignore[operator]  # one band: ints, not tuples
+
+
+def decode_heif(original: bytes, spec: DeriveSpec) -> tuple[Decoded, int]:
+    """HEIC/HEIF through pi-heif (handlers/heif.py): the primary image, upright."""
+    header = heif.read_header(original, spec)
+    upright = (header.width, header.height)
+    frame = _to_base(heif.to_pillow(heif.decode(header)), base_size(*upright, spec.variants))
+    return Decoded([frame], [100], 0, upright), header.frames
+
+
+def decode_original(original: bytes, spec: DeriveSpec) -> tuple[Decoded, int]:
+    """Everything that parses the user's bytes: the decoded base and the file's frames."""
+    if heif.is_heif(original):
+        return decode_heif(original, spec)
+    if input_format(original) == "avif":
+        # libavif refuses images past its own size limit in words Pillow turns into
+        # "cannot identify": check the declared size first, as libvips' header does.
+        size = declared(original).size
+        if size is not None:
+            check_declared_size(*size, 1, spec)
+    im = open_image(original)
+    try:
+        if im.format == "PNG" and not png_chunks_intact(original):
+            raise CorruptContent("PNG chunk CRC mismatch or chunk past the end")
+        with _classify_errors():
+            frames = count_frames(im, spec.max_frames)
+            check_declared_size(*im.size, frames, spec)
+            decoded = decode(im, spec)
+        # A frame that needed no resize or conversion is the file image itself, which
+        # closes below: keep its pixels.
+        decoded.frames[:] = [f.copy() if f is im else f for f in decoded.frames]
+        return decoded, frames
+    finally:
+        im.close()
+
+
 class PillowHandler:
     name = "pillow"
 
     def __init__(self, spec: DeriveSpec) -> None:
         self.spec = spec
+        check_encoders(spec)
         configure(spec)
 
-    @decoding()
     def derive(self, original: bytes, spec: DeriveSpec) -> Derivation:
         check_input_size(original, spec)
-        im = open_image(original)
-        try:
-            if im.format == "PNG" and not png_chunks_intact(original):
-                raise CorruptContent("PNG chunk CRC mismatch or chunk past the end")
-            with _classify_errors():
-                check_limits(im, spec)
-                return Derivation(derive_variants(decode(im, spec), spec))
-        finally:
-            im.close()
+        with decoding():
+            decoded, frames = decode_original(original, spec)
+        fmt = input_format(original) or "unknown"
+        with encoding():
+            variants = derive_variants(decoded, spec)
+            return Derivation(variants, analysis_of(decoded, fmt, frames))

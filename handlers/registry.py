@@ -22,6 +22,12 @@ BUILTIN: dict[str, str] = {
     "pillow": "derivd.handlers.pillow:PillowHandler",
     "noop": "derivd.handlers.noop:NoopHandler",
 }
+# Each built-in image backend's check that it can write every configured format; the
+# handler runs it when created, `derivd config check` before anything starts.
+ENCODER_CHECKS: dict[str, str] = {
+    "vips": "derivd.handlers.vips:check_encoders",
+    "pillow": "derivd.handlers.pillow:check_encoders",
+}
 
 
 class UnknownHandler(LookupError):
@@ -66,6 +72,20 @@ def handler_factory(name: str) -> Callable[..., Any]:
             factory: Callable[..., Any] = ep.load()
             return factory
     raise UnknownHandler(name)
+
+
+def missing_encoder(name: str, spec: DeriveSpec) -> str | None:
+    """Why backend `name` cannot write the formats `spec` asks for (one line), or None.
+    Imports the backend: for `derivd config check`, never the supervisor before fork."""
+    from derivd.handlers.base import MissingEncoder
+
+    if name not in ENCODER_CHECKS:
+        return None
+    try:
+        _load_target(ENCODER_CHECKS[name])(spec)
+    except MissingEncoder as problem:
+        return str(problem)
+    return None
 
 
 def create_handler(name: str, spec: DeriveSpec) -> Handler:

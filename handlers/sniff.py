@@ -37,6 +37,27 @@ def accepted_format(data: bytes) -> str | None:
     return None
 
 
+_AVIF_BRANDS = frozenset({b"avif", b"avis"})
+_HEVC_BRANDS = frozenset({b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis"})
+
+
+def input_format(data: bytes) -> str | None:
+    """The format name an analysis reports: `accepted_format`, with the HEIF family told
+    apart by its brands: `avif` (AV1), `heic` (HEVC) or `heif` (another codec)."""
+    found = accepted_format(data)
+    if found != "heif":
+        return found
+    major = data[8:12]
+    # The compatible brands follow the major brand and its 4-byte minor version.
+    size = int.from_bytes(data[:4], "big")
+    compatible = {data[i : i + 4] for i in range(16, min(size, len(data), 16 + 4 * 64), 4)}
+    if major in _AVIF_BRANDS or (major not in _HEVC_BRANDS and compatible & _AVIF_BRANDS):
+        return "avif"
+    if major in _HEVC_BRANDS or compatible & _HEVC_BRANDS:
+        return "heic"
+    return "heif"
+
+
 def gif_screen(data: bytes) -> tuple[int, int] | None:
     """The GIF logical screen size, which Pillow allocates and libvips may not report."""
     if accepted_format(data) != "gif" or len(data) < 10:

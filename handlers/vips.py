@@ -20,23 +20,30 @@ from typing import Any
 
 import pyvips
 
+from derivd.handlers import heif
+from derivd.handlers.analysis import Small, analyse, small_size
 from derivd.handlers.base import (
+    Analysis,
     CorruptContent,
     Derivation,
     DeriveSpec,
+    MissingEncoder,
     Permanent,
     UnsupportedContent,
     check_declared_size,
     check_input_size,
     decoding,
+    encoding,
 )
 from derivd.handlers.geometry import base_size
+from derivd.handlers.pillow import missing_encoders as pillow_missing_encoders
 from derivd.handlers.sniff import (
     TIFF_BITS_PER_SAMPLE,
     TIFF_PHOTOMETRIC,
     TIFF_SAMPLES_PER_PIXEL,
     accepted_format,
     gif_screen,
+    input_format,
     tiff_tags,
 )
 from derivd.handlers.vips_variants import checked_base, derive_variants, load_base
@@ -215,30 +222,128 @@ def lab_to_srgb(image: Any) -> Any:
     return lab.icc_export(output_profile="srgb", intent="relative")
 
 
+# The libvips saver each output format needs.
+_SAVERS = {"webp": "webpsave_buffer", "avif": "heifsave_buffer", "jpeg": "jpegsave_buffer",
+           "png": "pngsave_buffer"}  # fmt: skip
+
+
+def check_encoders(spec: DeriveSpec) -> None:
+    """MissingEncoder, one line, when a configured variant needs a saver this libvips
+    lacks, or (an animated AVIF, written by Pillow) an encoder Pillow lacks."""
+    formats = {fmt for v in spec.variants for fmt in v.formats}
+    missing = sorted(f for f in formats if not pyvips.type_find("VipsOperation", _SAVERS[f]))
+    animated_avif = any(v.animated and "avif" in v.formats for v in spec.variants)
+    missing += [f"{f} (animated, via Pillow)" for f in pillow_missing_encoders(
+        {"avif"} if animated_avif else set())]  # fmt: skip
+    if missing:
+        raise MissingEncoder(f"backend vips: libvips {pyvips.version(0)}.{pyvips.version(1)} "
+                             f"cannot write {', '.join(missing)}")  # fmt: skip
+
+
+class Decoded:
+    """The original decoded once: the base in memory, its page height, the original's
+    upright size and its frame count."""
+
+    def __init__(self, base: Any, page_height: int, upright: tuple[int, int], frames: int
+                 ) -> None:  # fmt: skip
+        # Rendered now, so a truncated or corrupt original fails here, in the decode, and
+        # never inside an encoder (where it would be a processing fault). The base is at
+        # most the size the largest variant needs.
+        self.base = base.copy_memory()
+        self.page_height = page_height
+        self.upright = upright
+        self.frames = frames
+
+
+def decode_original(original: bytes, spec: DeriveSpec) -> Decoded:
+    """Everything that parses the user's bytes, to the decoded base."""
+    if heif.is_heif(original):
+        return decode_heif(original, spec)
+    loader = sniff_loader(original)
+    header = read_header(original, loader)
+    check_declared_size(header.width, header.height, header.frames, spec)
+    upright = header.upright
+    all_frames = header.frames > 1 and any(v.animated for v in spec.variants)
+    try:
+        base, page_height = decode_base(
+            original, base_size(*upright, spec.variants), header, all_frames
+        )
+        return Decoded(base, page_height, upright, header.frames)
+    except pyvips.Error as e:
+        # Truncated or corrupt pixel data (fail_on="error"): never publish a
+        # half-decoded image. The message is for the log only.
+        raise _decode_failure(e) from None
+
+
+def decode_heif(original: bytes, spec: DeriveSpec) -> Decoded:
+    """HEIC/HEIF: pi-heif decodes (handlers/heif.py: this libvips has no HEVC decoder),
+    libvips takes the pixels from memory and shrinks and colour-manages them as
+    `thumbnail_buffer` does for the other formats."""
+    header = heif.read_header(original, spec)
+    pixels = heif.decode(header)
+    upright = (header.width, header.height)
+    size = base_size(*upright, spec.variants)
+    image = pyvips.Image.new_from_memory(pixels.data, pixels.width, pixels.height,
+                                         pixels.bands, "uchar")  # fmt: skip
+    image = image.copy(interpretation="srgb" if pixels.bands >= 3 else "b-w")
+    icc = pixels.icc
+    if icc:
+        image.set_type(pyvips.GValue.blob_type, "icc-profile-data", icc)
+    thumb = image.thumbnail_image(
+        size[0], height=size[1], size="force", no_rotate=True,
+        **({"output_profile": "srgb", "intent": "relative"} if icc else {}),
+    )  # fmt: skip
+    base, page_height = checked_base(thumb, size)
+    return Decoded(base, page_height, upright, header.frames)
+
+
+def small_copy(decoded: Decoded) -> Small:
+    """The analysis' intermediate: the first frame, RGBA, SMALL_EDGE px."""
+    first = decoded.base.crop(0, 0, decoded.base.width, decoded.page_height)
+    width, height = small_size(first.width, first.height)
+    small = first.thumbnail_image(width, height=height, size="force", no_rotate=True)
+    if small.bands < 3:  # grey (and alpha): the same grey in R, G and B
+        small = small[0].bandjoin([small[0], small[0], *([small[1]] if small.bands == 2 else [])])
+    if small.bands == 3:
+        small = small.bandjoin_const([255])
+    small = small.cast("uchar")
+    return Small(width, height, bytes(small.write_to_memory()))
+
+
+def analysis_of(decoded: Decoded, fmt: str) -> Analysis:
+    return analyse(
+        small_copy(decoded), width=decoded.upright[0], height=decoded.upright[1], fmt=fmt,
+        frames=decoded.frames, has_alpha=_transparent(decoded),
+    )  # fmt: skip
+
+
+def _transparent(decoded: Decoded) -> bool:
+    """Whether any pixel of the first frame is less than opaque (libvips gives every GIF
+    an alpha band: its presence alone says nothing)."""
+    base = decoded.base
+    if not base.hasalpha():
+        return False
+    first = base.crop(0, 0, base.width, decoded.page_height)
+    return bool(first[first.bands - 1].min() < 255)
+
+
 class VipsHandler:
     name = "vips"
 
     def __init__(self, spec: DeriveSpec) -> None:
         self.spec = spec
+        check_encoders(spec)
         configure(spec.concurrency)
+        heif.configure(spec)
 
-    @decoding()
     def derive(self, original: bytes, spec: DeriveSpec) -> Derivation:
         check_input_size(original, spec)
-        loader = sniff_loader(original)
-        header = read_header(original, loader)
-        check_declared_size(header.width, header.height, header.frames, spec)
-        upright = header.upright
-        all_frames = header.frames > 1 and any(v.animated for v in spec.variants)
-        try:
-            base, page_height = decode_base(
-                original, base_size(*upright, spec.variants), header, all_frames
-            )
-            return Derivation(derive_variants(base, page_height, upright, spec))
-        except pyvips.Error as e:
-            # Truncated or corrupt pixel data (fail_on="error"): never publish a
-            # half-decoded image. The message is for the log only.
-            raise _decode_failure(e) from None
+        with decoding():
+            decoded = decode_original(original, spec)
+        fmt = input_format(original) or "unknown"
+        with encoding():
+            variants = derive_variants(decoded.base, decoded.page_height, decoded.upright, spec)
+            return Derivation(variants, analysis_of(decoded, fmt))
 
 
 # libtiff's words for a codec this build lacks (LZMA in the bundled libtiff, JPEG 2000 in

@@ -2,9 +2,9 @@
 
 `load_base` runs libvips' `thumbnail` once, to the size the most demanding variant needs
 (`geometry.base_size`): shrink-on-load, EXIF autorotation, colour management to sRGB and
-16-to-8-bit all happen there. When more than one output will read the base it is rendered
-to memory once (`copy_memory`): libvips pipelines are demand-driven, and without that
-every variant would decode the original again. A single output streams, as before.
+16-to-8-bit all happen there. The handler renders the base to memory once (`copy_memory`)
+before any variant: libvips pipelines are demand-driven, and without that every variant
+would decode the original again, and a decoder fault would surface inside an encoder.
 
 Each variant is then shaped from the base (`thumbnail_image` to resize, `crop` or
 `smartcrop` for cover) and encoded with the parameters pinned in `derivd.handlers.outputs`.
@@ -81,11 +81,8 @@ def _page_height(image: Any) -> int:
 def derive_variants(
     base: Any, page_height: int, upright: tuple[int, int], spec: DeriveSpec
 ) -> list[DerivedVariant]:
-    outputs = sum(len(v.formats) for v in spec.variants)
-    # Decode once: every variant reads these pixels. A single output streams, unless it
-    # crops or grows the image (both read the base out of order).
-    if outputs > 1 or any(v.fit == "cover" or v.upscale for v in spec.variants):
-        base = base.copy_memory()
+    # The base is in memory already (the handler renders it before any encoder runs):
+    # every variant reads these pixels, none decodes the original again.
     count = max(1, base.height // page_height)
     frames = [base.crop(0, i * page_height, base.width, page_height) for i in range(count)]
     out: list[DerivedVariant] = []

@@ -1,4 +1,5 @@
-"""derivd: a prefork daemon that derives WebP images from uploaded originals."""
+"""derivd: a prefork daemon that derives image variants (WebP, AVIF, JPEG, PNG) from
+uploaded originals."""
 
 from __future__ import annotations
 

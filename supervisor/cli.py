@@ -12,7 +12,15 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from derivd import __version__
-from derivd.config import DEFAULT_CONFIG, Config, ConfigError, load_config, render_ini
+from derivd.config import (
+    CONFIG_ENV,
+    DEFAULT_CONFIG,
+    Config,
+    ConfigError,
+    config_location,
+    load_config,
+    render_ini,
+)
 from derivd.states import ERROR_CODES
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -82,7 +90,8 @@ pass_state = click.make_pass_decorator(State)
     "config_path",
     type=click.Path(path_type=Path),
     default=None,
-    help=f"INI file to read [default: {DEFAULT_CONFIG}, built-in defaults when absent].",
+    help=f"INI file to read [default: ${CONFIG_ENV}, else {DEFAULT_CONFIG}, built-in defaults "
+    "when that is absent]. Relative paths inside it resolve against its directory.",
 )
 @click.option(
     "--log-level",
@@ -92,7 +101,8 @@ pass_state = click.make_pass_decorator(State)
 @click.version_option(__version__, prog_name="derivd")
 @click.pass_context
 def main(ctx: click.Context, config_path: Path | None, log_level: str | None) -> None:
-    """derivd derives WebP images from uploaded originals, in the background, safely.
+    """derivd derives image variants (WebP, AVIF, JPEG, PNG) from uploaded originals, in
+    the background, safely.
 
     An upload API stores the original (versioned), marks its row `queued` and answers at
     once; derivd's workers claim rows under a lease, derive the variants with libvips or
@@ -100,16 +110,20 @@ def main(ctx: click.Context, config_path: Path | None, log_level: str | None) ->
 
     \b
     Quick start (embedded database and file store under ./var):
-      derivd demo                   generate samples, process them, print a summary
+      derivd demo                   samples into the embedded database, processed, summed up
       derivd enqueue photos/        queue your own images
       derivd run                    run the daemon (Ctrl-C stops it gracefully)
     """
-    ctx.obj = State(config_path or DEFAULT_CONFIG, config_path is not None, log_level)
+    ctx.obj = State(*config_location(config_path, os.environ), log_level)
 
 
 @main.command()
 @click.option("--burst", is_flag=True, help="Exit 0 once nothing is claimable.")
-@click.option("--workers", type=click.IntRange(min=1), help="Override [supervisor] workers.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=0),
+    help="Override [supervisor] workers (0: one per CPU).",
+)
 @pass_state
 @friendly_errors
 def run(state: State, burst: bool, workers: int | None) -> None:
@@ -123,7 +137,7 @@ def run(state: State, burst: bool, workers: int | None) -> None:
     """
     from derivd.processes.daemon import run_daemon
 
-    if workers:
+    if workers is not None:
         # Through the environment, so that a SIGHUP reload keeps the override.
         os.environ["DERIVD_SUPERVISOR_WORKERS"] = str(workers)
     sys.exit(run_daemon(state.config, burst=burst))
@@ -243,6 +257,12 @@ def config_check(state: State) -> None:
     except ConfigError as error:
         click.echo(str(error), err=True)
         sys.exit(2)
+    from derivd.handlers.registry import missing_encoder
+
+    problem = missing_encoder(cfg.derive.backend, cfg.derive_spec())
+    if problem:
+        click.echo(f"{cfg.source}: [derive] {problem}", err=True)
+        sys.exit(2)
     click.echo(f"{cfg.source}: ok")
 
 
@@ -251,8 +271,17 @@ def config_check(state: State) -> None:
 @pass_state
 @friendly_errors
 def config_show(state: State, defaults: bool) -> None:
-    """Print the effective configuration as INI, with its documentation (secrets masked)."""
-    click.echo(render_ini(None if defaults else state.config, mask_secrets=True), nl=False)
+    """Print the effective configuration as INI, with its documentation (secrets masked),
+    then which database it names: for the embedded one, the DSN to reach it with."""
+    if defaults:
+        click.echo(render_ini(None, mask_secrets=True), nl=False)
+        return
+    from derivd.embedded.runtime import describe_database
+
+    click.echo(
+        render_ini(state.config, mask_secrets=True) + "\n" + describe_database(state.config),
+        nl=False,
+    )
 
 
 @main.command()
@@ -264,18 +293,34 @@ def config_show(state: State, defaults: bool) -> None:
     help="How many good sample images to generate.",
 )
 @click.option("--backend", type=str, help="Override [derive] backend for the demo.")
+@click.option(
+    "--into",
+    metavar="DSN",
+    help="Queue the samples into this database, and the configured store, instead of the "
+    "embedded ones.",
+)
 @pass_state
 @friendly_errors
-def demo(state: State, count: int, backend: str | None) -> None:
+def demo(state: State, count: int, backend: str | None, into: str | None) -> None:
     """The embedded quick start: generate samples, queue them, process until drained.
 
-    Uses the configured database and store (by default a private PostgreSQL cluster and
-    a file store under ./var), then prints ready/rejected counts, throughput and where
-    the WebP files are.
+    Runs on a private PostgreSQL cluster and a file store under [supervisor] state_dir,
+    whatever [database] and [storage] say: the samples (two deliberately bad) reach
+    another database only when `--into DSN` names it. Prints ready/rejected counts,
+    throughput, where the derived files are, and a gallery page to open.
     """
-    from derivd.embedded.demo import run_demo
+    from derivd.config import check_dsn
+    from derivd.embedded.demo import demo_config, run_demo
 
-    config = state.config
+    if into is not None and (not into or check_dsn(into)):
+        die(f"--into: {check_dsn(into) or 'give a DSN'}", 2)
+    config = demo_config(state.config, into=into)
+    if into is None and state.config.database.dsn:
+        click.echo(
+            "demo: on the embedded database under "
+            f"{config.state_dir}; [database] dsn is left alone (--into DSN to use it)",
+            err=True,
+        )
     if backend:
         config = config.replace("derive", backend=backend)
     sys.exit(run_demo(config, count=count))

@@ -97,8 +97,10 @@ class Result:
     variants: tuple[Variant, ...]
 
 
-def enqueue(conn: psycopg.Connection[Any], original_key: str, original_version: str) -> int:
+def enqueue(conn: psycopg.Connection[Any], original_key: str, original_version: str | None) -> int:
     """Queue a stored original, read later by key AND version id. Returns the row id.
+    A missing version (None: the PUT to an unversioned bucket returned none) raises
+    MissingVersion.
 
     InvalidKey (a ValueError), and nothing queued, for a key derivd's stores refuse
     (`..`, a leading `/`, a space, ...: derivd.storage.base.validate_key), as derivd

@@ -3,16 +3,19 @@
 The INI parser, `derivd config check|show` and the example `etc/derivd.ini` all come from
 these declarations. Any setting can also come from the environment as
 `DERIVD_<SECTION>_<KEY>` (e.g. `DERIVD_DATABASE_DSN`), which is how secrets stay out of
-the file.
+the file; any other `DERIVD_*` name (but `DERIVD_CONFIG`) is refused like an unknown key,
+so a misspelled override never goes unnoticed. Relative paths resolve against the config
+file's directory, so a command means the same state from any working directory.
 """
 
 from __future__ import annotations
 
 import configparser
 import dataclasses
+import difflib
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -29,11 +32,20 @@ from derivd.variants import (
 )
 
 DEFAULT_CONFIG = Path("etc/derivd.ini")
+CONFIG_ENV = "DERIVD_CONFIG"  # the config file when -c is not given
+ENV_PREFIX = "DERIVD_"
+DEFAULTS = "(defaults)"  # the source of a config read from no file
 Check = Callable[[Any], str | None]  # returns a problem, or None when the value is fine
 
 
-def setting(default: Any, doc: str, *, check: Check | None = None, secret: bool = False) -> Any:
-    return field(default=default, metadata={"doc": doc, "check": check, "secret": secret})
+def setting(
+    default: Any, doc: str, *, check: Check | None = None, secret: bool = False, path: bool = False
+) -> Any:
+    """One declared setting. `path`: a relative value resolves against the directory of
+    the config file that holds it (the working directory without a file)."""
+    return field(
+        default=default, metadata={"doc": doc, "check": check, "secret": secret, "path": path}
+    )
 
 
 def positive(value: float) -> str | None:
@@ -148,7 +160,7 @@ class StorageSettings:
     backend: str = setting(
         "fs", "where originals and derivatives live: fs or s3", check=one_of("fs", "s3")
     )
-    root: str = setting("", "fs: the store's directory; empty: <state_dir>/objects")
+    root: str = setting("", "fs: the store's directory; empty: <state_dir>/objects", path=True)
     bucket: str = setting("", "s3: bucket name (versioning must be enabled)")
     endpoint_url: str = setting("", "s3: endpoint for MinIO/Ceph/other S3 APIs; empty: AWS")
     region: str = setting("", "s3: region; empty: from the AWS environment/profile")
@@ -178,9 +190,9 @@ class SupervisorSettings:
     max_worker_rss_mb: int = setting(
         1024, "recycle a worker whose RSS exceeds this after a job; 0: never", check=non_negative
     )
-    pidfile: str = setting("", "write the supervisor's pid here; empty: no pidfile")
+    pidfile: str = setting("", "write the supervisor's pid here; empty: no pidfile", path=True)
     state_dir: str = setting(
-        "var", "directory for the embedded database, the fs store and runtime files"
+        "var", "directory for the embedded database, the fs store and runtime files", path=True
     )
     host_id: str = setting(
         "",
@@ -405,7 +417,9 @@ class Config:
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     # `[variant:NAME]` sections by NAME, in file order.
     variant_sections: Mapping[str, VariantSettings] = field(default_factory=dict)
-    source: str = "(defaults)"
+    source: str = DEFAULTS
+    # Where each (section, key) came from when it is not `source`: "environment NAME".
+    origins: Mapping[tuple[str, str], str] = field(default_factory=dict)
 
     @property
     def state_dir(self) -> Path:
@@ -433,6 +447,10 @@ class Config:
         """This supervisor's name in the host registry and on its claims."""
         return self.supervisor.host_id or socket.gethostname()
 
+    def where(self, section: str, key: str) -> str:
+        """The file (or environment variable) a setting came from, for error messages."""
+        return self.origins.get((section, key), self.source)
+
     def replace(self, section: str, **values: Any) -> Config:
         """A copy with some settings of one section changed (tests, `demo`)."""
         current = getattr(self, section)
@@ -442,19 +460,29 @@ class Config:
 SECTIONS: dict[str, type[Any]] = {
     f.name: f.default_factory  # type: ignore[misc]
     for f in fields(Config)
-    if f.name not in ("source", "variant_sections")
+    if f.name not in ("source", "variant_sections", "origins")
 }
+# What `unknown section` lists: the fixed sections and the variant sections' pattern.
+KNOWN_SECTIONS = (*SECTIONS, f"{SECTION_PREFIX}NAME")
 
 
 @dataclass(frozen=True)
 class Problem:
+    """One bad setting. `section` and `key` are None where none applies (a file that
+    cannot be read, an unknown section, an unknown environment variable)."""
+
     where: str
-    section: str
-    key: str
+    section: str | None
+    key: str | None
     message: str
 
     def __str__(self) -> str:
-        return f"{self.where}: [{self.section}] {self.key}: {self.message}"
+        scope = " ".join(
+            part for part in (f"[{self.section}]" if self.section else "", self.key or "") if part
+        )
+        return (
+            f"{self.where}: {scope}: {self.message}" if scope else f"{self.where}: {self.message}"
+        )
 
 
 class ConfigError(Exception):
@@ -491,7 +519,52 @@ def _convert(kind: type[Any], raw: str) -> Any:
 
 
 def _env_name(section: str, key: str) -> str:
-    return f"DERIVD_{section.upper()}_{key.upper()}"
+    return f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
+
+
+def known_env_names() -> tuple[str, ...]:
+    """Every `DERIVD_*` name derivd reads (variant sections have no overrides)."""
+    settings = (_env_name(name, f.name) for name, cls in SECTIONS.items() for f in fields(cls))
+    return (CONFIG_ENV, *settings)
+
+
+def closest(name: str, known: Iterable[str]) -> str | None:
+    """The known name `name` was most likely meant to be, if any is close."""
+    found = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _did_you_mean(name: str, known: Iterable[str], shown: Callable[[str], str] = str) -> str:
+    guess = closest(name, known)
+    return f"did you mean {shown(guess)}? " if guess else ""
+
+
+def _env_problems(env: Mapping[str, str]) -> list[Problem]:
+    known = known_env_names()
+    # Compared without the prefix every name shares, which would make anything look close.
+    suffixes = [k.removeprefix(ENV_PREFIX) for k in known]
+    return [
+        Problem(
+            f"environment {name}",
+            None,
+            None,
+            "unknown variable; "
+            + _did_you_mean(name.removeprefix(ENV_PREFIX), suffixes, ENV_PREFIX.__add__)
+            + "settings come as DERIVD_<SECTION>_<KEY> (see `derivd config show`)",
+        )
+        for name in sorted(env)
+        if name.startswith(ENV_PREFIX) and name not in known
+    ]
+
+
+def config_location(given: Path | None, env: Mapping[str, str]) -> tuple[Path, bool]:
+    """(the config file to read, whether it must exist): `-c`, else $DERIVD_CONFIG, else
+    etc/derivd.ini, which alone may be absent (built-in defaults)."""
+    if given is not None:
+        return given, True
+    if env.get(CONFIG_ENV):
+        return Path(env[CONFIG_ENV]), True
+    return DEFAULT_CONFIG, False
 
 
 def _read_ini(path: Path, problems: list[Problem]) -> dict[str, dict[str, str]]:
@@ -502,9 +575,18 @@ def _read_ini(path: Path, problems: list[Problem]) -> dict[str, dict[str, str]]:
     except configparser.Error as error:
         line = getattr(error, "lineno", None)
         where = f"{path}:{line}" if line else str(path)
-        problems.append(Problem(where, "-", "-", str(error).splitlines()[0]))
+        problems.append(Problem(where, None, None, str(error).splitlines()[0]))
+        return {}
+    except (OSError, UnicodeDecodeError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        problems.append(Problem(str(path), None, None, f"cannot read: {reason}"))
         return {}
     return {name: dict(parser.items(name)) for name in parser.sections()}
+
+
+def _resolve_path(value: str, base: Path) -> str:
+    """A path setting made absolute: relative values against `base`."""
+    return os.path.normpath(base / value) if value and not Path(value).is_absolute() else value
 
 
 def _section_values(
@@ -513,23 +595,39 @@ def _section_values(
     env: Mapping[str, str],
     where: str,
     problems: list[Problem],
+    *,
+    base: Path,
+    origins: dict[tuple[str, str], str],
     cls: type[Any] | None = None,
 ) -> Any:
+    """One section from the file's `raw` values and the environment; a relative path
+    from the file (or a default) resolves against `base`, from the environment against
+    the working directory."""
     cls = cls or SECTIONS[name]
     hints = get_type_hints(cls)
     declared = {f.name: f for f in fields(cls)}
     for key in raw:
         if key not in declared:
             problems.append(
-                Problem(where, name, key, f"unknown setting; known: {', '.join(declared)}")
+                Problem(
+                    where,
+                    name,
+                    key,
+                    f"unknown setting; {_did_you_mean(key, declared)}known: {', '.join(declared)}",
+                )
             )
     values: dict[str, Any] = {}
     for key, spec in declared.items():
         env_key = _env_name(name, key)
+        from_env = env_key in env
         source, text = (
-            (f"environment {env_key}", env[env_key]) if env_key in env else (where, raw.get(key))
+            (f"environment {env_key}", env[env_key]) if from_env else (where, raw.get(key))
         )
+        if from_env:
+            origins[(name, key)] = source
         if text is None:
+            if spec.metadata.get("path"):
+                values[key] = _resolve_path(str(spec.default), base)
             continue
         try:
             value = _convert(hints[key], text)
@@ -541,30 +639,43 @@ def _section_values(
         if problem:
             problems.append(Problem(source, name, key, problem))
             continue
+        if spec.metadata.get("path"):
+            value = _resolve_path(value, Path.cwd() if from_env else base)
         values[key] = value
     return cls(**values)
 
 
-def _cross_checks(config: Config, where: str) -> list[Problem]:
+def _cross_checks(config: Config) -> list[Problem]:
     queue = config.queue
-    problems = _lease_checks(config, where)
+    problems = _lease_checks(config)
     if config.sweep.orphan_guard <= queue.lease:
         problems.append(
             Problem(
-                where,
+                config.where("sweep", "orphan_guard"),
                 "sweep",
                 "orphan_guard",
                 f"must exceed [queue] lease ({queue.lease:g}s): live attempts keep their objects",
             )
         )
     if queue.retry_max < queue.retry_base:
-        problems.append(Problem(where, "queue", "retry_max", "must be at least retry_base"))
+        problems.append(
+            Problem(
+                config.where("queue", "retry_max"),
+                "queue",
+                "retry_max",
+                "must be at least retry_base",
+            )
+        )
     if config.storage.backend == "s3" and not config.storage.bucket:
-        problems.append(Problem(where, "storage", "bucket", "required when backend = s3"))
+        problems.append(
+            Problem(
+                config.where("storage", "bucket"), "storage", "bucket", "required when backend = s3"
+            )
+        )
     return problems
 
 
-def _lease_checks(config: Config, where: str) -> list[Problem]:
+def _lease_checks(config: Config) -> list[Problem]:
     sup, queue = config.supervisor, config.queue
     problems: list[Problem] = []
     # Without renewal the supervisor must be able to kill a job and record its failure
@@ -573,7 +684,7 @@ def _lease_checks(config: Config, where: str) -> list[Problem]:
     if not queue.renew and sup.job_timeout + sup.kill_grace > 0.8 * queue.lease:
         problems.append(
             Problem(
-                where,
+                config.where("supervisor", "job_timeout"),
                 "supervisor",
                 "job_timeout",
                 f"job_timeout + kill_grace ({sup.job_timeout + sup.kill_grace:g}s) must be at most "
@@ -585,7 +696,7 @@ def _lease_checks(config: Config, where: str) -> list[Problem]:
     if queue.heartbeat_s > queue.lease / 3:
         problems.append(
             Problem(
-                where,
+                config.where("queue", "heartbeat"),
                 "queue",
                 "heartbeat",
                 f"must be at most a third of [queue] lease ({queue.lease / 3:g}s)",
@@ -600,50 +711,63 @@ def load_config(
     env: Mapping[str, str] | None = None,
     required: bool = False,
 ) -> Config:
-    """Read `path` (default `etc/derivd.ini`) plus `DERIVD_*` overrides and validate all.
+    """Read `path` (default: $DERIVD_CONFIG, else `etc/derivd.ini`) plus `DERIVD_*`
+    overrides and validate all.
 
     A missing default file means built-in defaults; a missing explicit file is an error.
-    Raises ConfigError listing every problem with file, section and key.
+    Relative paths resolve against the file's directory (the working directory when no
+    file is read). Raises ConfigError listing every problem with file, section and key.
     """
     env = os.environ if env is None else env
-    path = path or DEFAULT_CONFIG
-    problems: list[Problem] = []
+    if path is None:
+        path, required = config_location(None, env)
+    problems = _env_problems(env)
     raw: dict[str, dict[str, str]] = {}
-    where = str(path)
+    where, base = str(path), Path(os.path.abspath(path)).parent
     if path.exists():
         raw = _read_ini(path, problems)
     elif required:
-        raise ConfigError([Problem(where, "-", "-", "no such file")])
+        raise ConfigError([*problems, Problem(where, None, None, "no such file")])
     else:
-        where = "(defaults)"
+        where, base = DEFAULTS, Path.cwd()
     for name in raw:
         if name not in SECTIONS and not is_variant_section(name):
+            guess = _did_you_mean(name, KNOWN_SECTIONS, lambda s: f"[{s}]")
             problems.append(
-                Problem(where, name, "-", f"unknown section; known: {', '.join(SECTIONS)}")
+                Problem(
+                    where, name, None, f"unknown section; {guess}known: {', '.join(KNOWN_SECTIONS)}"
+                )
             )
+    origins: dict[tuple[str, str], str] = {}
     sections = {
-        name: _section_values(name, raw.get(name, {}), env, where, problems) for name in SECTIONS
+        name: _section_values(
+            name, raw.get(name, {}), env, where, problems, base=base, origins=origins
+        )
+        for name in SECTIONS
     }
     # No environment overrides for variant sections: their names hold a NAME of the file's.
     variant_sections = {
         name.removeprefix(SECTION_PREFIX): _section_values(
-            name, values, {}, where, problems, VariantSettings
+            name, values, {}, where, problems, base=base, origins={}, cls=VariantSettings
         )
         for name, values in raw.items()
         if is_variant_section(name)
     }
     if problems:
         raise ConfigError(problems)
-    config = Config(**sections, variant_sections=variant_sections, source=where)
-    problems = _cross_checks(config, where)
+    config = Config(**sections, variant_sections=variant_sections, source=where, origins=origins)
+    problems = _cross_checks(config)
     _, variant_problems = build_variants(config.derive.variants, variant_sections)
-    problems += [Problem(where, *p) for p in variant_problems]
+    problems += [
+        Problem(config.where(sec, key), sec, key, msg) for sec, key, msg in variant_problems
+    ]
     if problems:
         raise ConfigError(problems)
     return config
 
 
-def _ini_value(value: Any) -> str:
+def render_value(value: Any) -> str:
+    """A setting's value as the INI file (and the environment) spell it."""
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float) and value.is_integer():
@@ -651,20 +775,26 @@ def _ini_value(value: Any) -> str:
     return str(value)
 
 
+def example_config() -> Config:
+    """What the checkout's `etc/derivd.ini` holds: the defaults, with the state in the
+    checkout's `var/` (the file sits in `etc/`, and relative paths resolve against it)."""
+    return Config().replace("supervisor", state_dir="../var")
+
+
 def render_ini(config: Config | None = None, *, mask_secrets: bool = False) -> str:
     """The documented INI text of `config` (defaults when None): every setting, its doc."""
     config = config or Config()
     lines = [
-        "# derivd configuration. Every setting is shown with its default; durations are",
+        "# derivd configuration. Every setting is shown with its value; durations are",
         "# seconds. Any setting may instead come from the environment as",
         "# DERIVD_<SECTION>_<KEY>, e.g. DERIVD_DATABASE_DSN (keep secrets there).",
-        "# Relative paths are relative to the directory derivd is started from.",
+        "# Relative paths resolve against this file's directory.",
     ]
     for name in SECTIONS:
         section = getattr(config, name)
         lines += ["", f"[{name}]"]
         for spec in fields(section):
-            value = _ini_value(getattr(section, spec.name))
+            value = render_value(getattr(section, spec.name))
             if mask_secrets and spec.metadata.get("secret"):
                 value = mask_dsn(value)
             lines.append(f"# {spec.metadata['doc']}")
@@ -681,7 +811,7 @@ def _render_variants(config: Config) -> list[str]:
         prefix = "" if values is not None else "# "
         lines += ["", f"{prefix}[{SECTION_PREFIX}{name}]"]
         for spec in fields(VariantSettings):
-            value = _ini_value(getattr(values or VariantSettings(), spec.name))
+            value = render_value(getattr(values or VariantSettings(), spec.name))
             lines.append(f"# {spec.metadata['doc']}")
             lines.append(f"{prefix}{spec.name} = {value}".rstrip())
     return lines

@@ -21,7 +21,7 @@ import boto3
 import pytest
 from fixtures.cli import run_cli as _run_cli
 from fixtures.faultproxy import FaultProxy
-from fixtures.pgbouncer import DIRECT_FOR, PgBouncer
+from fixtures.pgbouncer import DIRECT_FOR, NO_PGBOUNCER, PgBouncer, find_pgbouncer
 from fixtures.s3 import (
     AWS_ENV_UNSET,
     TEST_ACCESS_KEY,
@@ -46,7 +46,7 @@ TEMPLATE_DB = "derivd_template"
 # --------------------------------------------------------------------------- tiers
 # unit: no services; integration: PostgreSQL and/or moto's S3; acceptance: the `derivd`
 # process itself. A test's tier follows from the fixtures it uses (or an explicit
-# marker), so `pytest -m unit` runs alone; with DERIVD_TEST_TIER=unit the service fixtures
+# marker), so `pytest -m unit` runs alone; with PYTEST_DERIVD_TIER=unit the service fixtures
 # fail, which proves that the unit tier needs none.
 SERVICE_FIXTURES = frozenset(
     {
@@ -81,7 +81,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _refuse_services_in_unit_tier() -> None:
-    if os.environ.get("DERIVD_TEST_TIER") == "unit":
+    if os.environ.get("PYTEST_DERIVD_TIER") == "unit":
         pytest.fail("a unit-tier test asked for a service fixture")
 
 
@@ -142,8 +142,13 @@ def pg_template(pg_cluster: EmbeddedCluster) -> str:
 
 
 @pytest.fixture(scope="session")
-def pgbouncer(pg_cluster: EmbeddedCluster, pg_root: Path) -> Iterator[PgBouncer]:
-    """PgBouncer in transaction mode (pool of 3 per database) in front of the cluster."""
+def pgbouncer(request: pytest.FixtureRequest, pg_root: Path) -> Iterator[PgBouncer]:
+    """PgBouncer in transaction mode (pool of 3 per database) in front of the cluster.
+    Where none is installed every test that needs it skips, with one line for them all
+    (checked before the cluster starts: a run without PgBouncer pays nothing for it)."""
+    if find_pgbouncer() is None:
+        pytest.skip(NO_PGBOUNCER)
+    pg_cluster: EmbeddedCluster = request.getfixturevalue("pg_cluster")
     bouncer = PgBouncer(
         pg_root / "pgbouncer", pg_host="127.0.0.1", pg_port=pg_cluster.port, user="derivd"
     ).start()
@@ -168,13 +173,15 @@ def dsn(
 ) -> Iterator[str]:
     """A fresh, migrated, otherwise empty database for this test only (reached through
     PgBouncer when the test is parametrized so: see `pooler`)."""
+    pooled = getattr(request, "param", "direct") == "pgbouncer"
+    # Before the database exists: a missing PgBouncer skips the test here.
+    bouncer: PgBouncer | None = request.getfixturevalue("pgbouncer") if pooled else None
     name = f"test_{next(_db_numbers)}"
     if not pg_cluster.is_running():  # a chaos test may have left it stopped
         pg_cluster.start()
     pg_cluster.create_database(name, template=pg_template)
     direct = pg_cluster.dsn(name)
-    if getattr(request, "param", "direct") == "pgbouncer":
-        bouncer: PgBouncer = request.getfixturevalue("pgbouncer")
+    if bouncer is not None:
         yield bouncer.dsn(direct)
     else:
         yield direct

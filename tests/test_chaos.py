@@ -18,6 +18,7 @@ import psycopg
 import pytest
 from fixtures.cli import derivd_command
 from fixtures.faultproxy import FaultProxy
+from fixtures.pgbouncer import NO_PGBOUNCER, find_pgbouncer
 from fixtures.s3 import TEST_REGION
 from helpers import chaos_run, stop_process
 
@@ -32,8 +33,21 @@ if TYPE_CHECKING:
 CHAOS = Path(__file__).resolve().parent.parent / "bench" / "chaos.py"
 
 
+# It starts PostgreSQL, moto, a fault proxy and `derivd run` itself (no fixtures tell the
+# tier from its arguments): an acceptance test, whatever its fixtures say.
+@pytest.mark.acceptance
 @pytest.mark.slow
-@pytest.mark.parametrize("pooler", [[], ["--pooler"]], ids=["direct", "pgbouncer"])
+@pytest.mark.parametrize(
+    "pooler",
+    [
+        pytest.param([], id="direct"),
+        pytest.param(
+            ["--pooler"],
+            id="pgbouncer",
+            marks=pytest.mark.skipif(find_pgbouncer() is None, reason=NO_PGBOUNCER),
+        ),
+    ],
+)
 def test_short_chaos_run_keeps_every_invariant(pooler: list[str]) -> None:
     output = chaos_run(CHAOS, "--seed", "20240611", *pooler, timeout=600)
     # The run really did its tricks (a run where nothing happened proves nothing).

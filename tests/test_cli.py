@@ -15,6 +15,10 @@ from configs import write_ini
 from fixtures.cli import derivd_command
 from PIL import Image
 
+from derivd.config import Config
+from derivd.embedded.demo import demo_config
+from derivd.embedded.pgcluster import discard
+
 RunCli = Callable[..., CompletedProcess[str]]
 
 
@@ -66,6 +70,49 @@ def test_config_show_masks_the_password(run_cli: RunCli) -> None:
     assert "dsn = host=x password=***" in result.stdout and "hunter2" not in result.stdout
 
 
+def test_a_misspelled_environment_variable_stops_status(run_cli: RunCli, tmp_path: Path) -> None:
+    """`DERIVD_DATABSE_DSN` was ignored and `status` reported `health: ok` on a fresh
+    private cluster; now it is bad configuration (exit 2), naming the closest name."""
+    result = run_cli("status", env={"DERIVD_DATABSE_DSN": "host=db"}, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert (
+        "environment DERIVD_DATABSE_DSN: unknown variable; did you mean DERIVD_DATABASE_DSN?"
+        in result.stderr
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_status_never_creates_a_cluster(run_cli: RunCli, tmp_path: Path) -> None:
+    """From a directory where nothing ran, `status` says so (exit 3, "cannot tell")
+    instead of starting an empty cluster there and calling it healthy."""
+    result = run_cli("status", cwd=tmp_path)
+    assert result.returncode == 3, result.stderr
+    line = one_line_error(result)
+    assert f"no embedded database under {tmp_path / 'var'}" in line
+    assert list(tmp_path.iterdir()) == []  # no var/, no cluster, no store
+
+
+def test_config_show_names_the_embedded_database(run_cli: RunCli, tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    ini = write_ini(tmp_path / "etc" / "derivd.ini", {"supervisor": {"state_dir": "../state"}})
+    result = run_cli("-c", "etc/derivd.ini", "config", "show", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"state_dir = {tmp_path / 'state'}\n" in result.stdout  # against the file's folder
+    embedded = (
+        f"# database: the embedded PostgreSQL cluster under {tmp_path / 'state'}, not running"
+    )
+    assert embedded in result.stdout
+    dsn = result.stdout.split("its DSN (psql, [database] dsn of another tool): ")[1].strip()
+    assert psycopg.conninfo.conninfo_to_dict(dsn) == {
+        "host": str(tmp_path / "state" / "sock"),
+        "port": "5432",
+        "user": "derivd",
+        "dbname": "derivd",
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["etc"]  # nothing made
+    assert ini.exists()
+
+
 def test_unreachable_database_is_one_line(run_cli: RunCli, tmp_path: Path) -> None:
     env = fs_env("host=127.0.0.1 port=1 user=x dbname=x connect_timeout=2", tmp_path)
     line = one_line_error(run_cli("migrate", env=env))
@@ -104,8 +151,9 @@ def test_enqueue_then_burst_run_makes_everything_final(
     ids = [int(line.split("\t")[0]) for line in queued.stdout.splitlines()]
     assert len(ids) == 3
 
-    ran = run_cli("run", "--burst", env=env, timeout=120)
+    ran = run_cli("run", "--burst", "--workers", "0", env=env, timeout=120)  # 0: one per CPU
     assert ran.returncode == 0, ran.stderr
+    assert "dashboard and /metrics: off (set [metrics] listen" in ran.stderr
     with psycopg.connect(dsn) as conn:
         rows = conn.execute("SELECT status, error_code FROM archive_files ORDER BY id").fetchall()
     assert sorted(rows, key=str) == sorted(
@@ -122,7 +170,7 @@ def test_demo_processes_its_samples_and_shows_a_real_webp(
         DERIVD_SUPERVISOR_STATE_DIR=str(tmp_path / "state"),
         DERIVD_SUPERVISOR_WORKERS="2",
     )
-    result = run_cli("demo", "--count", "3", env=env, timeout=180)
+    result = run_cli("demo", "--count", "3", "--into", dsn, env=env, timeout=180)
     assert result.returncode == 0, result.stderr
     assert "ready: 3  rejected: 2  other: 0" in result.stdout
     assert "rejected bad-truncated.jpg: corrupt_content" in result.stdout
@@ -144,13 +192,57 @@ def test_demo_processes_its_samples_and_shows_a_real_webp(
     with psycopg.connect(dsn) as conn:
         variants = conn.execute("SELECT count(*) FROM archive_variants").fetchone()
     assert variants is not None and variants[0] >= 3
-    assert len(images.sources) == 5 + variants[0]  # every original and every variant
+    # Every original that is an image, and every variant; the one that is not an image
+    # gets a labelled frame, never a broken image.
+    assert len(images.sources) == 4 + variants[0]
+    assert "nothing to show" in page.read_text()
     for src in images.sources:
         assert not Path(src).is_absolute() and ".." not in Path(src).parts, src
         assert (page.parent / src).is_file(), src
     assert images.cards == {"ready": 3, "rejected": 2}
     assert "rejected: corrupt_content" in page.read_text()
     assert "rejected: unsupported_content" in page.read_text()
+
+
+def test_demo_leaves_a_configured_database_alone(
+    run_cli: RunCli, dsn: str, pg_root: Path, tmp_path: Path
+) -> None:
+    """The demo's samples (two deliberately bad) went into whatever database the config
+    named, production included; now only into the embedded one unless `--into DSN`."""
+    state = pg_root / f"demo-{tmp_path.name}"
+    env = fs_env(dsn, tmp_path / "configured-store", DERIVD_SUPERVISOR_STATE_DIR=str(state))
+    try:
+        result = run_cli("demo", "--count", "1", "--backend", "noop", env=env, timeout=180)
+    finally:
+        discard(state / "pg")
+    assert result.returncode == 0, result.stderr
+    assert f"demo: on the embedded database under {state}; [database] dsn is left alone" in (
+        result.stderr
+    )
+    assert "ready: 3  rejected: 0  other: 0" in result.stdout  # noop reads no bytes
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM archive_files").fetchone() == (0,)
+    assert not (tmp_path / "configured-store").exists()  # nor the configured store
+    assert (state / "objects" / "originals").is_dir()
+
+
+def test_demo_config_is_the_embedded_one_unless_told(tmp_path: Path) -> None:
+    configured = (
+        Config()
+        .replace("database", dsn="host=prod")
+        .replace("storage", backend="s3", bucket="prod")
+    )
+    sandbox = demo_config(configured, into=None)
+    assert sandbox.database.dsn == "" and sandbox.storage.backend == "fs"
+    assert sandbox.fs_root == sandbox.state_dir / "objects"
+    told = demo_config(configured, into="host=staging")
+    assert told.database.dsn == "host=staging" and told.storage.bucket == "prod"
+
+
+def test_demo_into_must_be_a_dsn(run_cli: RunCli, tmp_path: Path) -> None:
+    line = one_line_error(run_cli("demo", "--into", "host='unterminated", cwd=tmp_path))
+    assert line.startswith("derivd: --into: not a libpq connection string")
+    assert list(tmp_path.iterdir()) == []
 
 
 class Images(HTMLParser):

@@ -12,10 +12,14 @@ from derivd.config import (
     SECTIONS,
     Config,
     ConfigError,
+    config_location,
+    example_config,
+    known_env_names,
     load_config,
     mask_dsn,
     parse_variants,
     render_ini,
+    render_value,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,13 +32,17 @@ def test_every_setting_is_documented_and_round_trips(tmp_path: Path) -> None:
     for name in SECTIONS:
         for spec in fields(getattr(loaded, name)):
             assert spec.metadata["doc"], f"[{name}] {spec.name} has no doc"
-            assert getattr(getattr(loaded, name), spec.name) == getattr(
-                getattr(Config(), name), spec.name
-            )
+            default = getattr(getattr(Config(), name), spec.name)
+            if spec.metadata["path"] and default:  # made absolute against the file's folder
+                default = str(tmp_path / default)
+            assert getattr(getattr(loaded, name), spec.name) == default
 
 
 def test_example_file_is_generated_from_the_declarations() -> None:
-    assert (REPO / "etc" / "derivd.ini").read_text(encoding="utf-8") == render_ini()
+    assert (REPO / "etc" / "derivd.ini").read_text(encoding="utf-8") == render_ini(example_config())
+    # Its state is the checkout's var/, from whichever directory derivd runs.
+    loaded = load_config(REPO / "etc" / "derivd.ini", env={})
+    assert loaded.state_dir == REPO / "var"
 
 
 def test_bad_values_name_file_section_and_key(tmp_path: Path) -> None:
@@ -55,11 +63,102 @@ def test_bad_values_name_file_section_and_key(tmp_path: Path) -> None:
         f"{path}: [queue] listen: 'maybe' is not yes/no",
         f"{path}: [derive] varients: unknown setting",
         f"{path}: [derive] backend: unknown backend 'imagemagick'; known: ",
-        f"{path}: [bogus] -: unknown section",
+        f"{path}: [bogus]: unknown section; known: database, storage, ",
     ]
     for prefix in expected:
         assert any(line.startswith(prefix) for line in lines), (prefix, lines)
     assert "noop, pillow, vips" in str(caught.value)
+    assert "did you mean variants?" in str(caught.value)
+    assert ", logging, variant:NAME" in str(caught.value)  # the sections a file may hold
+    assert "-:" not in str(caught.value)  # no placeholder for a section or key
+
+
+def test_problems_name_only_what_applies(tmp_path: Path) -> None:
+    """`prdo.ini: [-] -: no such file` and `[qeue] -: unknown section` named a section or
+    key where none applies; a misspelled section gets the closest known one."""
+    missing = tmp_path / "prdo.ini"
+    with pytest.raises(ConfigError) as caught:
+        load_config(missing, env={}, required=True)
+    assert str(caught.value) == f"{missing}: no such file"
+    path = write_ini(tmp_path / "q.ini", {"qeue": {"lease": "60"}})
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env={})
+    assert str(caught.value).startswith(f"{path}: [qeue]: unknown section; did you mean [queue]?")
+    broken = tmp_path / "broken.ini"
+    broken.write_text("lease = 60\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as caught:
+        load_config(broken, env={})
+    assert str(caught.value).startswith(f"{broken}:1: File contains no section headers")
+
+
+def test_a_misspelled_environment_variable_is_refused_with_the_closest_name() -> None:
+    """DERIVD_DATABSE_DSN was ignored: a health probe went green against a fresh private
+    cluster instead of the database it was meant to watch."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            Path("absent.ini"), env={"DERIVD_DATABSE_DSN": "host=db", "DERIVD_NOTHING_LIKE_IT": "1"}
+        )
+    assert str(caught.value).splitlines() == [
+        "environment DERIVD_DATABSE_DSN: unknown variable; did you mean DERIVD_DATABASE_DSN? "
+        "settings come as DERIVD_<SECTION>_<KEY> (see `derivd config show`)",
+        "environment DERIVD_NOTHING_LIKE_IT: unknown variable; "
+        "settings come as DERIVD_<SECTION>_<KEY> (see `derivd config show`)",
+    ]
+    # Every declared name, DERIVD_CONFIG, and names without the prefix are accepted.
+    env = _defaults_as_env() | {"DERIVD_CONFIG": "x.ini", "PGHOST": "x", "DERIVD": "x"}
+    assert set(env) >= set(known_env_names())
+    load_config(Path("absent.ini"), env=env)
+
+
+def _defaults_as_env() -> dict[str, str]:
+    """Every setting's default under its environment name."""
+    return {
+        f"DERIVD_{name.upper()}_{spec.name.upper()}": render_value(
+            getattr(getattr(Config(), name), spec.name)
+        )
+        for name in SECTIONS
+        for spec in fields(getattr(Config(), name))
+    }
+
+
+def test_the_config_file_comes_from_derivd_config(tmp_path: Path) -> None:
+    path = write_ini(tmp_path / "c.ini", {"queue": {"lease": "90"}})
+    assert config_location(None, {"DERIVD_CONFIG": str(path)}) == (path, True)
+    assert config_location(tmp_path / "given.ini", {"DERIVD_CONFIG": str(path)})[0] == (
+        tmp_path / "given.ini"
+    )
+    assert config_location(None, {}) == (Path("etc/derivd.ini"), False)
+    assert load_config(env={"DERIVD_CONFIG": str(path)}).queue.lease == 90
+
+
+def test_relative_paths_resolve_against_the_config_files_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`state_dir = var` meant ./var of wherever a command ran: `derivd status` from
+    another directory started a new, empty cluster there."""
+    folder = tmp_path / "conf"
+    folder.mkdir()
+    path = write_ini(
+        folder / "derivd.ini",
+        {"supervisor": {"state_dir": "state", "pidfile": "run/derivd.pid"}, "storage": {}},
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_config(Path("../conf/derivd.ini"), env={})
+    assert config.state_dir == folder / "state"
+    assert config.supervisor.pidfile == str(folder / "run" / "derivd.pid")
+    assert config.fs_root == folder / "state" / "objects"
+    # A default path resolves against the file too; absolute paths stay as written.
+    root = tmp_path / "objects"
+    write_ini(path, {"storage": {"root": str(root)}})
+    config = load_config(path, env={})
+    assert config.state_dir == folder / "var" and config.fs_root == root
+    # A path from the environment is a command-line value: against the working directory.
+    config = load_config(path, env={"DERIVD_SUPERVISOR_STATE_DIR": "here"})
+    assert config.state_dir == elsewhere / "here"
+    # No file: the working directory.
+    assert load_config(tmp_path / "absent.ini", env={}).state_dir == elsewhere / "var"
 
 
 def test_job_timeout_must_stay_well_below_the_lease(tmp_path: Path) -> None:

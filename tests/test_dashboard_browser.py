@@ -7,21 +7,29 @@ Skips (one line) when no Chromium is installed (`make system-deps` installs Debi
 
 from __future__ import annotations
 
+import html
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fixtures.cli import derivd_command
 from fixtures.s3 import free_port
 from helpers import sql, stop_process, wait_for
+from PIL import Image
 from test_dashboard import Cells
 
-from derivd.queue.db import QueueDB
+from derivd.embedded.gallery import ORIGINAL_BOX, Sample, fit, write_gallery
+from derivd.ops.dashboard import Minute
+from derivd.ops.dashboard_page import STYLE, chart
+from derivd.queue.db import QueueDB, StoredVariant
 from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
 
@@ -38,10 +46,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def dump_dom(url: str, profile: Path) -> str:
-    """The DOM after the page loaded, as Chromium serialises it."""
+def dump_dom(url: str, profile: Path, *, wait_ms: int = 0) -> str:
+    """The DOM after the page loaded, as Chromium serialises it (after `wait_ms` of
+    virtual time: long enough for a page's own script to finish)."""
     exe = browser()
     assert exe is not None
+    waiting = [f"--virtual-time-budget={wait_ms}"] if wait_ms else []
     result = subprocess.run(
         [
             exe,
@@ -49,7 +59,9 @@ def dump_dom(url: str, profile: Path) -> str:
             "--no-sandbox",
             "--disable-gpu",
             "--no-first-run",
+            "--window-size=1400,1000",
             f"--user-data-dir={profile}",
+            *waiting,
             "--dump-dom",
             url,
         ],
@@ -198,6 +210,130 @@ def test_the_rendered_dashboard_matches_the_database(
     problems = {p["signal"] for p in report["problems"]}
     assert problems == {"recent_rejected_ratio"}
 
-    out = os.environ.get("DERIVD_DASHBOARD_SCREENSHOT")
-    if out:  # DERIVD_DASHBOARD_SCREENSHOT=docs/dashboard.png: the README's picture
+    out = os.environ.get("PYTEST_DERIVD_SCREENSHOT")
+    if out:  # PYTEST_DERIVD_SCREENSHOT=docs/dashboard.png: the README's picture
         screenshot(url, profile, Path(out))
+
+
+# --------------------------------------------------------------------------- measured
+
+
+MEASURE = """
+<script>
+window.addEventListener("load", async () => {
+  for (const img of document.images) img.loading = "eager";
+  await Promise.all([...document.images].map(
+    (img) => img.complete ? null : new Promise((done) => { img.onload = img.onerror = done; })));
+  const out = document.createElement("pre");
+  out.id = "measured";
+  out.textContent = JSON.stringify((() => { %s })());
+  document.body.append(out);
+});
+</script>
+"""
+
+
+def measured(page: Path, script: str, profile: Path) -> Any:
+    """What `script` (a function body returning JSON-able data) finds in `page` as
+    Chromium lays it out, every image loaded (or failed). The page is copied beside
+    itself with the script added, so its relative images still resolve."""
+    probe = page.with_name(f"measure-{page.name}")
+    text = page.read_text(encoding="utf-8")
+    probe.write_text(text.replace("</body>", MEASURE % script + "</body>"), encoding="utf-8")
+    dom = dump_dom(probe.as_uri(), profile, wait_ms=20000)
+    found = re.search(r'<pre id="measured">(.*?)</pre>', dom, re.S)
+    assert found, dom[-2000:]
+    return json.loads(html.unescape(found.group(1)))
+
+
+def _image(path: Path, size: tuple[int, int], fmt: str, mode: str = "RGB") -> Path:
+    Image.new(mode, size, (40, 120, 200)).save(path, fmt)
+    return path
+
+
+def _variant(store: FsStorage, n: int, name: str, size: tuple[int, int]) -> StoredVariant:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (200, 90, 40)).save(buffer, "WEBP")
+    key = f"derived/{n}/token/{name}.webp"
+    return StoredVariant(
+        name, key, store.put(key, buffer.getvalue(), "image/webp"), "ab" * 32, *size
+    )
+
+
+GALLERY_SCRIPT = """
+const figures = [...document.querySelectorAll("figure")].map((f) => {
+  const img = f.querySelector("img"), box = (img || f.querySelector(".nothing"));
+  const rect = box.getBoundingClientRect();
+  return {kind: f.dataset.kind, name: f.dataset.name, img: !!img,
+          loaded: img ? img.complete && img.naturalWidth > 0 : null,
+          natural: img ? [img.naturalWidth, img.naturalHeight] : null,
+          shown: [Math.round(rect.width), Math.round(rect.height)]};
+});
+return figures;
+"""
+
+
+def test_the_gallery_shows_real_sizes_and_no_broken_image(tmp_path: Path) -> None:
+    """Every picture was capped at 360x240, so a thumbnail looked as large as its
+    preview, and the sample that is not an image showed a broken-image icon."""
+    store = FsStorage(tmp_path / "store")
+    samples = [
+        Sample(
+            _image(tmp_path / "photo.jpg", (1200, 900), "JPEG"),
+            "ready",
+            None,
+            [_variant(store, 1, "preview", (800, 600)), _variant(store, 1, "thumb", (160, 120))],
+        ),
+        Sample(_image(tmp_path / "scan.tif", (600, 450), "TIFF"), "ready", None, []),
+        Sample(tmp_path / "bad-not-an-image.jpg", "rejected", "unsupported_content", []),
+    ]
+    samples[2].path.write_bytes(b"<html>not a JPEG</html>")
+    page = write_gallery(tmp_path / "demo", samples, store)
+    figures = measured(page, GALLERY_SCRIPT, tmp_path / "chromium")
+    by_name = {f["name"]: f for f in figures}
+    assert all(f["loaded"] for f in figures if f["img"]), figures  # no broken image
+    preview, thumb = by_name["preview"], by_name["thumb"]
+    assert (preview["shown"], thumb["shown"]) == ([800, 600], [160, 120])  # real sizes
+    assert preview["natural"] == [800, 600] and thumb["natural"] == [160, 120]
+    photo = by_name["original: photo.jpg"]
+    assert photo["shown"] == list(fit((1200, 900), ORIGINAL_BOX)) == [480, 360]
+    assert by_name["original: scan.tif"]["shown"] == [480, 360]  # its PNG preview
+    bad = by_name["original: bad-not-an-image.jpg"]
+    assert not bad["img"] and bad["shown"][0] > 0  # a labelled frame, no image
+    assert "nothing to show" in page.read_text()
+
+
+CHART_SCRIPT = """
+const svg = document.getElementById("chart"), width = svg.viewBox.baseVal.width;
+const texts = [...svg.querySelectorAll("text")].map((t) => {
+  const b = t.getBBox();
+  return {text: t.textContent, left: b.x, right: b.x + b.width};
+});
+const line = svg.querySelector("polyline.median");
+const dots = svg.querySelectorAll("circle.median-dot").length;
+return {width, texts, line: line ? line.getTotalLength() : 0, dots};
+"""
+
+
+def _chart_page(path: Path, minutes: list[Minute]) -> Path:
+    path.write_text(
+        f"<!doctype html><html><head><style>{STYLE}</style></head><body>"
+        f"{chart(minutes, time.time())}</body></html>",
+        encoding="utf-8",
+    )
+    return path
+
+
+def test_the_chart_keeps_its_labels_inside_and_draws_a_lone_median(tmp_path: Path) -> None:
+    """The right-hand label (the slowest median) was cut at the picture's edge, and one
+    minute of data drew a median line of one point: nothing."""
+    profile = tmp_path / "chromium"
+    lone = measured(
+        _chart_page(tmp_path / "lone.html", [Minute(0, 3, 0.25)]), CHART_SCRIPT, profile
+    )
+    assert lone["line"] > 5 or lone["dots"] == 1, lone  # something to see
+    wide = [Minute(ago, 12_345, 3599.0 - ago) for ago in range(0, 60, 7)]
+    found = measured(_chart_page(tmp_path / "wide.html", wide), CHART_SCRIPT, profile)
+    assert {t["text"] for t in found["texts"]} >= {"12,345/min", "59m59s", "now", "-60 min"}
+    for label in found["texts"]:
+        assert label["left"] >= 0 and label["right"] <= found["width"], label

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import http.client
+import os
 import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import boto3
@@ -12,11 +15,15 @@ import psycopg
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
+from fixtures.faketime import find_libfaketime
 from fixtures.faultproxy import FaultProxy
+from fixtures.pgbouncer import NO_PGBOUNCER
 from fixtures.s3 import MotoServer
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
+
+TESTS = Path(__file__).resolve().parent
 
 
 def _user_tables(dsn: str) -> set[str]:
@@ -142,3 +149,51 @@ def test_run_cli_runs_the_console_script(
     result = run_cli("--help")
     assert result.returncode == 0, result.stderr
     assert "Usage" in result.stdout
+
+
+def test_libfaketime_is_found_on_any_architecture(tmp_path: Path) -> None:
+    """It was looked for at the x86_64 path only: skipped on arm64 with faketime installed."""
+    lib = tmp_path / "usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"")
+    pattern = str(tmp_path / "usr/lib/*/faketime/{}")
+    assert find_libfaketime(listed=[], globs=[pattern]) == lib
+    assert find_libfaketime(listed=[str(lib)], globs=[]) == lib  # dpkg -L libfaketime
+    assert find_libfaketime(listed=["/usr/share/doc/libfaketime"], globs=[]) is None
+
+
+def _pytest(*args: str, **env: str) -> str:
+    """A nested pytest run on this suite (no xdist); its output."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
+        cwd=TESTS.parent,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    return run.stdout + run.stderr
+
+
+@pytest.mark.acceptance  # a nested pytest that starts PostgreSQL
+def test_a_missing_pgbouncer_skips_the_pooled_cases_in_one_line() -> None:
+    """They errored (RuntimeError in the fixture) where PgBouncer was not installed:
+    now each skips with one line naming the package, the direct cases run."""
+    out = _pytest(
+        "-rs",
+        "tests/test_pooler.py::test_migrations_run_through_the_pooler",
+        "tests/test_queue.py::test_migrate_is_idempotent",
+        PYTEST_DERIVD_PGBOUNCER="",
+    )
+    assert "1 passed, 2 skipped" in out and "error" not in out.lower(), out
+    skipped = [line for line in out.splitlines() if line.startswith("SKIPPED")]
+    assert len(skipped) == 2 and all(line.endswith(f": {NO_PGBOUNCER}") for line in skipped)
+
+
+def test_the_chaos_run_is_not_a_unit_test() -> None:
+    """It starts PostgreSQL, moto and daemons, yet `pytest -m unit` ran it."""
+    unit = _pytest("--collect-only", "-m", "unit", "tests/test_chaos.py")
+    assert "test_short_chaos_run_keeps_every_invariant" not in unit, unit
+    acceptance = _pytest("--collect-only", "-m", "acceptance", "tests/test_chaos.py")
+    assert "test_short_chaos_run_keeps_every_invariant[direct]" in acceptance, acceptance

@@ -11,20 +11,26 @@ import io
 import struct
 
 import imagegen
+import pi_heif
 import pytest
 from PIL import Image, ImageChops, ImageStat
 from test_handlers import MISTAKE_MAD, PARITY_MAD, SPEC, mad, reference
 
+from derivd.handlers import pillow as pillow_backend
+from derivd.handlers import vips as vips_backend
 from derivd.handlers.base import (
     CorruptContent,
+    DeriveSpec,
     Handler,
+    MissingEncoder,
     Permanent,
     Transient,
     UnsupportedContent,
+    VariantSpec,
     decoding,
     target_size,
 )
-from derivd.handlers.registry import create_handler
+from derivd.handlers.registry import create_handler, missing_encoder
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +103,103 @@ def test_cielab_read_as_rgb_would_be_a_visible_mistake() -> None:
     as_rgb = Image.frombytes("RGB", lab.size, lab.tobytes()).convert("RGBA")
     scene = imagegen.scene().convert("RGBA")
     assert max(ImageStat.Stat(ImageChops.difference(as_rgb, scene)).mean) > MISTAKE_MAD
+
+
+# --- decoder faults and encoder faults (issue 21, item 9) -----------------------------------
+
+RAISE_IF_DECODED = "a pixel was decoded"
+
+
+def never_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make pi-heif's decode raise: a test that expects a refusal from the header alone."""
+
+    def refuse(self: object) -> None:
+        raise AssertionError(RAISE_IF_DECODED)
+
+    monkeypatch.setattr(pi_heif.heif.BaseImage, "load", refuse)
+
+
+@pytest.mark.parametrize(
+    ("backend", "target"),
+    [("pillow", "derivd.handlers.pillow_variants.encode"),
+     ("vips", "derivd.handlers.vips_variants.encode")],
+)  # fmt: skip
+def test_an_encoder_fault_is_processing_failed(
+    backend: str, target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The original decoded fine; what the encoder raises is not the content's fault
+    (it was corrupt_content while `decoding()` wrapped the whole derive)."""
+    handler = create_handler(backend, SPEC)
+
+    def broken(*args: object, **kwargs: object) -> bytes:
+        raise ValueError("encoder exploded")
+
+    monkeypatch.setattr(target, broken)
+    with pytest.raises(Permanent) as caught:
+        handler.derive(imagegen.jpeg(), SPEC)
+    assert caught.value.code == "processing_failed"
+
+
+@pytest.mark.parametrize("backend", ["vips", "pillow"])
+def test_a_truncated_original_is_still_the_decoders_fault(backend: str) -> None:
+    """libvips decodes lazily: the base is rendered before any encoder, so a cut JPEG
+    fails in the decode (corrupt_content), not in the saver (processing_failed)."""
+    handler = create_handler(backend, DeriveSpec(variants=(VariantSpec("only", 320),)))
+    with pytest.raises(Permanent) as caught:
+        handler.derive(imagegen.truncated(imagegen.jpeg, 0.5)(), SPEC)
+    assert caught.value.code == "corrupt_content"
+
+
+def _avif_declaring(width: int, height: int) -> bytes:
+    data = bytearray(imagegen.avif())
+    at = data.index(b"ispe")
+    data[at + 8 : at + 16] = struct.pack(">II", width, height)
+    return bytes(data)
+
+
+@pytest.mark.parametrize("backend", ["vips", "pillow"])
+def test_a_17000_square_avif_is_a_resource_limit(backend: str) -> None:
+    """289 MP declared: libavif refuses it in words Pillow reported as unidentifiable
+    (corrupt_content); the declared size is checked first, as libvips' header is."""
+    with pytest.raises(Permanent) as caught:
+        create_handler(backend, SPEC).derive(_avif_declaring(17000, 17000), SPEC)
+    assert caught.value.code == "resource_limit"
+
+
+AVIF_SPEC = DeriveSpec(variants=(VariantSpec("card", 320, formats=("avif", "webp")),))
+
+
+def test_pillow_without_an_avif_encoder_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An old Pillow (wheels before 11.3.0) has no AVIF: the handler is never created, and the
+    reason is one line (the worker's boot error stops the supervisor with it)."""
+    real = pillow_backend.features.check
+    monkeypatch.setattr(
+        pillow_backend.features, "check", lambda name: name != "avif" and real(name)
+    )
+    with pytest.raises(MissingEncoder) as caught:
+        create_handler("pillow", AVIF_SPEC)
+    assert "avif" in str(caught.value) and "\n" not in str(caught.value)
+    create_handler("pillow", SPEC)  # WebP only: fine
+    # `derivd config check` says the same before anything starts.
+    assert missing_encoder("pillow", AVIF_SPEC) == str(caught.value)
+    assert missing_encoder("pillow", SPEC) is None
+
+
+def test_vips_without_a_saver_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = vips_backend.pyvips.type_find
+
+    def no_heifsave(base: str, name: str) -> int:
+        return 0 if name == "heifsave_buffer" else int(real(base, name))
+
+    monkeypatch.setattr(vips_backend.pyvips, "type_find", no_heifsave)
+    with pytest.raises(MissingEncoder) as caught:
+        create_handler("vips", AVIF_SPEC)
+    assert "avif" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_worker_reports_a_missing_encoder_in_one_line() -> None:
+    """The boot error the supervisor stops with is the reason itself, no class name."""
+    from derivd.processes.child import _boot_error_text
+
+    reason = "backend pillow: Pillow 10.4.0 cannot write avif"
+    assert _boot_error_text(MissingEncoder(reason)) == reason

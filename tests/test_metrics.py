@@ -25,7 +25,7 @@ from helpers import stop_process
 from PIL import Image
 
 from derivd.config import ConfigError
-from derivd.ops.metrics import DURATION_BUCKETS, Metrics
+from derivd.ops.metrics import DURATION_BUCKETS, Metrics, listening_line
 from derivd.queue.db import QueueDB
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "etc" / "grafana-dashboard.json"
@@ -155,8 +155,8 @@ def test_a_busy_port_is_one_configuration_error() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(ConfigError) as error:
-            Metrics().serve(f"127.0.0.1:{port}")
-    assert f"[metrics] listen: cannot listen on 127.0.0.1:{port}" in str(error.value)
+            Metrics().serve(f"127.0.0.1:{port}", where="prod.ini")
+    assert f"prod.ini: [metrics] listen: cannot listen on 127.0.0.1:{port}" in str(error.value)
     assert "\n" not in str(error.value)
 
 
@@ -272,3 +272,13 @@ def test_running_supervisor_serves_its_metrics(
         code = stop_process(proc)
         log.close()
     assert code == 0, (tmp_path / "derivd.log").read_text()
+    # One start-up line says where to look (the port is the one asked for).
+    text = (tmp_path / "derivd.log").read_text()
+    assert text.count(f"dashboard: http://{listen}/  metrics: http://{listen}/metrics") == 1
+
+
+def test_the_start_up_line_names_the_bound_address() -> None:
+    assert listening_line(("::1", 9464)) == (
+        "dashboard: http://[::1]:9464/  metrics: http://[::1]:9464/metrics"
+    )
+    assert listening_line(None).startswith("dashboard and /metrics: off")

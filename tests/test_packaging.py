@@ -75,3 +75,44 @@ def test_console_script_and_handler_entry_points_name_derivd(wheel: Path) -> Non
     handlers = dict(line.split(" = ") for line in section.strip().splitlines())
     assert set(handlers) >= {"vips", "pillow", "noop"}
     assert all(value.startswith("derivd.handlers.") for value in handlers.values())
+
+
+def test_the_wheel_ships_the_licence_its_metadata_names(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        text = archive.read(metadata).decode()
+        (licence,) = [n for n in names if n.endswith("/LICENSE") and ".dist-info/" in n]
+        shipped = archive.read(licence).decode()
+    assert "License: MIT" in text or "License-Expression: MIT" in text
+    assert shipped == (ROOT / "LICENSE").read_text() and shipped.startswith("MIT License")
+    summary = next(line for line in text.splitlines() if line.startswith("Summary: "))
+    assert "WebP images" not in summary  # variants may be AVIF, JPEG or PNG too
+
+
+def test_descriptions_name_every_output_format() -> None:
+    import derivd
+    from derivd import cli
+
+    for text in (derivd.__doc__ or "", cli.main.help or ""):
+        assert "derives image variants (WebP, AVIF, JPEG, PNG)" in " ".join(text.split())
+
+
+def _make_dry_run(target: str) -> str:
+    """The commands `make TARGET` would run on a fresh clone (-B: as if nothing was
+    installed yet; -n: without running them)."""
+    result = subprocess.run(
+        ["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return result.stdout
+
+
+def test_make_run_installs_only_what_running_needs() -> None:
+    """`make run` installed the test toolchain (622 MB) and apt-installed Chromium,
+    PgBouncer and faketime for a demo that needs none of them."""
+    run = _make_dry_run("run")
+    assert "sh etc/system-deps.sh run" in run and "system-deps.sh test" not in run
+    assert "pip install -q -e '.' " in run and "[test]" not in run
+    test = _make_dry_run("test")
+    assert "sh etc/system-deps.sh test" in test
+    assert "pip install -q -e '.[test]' " in test

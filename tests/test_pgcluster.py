@@ -18,7 +18,7 @@ from derivd.config import Config
 from derivd.embedded import pgbin, pghome
 from derivd.embedded.pgbin import PostgresNotFound, find_server_bindir
 from derivd.embedded.pgcluster import EmbeddedCluster, EmbeddedClusterError, discard
-from derivd.embedded.runtime import database
+from derivd.embedded.runtime import database, describe_database
 
 
 def _postmaster_pid(cluster: EmbeddedCluster) -> int:
@@ -84,12 +84,24 @@ def test_embedded_database_keeps_its_data_from_one_command_to_the_next(pg_root: 
         with database(config) as dsn:
             sql(dsn, "INSERT INTO archive_files (status, original_key) VALUES ('queued', 'k')")
         assert not EmbeddedCluster(state / "pg").is_running()  # it started it: stopped
-        with database(config) as dsn:
+        with database(config, read_only=True) as dsn:  # `status`: an existing cluster
             rows = sql(dsn, "SELECT status, original_key FROM archive_files")
+            assert f"its DSN (psql, [database] dsn of another tool): {dsn}" in (
+                describe_database(config)
+            )
+            assert f"under {state}, running" in describe_database(config)
         assert rows == [{"status": "queued", "original_key": "k"}]
         assert not EmbeddedCluster(state / "pg").is_running()
     finally:
         discard(state / "pg")
+
+
+def test_read_only_commands_never_create_a_cluster(tmp_path: Path) -> None:
+    config = Config().replace("supervisor", state_dir=str(tmp_path / "state"))
+    with pytest.raises(EmbeddedClusterError, match=r"no embedded database under .*state"):
+        with database(config, read_only=True):
+            pass
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_second_instance_adopts_running_cluster(pg_cluster: EmbeddedCluster) -> None:

@@ -50,7 +50,7 @@ def test_a_pooled_connection_prepares_nothing_and_a_direct_one_does(dsn: str, po
 
 
 def test_migrations_run_through_the_pooler(
-    pg_cluster: EmbeddedCluster, pgbouncer: PgBouncer
+    pgbouncer: PgBouncer, pg_cluster: EmbeddedCluster
 ) -> None:
     """One transaction under a transaction-scoped lock: nothing needs a session."""
     name = f"pooled_migrate_{next(_names)}"

@@ -106,19 +106,28 @@ def _is_query_block(node: ast.expr) -> bool:
 
 
 def _is_identifier_block(node: ast.expr) -> bool:
-    """`self._identifiers("create_database", name=...)`: a named block whose `{name}`
-    placeholders are filled with psycopg.sql.Identifier (cluster administration)."""
-    return (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == "_identifiers"
-        and len(node.args) == 1
-        and isinstance(node.args[0], ast.Constant)
-    )
+    """`self._identifiers("create_database", name=...)` or `_on_channel(name, channel)`: a
+    named block whose `{name}` placeholders are filled with psycopg.sql.Identifier (cluster
+    administration, LISTEN on a channel)."""
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    if called == "_identifiers":
+        return len(node.args) == 1 and isinstance(node.args[0], ast.Constant)
+    return called == "_on_channel" and len(node.args) == 2
 
 
 def _is_migration(node: ast.expr) -> bool:
-    return isinstance(node, ast.Attribute) and node.attr == "sql"  # Migration.sql: package data
+    """`migration.sql` or `functions()`: package data (sql/migrations, sql/functions.sql)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "sql"
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "functions"
+        and not node.args
+    )
 
 
 def _is_composed(node: ast.expr, own: str = "") -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import random
@@ -14,7 +15,7 @@ from typing import Any
 import click
 from PIL import Image, ImageDraw
 
-from derivd.config import Config
+from derivd.config import Config, DatabaseSettings, StorageSettings
 from derivd.embedded.gallery import Sample, write_gallery
 from derivd.embedded.runtime import database
 from derivd.ops.enqueue import upload_and_queue
@@ -111,6 +112,15 @@ def quiet_job_logs() -> None:
         logging.getLogger("derivd").setLevel(logging.WARNING)
 
 
+def demo_config(config: Config, *, into: str | None) -> Config:
+    """What the demo runs on: the embedded database and an fs store under state_dir,
+    whatever the config names (its samples include bad ones: never a production
+    database by accident); with `into`, that database and the configured store."""
+    if into:
+        return config.replace("database", dsn=into, listen_dsn="")
+    return dataclasses.replace(config, database=DatabaseSettings(), storage=StorageSettings())
+
+
 def run_demo(config: Config, *, count: int) -> int:
     samples = generate_samples(config.state_dir / "samples", count)
     storage = open_storage(config)
@@ -150,9 +160,9 @@ def run_demo(config: Config, *, count: int) -> int:
         f"({elapsed:.1f}s, backend {config.derive.backend})"
     )
     click.echo(
-        f"WebP files: {config.fs_root / 'derived'}"
+        f"derived files: {config.fs_root / 'derived'}"
         if config.storage.backend == "fs"
-        else f"WebP files: s3://{config.storage.bucket}/{config.storage.prefix}derived/"
+        else f"derived files: s3://{config.storage.bucket}/{config.storage.prefix}derived/"
     )
     example = next((row for row in rows if row and row["derived_key"]), None)
     if example is not None and isinstance(storage, FsStorage):

@@ -5,6 +5,13 @@ their error code.
 The page is self-contained in its folder: every image it shows is copied next to it
 (read back from the store by key and version, so it works for `fs` and `s3` alike), and
 an original a browser cannot display (TIFF) is shown through a PNG preview, labelled so.
+Variants are shown at their real size (only one wider than the window shrinks to fit),
+so a thumbnail looks like a thumbnail beside its preview; originals, often larger than a
+screen, are scaled to fit ORIGINAL_BOX and say so; a sample that is no image at all gets
+a labelled empty frame, never a broken image.
+
+A card is a list of `Figure`s (the original, then the variants): to show more about an
+original, add a figure or a part after it in `_card`.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from derivd.storage.base import Storage
 
 # What browsers display as is; anything else gets a PNG preview.
 BROWSER_FORMATS = {"JPEG", "PNG", "GIF", "WEBP", "AVIF"}
+# The largest an original is shown (CSS px); variants are shown at their real size.
+ORIGINAL_BOX = (480, 360)
 
 
 @dataclass(frozen=True)
@@ -33,8 +42,32 @@ class Sample:
     variants: Sequence[StoredVariant]
 
 
+@dataclass(frozen=True)
+class Figure:
+    """One picture of a card: the file beside the page (None: nothing a browser can
+    show), shown at `shown` CSS px; `kind` and `name` label it for readers and tests."""
+
+    kind: str  # "original" or "variant"
+    name: str
+    caption: str
+    src: str | None = None
+    shown: tuple[int, int] = (0, 0)
+
+
 def esc(value: object) -> str:
     return html.escape(str(value), quote=True)
+
+
+STYLE = (
+    "body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;background:#fafafa;color:#1d2430}"
+    ".card{display:flex;gap:1.2em;align-items:flex-end;flex-wrap:wrap;background:#fff;"
+    "border:1px solid #e3e6ea;padding:.8em;margin:0 0 1em}"
+    "figure{margin:0;max-width:100%}img{display:block;max-width:100%;height:auto;"
+    "background:repeating-conic-gradient(#eee 0 25%,#fff 0 50%) 0 0/16px 16px}"
+    ".nothing{display:flex;align-items:center;justify-content:center;width:160px;"
+    "height:120px;border:1px dashed #b8bec6;color:#6b7480;font-size:12px;text-align:center}"
+    "figcaption{font-size:12px;color:#4a5360}.rejected{color:#a11818;font-weight:600}"
+)
 
 
 def write_gallery(folder: Path, samples: Sequence[Sample], storage: Storage) -> Path:
@@ -47,16 +80,10 @@ def write_gallery(folder: Path, samples: Sequence[Sample], storage: Storage) -> 
     page = folder / "index.html"
     page.write_text(
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
-        "<title>derivd demo</title><style>"
-        "body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;background:#fafafa;color:#1d2430}"
-        ".card{display:flex;gap:1.2em;align-items:flex-end;flex-wrap:wrap;background:#fff;"
-        "border:1px solid #e3e6ea;padding:.8em;margin:0 0 1em}"
-        "figure{margin:0}img{max-width:360px;max-height:240px;display:block;"
-        "background:repeating-conic-gradient(#eee 0 25%,#fff 0 50%) 0 0/16px 16px}"
-        "figcaption{font-size:12px;color:#4a5360}.rejected{color:#a11818;font-weight:600}"
-        "</style></head><body>"
+        f"<title>derivd demo</title><style>{STYLE}</style></head><body>"
         f"<h1>derivd demo</h1><p>{ready} of {len(samples)} samples ready; each original "
-        "(left) beside the variants derivd made from it.</p>" + "".join(cards) + "</body></html>\n",
+        "(left, scaled to fit) beside the variants derivd made from it, at their real "
+        "size.</p>" + "".join(cards) + "</body></html>\n",
         encoding="utf-8",
     )
     return page
@@ -64,52 +91,75 @@ def write_gallery(folder: Path, samples: Sequence[Sample], storage: Storage) -> 
 
 def _card(folder: Path, n: int, sample: Sample, storage: Storage) -> str:
     original = sample.path.read_bytes()
-    shown, note = _displayable(folder, n, sample.path, original)
-    parts = [
-        f'<section class="card" data-status="{esc(sample.status)}">',
-        _figure(shown, f"original: {sample.path.name}", note + _describe_bytes(original)),
-    ]
+    parts = [_figure(_original(folder, n, sample.path, original))]
     if sample.status == "rejected":
         parts.append(f'<p class="rejected">rejected: {esc(sample.error_code)}</p>')
     elif sample.status != "ready":
         parts.append(f'<p class="rejected">{esc(sample.status)}</p>')
-    for variant in sample.variants:
-        data = storage.get(variant.key, variant.version)
-        ext = variant.key.rsplit(".", 1)[-1].lower()
-        name = f"files/{n:03d}-{_safe(variant.name)}-{_safe(variant.format)}.{_safe(ext)}"
-        (folder / name).write_bytes(data)
-        caption = (
-            f"{variant.width}x{variant.height} {variant.format}, {_describe_bytes(data)}, "
-            f"{_saving(len(data), len(original))}"
-        )
-        parts.append(_figure(name, f"{variant.name}", caption))
-    parts.append("</section>")
-    return "".join(parts)
+    parts += [
+        _figure(_variant(folder, n, variant, storage, len(original))) for variant in sample.variants
+    ]
+    return f'<section class="card" data-status="{esc(sample.status)}">{"".join(parts)}</section>'
 
 
-def _displayable(folder: Path, n: int, path: Path, data: bytes) -> tuple[str, str]:
-    """(relative file name, caption prefix) of what the page shows for an original."""
+def _variant(
+    folder: Path, n: int, variant: StoredVariant, storage: Storage, original_size: int
+) -> Figure:
+    data = storage.get(variant.key, variant.version)
+    ext = variant.key.rsplit(".", 1)[-1].lower()
+    name = f"files/{n:03d}-{_safe(variant.name)}-{_safe(variant.format)}.{_safe(ext)}"
+    (folder / name).write_bytes(data)
+    caption = (
+        f"{variant.width}x{variant.height} {variant.format}, {_describe_bytes(data)}, "
+        f"{_saving(len(data), original_size)}"
+    )
+    return Figure("variant", variant.name, caption, name, (variant.width, variant.height))
+
+
+def _original(folder: Path, n: int, path: Path, data: bytes) -> Figure:
+    """The original as the page shows it: as is, through a PNG preview, or (no image a
+    browser could show) an empty frame that says so."""
+    title = f"original: {path.name}"
     try:
         with Image.open(io.BytesIO(data)) as image:
-            fmt, size = image.format or "?", image.size
-            if fmt not in BROWSER_FORMATS:
-                preview = f"files/{n:03d}-original-preview.png"
+            fmt, size = (image.format or "?").lower(), image.size
+            name, note = f"files/{n:03d}-original{_safe(path.suffix.lower())}", ""
+            if image.format not in BROWSER_FORMATS:
+                name, note = f"files/{n:03d}-original-preview.png", " (shown as PNG)"
                 image.convert("RGBA" if "A" in image.getbands() else "RGB").save(
-                    folder / preview, "PNG"
+                    folder / name, "PNG"
                 )
-                return preview, f"{size[0]}x{size[1]} {fmt.lower()} (shown as PNG), "
-    except Exception:  # a broken sample (the demo makes two): shown as a broken image
-        fmt, size = None, None
-    name = f"files/{n:03d}-original{_safe(path.suffix.lower())}"
-    (folder / name).write_bytes(data)
-    shape = f"{size[0]}x{size[1]} {fmt.lower()}, " if size and fmt else ""
-    return name, shape
+            else:
+                (folder / name).write_bytes(data)
+    except Exception:  # not an image (the demo makes one on purpose), or unreadable
+        return Figure("original", title, f"not an image, {_describe_bytes(data)}")
+    shown = fit(size, ORIGINAL_BOX)
+    scale = f", shown at {shown[0] / size[0]:.0%}" if shown != size else ""
+    caption = f"{size[0]}x{size[1]} {fmt}{note}, {_describe_bytes(data)}{scale}"
+    return Figure("original", title, caption, name, shown)
 
 
-def _figure(src: str, title: str, caption: str) -> str:
+def fit(size: tuple[int, int], box: tuple[int, int]) -> tuple[int, int]:
+    """`size` scaled down (never up) to fit `box`, keeping its aspect ratio."""
+    scale = min(1.0, box[0] / size[0], box[1] / size[1]) if size[0] and size[1] else 1.0
+    return max(1, round(size[0] * scale)), max(1, round(size[1] * scale))
+
+
+def _figure(figure: Figure) -> str:
+    label = f' data-kind="{esc(figure.kind)}" data-name="{esc(figure.name)}"'
+    if figure.src is None:
+        picture = (
+            '<div class="nothing" role="img" aria-label="nothing to show">nothing to show</div>'
+        )
+    else:
+        width, height = figure.shown
+        picture = (
+            f'<img src="{esc(figure.src)}" alt="{esc(figure.name)}" width="{width}" '
+            f'height="{height}" loading="lazy">'
+        )
     return (
-        f'<figure><img src="{esc(src)}" alt="{esc(title)}" loading="lazy">'
-        f"<figcaption><b>{esc(title)}</b><br>{esc(caption)}</figcaption></figure>"
+        f"<figure{label}>{picture}"
+        f"<figcaption><b>{esc(figure.name)}</b><br>{esc(figure.caption)}</figcaption></figure>"
     )
 
 

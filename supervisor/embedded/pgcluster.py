@@ -166,6 +166,22 @@ class EmbeddedCluster:
         fields = self._read_pidfile()
         return fields is not None and pid_alive(int(fields[0]))
 
+    def exists(self) -> bool:
+        """Whether initdb has made this cluster (in place or in its recorded home)."""
+        return (self.data_dir / "PG_VERSION").exists()
+
+    def peek_dsn(self) -> tuple[str, bool]:
+        """(DSN, running) without starting or creating anything: the running server's
+        address from its pidfile, else the one start() would give it (no TCP only)."""
+        fields = self._read_pidfile()
+        running = fields is not None and pid_alive(int(fields[0]))
+        if fields is not None and running:
+            host, port = fields[4].strip() or "127.0.0.1", fields[3].strip()
+        else:
+            host = "127.0.0.1" if self.listen_tcp else str(self._socket_dir)
+            port = str(self._port or _NO_TCP_PORT)
+        return make_conninfo(host=host, port=port, user=SUPERUSER, dbname=DEFAULT_DB), running
+
     def dsn(self, dbname: str = DEFAULT_DB) -> str:
         host = "127.0.0.1" if self.listen_tcp else str(self._socket_dir)
         return make_conninfo(host=host, port=str(self.port), user=SUPERUSER, dbname=dbname)

@@ -5,21 +5,39 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from derivd.config import Config
 from derivd.queue.db import check_schema, migrate
 from derivd.redact import mask_dsn
 
+if TYPE_CHECKING:
+    from derivd.embedded.pgcluster import EmbeddedCluster
+
 log = logging.getLogger("derivd")
 
 
+def embedded_cluster(config: Config) -> EmbeddedCluster:
+    """The private cluster of an empty `[database] dsn` (nothing is started or made)."""
+    from derivd.embedded.pgcluster import EmbeddedCluster
+
+    return EmbeddedCluster(config.state_dir / "pg", log_file=config.state_dir / "postgres.log")
+
+
 @contextmanager
-def database(config: Config, *, auto_migrate: bool = True, check: bool = True) -> Iterator[str]:
+def database(
+    config: Config, *, auto_migrate: bool = True, check: bool = True, read_only: bool = False
+) -> Iterator[str]:
     """Yield a DSN. An empty `[database] dsn` starts the private cluster under state_dir
     (and stops it on exit if this process started it); derivd owns that database, so its
     schema is brought up to date at once. A configured database is migrated only by
     `derivd migrate`. With `check` (every command but `migrate`) the schema must be this
     version's, else SchemaMismatch before the caller does anything.
+
+    `read_only` (commands that only look: `status`, `show`) never creates a cluster nor
+    migrates one: without an embedded cluster under state_dir it raises
+    EmbeddedClusterError, so a command run with another state directory (another working
+    directory, a misspelled setting) says so instead of reporting on an empty new database.
     """
     if config.database.dsn:
         log.debug("database %s", mask_dsn(config.database.dsn))
@@ -27,15 +45,34 @@ def database(config: Config, *, auto_migrate: bool = True, check: bool = True) -
             check_schema(config.database.dsn)
         yield config.database.dsn
         return
-    from derivd.embedded.pgcluster import EmbeddedCluster
+    from derivd.embedded.pgcluster import EmbeddedClusterError
 
-    cluster = EmbeddedCluster(config.state_dir / "pg", log_file=config.state_dir / "postgres.log")
+    cluster = embedded_cluster(config)
+    if read_only and not cluster.exists():
+        raise EmbeddedClusterError(
+            f"no embedded database under {config.state_dir} ([database] dsn is empty and "
+            f"nothing has run with this configuration ({config.source}): `derivd run` or "
+            "`derivd demo` makes one; or set [database] dsn)"
+        )
     with cluster:
         dsn = cluster.dsn()
-        if auto_migrate:
+        if auto_migrate and not read_only:
             applied = migrate(dsn)
             if applied:
                 log.info("embedded database migrated: %s", ", ".join(applied))
         if check:
             check_schema(dsn)
         yield dsn
+
+
+def describe_database(config: Config) -> str:
+    """Comment lines for `derivd config show`: which database the config names, and for
+    the embedded one, the DSN to reach it with (nothing is started)."""
+    if config.database.dsn:
+        return f"# database: {mask_dsn(config.database.dsn)}\n"
+    dsn, running = embedded_cluster(config).peek_dsn()
+    state = "running" if running else "not running (`derivd run` or `derivd demo` start it)"
+    return (
+        f"# database: the embedded PostgreSQL cluster under {config.state_dir}, {state}\n"
+        f"# its DSN (psql, [database] dsn of another tool): {dsn}\n"
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from derivd.ops.dashboard import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
 from derivd.ops.status import Report, duration
@@ -30,6 +30,7 @@ td.n,td.num{text-align:right;font-variant-numeric:tabular-nums}
 .muted{color:#6b7480}.error{color:#a11818;font-weight:600}
 svg{background:#fff;border:1px solid #e3e6ea}
 svg .bar{fill:#4a7bd0}svg .median{fill:none;stroke:#d9822b;stroke-width:2}
+svg .median-dot{fill:#d9822b}
 svg text{font:10px system-ui,sans-serif;fill:#6b7480}
 meter{width:8em}
 """
@@ -294,13 +295,18 @@ W, H, PAD, SLOTS = 640, 150, 34, 60
 
 
 def chart(minutes: Sequence[Minute], taken_at: float) -> str:
-    """60 one-minute bars (oldest left) and a median-duration line on its own scale."""
+    """60 one-minute bars (oldest left) and a median-duration line on its own scale.
+
+    The line runs flat across each minute's slot, so a single minute of data is a
+    visible segment (a polyline of one point draws nothing), with a dot on minutes that
+    have no neighbour. Labels at the right edge are anchored at their end: inside the
+    picture whatever the font's width."""
     by_age = {m.minutes_ago: m for m in minutes}
     top = max((m.finished for m in minutes), default=0) or 1
     slowest = max((m.median_s or 0.0 for m in minutes), default=0.0) or 1.0
     slot = (W - 2 * PAD) / SLOTS
     plot_h = H - 2 * 14
-    bars, points = [], []
+    bars, points, dots = [], [], []
     for i in range(SLOTS):
         ago = SLOTS - 1 - i
         x = PAD + i * slot
@@ -319,16 +325,25 @@ def chart(minutes: Sequence[Minute], taken_at: float) -> str:
         )
         if m.median_s is not None:
             y = 14 + plot_h - plot_h * m.median_s / slowest
-            points.append(f"{x + slot / 2:.1f},{y:.1f}")
+            points.append(f"{x + 1:.1f},{y:.1f} {x + slot - 1:.1f},{y:.1f}")
+            if not _has_median(by_age, ago + 1) and not _has_median(by_age, ago - 1):
+                dots.append(
+                    f'<circle class="median-dot" cx="{x + slot / 2:.1f}" cy="{y:.1f}" r="3"/>'
+                )
     line = f'<polyline class="median" points="{" ".join(points)}"/>' if points else ""
     labels = (
-        f'<text x="2" y="20">{top:,}/min</text>'
-        f'<text x="{W - PAD + 2}" y="20">{esc(duration(slowest))}</text>'
+        f'<text x="2" y="10">{top:,}/min</text>'
+        f'<text x="{W - 2}" y="10" text-anchor="end">{esc(duration(slowest))}</text>'
         f'<text x="{PAD}" y="{H - 2}">-60 min</text>'
-        f'<text x="{W - PAD - 20}" y="{H - 2}">now</text>'
+        f'<text x="{W - PAD}" y="{H - 2}" text-anchor="end">now</text>'
     )
     return (
         f'<svg id="chart" xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
         f'viewBox="0 0 {W} {H}" role="img" aria-label="jobs finished per minute, last hour">'
-        f"{''.join(bars)}{line}{labels}</svg>"
+        f"{''.join(bars)}{line}{''.join(dots)}{labels}</svg>"
     )
+
+
+def _has_median(by_age: Mapping[int, Minute], ago: int) -> bool:
+    minute = by_age.get(ago)
+    return minute is not None and minute.median_s is not None

@@ -208,14 +208,15 @@ class Metrics:
         for kind in sorted({*self._known_event_kinds(), *counts}):
             self.events.labels(kind).set(counts.get(kind, 0))
 
-    def serve(self, listen: str, *, dashboard: Route | None = None) -> None:
+    def serve(self, listen: str, *, dashboard: Route | None = None, where: str = "") -> None:
         """Start the HTTP endpoint on host:port (a daemon thread in the supervisor):
         `/metrics`, and the dashboard at `/` when given (derivd.ops.web).
 
         Port 0 picks a free port (see `address`). A port that cannot be bound is a
-        configuration problem: ConfigError naming [metrics] listen.
+        configuration problem: ConfigError naming [metrics] listen and `where` it was set
+        (the config file or environment variable).
         """
-        host, port = split_listen(listen)
+        host, port = split_listen(listen, where)
         routes: dict[str, Route] = {"/metrics": self._exposition}
         if dashboard is not None:
             routes["/"] = dashboard
@@ -224,7 +225,14 @@ class Metrics:
         except OSError as error:
             reason = error.strerror or str(error)
             raise ConfigError(
-                [Problem("startup", "metrics", "listen", f"cannot listen on {listen}: {reason}")]
+                [
+                    Problem(
+                        where or "startup",
+                        "metrics",
+                        "listen",
+                        f"cannot listen on {listen}: {reason}",
+                    )
+                ]
             ) from None
 
     def _exposition(self, headers: Mapping[str, str]) -> Response:
@@ -257,9 +265,18 @@ class Metrics:
         return COUNTED_EVENTS
 
 
-def split_listen(listen: str) -> tuple[str, int]:
+def split_listen(listen: str, where: str = "") -> tuple[str, int]:
     """`host:port` (IPv6 as `[::1]:9464`) -> (host, port)."""
     try:
         return split_host_port(listen)
     except ValueError as error:
-        raise ConfigError([Problem("startup", "metrics", "listen", str(error))]) from None
+        raise ConfigError([Problem(where or "startup", "metrics", "listen", str(error))]) from None
+
+
+def listening_line(address: tuple[str, int] | None) -> str:
+    """The supervisor's start-up line saying where its dashboard and metrics are."""
+    if address is None:
+        return "dashboard and /metrics: off (set [metrics] listen = host:port to serve them)"
+    host, port = address
+    base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    return f"dashboard: {base}/  metrics: {base}/metrics"

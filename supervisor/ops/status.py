@@ -393,7 +393,10 @@ def run_status(
 
     try:
         # One connection: the schema is checked on the one that reads the status.
-        with database(config, check=False) as dsn, QueueDB.open(dsn, role="derivd-status") as queue:
+        with (
+            database(config, read_only=True, check=False) as dsn,
+            QueueDB.open(dsn, role="derivd-status") as queue,
+        ):
             queue.check_schema()
             warnings = _listen_warnings(config, dsn, queue)
             if not watch:

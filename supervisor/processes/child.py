@@ -107,10 +107,11 @@ def _after_fork(spec: ChildSpec, stop: ChildStop) -> None:
 
 def _boot_error_text(error: BaseException) -> str:
     from derivd.errors import Transient
+    from derivd.handlers.base import MissingEncoder
     from derivd.handlers.registry import UnknownHandler
     from derivd.storage.base import StorageConfigError
 
-    if isinstance(error, Transient | StorageConfigError | UnknownHandler):
+    if isinstance(error, Transient | StorageConfigError | UnknownHandler | MissingEncoder):
         return one_line(error)
     return f"{type(error).__name__}: {one_line(error)}"
 

@@ -8,6 +8,7 @@ metrics endpoint (with the dashboard) live as long as the supervisor. See
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,11 +16,13 @@ from pathlib import Path
 from derivd.config import Config, load_config
 from derivd.embedded.runtime import database
 from derivd.ops.dashboard import Dashboard
-from derivd.ops.metrics import Metrics
+from derivd.ops.metrics import Metrics, listening_line
 from derivd.processes.duties import listen_problem
 from derivd.processes.procutil import Pidfile, PidfileError
 from derivd.processes.supervisor import RunResult, Supervisor
 from derivd.redact import redact
+
+log = logging.getLogger("derivd")
 
 
 def startup_listen_problem(config: Config, dsn: str, *, burst: bool = False) -> str | None:
@@ -66,7 +69,12 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
         if config.metrics.listen:
             # The dashboard follows the supervisor's current config (SIGHUP reloads it).
             dashboard = Dashboard(dsn, lambda: supervisor.config, metrics)
-            metrics.serve(config.metrics.listen, dashboard=dashboard.route)
+            metrics.serve(
+                config.metrics.listen,
+                dashboard=dashboard.route,
+                where=config.where("metrics", "listen"),
+            )
+        log.info("%s", listening_line(metrics.address))
         try:
             return supervisor.run()
         finally:
