@@ -85,6 +85,7 @@ bench: install
 	$(BIN)/python bench/queue_peers.py
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/claim_scale.py
+	$(BIN)/python bench/similar.py
 	$(BIN)/python bench/plots.py
 
 # As root, the demo's cluster may live outside var/ (see supervisor/embedded/pghome.py):

@@ -16,7 +16,7 @@ import time
 import psycopg
 from common import cluster, fresh_db, machine, percentile, table
 
-from derivd.queue.db import QueueDB
+from derivd.queue.db import Finished, QueueDB
 from derivd.queue.sqlfiles import queries
 
 SEED = """
@@ -84,7 +84,7 @@ def measure(dsn: str, claims: int) -> list[float]:
             times.append(time.perf_counter() - started)
             if not jobs:
                 raise SystemExit("queue ran dry: seed more queued rows than claims")
-            queue.commit_many([(jobs[0], [])])
+            queue.commit_many([Finished(jobs[0], [])])
     return times
 
 

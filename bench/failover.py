@@ -37,7 +37,7 @@ from common import ROOT, cluster, fresh_db, machine, table
 
 from derivd.config import Config
 from derivd.processes.procutil import children_of
-from derivd.queue.db import HostInfo, QueueDB
+from derivd.queue.db import Finished, HostInfo, QueueDB
 from derivd.queue.sqlfiles import queries
 from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
@@ -220,7 +220,7 @@ def heartbeat_cost(dsn: str) -> list[tuple[str, int, float, float]]:
                 ms = statistics.median(samples)
                 per_job_min = ms / jobs_n * 60 / heartbeat_s
                 rows.append(("yes" if renew else "no", jobs_n, ms, per_job_min))
-            queue.commit_many([(j, []) for j in jobs])
+            queue.commit_many([Finished(j, []) for j in jobs])
     return rows
 
 

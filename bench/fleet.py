@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from fixtures.pgbouncer import PgBouncer
 
 from derivd.embedded.pgcluster import EmbeddedCluster
-from derivd.queue.db import QueueDB
+from derivd.queue.db import Finished, QueueDB
 from derivd.storage.fs import FsStorage
 
 BENCH = ROOT / "bench"
@@ -229,7 +229,7 @@ def derivd_claims(dsn: str, samples: int) -> list[float]:
             started = time.perf_counter()
             [job] = queue.claim_many(limit=1, lease_s=120, max_attempts=3)
             times.append((time.perf_counter() - started) * 1000)
-            queue.commit_many([(job, [])])
+            queue.commit_many([Finished(job, [])])
     return times
 
 

@@ -31,7 +31,7 @@ from common import cluster, fresh_db, machine, median_run, pgbench, save_results
 from fleet import _times, load_average, seed_derivd, server_cpu_s, wal_lsn
 
 from derivd.embedded.pgcluster import EmbeddedCluster
-from derivd.queue.db import Job, QueueDB
+from derivd.queue.db import Finished, Job, QueueDB
 
 WARMUP = 200
 LEASE_S = 120.0
@@ -40,7 +40,7 @@ LEASE_S = 120.0
 def _two_statements(queue: QueueDB) -> Callable[[], None]:
     def one_job() -> None:
         [job] = queue.claim_many(limit=1, lease_s=LEASE_S, max_attempts=3)
-        queue.commit_many([(job, [])])
+        queue.commit_many([Finished(job, [])])
 
     return one_job
 
@@ -54,7 +54,7 @@ def _one_statement(batch: int) -> Callable[[QueueDB], Callable[[], None]]:
 
         def jobs() -> None:
             _, held[:] = queue.commit_and_claim(
-                [(job, []) for job in held], limit=batch, lease_s=LEASE_S, max_attempts=3
+                [Finished(job, []) for job in held], limit=batch, lease_s=LEASE_S, max_attempts=3
             )
 
         return jobs

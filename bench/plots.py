@@ -6,6 +6,7 @@ machine-readable outputs (bench/out/*.json), and the charts section of RESULTS.m
     derive.json      (bench/derive.py)       -> chart-derive.png: ours vs plain per input
     e2e.json         (bench/e2e.py)          -> chart-e2e.png: derivd vs a naive pool
     fleet.json       (bench/fleet.py)        -> chart-fleet.png: the fleet's figures
+    similar.json     (bench/similar.py)      -> chart-similar.png: client.similar vs rows
 
 A chart whose input is absent is skipped (and said so); the others are still drawn.
 matplotlib comes with the `bench` extra (`pip install -e '.[bench]'`), never with
@@ -138,12 +139,30 @@ def fleet(data: Data) -> tuple[Figure, str]:
     return fig, "Fleet figures (bench/fleet.py)"
 
 
+def similar(data: Data) -> tuple[Figure, str]:
+    """Median ms of client.similar per table size, scan vs the optional band index."""
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for path in dict.fromkeys(r[1] for r in data["similar"]):
+        rows = [r for r in data["similar"] if r[1] == path]
+        ax.plot([int(r[0].replace(",", "")) for r in rows], [r[2] for r in rows], "o-",
+                label=path)  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("ready rows")
+    ax.set_ylabel("median ms per call")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    ax.set_title("client.similar(max_distance=6): scan vs GIN band index")
+    return fig, "Near-duplicate search, scan vs band index (bench/similar.py)"
+
+
 CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "throughput": throughput,
     "latency": latency,
     "derive": derive,
     "e2e": e2e,
     "fleet": fleet,
+    "similar": similar,
 }
 
 

@@ -279,12 +279,20 @@ SELECT derivd_event_window(%(window_s)s::float8, %(max_age_s)s::float8) AS paylo
 -- name: file_row
 SELECT id, status, attempts, available_at, lease_token, lease_until, original_key,
        original_version, derived_key, derived_version, sha256, width, height, error_code,
-       created_at, claimed_at, finished_at
+       created_at, updated_at, claimed_at, claimed_by, finished_at, original_width,
+       original_height, original_format, original_frames, original_has_alpha,
+       original_colour, original_placeholder, original_dhash
   FROM archive_files WHERE id = %(id)s;
 
 -- name: file_variants
 SELECT name, key, version, sha256, width, height, format, content_type
   FROM archive_variants WHERE file_id = %(id)s ORDER BY name, format;
+
+-- name: file_events
+-- `derivd show`: one file's events in order, from every retained day's partition (each
+-- found through its (file_id, at) index).
+SELECT at, kind, attempt, error_code, actor, lease_token
+  FROM archive_events WHERE file_id = %(id)s ORDER BY at, id;
 
 -- name: database_exists
 -- Cluster administration (the embedded cluster and the test suite): run on the
@@ -326,17 +334,29 @@ DELETE FROM derivd_waiters WHERE until < now() - interval '1 minute' RETURNING f
 SELECT status FROM archive_files WHERE id = %(id)s;
 
 -- name: client_result
--- derivd.client.result: the row and every variant, one per variant and format (only a
--- ready row's variants are official). No row: unknown id.
+-- derivd.client.result: the row, every variant (one per variant and format) and the
+-- original's analysis; only a ready row's variants and analysis are official (NULL
+-- analysis: none, or the handler analysed nothing). No row: unknown id.
 SELECT f.status, f.error_code,
        coalesce((SELECT jsonb_agg(jsonb_build_object(
                     'name', v.name, 'key', v.key, 'version', v.version, 'format', v.format,
                     'width', v.width, 'height', v.height, 'sha256', v.sha256)
                   ORDER BY v.name, v.format)
                    FROM archive_variants AS v
-                  WHERE v.file_id = f.id AND f.status = 'ready'), '[]'::jsonb) AS variants
+                  WHERE v.file_id = f.id AND f.status = 'ready'), '[]'::jsonb) AS variants,
+       CASE WHEN f.status = 'ready' AND f.original_width IS NOT NULL THEN jsonb_build_object(
+           'width', f.original_width, 'height', f.original_height,
+           'format', f.original_format, 'frames', f.original_frames,
+           'has_alpha', f.original_has_alpha, 'colour', f.original_colour,
+           'placeholder', f.original_placeholder, 'dhash', f.original_dhash) END AS original
   FROM archive_files AS f
  WHERE f.id = %(id)s;
+
+-- name: similar
+-- derivd.client.similar: the other ready files within `max` bits of this file's dhash,
+-- nearest first; none when it has no dhash (or no row has this id). The function takes
+-- the optional band index when it exists (migration 0013, README).
+SELECT id FROM derivd_similar(%(id)s, %(max)s) AS id;
 
 -- name: dashboard_in_flight
 -- The dashboard's jobs in flight (every host), oldest lease first, through the partial

@@ -62,6 +62,17 @@ CREATE TABLE archive_files (
     -- The host that holds (or last held) the claim: `derivd status` counts a host's jobs
     -- in flight through the partial index of processing rows.
     claimed_by       text,
+    -- The analysis of the original (README "Analysis of the original"), stored by the
+    -- fenced commit: all eight or none (noop, or a handler that analyses nothing). Named
+    -- original_* like original_key: width/height above describe the primary variant.
+    original_width       integer,
+    original_height      integer,
+    original_format      text,
+    original_frames      integer,
+    original_has_alpha   boolean,
+    original_colour      text,
+    original_placeholder text,
+    original_dhash       bigint,
     CONSTRAINT archive_files_status_check CHECK (status::derivd_status IS NOT NULL),
     CONSTRAINT archive_files_error_code_check
         CHECK (error_code IS NULL OR error_code::derivd_error_code IS NOT NULL),
@@ -71,7 +82,21 @@ CREATE TABLE archive_files (
         (status = 'processing') = (lease_token IS NOT NULL AND lease_until IS NOT NULL)),
     CONSTRAINT archive_files_rejected_has_code CHECK (
         (status = 'rejected') = (error_code IS NOT NULL)),
-    CONSTRAINT archive_files_attempts_check CHECK (attempts >= 0)
+    CONSTRAINT archive_files_attempts_check CHECK (attempts >= 0),
+    -- The worker checks the same before it commits (derivd.analysis): a handler's
+    -- malformed analysis fails its own job, never the commit. colour: "#rrggbb", lower
+    -- case; placeholder: ThumbHash (17-25 bytes) in base64, padding optional; format: a
+    -- short lower-case name; dhash: any signed 64-bit value.
+    CONSTRAINT archive_files_original_check CHECK (
+        num_nulls(original_width, original_height, original_format, original_frames,
+                  original_has_alpha, original_colour, original_placeholder,
+                  original_dhash) = 8
+        OR (original_width > 0 AND original_height > 0 AND original_frames > 0
+            AND original_format ~ '^[a-z0-9]{1,16}$'
+            AND original_has_alpha IS NOT NULL
+            AND original_colour ~ '^#[0-9a-f]{6}$'
+            AND original_placeholder ~ '^[A-Za-z0-9+/]{16,64}={0,2}$'
+            AND original_dhash IS NOT NULL))
 ) WITH (
     fillfactor = 70,
     autovacuum_vacuum_scale_factor = 0.01,

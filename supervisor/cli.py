@@ -243,6 +243,33 @@ def status(
     sys.exit(run_status(config, as_json_out=as_json, watch=watch, interval=interval, count=count))
 
 
+@main.command()
+@click.argument("file_id", type=click.IntRange(min=1), metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@pass_state
+@friendly_errors
+def show(state: State, file_id: int, as_json: bool) -> None:
+    """One file: its row, the analysis of its original, every variant, its events.
+
+    \b
+    JSON (--json): {"row": {...}, "analysis": {...} or null, "variants": [...],
+    "events": [...]}, times in ISO 8601 UTC. Exit 1 when no file has this id.
+    Reads only.
+    """
+    from derivd.embedded.runtime import database
+    from derivd.ops import show as view
+    from derivd.queue.db import QueueDB
+
+    with (
+        database(state.config, read_only=True) as dsn,
+        QueueDB.open(dsn, role="derivd-show") as queue,
+    ):
+        found = view.read(queue, file_id)
+    if found is None:
+        die(f"no file with id {file_id}")
+    click.echo(view.to_json(found) if as_json else view.render(found))
+
+
 @main.group()
 def config() -> None:
     """Check or show the configuration."""

@@ -2,7 +2,8 @@
 
     file_id = enqueue(conn, key, version)     # after the PUT to the versioned bucket
     status = wait(conn, file_id, timeout=30)  # 'ready', 'rejected', ... or None
-    done = result(conn, file_id)              # status, error code, every variant
+    done = result(conn, file_id)              # status, error code, variants, original
+    ids = similar(conn, file_id)              # ready files that look the same (dhash)
 
 Connections: any psycopg 3 connection, in autocommit mode or not.
 
@@ -53,11 +54,13 @@ __all__ = [
     "ConnectionBusy",
     "InvalidKey",
     "MissingVersion",
+    "Original",
     "Result",
     "UnknownFile",
     "Variant",
     "enqueue",
     "result",
+    "similar",
     "wait",
 ]
 
@@ -90,11 +93,27 @@ class Variant:
 
 
 @dataclass(frozen=True)
+class Original:
+    """What derivd learned about the original from its one decode (README, "Analysis of
+    the original")."""
+
+    width: int  # as displayed, after orientation
+    height: int
+    format: str  # the input format: jpeg, png, gif, webp, tiff, avif, heic, ...
+    frames: int
+    has_alpha: bool
+    colour: str  # "#rrggbb", sRGB, lower case: the representative colour
+    placeholder: str  # ThumbHash of the image, base64
+    dhash: int  # 64-bit difference hash, signed (PostgreSQL bigint)
+
+
+@dataclass(frozen=True)
 class Result:
     id: int
     status: str
     error_code: str | None
     variants: tuple[Variant, ...]
+    original: Original | None = None  # None until ready (and from a handler that analyses nothing)
 
 
 def enqueue(conn: psycopg.Connection[Any], original_key: str, original_version: str | None) -> int:
@@ -154,8 +173,8 @@ def wait(conn: psycopg.Connection[Any], file_id: int, timeout: float) -> str | N
 
 
 def result(conn: psycopg.Connection[Any], file_id: int) -> Result:
-    """The file's status, error code and variants (empty unless ready). UnknownFile for
-    an id no row has."""
+    """The file's status, error code, variants (empty unless ready) and the original's
+    analysis (None unless ready). UnknownFile for an id no row has."""
     with _own(conn):
         row = QueueDB(conn).client_result(file_id)
     if row is None:
@@ -165,7 +184,23 @@ def result(conn: psycopg.Connection[Any], file_id: int) -> Result:
         status=str(row["status"]),
         error_code=row["error_code"],
         variants=tuple(Variant(**v) for v in row["variants"]),
+        original=Original(**row["original"]) if row["original"] else None,
     )
+
+
+def similar(conn: psycopg.Connection[Any], file_id: int, max_distance: int = 6) -> list[int]:
+    """Ids of the other `ready` files whose dhash is within `max_distance` bits (Hamming
+    distance, 0-64) of this file's, nearest first (then by id): re-uploads of the same
+    picture, resized or re-encoded. Empty when this file has no dhash (not ready yet, or
+    its handler analyses nothing). UnknownFile for an id no row has."""
+    if not 0 <= max_distance <= 64:
+        raise ValueError(f"max_distance must be within 0-64 bits, not {max_distance}")
+    queue = QueueDB(conn)
+    with _own(conn):
+        ids = queue.similar(file_id, max_distance)
+        if not ids and queue.status_of(file_id) is None:
+            raise UnknownFile(f"no file with id {file_id}")
+    return ids
 
 
 def _notified(conn: psycopg.Connection[Any], file_id: int, timeout: float) -> bool:

@@ -17,12 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from derivd import analysis
 from derivd.config import Config
 from derivd.errors import ErrorCode, Permanent, Transient
-from derivd.handlers.base import Derivation, DerivedVariant, DeriveSpec, Handler
+from derivd.handlers.base import Analysis, Derivation, DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
 from derivd.ops.logs import event
-from derivd.queue.db import DatabaseUnavailable, Job, QueueDB, StoredVariant
+from derivd.queue.db import DatabaseUnavailable, Finished, Job, QueueDB, StoredVariant
 from derivd.queue.retry import record_failure
 from derivd.storage.base import ObjectMissing, Storage, derived_key, open_storage
 
@@ -71,8 +72,13 @@ class _Derived:
 
     job: Job
     stored: list[StoredVariant]
+    original: Analysis | None
     started: float  # monotonic
     duration_s: float
+
+    @property
+    def finished(self) -> Finished:
+        return Finished(self.job, self.stored, self.original)
 
 
 # Derived results wait for a batched commit at most this long after their job started:
@@ -105,6 +111,17 @@ class IdleWait:
             return
         for fd in ready:
             _drain_fd(fd)
+
+
+def _storable(original: Analysis | None) -> Analysis | None:
+    """The handler's analysis as the commit stores it. A malformed one is the backend's
+    fault (`processing_failed` at once, before any PUT): the commit would refuse it."""
+    if original is None:
+        return None
+    problem = analysis.problem(original)
+    if problem:
+        raise Permanent("processing_failed", f"the handler's analysis is malformed: {problem}")
+    return analysis.normalised(original)
 
 
 def _drain_fd(fd: int) -> None:
@@ -166,14 +183,16 @@ class Worker:
         started = time.monotonic()
         self.hooks.job_started(job)
         try:
-            variants = self._derive(job)
-            stored = self._store(job, variants)
+            derivation = self._derive(job)
+            original = _storable(derivation.original)
+            stored = self._store(job, derivation)
         except Exception as error:  # classified in _failed
             self._commit_pending()  # keep outcomes in order; fail after the earlier commits
             outcome, code = self._failed(job, error)
             self._finish(job, outcome, code, time.monotonic() - started)
             return
-        self._pending.append(_Derived(job, stored, started, time.monotonic() - started))
+        duration_s = time.monotonic() - started
+        self._pending.append(_Derived(job, stored, original, started, duration_s))
 
     def _failed(self, job: Job, error: Exception) -> tuple[str, ErrorCode | None]:
         if isinstance(error, Permanent):
@@ -218,7 +237,7 @@ class Worker:
             return
         pending, self._pending = self._pending, []
         try:
-            committed = self.queue.commit_many([(d.job, d.stored) for d in pending])
+            committed = self.queue.commit_many([d.finished for d in pending])
         except DatabaseUnavailable:
             # The rows stay `processing`; their leases expire and the attempts count.
             for d in pending:
@@ -236,7 +255,7 @@ class Worker:
         sent = time.monotonic()
         try:
             committed, jobs = self.queue.commit_and_claim(
-                [(d.job, d.stored) for d in pending],
+                [d.finished for d in pending],
                 limit=limit,
                 lease_s=q.lease,
                 max_attempts=q.max_attempts,

@@ -9,19 +9,22 @@ The original's bytes are the script, so one supervisor runs jobs with different 
     exit 7               end the worker process with status 7
     kill                 SIGKILL the worker process itself
     alloc 200            keep 200 MiB resident (touched, so RSS counts it), then succeed
+    analysis {JSON}      succeed with this analysis of the original (derivd.handlers.base
+                         Analysis fields), whatever it holds: malformed ones included
 
 Subprocesses find this module through PYTHONPATH=<repo>/tests.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
 from pathlib import Path
 
-from derivd.handlers.base import DerivedVariant, DeriveSpec
+from derivd.handlers.base import Analysis, Derivation, DeriveSpec
 
 _HELD: list[bytes] = []  # memory an `alloc` job keeps alive until the worker exits
 
@@ -32,8 +35,10 @@ class Script:
     def __init__(self, spec: DeriveSpec | None = None) -> None:
         self.spec = spec
 
-    def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
+    def derive(self, original: bytes, spec: DeriveSpec) -> Derivation:
         verb, _, arg = original.decode().strip().partition(" ")
+        if verb == "analysis":
+            return Derivation([], Analysis(**json.loads(arg)))
         if verb == "sleep":
             time.sleep(float(arg))
         elif verb == "hang":
@@ -51,4 +56,4 @@ class Script:
             _HELD.append(b"x" * (int(arg) * 1024 * 1024))
         elif verb != "ok":
             raise ValueError(f"unknown fault script {verb!r}")
-        return []
+        return Derivation([])

@@ -35,11 +35,17 @@ def test_charts_for_what_is_present_and_one_section(tmp_path: Path) -> None:
     series = {"listen": "yes", "enqueue": "one row per commit", "ms": [1.0, 2.0, 5.0]}
     (out / "latency.json").write_text(json.dumps({"series": [series]}))
     (out / "derive.json").write_text(json.dumps({"rows": [{"input": "x"}]}))  # malformed
+    sizes = [["10,000", "scan", 15.2, 25.3, 15], ["10,000", "GIN band index", 4.9, 16.7, 15]]
+    (out / "similar.json").write_text(json.dumps({"similar": sizes}))
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\ntext\n")
 
     made = plots.draw(out, tmp_path)
-    assert [png for png, _ in made] == ["chart-throughput.png", "chart-latency.png"]
+    assert [png for png, _ in made] == [
+        "chart-throughput.png",
+        "chart-latency.png",
+        "chart-similar.png",
+    ]
     for png, _ in made:
         assert (tmp_path / png).read_bytes().startswith(b"\x89PNG")
     plots.embed(results, made)

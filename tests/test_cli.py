@@ -191,12 +191,20 @@ def test_demo_processes_its_samples_and_shows_a_real_webp(
     images = Images(page.read_text())
     with psycopg.connect(dsn) as conn:
         variants = conn.execute("SELECT count(*) FROM archive_variants").fetchone()
-    assert variants is not None and variants[0] >= 3
+        analysed = conn.execute(
+            "SELECT count(*) FROM archive_files WHERE status = 'ready'"
+            " AND original_placeholder IS NOT NULL"
+        ).fetchone()
+    assert variants is not None and variants[0] >= 3 and analysed is not None
+    # Each analysed original's placeholder is painted from a PNG data URI.
+    placeholders = [s for s in images.sources if s.startswith("data:image/png;base64,")]
+    assert len(placeholders) == analysed[0] == 3
+    files = [s for s in images.sources if s not in placeholders]
     # Every original that is an image, and every variant; the one that is not an image
     # gets a labelled frame, never a broken image.
-    assert len(images.sources) == 4 + variants[0]
+    assert len(files) == 4 + variants[0]
     assert "nothing to show" in page.read_text()
-    for src in images.sources:
+    for src in files:
         assert not Path(src).is_absolute() and ".." not in Path(src).parts, src
         assert (page.parent / src).is_file(), src
     assert images.cards == {"ready": 3, "rejected": 2}

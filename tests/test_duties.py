@@ -7,13 +7,16 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from fixtures.pgbouncer import PgBouncer, find_pgbouncer
 from fixtures.pgproxy import PgProxy
 from fixtures.work import claim_one
 from helpers import sql
+from psycopg.conninfo import conninfo_to_dict
 
 from derivd.config import Config
 from derivd.ops.status import DEFAULT_EVENTS, collect
@@ -23,7 +26,7 @@ from derivd.processes.duties import (
     Listening,
     PartitionRound,
 )
-from derivd.queue.db import DatabaseUnavailable, QueueDB, QueueListener
+from derivd.queue.db import DatabaseUnavailable, QueueDB, QueueListener, connect
 
 LIVENESS_S = 30.0  # bounds a thread that would hang if the fix were missing; not a timing
 
@@ -83,6 +86,18 @@ def test_each_duty_is_paced_by_its_own_setting_not_poll_interval() -> None:
         duty.stop()
         duty.tick(10_000.0)
     assert len(thread.submitted) == 6
+
+
+def test_an_interval_of_zero_is_off_and_a_reload_turns_the_duty_back_on() -> None:
+    current = [Config().replace("queue", exhausted_interval=0.0)]
+    thread = FakeThread()
+    duty = ExhaustedRejection(lambda: current[0], thread)  # type: ignore[arg-type]
+    duty.start(0.0)
+    duty.tick(1000.0)
+    assert thread.submitted == [] and duty.next_round == float("inf")  # no busy loop
+    current[0] = Config().replace("queue", exhausted_interval=30.0)  # SIGHUP
+    duty.tick(1001.0)
+    assert thread.submitted == ["reject_exhausted"] and duty.next_round == 1031.0
 
 
 # -- rows whose worker died on their last attempt ---------------------------------------
@@ -216,3 +231,35 @@ def test_a_supervisor_statement_gives_up_when_the_server_freezes(dsn: str) -> No
         db.close()
     finally:
         proxy.stop()
+
+
+def test_the_pooler_probe_of_a_connection_gives_up_when_the_server_behind_freezes(
+    dsn: str, tmp_path: Path
+) -> None:
+    """PgBouncer answers the connection itself and holds the probe's statement for the
+    frozen server (up to its query_wait_timeout, 120 s): the bound ends it."""
+    if find_pgbouncer() is None:
+        pytest.skip("pgbouncer is not installed")
+    proxy = PgProxy(dsn).start()
+    user = str(conninfo_to_dict(dsn).get("user", "derivd"))
+    bouncer = PgBouncer(tmp_path / "pgb", pg_host="127.0.0.1", pg_port=proxy.port, user=user)
+    bouncer.start()
+    try:
+        pooled = bouncer.dsn(dsn)
+        connect(pooled, bound_s=1.0).close()  # a server connection, through the proxy
+        proxy.hang()
+        errors: list[Exception] = []
+
+        def open_one() -> None:
+            try:
+                connect(pooled, bound_s=1.0).close()
+            except DatabaseUnavailable as error:
+                errors.append(error)
+
+        opener = threading.Thread(target=open_one)
+        opener.start()
+        opener.join(LIVENESS_S)
+        assert not opener.is_alive() and len(errors) == 1
+    finally:
+        proxy.stop()
+        bouncer.stop()

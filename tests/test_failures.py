@@ -583,7 +583,7 @@ def test_delete_while_processing_late_commit_changes_nothing_and_sweep_removes_a
 
     def recording_commit(results: Any) -> set[int]:
         committed = real_commit(results)
-        commits.extend(job.id in committed for job, _ in results)
+        commits.extend(f.job.id in committed for f in results)
         return committed
 
     worker.queue.commit_many = recording_commit  # type: ignore[method-assign]

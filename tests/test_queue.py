@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from fixtures.work import claim_one, commit_one
 
-from derivd.queue.db import QueueDB, StoredVariant, migrate
+from derivd.queue.db import Finished, QueueDB, StoredVariant, migrate
 from derivd.queue.sqlfiles import queries
 
 # Each test on `dsn` runs direct and through PgBouncer (transaction mode).
@@ -290,7 +290,7 @@ def test_batched_commit_is_fenced_per_row(queue: QueueDB) -> None:
     [thief] = queue.claim_many(limit=1, lease_s=LONG, max_attempts=3)  # b's lease, stolen
     assert thief.id == b
     committed = queue.commit_many(
-        [(job, [variant(key=f"derived/{job.id}/{job.token}/preview.webp")]) for job in jobs]
+        [Finished(job, [variant(key=f"derived/{job.id}/{job.token}/preview.webp")]) for job in jobs]
     )
     assert committed == {a, c}
     for file_id in (a, c):
@@ -305,7 +305,7 @@ def test_batched_commit_is_fenced_per_row(queue: QueueDB) -> None:
     assert events(queue, b) == [("lease_lost", 1)]
     assert queue.file_variants(b) == []
     # The thief's own commit still passes its fence.
-    assert queue.commit_many([(thief, [])]) == {b}
+    assert queue.commit_many([Finished(thief, [])]) == {b}
 
 
 def test_commit_and_claim_commits_fenced_and_claims_the_next_rows(queue: QueueDB) -> None:
@@ -316,7 +316,10 @@ def test_commit_and_claim_commits_fenced_and_claims_the_next_rows(queue: QueueDB
     [thief] = queue.claim_many(limit=1, lease_s=LONG, max_attempts=3)  # b, stolen
     expire_lease(queue, a)  # expired but still ours: the commit must not reclaim it
     committed, claimed = queue.commit_and_claim(
-        [(first, [variant(key=f"derived/{a}/{first.token}/preview.webp")]), (second, [])],
+        [
+            Finished(first, [variant(key=f"derived/{a}/{first.token}/preview.webp")]),
+            Finished(second, []),
+        ],
         limit=2,
         lease_s=LONG,
         max_attempts=3,
@@ -337,7 +340,7 @@ def test_commit_and_claim_commits_fenced_and_claims_the_next_rows(queue: QueueDB
         assert row["attempts"] == job.attempt == 1
     # The new leases fence like any claim: an empty commit_and_claim still commits them.
     committed, claimed = queue.commit_and_claim(
-        [(j, []) for j in claimed], limit=1, lease_s=LONG, max_attempts=3
+        [Finished(j, []) for j in claimed], limit=1, lease_s=LONG, max_attempts=3
     )
     assert committed == {c, d} and claimed == []
 
@@ -377,7 +380,7 @@ def test_commit_alone_and_claim_alone_do_only_their_half(queue: QueueDB) -> None
     """Through the wrappers: a commit claims nothing, a claim commits nothing."""
     queue.enqueue([(f"originals/{n}", "1") for n in range(3)])
     [job] = queue.claim_many(limit=1, lease_s=LONG, max_attempts=3)
-    assert queue.commit_many([(job, [])]) == {job.id}
+    assert queue.commit_many([Finished(job, [])]) == {job.id}
     counts = queue.conn.execute(
         "SELECT count(*) FILTER (WHERE status = 'processing'),"
         " count(*) FILTER (WHERE status = 'ready') FROM archive_files"
@@ -403,7 +406,7 @@ def test_a_claim_alone_skips_the_flush_wait_but_with_a_commit_it_is_durable(
     try:
         queue.conn.execute("SET LOCAL synchronous_commit = on")  # the test cluster has off
         committed, claimed = queue.commit_and_claim(
-            [(job, [])], limit=1, lease_s=LONG, max_attempts=3
+            [Finished(job, [])], limit=1, lease_s=LONG, max_attempts=3
         )
         assert committed == {job.id} and len(claimed) == 1
         assert setting() == "on"

@@ -83,6 +83,7 @@ def assert_every_command_refuses(
         ("delete", "1"),
         ("sweep",),
         ("status",),
+        ("show", "1"),
         *also,
     ]
     for args in commands:

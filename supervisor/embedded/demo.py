@@ -15,6 +15,7 @@ from typing import Any
 import click
 from PIL import Image, ImageDraw
 
+from derivd import client
 from derivd.config import Config, DatabaseSettings, StorageSettings
 from derivd.embedded.gallery import Sample, write_gallery
 from derivd.embedded.runtime import database
@@ -143,6 +144,8 @@ def run_demo(config: Config, *, count: int) -> int:
         with QueueDB.open(dsn, role="derivd-demo") as queue:
             rows = [queue.file_row(i) for i in ids]
             variants = [queue.file_variants(i) for i in ids]
+            # What an app gets at `ready`, through the app's own call.
+            originals = [client.result(queue.conn, i).original for i in ids]
     statuses = [row["status"] if row else "missing" for row in rows]
     ready = statuses.count("ready")
     rejected = [
@@ -172,10 +175,10 @@ def run_demo(config: Config, *, count: int) -> int:
     gallery = write_gallery(
         config.state_dir / "demo",
         [
-            Sample(original, row["status"], row["error_code"], found)
+            Sample(path, row["status"], row["error_code"], found, analysis)
             if row
-            else Sample(original, "missing", None, ())
-            for original, row, found in zip(samples, rows, variants, strict=True)
+            else Sample(path, "missing", None, ())
+            for path, row, found, analysis in zip(samples, rows, variants, originals, strict=True)
         ],
         storage,
     )

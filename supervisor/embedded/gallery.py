@@ -1,4 +1,5 @@
 """The demo's gallery: `<state_dir>/demo/index.html`, each sample original beside its
+placeholder and representative colour (the analysis an app gets at `ready`) and its
 variants (dimensions, format, bytes, saving against the original), rejected ones with
 their error code.
 
@@ -25,6 +26,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from derivd.client import Original
+from derivd.embedded.thumbhash import png_data_uri
 from derivd.queue.db import StoredVariant
 from derivd.storage.base import Storage
 
@@ -32,6 +35,8 @@ from derivd.storage.base import Storage
 BROWSER_FORMATS = {"JPEG", "PNG", "GIF", "WEBP", "AVIF"}
 # The largest an original is shown (CSS px); variants are shown at their real size.
 ORIGINAL_BOX = (480, 360)
+# How wide a placeholder is painted (CSS px), at the original's aspect ratio.
+PLACEHOLDER_WIDTH = 120
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class Sample:
     status: str
     error_code: str | None
     variants: Sequence[StoredVariant]
+    original: Original | None = None  # the analysis (derivd.client.result), once ready
 
 
 @dataclass(frozen=True)
@@ -47,11 +53,12 @@ class Figure:
     """One picture of a card: the file beside the page (None: nothing a browser can
     show), shown at `shown` CSS px; `kind` and `name` label it for readers and tests."""
 
-    kind: str  # "original" or "variant"
+    kind: str  # "original", "placeholder" or "variant"
     name: str
     caption: str
     src: str | None = None
     shown: tuple[int, int] = (0, 0)
+    swatch: str | None = None  # a colour (#rrggbb) painted before the caption
 
 
 def esc(value: object) -> str:
@@ -67,6 +74,8 @@ STYLE = (
     ".nothing{display:flex;align-items:center;justify-content:center;width:160px;"
     "height:120px;border:1px dashed #b8bec6;color:#6b7480;font-size:12px;text-align:center}"
     "figcaption{font-size:12px;color:#4a5360}.rejected{color:#a11818;font-weight:600}"
+    ".swatch{display:inline-block;width:.9em;height:.9em;vertical-align:-.1em;"
+    "border:1px solid #0003;margin-right:.3em}"
 )
 
 
@@ -92,6 +101,8 @@ def write_gallery(folder: Path, samples: Sequence[Sample], storage: Storage) -> 
 def _card(folder: Path, n: int, sample: Sample, storage: Storage) -> str:
     original = sample.path.read_bytes()
     parts = [_figure(_original(folder, n, sample.path, original))]
+    if sample.original is not None:
+        parts.append(_figure(_placeholder(sample.original)))
     if sample.status == "rejected":
         parts.append(f'<p class="rejected">rejected: {esc(sample.error_code)}</p>')
     elif sample.status != "ready":
@@ -139,6 +150,20 @@ def _original(folder: Path, n: int, path: Path, data: bytes) -> Figure:
     return Figure("original", title, caption, name, shown)
 
 
+def _placeholder(original: Original) -> Figure:
+    """What an app paints before the variants load: the ThumbHash placeholder (decoded
+    into a PNG data URI) stretched to the original's displayed aspect, and the
+    representative colour (a hash that does not decode: an empty frame, and the colour)."""
+    width = PLACEHOLDER_WIDTH
+    height = max(1, round(width * original.height / original.width))
+    try:
+        src: str | None = png_data_uri(original.placeholder)
+    except (ValueError, IndexError):
+        src = None
+    caption = f"{original.colour}, {original.width}x{original.height} {original.format}"
+    return Figure("placeholder", "placeholder", caption, src, (width, height), original.colour)
+
+
 def fit(size: tuple[int, int], box: tuple[int, int]) -> tuple[int, int]:
     """`size` scaled down (never up) to fit `box`, keeping its aspect ratio."""
     scale = min(1.0, box[0] / size[0], box[1] / size[1]) if size[0] and size[1] else 1.0
@@ -157,9 +182,14 @@ def _figure(figure: Figure) -> str:
             f'<img src="{esc(figure.src)}" alt="{esc(figure.name)}" width="{width}" '
             f'height="{height}" loading="lazy">'
         )
+    swatch = (
+        f'<span class="swatch" style="background:{esc(figure.swatch)}"></span>'
+        if figure.swatch
+        else ""
+    )
     return (
-        f"<figure{label}>{picture}"
-        f"<figcaption><b>{esc(figure.name)}</b><br>{esc(figure.caption)}</figcaption></figure>"
+        f"<figure{label}>{picture}<figcaption><b>{esc(figure.name)}</b><br>"
+        f"{swatch}{esc(figure.caption)}</figcaption></figure>"
     )
 
 

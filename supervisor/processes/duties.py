@@ -18,8 +18,8 @@ without waiting for it. The database duties run their rounds on the database thr
 - `Listening` ([database] listen_retry): the LISTEN connection (re)opened, and refused
   (logged once) when it goes through a pooler.
 
-`Bookkeeping` holds the supervisor's one-off writes (attempts it ends itself, the host
-registry), through the same thread.
+The supervisor's one-off writes (attempts it ends itself, the host registry) go through
+the same thread: derivd.processes.bookkeeping.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from derivd.queue.db import (
     QueueStats,
     open_connection,
 )
-from derivd.queue.retry import record_failure
 
 log = logging.getLogger("derivd.supervisor")
 
@@ -70,25 +69,32 @@ class Duty(ABC, Generic[T]):
 
     def __init__(self, config: Callable[[], Config]) -> None:
         self.config = config  # the supervisor's current configuration (SIGHUP changes it)
-        self.due_at = math.inf  # monotonic; inf: stopped
+        self.active = False
+        self.due_at = 0.0  # monotonic time of the next round, while active
 
     @property
     @abstractmethod
     def interval(self) -> float:
-        """Seconds between rounds, from the duty's own setting (0: off)."""
+        """Seconds between rounds, from the duty's own setting (0: off; a reload may
+        turn it on or off)."""
+
+    @property
+    def next_round(self) -> float:
+        """When `tick` next has something to do (inf: stopped, or off)."""
+        return self.due_at if self.active and self.interval > 0 else math.inf
 
     def start(self, now: float) -> None:
         """The first round at the first chance."""
-        self.due_at = now if self.interval > 0 else math.inf
+        self.active, self.due_at = True, now
 
     def stop(self) -> None:
-        self.due_at = math.inf
+        self.active = False
 
     def tick(self, now: float) -> None:
         """Launch a round when one is due. Never waits."""
-        if now < self.due_at:
+        if now < self.next_round:
             return
-        self.due_at = now + self.interval if self.interval > 0 else math.inf
+        self.due_at = now + self.interval
         self.launch()
 
     @abstractmethod
@@ -391,81 +397,3 @@ class Listening(DatabaseDuty[str]):
         elif result == "pooled" and self.problem is None:
             self.problem = pooled_listen(self.config())
             log.warning("supervisor: %s; workers poll meanwhile", self.problem)
-
-
-# -- one-off writes -------------------------------------------------------------------------
-
-
-class Bookkeeping:
-    """The supervisor's one-off writes, through the database thread: the attempts it ends
-    itself (timed out, released, lease lost), leases of killed sweep passes, and its host
-    registry row."""
-
-    def __init__(self, thread: DatabaseThread, metrics: Metrics) -> None:
-        self.thread = thread
-        self.metrics = metrics
-
-    def fail_timed_out(self, job: Job, config: Config, slot: int) -> None:
-        """Record a timeout: resource_limit, retried while attempts remain."""
-        settings, timeout = config.queue, config.supervisor.job_timeout
-
-        def fail(db: QueueDB) -> str | None:
-            return record_failure(
-                db, job, settings, retry=True, code="resource_limit", extra_event="timeout"
-            )
-
-        def logged(status: str | None) -> None:
-            event(
-                log,
-                "job timed out",
-                logging.WARNING,
-                file_id=job.id,
-                attempt=job.attempt,
-                slot=slot,
-                timeout_s=timeout,
-                status=status or "lease_lost or database unavailable",
-            )
-
-        self.thread.submit("fail", fail, logged)
-
-    def release(self, job: Job) -> None:
-        """Fenced: a row that moved on since (committed, reclaimed) just gets `lease_lost`."""
-
-        def logged(released: bool | None) -> None:
-            event(log, "job released", file_id=job.id, attempt=job.attempt, released=bool(released))
-
-        self.thread.submit("release", lambda db: db.release(job), logged)
-
-    def lease_lost(self, job: Job, slot: int) -> None:
-        self.metrics.job_killed_lease_lost()
-        event(
-            log,
-            "job killed: lease lost",
-            logging.WARNING,
-            file_id=job.id,
-            attempt=job.attempt,
-            slot=slot,
-        )
-        self.thread.submit("lease_lost", lambda db: db.record_lease_lost(job))
-
-    def give_back_leases(self, abandoned: list[uuid.UUID], name: str) -> None:
-        """Drop leases their holders could not (a sweep pass killed mid-way), fenced on
-        each holder's id, so the next holder need not wait for them to expire. One that
-        fails (database away) is retried with the next call; or its lease expires."""
-        while abandoned:
-            self._drop_lease(abandoned, name, abandoned.pop(0))
-
-    def _drop_lease(self, abandoned: list[uuid.UUID], name: str, holder: uuid.UUID) -> None:
-        def retry(dropped: bool | None) -> None:
-            if dropped is None:
-                abandoned.append(holder)
-
-        self.thread.submit(f"drop_lease:{holder}", lambda db: db.drop_lease(name, holder), retry)
-
-    def register(self, config: Config) -> HostInfo:
-        host = host_info(config, busy=0)
-        self.thread.submit("register", lambda db: db.register_host(host))
-        return host
-
-    def deregister(self, host: HostInfo) -> None:
-        self.thread.submit("deregister", lambda db: db.deregister_host(host.host, host.pid))

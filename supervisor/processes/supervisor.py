@@ -27,10 +27,10 @@ from typing import Any
 from derivd.config import Config, ConfigError
 from derivd.ops.logs import event
 from derivd.ops.metrics import Metrics
+from derivd.processes.bookkeeping import Bookkeeping
 from derivd.processes.child import ChildSpec, run_child
 from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.duties import (
-    Bookkeeping,
     Duty,
     EventPartitions,
     ExhaustedRejection,
@@ -425,7 +425,7 @@ class Supervisor:
         now = time.monotonic()
         times = [now + LOOP_MAX_SLEEP]
         if self.outcome is None:  # halting: no more duties, only reaping
-            times += [duty.due_at for duty in self.duties]
+            times += [duty.next_round for duty in self.duties]
         timeout = self.config.supervisor.job_timeout
         times += [
             next_deadline(w, now, job_timeout=timeout, poll=PROGRESS_POLL)

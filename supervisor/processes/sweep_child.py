@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import signal
 import time
@@ -56,7 +55,8 @@ class SweepChild(Duty["SweepReport"]):
 
     def start(self, now: float) -> None:
         """The first pass one interval after start (the other duties went first)."""
-        self.due_at = now + self.interval if self.interval > 0 else math.inf
+        super().start(now)
+        self.due_at = now + self.interval
 
     def tick(self, now: float) -> None:
         self.reap()

@@ -18,7 +18,7 @@ import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import date
 from typing import Any, Final, LiteralString
 
@@ -28,6 +28,7 @@ from psycopg.rows import dict_row
 
 from derivd import __version__
 from derivd.errors import ErrorCode, Transient
+from derivd.handlers.base import Analysis
 from derivd.queue.sqlfiles import function_names, functions, migrations, queries
 from derivd.redact import one_line
 from derivd.storage.base import validate_key
@@ -69,7 +70,18 @@ class StoredVariant:
     content_type: str = "image/webp"
 
 
-def _commit_row(job: Job, variants: Sequence[StoredVariant]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Finished:
+    """A derived attempt for the fenced commit: its variants as stored (the first is the
+    primary) and the analysis of the original (None: the handler analysed nothing)."""
+
+    job: Job
+    variants: Sequence[StoredVariant]
+    original: Analysis | None = None
+
+
+def _commit_row(finished: Finished) -> dict[str, Any]:
+    job, variants, original = finished.job, finished.variants, finished.original
     primary = variants[0] if variants else None
     return {
         "id": job.id,
@@ -81,6 +93,8 @@ def _commit_row(job: Job, variants: Sequence[StoredVariant]) -> dict[str, Any]:
         "width": primary.width if primary else None,
         "height": primary.height if primary else None,
         "variants": [v.__dict__ for v in variants],
+        # Absent keys are NULLs to the commit (derivd_commit_and_claim, sql/functions.sql).
+        **({f"original_{k}": v for k, v in asdict(original).items()} if original else {}),
     }
 
 
@@ -292,20 +306,23 @@ def check_schema(dsn: str) -> None:
     A release may add a function without a migration: its hosts are refused until
     `derivd migrate` has created it, as they would be for a missing migration.
     """
-    with connect(dsn, application_name="derivd-check") as conn:
-        check_schema_on(conn)
+    bound = PARENT_STATEMENT_TIMEOUT_S  # `derivd run` asks before it forks anything
+    with connect(dsn, application_name="derivd-check", bound_s=bound) as conn:
+        check_schema_on(conn, bound_s=bound)
 
 
-def check_schema_on(conn: psycopg.Connection[Any]) -> None:
-    """check_schema on a connection the caller holds (a command that opens one only)."""
+def check_schema_on(conn: psycopg.Connection[Any], *, bound_s: float | None = None) -> None:
+    """check_schema on a connection the caller holds (a command that opens one only);
+    its statements wait at most `bound_s` (`bounded`)."""
     applied: set[str] = set()
     absent: list[str] = []
     try:
-        row = conn.execute(_q("migrations_exists")).fetchone()
-        if row and row[0]:
-            applied = {r[0] for r in conn.execute(_q("migrations_applied"))}
-            names = {"names": function_names()}
-            absent = [r[0] for r in conn.execute(_q("functions_missing"), names)]
+        with bounded(conn, bound_s):
+            row = conn.execute(_q("migrations_exists")).fetchone()
+            if row and row[0]:
+                applied = {r[0] for r in conn.execute(_q("migrations_applied"))}
+                names = {"names": function_names()}
+                absent = [r[0] for r in conn.execute(_q("functions_missing"), names)]
     except psycopg.OperationalError as error:
         raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
     except psycopg.Error as error:
@@ -452,7 +469,7 @@ class QueueDB:
     def check_schema(self) -> None:
         """SchemaMismatch unless the schema is this version's (module check_schema)."""
         self._reconnect_if_broken()
-        check_schema_on(self.conn)
+        check_schema_on(self.conn, bound_s=self.bound_s)
 
     def __enter__(self) -> QueueDB:
         return self
@@ -501,18 +518,18 @@ class QueueDB:
     def register_pending(self, job: Job, keys: Sequence[str]) -> None:
         self._all("register_pending", {"id": job.id, "token": job.token, "keys": list(keys)})
 
-    def commit_many(self, results: Sequence[tuple[Job, Sequence[StoredVariant]]]) -> set[int]:
+    def commit_many(self, results: Sequence[Finished]) -> set[int]:
         """Commit several attempts in one durable statement, each fenced on its own
-        token. Returns the ids that committed; every other one lost its lease (and got a
-        `lease_lost` event)."""
+        token, with its variants and analysis. Returns the ids that committed; every other
+        one lost its lease (and got a `lease_lost` event)."""
         if not results:
             return set()
-        jobs = json.dumps([_commit_row(j, v) for j, v in results])
+        jobs = json.dumps([_commit_row(f) for f in results])
         return {int(r["id"]) for r in self._all("commit", {"jobs": jobs})}
 
     def commit_and_claim(
         self,
-        results: Sequence[tuple[Job, Sequence[StoredVariant]]],
+        results: Sequence[Finished],
         *,
         limit: int,
         lease_s: float,
@@ -525,7 +542,7 @@ class QueueDB:
         rows = self._all(
             "commit_and_claim",
             {
-                "jobs": json.dumps([_commit_row(j, v) for j, v in results]),
+                "jobs": json.dumps([_commit_row(f) for f in results]),
                 "limit": limit,
                 "lease_s": lease_s,
                 "max_attempts": max_attempts,
@@ -719,6 +736,11 @@ class QueueDB:
     def file_variants(self, file_id: int) -> list[StoredVariant]:
         return [StoredVariant(**r) for r in self._all("file_variants", {"id": file_id})]
 
+    def file_events(self, file_id: int) -> list[dict[str, Any]]:
+        """The file's events (at, kind, attempt, error_code, actor, lease_token), oldest
+        first."""
+        return self._all("file_events", {"id": file_id})
+
     # -- derivd.client: upload APIs, on the caller's own connection --------------------
 
     def enqueue_one(self, key: str, version: str) -> int:
@@ -755,6 +777,11 @@ class QueueDB:
     def client_result(self, file_id: int) -> dict[str, Any] | None:
         """Status, error code and (for a ready row) every variant; None: unknown id."""
         return self._one("client_result", {"id": file_id})
+
+    def similar(self, file_id: int, max_distance: int) -> list[int]:
+        """Ids of the other ready files within `max_distance` bits of this file's dhash,
+        nearest first (none for an unknown id, too)."""
+        return [int(r["id"]) for r in self._all("similar", {"id": file_id, "max": max_distance})]
 
     # -- the dashboard -----------------------------------------------------------------
 
