@@ -10,9 +10,9 @@ AVIF at `[derive] quality` 80 and effort 4 (WebP effort 4; AVIF effort 2 = aom c
 and the AVIF quality that `AVIF_QUALITY` in derivd/handlers/outputs.py maps 80 to). Times
 are whole derivations (median of N after a warm-up); decode and resize are the same for
 both formats, so the difference is the encode. libvips runs with concurrency 1, Pillow's
-AVIF encoder with one thread, as in a worker. Fidelity is SSIM on luma (Y' of BT.601,
-Gaussian window sigma 1.5, the usual constants) against the same variant written as PNG
-by the same handler: the pixels the encoder was given.
+AVIF encoder with one thread, as in a worker. Fidelity is SSIM on luma (tests/fidelity.py)
+against the same variant written as PNG by the same handler: the pixels the encoder was
+given.
 
 Calibration (`--calibrate`): on photo-like images (the two untagged photographs of
 tests/corpus/exif-orientation, and generated scenes with heavy, light and no grain) and
@@ -41,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 os.environ.setdefault("VIPS_CONCURRENCY", "1")
+
+from fidelity import ssim  # noqa: E402  # tests/fidelity.py: the one SSIM
 
 SIZES = (("1600", (1600, 1600), "inside"), ("320", (320, 320), "inside"),
          ("1200x630", (1200, 630), "cover"))  # fmt: skip
@@ -76,34 +78,6 @@ def calibration_inputs() -> dict[str, bytes]:
 
 
 # --- fidelity --------------------------------------------------------------------------------
-
-
-def _luma(data: bytes) -> Any:
-    import pyvips
-
-    image = pyvips.Image.new_from_buffer(data, "")
-    if image.hasalpha():
-        image = image.flatten(background=[255, 255, 255])
-    if image.bands == 1:
-        return image.cast("float")
-    return image.recomb([[0.299, 0.587, 0.114]]).cast("float")
-
-
-def ssim(reference: bytes, test: bytes) -> float:
-    """Mean SSIM of the luma planes (Wang et al. 2004; sigma 1.5, K1 0.01, K2 0.03)."""
-    x, y = _luma(reference), _luma(test)
-    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
-
-    def blur(image: Any) -> Any:
-        return image.gaussblur(1.5, precision="float")
-
-    mu_x, mu_y = blur(x), blur(y)
-    var_x = blur(x * x) - mu_x * mu_x
-    var_y = blur(y * y) - mu_y * mu_y
-    cov = blur(x * y) - mu_x * mu_y
-    num = (mu_x * mu_y * 2 + c1) * (cov * 2 + c2)
-    den = (mu_x * mu_x + mu_y * mu_y + c1) * (var_x + var_y + c2)
-    return float((num / den).avg())
 
 
 # --- derivations -----------------------------------------------------------------------------

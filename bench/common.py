@@ -3,6 +3,7 @@ databases, the machine's description and plain-text tables."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -10,10 +11,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import psycopg
 
@@ -129,27 +130,61 @@ def _fmt(value: object) -> str:
 
 def save_results(name: str, data: dict[str, object]) -> Path:
     """Write bench/out/<name>.json (what bench/plots.py reads)."""
-    import json
-
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{name}.json"
     path.write_text(json.dumps({"bench": name, **data}, indent=2) + "\n")
     return path
 
 
-def burst_drain(ini: Path, log: Path, dsn: str) -> tuple[int, float, float]:
-    """`derivd -c INI run --burst` to its end (output to `log`): the rows now `ready`, the
-    drain as the database saw it (first claim to last finish, s) and the run's wall time."""
-    started = time.perf_counter()
-    with log.open("w") as out:
-        subprocess.run(
-            [str(DERIVD), "-c", str(ini), "run", "--burst"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            check=True,
-        )
-    wall = time.perf_counter() - started
+class Measured(NamedTuple):
+    """A command run to its end, as the kernel accounted for it."""
+
+    wall_s: float  # start to exit
+    cpu_s: float  # user + system of the process and every child it waited for
+    peak_rss_mb: float  # the largest of those processes
+
+
+# A small launcher between the benchmark and the measured command: a process's peak RSS
+# starts at its parent's RSS at fork (the pages it shares until exec), so a command forked
+# from this (large) benchmark process would report the benchmark's RSS as its own.
+_LAUNCHER = """
+import json, os, subprocess, sys, time
+started = time.perf_counter()
+with open(sys.argv[2], "w") as out:
+    proc = subprocess.Popen(sys.argv[3:], stdout=out, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+wall = time.perf_counter() - started
+with open(sys.argv[1], "w") as result:
+    json.dump([os.waitstatus_to_exitcode(status), wall, usage.ru_utime + usage.ru_stime,
+               usage.ru_maxrss / 1024], result)
+"""
+
+
+def measured(argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Measured:
+    """Run `argv` (output to `log`) to its end; CalledProcessError when it fails."""
+    result = log.with_name(log.name + ".usage.json")
+    subprocess.run([sys.executable, "-c", _LAUNCHER, str(result), str(log), *argv], env=env,
+                   check=True)  # fmt: skip
+    code, wall, cpu, rss = json.loads(result.read_text())
+    if code != 0:
+        raise subprocess.CalledProcessError(code, list(argv))
+    return Measured(wall, cpu, rss)
+
+
+class Burst(NamedTuple):
+    """One `derivd run --burst` to its end."""
+
+    ready: int  # rows now `ready`
+    drain_s: float  # first claim to last finish, as the database saw it
+    wall_s: float  # the process's start to its exit: boot and shutdown included
+    cpu_s: float  # user + system of the supervisor and its workers (not PostgreSQL's)
+    peak_rss_mb: float  # the largest of those processes
+
+
+def burst_drain(ini: Path, log: Path, dsn: str) -> Burst:
+    """`derivd -c INI run --burst` to its end (output to `log`), measured as a whole."""
+    run = measured([str(DERIVD), "-c", str(ini), "run", "--burst"], log)
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
             "SELECT count(*) FILTER (WHERE status = 'ready'),"
@@ -157,4 +192,4 @@ def burst_drain(ini: Path, log: Path, dsn: str) -> tuple[int, float, float]:
             "  FROM archive_files"
         ).fetchone()
     assert row is not None
-    return int(row[0]), float(row[1] or 0.0), wall
+    return Burst(int(row[0]), float(row[1] or 0.0), *run)

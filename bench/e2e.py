@@ -183,12 +183,10 @@ def run_derivd(pg: object, backend: str, paths: list[Path], workers: int, work: 
         f"variants = {', '.join(f'{n}:{e}' for n, e in VARIANTS)}\n",
         encoding="utf-8",
     )
-    cpu = children_cpu()
-    ready, drain_s, _wall = burst_drain(ini, work / f"derivd-{backend}.log", dsn)
-    cpu = children_cpu() - cpu
-    if ready != len(paths):
-        raise SystemExit(f"derivd ({backend}) left {len(paths) - ready} images unfinished")
-    return drain_s, cpu
+    burst = burst_drain(ini, work / f"derivd-{backend}.log", dsn)
+    if burst.ready != len(paths):
+        raise SystemExit(f"derivd ({backend}) left {len(paths) - burst.ready} images unfinished")
+    return burst.drain_s, burst.cpu_s
 
 
 def load() -> float:

@@ -6,6 +6,7 @@ machine-readable outputs (bench/out/*.json), and the charts section of RESULTS.m
     derive.json      (bench/derive.py)       -> chart-derive.png: ours vs plain per input
     e2e.json         (bench/e2e.py)          -> chart-e2e.png: derivd vs a naive pool
     fleet.json       (bench/fleet.py)        -> chart-fleet.png: the fleet's figures
+    sharp.json       (bench/sharp.py)        -> chart-sharp.png: derivd whole vs sharp
     similar.json     (bench/similar.py)      -> chart-similar.png: client.similar vs rows
 
 A chart whose input is absent is skipped (and said so); the others are still drawn.
@@ -139,6 +140,31 @@ def fleet(data: Data) -> tuple[Figure, str]:
     return fig, "Fleet figures (bench/fleet.py)"
 
 
+def sharp(data: Data) -> tuple[Figure, str]:
+    """Per set of images: images/s and CPU per image of each side (sharp's two ways to use
+    the cores, derivd's backends), with each run's load average under its bar."""
+    runs = data["runs"]
+    sets = list(dict.fromkeys(r["set"] for r in runs))
+    fig, axes = plt.subplots(2, len(sets), figsize=(4.6 * len(sets), 6.2), squeeze=False)
+    for col, name in enumerate(sets):
+        these = [r for r in runs if r["set"] == name]
+        labels = [f"{r['side']}\nload {r['load_1min']:.1f}" for r in these]
+        colours = ["#d9822b" if r["side"].startswith("sharp") else "#4a7bd0" for r in these]
+        for row, (key, unit) in enumerate((("images_per_s", "images/s"),
+                                           ("cpu_ms_per_image", "CPU ms per image"))):  # fmt: skip
+            ax = axes[row][col]
+            values = [r[key] for r in these]
+            ax.bar(range(len(these)), values, color=colours)
+            ax.set_xticks(range(len(these)), labels, fontsize=6, rotation=30, ha="right")
+            ax.set_ylabel(unit)
+            ax.grid(axis="y", alpha=0.3)
+            for i, value in enumerate(values):
+                ax.text(i, value, f"{value:.1f}", ha="center", va="bottom", fontsize=7)
+        axes[0][col].set_title(f"{name} set ({these[0]['images']} images)", fontsize=9)
+    fig.suptitle("derivd whole (run --burst, boot included) vs sharp, 720x588 cover JPEG q80")
+    return fig, "derivd vs sharp on sharp's task and phone photos (bench/sharp.py)"
+
+
 def similar(data: Data) -> tuple[Figure, str]:
     """Median ms of client.similar per table size, scan vs the optional band index."""
     fig, ax = plt.subplots(figsize=(6, 3.2))
@@ -162,6 +188,7 @@ CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "derive": derive,
     "e2e": e2e,
     "fleet": fleet,
+    "sharp": sharp,
     "similar": similar,
 }
 

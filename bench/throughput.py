@@ -100,7 +100,7 @@ def run_derivd(
         encoding="utf-8",
     )
     log = work / f"derivd-{name}.log"
-    ready, drain_s, wall = burst_drain(ini, log, dsn)
+    ready, drain_s, wall, _cpu, _rss = burst_drain(ini, log, dsn)
     if ready != jobs:
         raise SystemExit(f"derivd left {jobs - ready} jobs unfinished; see {log}")
     label = "1 job/process" if claim_batch == 1 else f"claim_batch {claim_batch}/process"

@@ -98,6 +98,7 @@ class DeriveSpec:
     max_pixels: int = 100_000_000
     max_frames: int = 100
     concurrency: int = 1
+    shrink_on_load: str = "fast"  # fast | safe | off (see derivd.handlers.geometry)
 
 
 @dataclass(frozen=True)

@@ -74,3 +74,44 @@ def cover_window(original: tuple[int, int], base: tuple[int, int], variant: Vari
     win_w = min(base[0], max(1, round(out_w * per_out)))
     win_h = min(base[1], max(1, round(out_h * per_out)))
     return Window(win_w, win_h, base[0] - win_w, base[1] - win_h)
+
+
+# `[derive] shrink_on_load`: `fast` (sharp's default, `fastShrinkOnLoad`) decodes at the
+# largest reduction that still gives the final resize enough pixels; `safe` leaves that
+# resize a factor of at least 2 (libvips' own `thumbnail` rule: a little sharper on fine
+# detail, slower); `off` decodes at full size (the reference the tests and bench/sharp.py
+# hold the other two to; not a setting).
+SHRINK_ON_LOAD = ("fast", "safe", "off")
+
+
+def _common_shrink(original: tuple[int, int], base: tuple[int, int]) -> float:
+    """How much both axes of `original` shrink to reach `base` (same orientation)."""
+    return min(original[0] / base[0], original[1] / base[1])
+
+
+def jpeg_shrink(original: tuple[int, int], base: tuple[int, int], mode: str) -> int:
+    """The libjpeg DCT scaling (1, 2, 4 or 8) to decode `original` at, on the way to `base`.
+
+    sharp's rule (src/pipeline.cc): the largest of 8, 4, 2 not above the shrink (half the
+    shrink when `safe`), lowered once more when it equals the shrink's integer part, where
+    libjpeg's rounding of the scaled size would leave the resize nothing to smooth. So a
+    factor above 1 stays below the shrink's integer part, and the decoded image covers
+    `base` however the decoder rounds (libvips rounds down, Pillow's draft up).
+    """
+    if mode == "off":
+        return 1
+    shrink = _common_shrink(original, base)
+    leave = 2 if mode == "safe" else 1
+    factor = next((f for f in (8, 4, 2) if shrink >= f * leave), 1)
+    if factor > 1 and int(shrink) == factor:
+        factor //= 2
+    return factor
+
+
+def webp_scale(original: tuple[int, int], base: tuple[int, int], mode: str) -> float:
+    """libwebp's scaled decode: to `base` itself when `fast` (as libvips' thumbnail and
+    sharp do), to twice it when `safe`; never up."""
+    if mode == "off":
+        return 1.0
+    shrink = _common_shrink(original, base) / (2 if mode == "safe" else 1)
+    return 1.0 / shrink if shrink > 1.0 else 1.0

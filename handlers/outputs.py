@@ -28,11 +28,14 @@ at most `_MEASURE_EDGE` px, and takes the best one (the most central on ties):
 from __future__ import annotations
 
 from itertools import pairwise
-
-from PIL import Image, ImageFilter, ImageStat
+from typing import TYPE_CHECKING
 
 from derivd.handlers.base import AVIF_MAX_PIXELS, DeriveSpec, ResourceLimit, VariantSpec
 from derivd.handlers.geometry import Window
+
+if TYPE_CHECKING:  # Pillow is imported where a smart crop is measured: a vips worker that
+    # never measures one (the usual case) does not load it at all
+    from PIL import Image
 
 PNG_COMPRESSION = 6
 JPEG_BACKGROUND = (255, 255, 255)
@@ -88,6 +91,8 @@ def best_window(image: Image.Image, window: Window, gravity: str) -> tuple[int, 
     """(left, top) of the window in `image`'s pixels, chosen by `gravity`."""
     if gravity == "centre" or (window.slack_x == 0 and window.slack_y == 0):
         return window.centred()
+    from PIL import Image
+
     factor = min(1.0, _MEASURE_EDGE / max(image.size))
     small = image.convert("RGB")
     if factor < 1.0:
@@ -118,6 +123,8 @@ def _positions(slack: int) -> list[int]:
 
 
 def _score_map(small: Image.Image, gravity: str) -> Image.Image:
+    from PIL import Image, ImageFilter
+
     grey = small.convert("L")
     if gravity == "entropy":
         return grey
@@ -127,6 +134,8 @@ def _score_map(small: Image.Image, gravity: str) -> Image.Image:
 
 
 def _score(score_map: Image.Image, box: tuple[int, int, int, int], gravity: str) -> float:
+    from PIL import ImageStat
+
     region = score_map.crop(box)
     if gravity == "entropy":
         return float(region.entropy())

@@ -4,11 +4,14 @@ This is the only module that imports pyvips, and the registry imports it lazily,
 (its thread pool, its caches) is first touched in a worker after fork.
 
 Per job: sniff the loader from the first bytes (allowlist), read the header only, check the
-limits, then one `thumbnail_buffer` to the base the largest variant needs, from which every
-variant is derived (`vips_variants`). Thumbnail does shrink-on-load (JPEG DCT scaling,
-WebP/HEIF scaled decode), EXIF autorotation, colour management to sRGB (embedded profile, or
-libvips' built-in CMYK profile for unprofiled CMYK) and 16-bit to 8-bit, and streams, so
-memory stays near one base-sized buffer plus a few scanlines of input.
+limits, then one thumbnail to the base the largest variant needs, from which every variant
+is derived (`vips_variants`). A still JPEG or WebP is opened at the shrink-on-load scale of
+`[derive] shrink_on_load` (`geometry.jpeg_shrink`, `webp_scale`) and `thumbnail_image` does
+the rest; PNG, GIF, TIFF, AVIF and animated WebP go through `thumbnail_buffer` (HEIC
+through pi-heif, `decode_heif`). Either way: EXIF autorotation, colour management to sRGB (embedded
+profile, or libvips' built-in CMYK profile for unprofiled CMYK), 16-bit to 8-bit, a
+lanczos3 resize, and streaming, so memory stays near one base-sized buffer plus a few
+scanlines of input.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from derivd.handlers.sniff import (
     input_format,
     tiff_tags,
 )
-from derivd.handlers.vips_variants import checked_base, derive_variants, load_base
+from derivd.handlers.vips_variants import checked_base, derive_variants, load_base, open_shrunk
 
 # The loaders we accept, by nickname (what find_load_buffer reports), and the loader class
 # families to leave unblocked. Everything else libvips could read (svg, matrix, csv, vips,
@@ -145,6 +148,7 @@ class Header:
         self.needs_icc = image.get_typeof("icc-profile-data") != 0 or (
             image.interpretation == "cmyk"
         )
+        self.loader = str(image.get("vips-loader")) if image.get_typeof("vips-loader") else ""
         orientation = _int_field(image, "orientation", 1)
         self.orientation = orientation if 1 <= orientation <= 8 else 1
 
@@ -173,13 +177,15 @@ def read_header(original: bytes, loader: str) -> Header:
     return Header(image, original)
 
 
-def decode_base(original: bytes, size: tuple[int, int], header: Header, all_frames: bool
-                ) -> tuple[Any, int]:  # fmt: skip
+def decode_base(original: bytes, size: tuple[int, int], header: Header, all_frames: bool,
+                shrink_on_load: str = "fast") -> tuple[Any, int]:  # fmt: skip
     """The decoded base every variant is derived from, and its page height (see
     `vips_variants.load_base`); 8-bit CIELAB TIFF takes its own path (`cielab8_as_rgb`)."""
     relabelled = cielab8_as_rgb(original)
     if relabelled is None:
-        return load_base(original, size, header.needs_icc, all_frames)
+        shrunk = None if all_frames else open_shrunk(original, header.loader, header.upright,
+                                                     size, shrink_on_load)  # fmt: skip
+        return load_base(original, size, header.needs_icc, all_frames, shrunk)
     image = lab_to_srgb(pyvips.Image.tiffload_buffer(relabelled, access="sequential",
                                                      fail_on="error"))  # fmt: skip
     return checked_base(image.thumbnail_image(size[0], height=size[1], size="force"), size)
@@ -265,9 +271,8 @@ def decode_original(original: bytes, spec: DeriveSpec) -> Decoded:
     upright = header.upright
     all_frames = header.frames > 1 and any(v.animated for v in spec.variants)
     try:
-        base, page_height = decode_base(
-            original, base_size(*upright, spec.variants), header, all_frames
-        )
+        base, page_height = decode_base(original, base_size(*upright, spec.variants), header,
+                                        all_frames, spec.shrink_on_load)  # fmt: skip
         return Decoded(base, page_height, upright, header.frames)
     except pyvips.Error as e:
         # Truncated or corrupt pixel data (fail_on="error"): never publish a

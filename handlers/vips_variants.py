@@ -1,10 +1,11 @@
 """The libvips backend's variants: one decode to a base image, every variant from it.
 
 `load_base` runs libvips' `thumbnail` once, to the size the most demanding variant needs
-(`geometry.base_size`): shrink-on-load, EXIF autorotation, colour management to sRGB and
-16-to-8-bit all happen there. The handler renders the base to memory once (`copy_memory`)
-before any variant: libvips pipelines are demand-driven, and without that every variant
-would decode the original again, and a decoder fault would surface inside an encoder.
+(`geometry.base_size`): shrink-on-load (`open_shrunk`), EXIF autorotation, colour
+management to sRGB and 16-to-8-bit all happen there. The handler renders the base to
+memory once (`copy_memory`) before any variant: libvips pipelines are demand-driven, and
+without that every variant (and the analysis) would decode the original again, and a
+decoder fault would surface inside an encoder.
 
 Each variant is then shaped from the base (`thumbnail_image` to resize, `crop` or
 `smartcrop` for cover) and encoded with the parameters pinned in `derivd.handlers.outputs`.
@@ -15,13 +16,12 @@ anyway) from the frames libvips shaped.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyvips
-from PIL import Image
 
 from derivd.handlers.base import CorruptContent, DerivedVariant, DeriveSpec, VariantSpec
-from derivd.handlers.geometry import cover_window, output_size
+from derivd.handlers.geometry import cover_window, jpeg_shrink, output_size, webp_scale
 from derivd.handlers.outputs import (
     JPEG_BACKGROUND,
     PNG_COMPRESSION,
@@ -31,18 +31,34 @@ from derivd.handlers.outputs import (
     check_avif_size,
     quality_of,
 )
-from derivd.handlers.pillow_variants import encode as pillow_encode
+
+if TYPE_CHECKING:  # Pillow only for an animated AVIF or a smart-crop measure (imported there)
+    from PIL import Image
 
 _PIL_MODES = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}
 
 
 def load_base(
-    original: bytes, size: tuple[int, int], icc: bool, all_frames: bool
+    original: bytes,
+    size: tuple[int, int],
+    icc: bool,
+    all_frames: bool,
+    shrunk: Any | None = None,
 ) -> tuple[Any, int]:
     """The decoded base (every frame stacked vertically when `all_frames`) and its page
     height. `size="force"` with the box computed by `geometry` pins the output to the
     same dimensions the Pillow backend produces; libvips' own fit may round the short
-    edge the other way. The base never exceeds the upright original."""
+    edge the other way. The base never exceeds the upright original.
+
+    `shrunk` is the original already opened at a reduced scale (`open_shrunk`): then
+    `thumbnail_image` does the rest of thumbnail's work (resize, colour, orientation),
+    without the shrink-on-load choice of its own that `thumbnail_buffer` would make."""
+    # Without a profile libvips still converts any colourspace to sRGB; with one (or for
+    # CMYK, through its built-in CMYK profile) it goes through LittleCMS.
+    colour = {"output_profile": "srgb", "intent": "relative"} if icc else {}
+    if shrunk is not None:
+        image = shrunk.thumbnail_image(size[0], height=size[1], size="force", **colour)
+        return checked_base(image, size)
     options = "fail_on=error" + (",n=-1" if all_frames else "")
     image = pyvips.Image.thumbnail_buffer(
         original,
@@ -54,11 +70,30 @@ def load_base(
         # would then come out half grey. tests/test_handlers.py holds both cases.
         option_string=options,
         fail_on="error",
-        # Without a profile libvips still converts any colourspace to sRGB; with one
-        # (or for CMYK, through its built-in CMYK profile) it goes through LittleCMS.
-        **({"output_profile": "srgb", "intent": "relative"} if icc else {}),
+        **colour,
     )
     return checked_base(image, size)
+
+
+def open_shrunk(
+    original: bytes, loader: str, upright: tuple[int, int], size: tuple[int, int], mode: str
+) -> Any | None:
+    """A single-frame JPEG or WebP opened (lazily) at the cheapest scale whose pixels still
+    cover `size`, per `[derive] shrink_on_load` (`geometry.jpeg_shrink`/`webp_scale`);
+    None for other loaders, which `thumbnail_buffer` opens itself.
+
+    libvips' thumbnail leaves a JPEG a factor of 2 for its resize (sharp's `safe`): the
+    2725 x 2225 fixture of sharp's benchmark is then decoded at full size for a 720 x 588
+    cover, where a DCT shrink of 2 and a lanczos3 resize take 40 % less CPU."""
+    if loader == "jpegload_buffer":
+        shrink = jpeg_shrink(upright, size, mode)
+        return pyvips.Image.jpegload_buffer(original, shrink=shrink, access="sequential",
+                                            fail_on="error")  # fmt: skip
+    if loader == "webpload_buffer":
+        scale = webp_scale(upright, size, mode)
+        return pyvips.Image.webpload_buffer(original, scale=scale, access="sequential",
+                                            fail_on="error")  # fmt: skip
+    return None
 
 
 def checked_base(image: Any, size: tuple[int, int]) -> tuple[Any, int]:
@@ -109,8 +144,12 @@ def shape(frames: list[Any], upright: tuple[int, int], variant: VariantSpec) -> 
     if variant.gravity != "centre" and len(frames) == 1:
         cut = first.smartcrop(window.width, window.height, interesting=variant.gravity)
         return [_resize(cut, width, height)]
-    # Centre, or an animation: one window for every frame, placed on the first.
-    left, top = best_window(to_pillow(first), window, variant.gravity)
+    # Centre, or an animation: one window for every frame, placed on the first (by its
+    # pixels for a smart crop; centre needs none, so nothing is copied out of libvips).
+    if variant.gravity == "centre":
+        left, top = window.centred()
+    else:
+        left, top = best_window(to_pillow(first), window, variant.gravity)
     return [
         _resize(frame.crop(left, top, window.width, window.height), width, height)
         for frame in frames
@@ -143,6 +182,8 @@ def encode(image: Any, frames: list[Any], fmt: str, variant: VariantSpec, spec: 
         )
     elif fmt == "avif" and len(frames) > 1:
         durations, loop = _timing(image, len(frames))
+        from derivd.handlers.pillow_variants import encode as pillow_encode
+
         pil = [to_pillow(frame) for frame in frames]
         data = pillow_encode(pil, durations, loop, "avif", variant, spec)
     elif fmt == "avif":
@@ -170,5 +211,7 @@ def _timing(image: Any, count: int) -> tuple[list[int], int]:
 
 def to_pillow(image: Any) -> Image.Image:
     """An 8-bit libvips image as a Pillow image (for the smart-crop measure, AVIF frames)."""
+    from PIL import Image
+
     mode = _PIL_MODES[image.bands]
     return Image.frombytes(mode, (image.width, image.height), image.write_to_memory())

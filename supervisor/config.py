@@ -269,6 +269,12 @@ class DeriveSettings:
     )
     max_frames: int = setting(100, "most frames (pages) an original may declare", check=positive)
     concurrency: int = setting(1, "libvips threads per worker", check=in_range(1, 64))
+    shrink_on_load: str = setting(
+        "fast",
+        "JPEG/WebP decoded at the largest reduction the variants allow (fast, as sharp), or "
+        "leaving the resize a factor of 2 (safe: a little sharper on fine detail, slower)",
+        check=one_of("fast", "safe"),
+    )
 
     def spec(self, variants: tuple[VariantSpec, ...] | None = None) -> DeriveSpec:
         """The handlers' spec; `variants` from `Config.derive_spec` when there are
@@ -281,6 +287,7 @@ class DeriveSettings:
             max_pixels=self.max_pixels,
             max_frames=self.max_frames,
             concurrency=self.concurrency,
+            shrink_on_load=self.shrink_on_load,
         )
 
 

@@ -35,6 +35,18 @@ def test_charts_for_what_is_present_and_one_section(tmp_path: Path) -> None:
     series = {"listen": "yes", "enqueue": "one row per commit", "ms": [1.0, 2.0, 5.0]}
     (out / "latency.json").write_text(json.dumps({"series": [series]}))
     (out / "derive.json").write_text(json.dumps({"rows": [{"input": "x"}]}))  # malformed
+    sides = [
+        {
+            "set": "sharp",
+            "side": side,
+            "images": 240,
+            "images_per_s": rate,
+            "cpu_ms_per_image": cpu,
+            "load_1min": 2.0,
+        }
+        for side, rate, cpu in (("sharp:per-core", 39.4, 45), ("derivd:vips", 41.0, 40))
+    ]
+    (out / "sharp.json").write_text(json.dumps({"runs": sides}))
     sizes = [["10,000", "scan", 15.2, 25.3, 15], ["10,000", "GIN band index", 4.9, 16.7, 15]]
     (out / "similar.json").write_text(json.dumps({"similar": sizes}))
     results = tmp_path / "RESULTS.md"
@@ -44,6 +56,7 @@ def test_charts_for_what_is_present_and_one_section(tmp_path: Path) -> None:
     assert [png for png, _ in made] == [
         "chart-throughput.png",
         "chart-latency.png",
+        "chart-sharp.png",
         "chart-similar.png",
     ]
     for png, _ in made:

@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from types import FrameType
 from typing import NoReturn
@@ -142,7 +143,9 @@ def _main(spec: ChildSpec) -> int:
     # No LISTEN here: the supervisor holds the one LISTEN connection and wakes idle
     # workers through cmd_r; poll_interval remains the fallback.
     idle = IdleWait([stop.wake_r, spec.cmd_r], on_wait=reporter.idle)
-    reporter.send({"t": "ready"})
+    # CPU since fork (a forked child's counters start at zero): what a worker's boot
+    # costs, reported so a `run --burst` of an autoscaled host can be read for it.
+    reporter.send({"t": "ready", "cpu_s": round(time.process_time(), 4)})
     reporter.busy()
 
     def should_stop() -> bool:

@@ -2,7 +2,7 @@
 
 A child reports over its status pipe, one JSON object per line:
 
-    {"t": "ready"}                                   booted, about to claim
+    {"t": "ready", "cpu_s": 0.12}                    booted (CPU s since fork), about to claim
     {"t": "boot_error", "msg": "..."}                could not boot; exit EXIT_BOOT_ERROR
     {"t": "claimed", "jobs": [{id, token, attempt}]} rows it now holds (one claim)
     {"t": "finished", "results": [[id, outcome, code, duration_s, wait_s], ...], "rss_mb": ...}

@@ -256,7 +256,8 @@ class Supervisor:
         if kind == "ready":
             self.ready_generations.add(worker.generation)
             boot_s = time.monotonic() - worker.spawned_at
-            event(log, "worker ready", slot=worker.slot, pid=worker.pid, boot_s=boot_s)
+            event(log, "worker ready", slot=worker.slot, pid=worker.pid, boot_s=boot_s,
+                  boot_cpu_s=message.get("cpu_s", "-"))  # fmt: skip
             self.on_generation_ready(worker.generation)
         elif kind == "claimed" and not self.burst and self.config.queue.listen:
             self.wake_idle(1)  # it found work: there may be more for an idle one

@@ -1,0 +1,339 @@
+"""derivd against sharp, on sharp's own benchmark task and on phone photos.
+
+    .venv/bin/python bench/sharp.py [--images 240] [--sets sharp phone]
+        [--backends vips pillow] [--workers N] [--rounds 1] [--fixture PATH]
+
+sharp's published benchmark (test/bench/perf.js in lovell/sharp) resizes its 2725 x 2225
+JPEG fixture to 720 x 588 (sharp's default fit: cover, centred) and writes JPEG quality 80.
+Here both sides do that task on `--images` copies of the fixture, and on as many 12 MP
+phone-sized JPEGs (4032 x 3024, a third of them portraits stored sideways with EXIF
+orientation 6; photo-like scenes with grain from tests/imagegen.py, cached in bench/out/):
+
+- sharp: sharp SHARP_VERSION from npm, installed into bench/.sharp/ (git-ignored), run by
+  bench/sharp_task.js in a fresh node process per run, both of sharp's ways to use the
+  cores: `per-core` (one libvips thread per image, one image per core in flight) and
+  `one-image` (every core on one image at a time); the better one is its figure.
+- derivd, whole: the originals stored in the fs store and queued (not timed), then one
+  `derivd run --burst` with one worker per core and `[variant:bench] size = 720x588,
+  fit = cover, format = jpeg, quality = 80`: boot, queue, store (fsync), fenced commits.
+
+Each side is timed as a whole process (start to exit); CPU and peak RSS are the kernel's
+accounting of the process and its children (wait4): PostgreSQL's own CPU is not counted.
+Fidelity, the lowest over the distinct inputs: SSIM (tests/fidelity.py) of each derivd
+output against sharp's output for the same input, and of the backend's variant against its
+own full decode (the handler with `shrink_on_load = off`: no shrink-on-load at all, the
+same resize; both written as PNG, so the JPEG encoder's loss does not count twice).
+Prints a table with the load average beside each run (the machine may be shared: quote CPU
+per image over images/s when the load is high), writes bench/out/sharp.json
+(bench/plots.py draws chart-sharp.png from it).
+
+When `node`/`npm` are missing the sharp side is skipped (one line says so) and derivd's
+figures are still measured. The fixture is a Flickr photograph (grizdave, 2569067123)
+whose licence sharp's repository does not state, so it is never committed: it is
+downloaded into bench/.sharp/ on first use (checked against its SHA-256), or taken from
+`--fixture PATH`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from common import (
+    ROOT,
+    Burst,
+    Measured,
+    burst_drain,
+    cluster,
+    fresh_db,
+    machine,
+    measured,
+    save_results,
+    table,
+)
+
+sys.path.insert(0, str(ROOT / "tests"))
+from fidelity import ssim
+
+from derivd.storage.fs import FsStorage
+
+SHARP_VERSION = "0.34.5"
+HOME = ROOT / "bench" / ".sharp"  # git-ignored: node_modules, the fixture
+TASK = ROOT / "bench" / "sharp_task.js"
+FIXTURE_NAME = "2569067123_aca715a2ee_o.jpg"
+FIXTURE_URL = f"https://raw.githubusercontent.com/lovell/sharp/main/test/fixtures/{FIXTURE_NAME}"
+FIXTURE_SHA256 = "0de3824939c164c81b2742b83b51a0f621ed1142b57ef8ad3f33a5a2c2634dd0"
+BOX, QUALITY = (720, 588), 80
+PHONE = (4032, 3024)
+PHONE_DISTINCT = 12  # distinct phone photos, cycled to --images
+SHARP_MODES = ("per-core", "one-image")
+
+
+@dataclass
+class Run:
+    """One side's run over one set of images."""
+
+    set: str
+    side: str  # sharp:per-core, sharp:one-image, derivd:vips, derivd:pillow
+    images: int
+    wall_s: float
+    cpu_s: float
+    peak_rss_mb: float
+    load_1min: float
+    ssim_vs_sharp_min: float | None = None
+    ssim_vs_full_min: float | None = None
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.wall_s
+
+    @property
+    def cpu_ms_per_image(self) -> float:
+        return self.cpu_s / self.images * 1000
+
+
+# --- inputs -------------------------------------------------------------------------------
+
+
+def sharp_fixture(given: Path | None) -> Path | None:
+    """sharp's fixture in bench/.sharp/: from `given`, else downloaded once."""
+    path = HOME / FIXTURE_NAME
+    if given is not None:
+        HOME.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(given, path)
+    elif not path.exists():
+        try:
+            with urllib.request.urlopen(FIXTURE_URL, timeout=30) as response:
+                data = response.read()
+        except OSError as error:
+            print(f"sharp set: skipped (cannot download the fixture: {error}; "
+                  "pass --fixture PATH)")  # fmt: skip
+            return None
+        HOME.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    if hashlib.sha256(path.read_bytes()).hexdigest() != FIXTURE_SHA256:
+        print(f"sharp set: skipped ({path} is not sharp's fixture: SHA-256 differs)")
+        return None
+    return path
+
+
+def phone_photos(folder: Path) -> list[Path]:
+    """12 MP photo-like JPEGs (q90, 4:2:0 as phones write); every third is a portrait
+    stored sideways with EXIF orientation 6, as phones store them. Cached in `folder`."""
+    import imagegen
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for n in range(PHONE_DISTINCT):
+        portrait = n % 3 == 2
+        path = folder / f"phone-{n:02d}{'-portrait' if portrait else ''}.jpg"
+        paths.append(path)
+        if path.exists():
+            continue
+        width, height = PHONE
+        rng = random.Random(n)
+        scene = imagegen.scene(*((height, width) if portrait else (width, height)))
+        grain = Image.effect_noise(scene.size, 12 + rng.randrange(16)).convert("RGB")
+        photo = Image.blend(scene, grain, 0.2)
+        exif = Image.Exif()
+        if portrait:  # stored landscape; orientation 6 turns it upright
+            photo = photo.transpose(Image.Transpose.ROTATE_90)
+            exif[0x0112] = 6
+        photo.save(path, "JPEG", quality=90, exif=exif.tobytes())
+    return paths
+
+
+# --- sharp --------------------------------------------------------------------------------
+
+
+def install_sharp() -> bool:
+    """sharp SHARP_VERSION in bench/.sharp/node_modules; False (one line) without node."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        print("sharp: skipped (node or npm not found)")
+        return False
+    package = HOME / "node_modules" / "sharp" / "package.json"
+    if package.exists() and json.loads(package.read_text())["version"] == SHARP_VERSION:
+        return True
+    HOME.mkdir(parents=True, exist_ok=True)
+    (HOME / "package.json").write_text('{"private": true}\n')
+    print(f"installing sharp {SHARP_VERSION} into {HOME.relative_to(ROOT)} ...", file=sys.stderr)
+    subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(HOME),
+                    f"sharp@{SHARP_VERSION}"], check=True, capture_output=True)  # fmt: skip
+    return True
+
+
+def run_sharp(mode: str, inputs: list[Path], workers: int, out: Path) -> Measured:
+    """sharp_task.js over `inputs`; its outputs land in `out` as NNNN-<stem>.jpg."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    env = dict(os.environ, NODE_PATH=str(HOME / "node_modules"))
+    argv = ["node", str(TASK), mode, str(workers), str(BOX[0]), str(BOX[1]), str(QUALITY),
+            str(out), *map(str, inputs)]  # fmt: skip
+    return measured(argv, out.with_suffix(".log"), env)
+
+
+# --- derivd -------------------------------------------------------------------------------
+
+
+def run_derivd(pg: Any, backend: str, inputs: list[Path], workers: int, work: Path,
+               tag: str) -> tuple[Burst, list[bytes]]:  # fmt: skip
+    """Store and queue `inputs` (not timed), then one `run --burst`. Returns the run and
+    each input's output bytes, in input order."""
+    dsn = fresh_db(pg, f"sharp_{tag}")
+    store = work / f"objects-{tag}"
+    storage = FsStorage(store)
+    rows = []
+    for n, path in enumerate(inputs):
+        key = f"originals/{n:04d}"
+        rows.append((key, storage.put(key, path.read_bytes(), "image/jpeg")))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with conn.cursor() as cur:
+            cur.executemany("INSERT INTO archive_files (status, original_key, original_version)"
+                            " VALUES ('queued', %s, %s)", rows)  # fmt: skip
+        conn.execute("VACUUM (ANALYZE) archive_files")
+    ini = work / f"derivd-{tag}.ini"
+    ini.write_text(
+        f"[database]\ndsn = {dsn}\n[storage]\nbackend = fs\nroot = {store}\n"
+        f"[supervisor]\nworkers = {workers}\nstate_dir = {work / 'state'}\n"
+        f"[derive]\nbackend = {backend}\nvariants = bench\n"
+        f"[variant:bench]\nsize = {BOX[0]}x{BOX[1]}\nfit = cover\nformat = jpeg\n"
+        f"quality = {QUALITY}\n",
+        encoding="utf-8",
+    )
+    burst = burst_drain(ini, work / f"derivd-{tag}.log", dsn)
+    if burst.ready != len(inputs):
+        raise SystemExit(f"derivd ({tag}) left {len(inputs) - burst.ready} images unfinished")
+    with psycopg.connect(dsn) as conn:
+        found = conn.execute(
+            "SELECT f.original_key, v.key, v.version FROM archive_variants v"
+            "  JOIN archive_files f ON f.id = v.file_id"
+        ).fetchall()
+    by_key = {original: storage.path_of(key, version).read_bytes()
+              for original, key, version in found}  # fmt: skip
+    return burst, [by_key[f"originals/{n:04d}"] for n in range(len(inputs))]
+
+
+def decode_fidelity(backend: str, data: bytes) -> float | None:
+    """SSIM of the backend's variant as derived (`[derive] shrink_on_load = fast`, the
+    default) against its full decode (`off`), both written lossless (PNG): what the
+    decoding costs, without counting the JPEG encoder's own loss twice."""
+    from derivd.handlers.base import DeriveSpec, VariantSpec
+    from derivd.handlers.registry import create_handler
+
+    if "shrink_on_load" not in DeriveSpec.__dataclass_fields__:
+        return None  # a derivd from before the setting (a before/after comparison)
+    variant = VariantSpec("bench", box=BOX, fit="cover", formats=("png",))
+    made = []
+    for mode in ("fast", "off"):
+        spec = replace(DeriveSpec(variants=(variant,), concurrency=1), shrink_on_load=mode)
+        (out,) = create_handler(backend, spec).derive(data, spec)
+        made.append(bytes(out.data))
+    return ssim(made[1], made[0])
+
+
+# --- one set ------------------------------------------------------------------------------
+
+
+def one_set(pg: Any, name: str, distinct: list[Path], args: argparse.Namespace, work: Path,
+            with_sharp: bool, rnd: int) -> list[Run]:  # fmt: skip
+    inputs = [distinct[n % len(distinct)] for n in range(args.images)]
+    runs: list[Run] = []
+    sharp_out: dict[int, bytes] = {}
+    if with_sharp:
+        for mode in SHARP_MODES:
+            print(f"{name}: sharp {mode} ...", file=sys.stderr, flush=True)
+            out = work / f"sharp-{name}-{mode}"
+            wall, cpu, rss = run_sharp(mode, inputs, args.workers, out)
+            runs.append(Run(name, f"sharp:{mode}", len(inputs), wall, cpu, rss,
+                            os.getloadavg()[0]))  # fmt: skip
+        for path in sorted(out.iterdir()):
+            sharp_out[int(path.name[:4])] = path.read_bytes()
+    for backend in args.backends:
+        print(f"{name}: derivd {backend} ...", file=sys.stderr, flush=True)
+        burst, outputs = run_derivd(pg, backend, inputs, args.workers, work,
+                                    f"{name}_{backend}_{rnd}")  # fmt: skip
+        run = Run(name, f"derivd:{backend}", len(inputs), burst.wall_s, burst.cpu_s,
+                  burst.peak_rss_mb, os.getloadavg()[0])  # fmt: skip
+        # Fidelity once per distinct input (the copies are the same bytes).
+        firsts = {distinct.index(path): n for n, path in reversed(list(enumerate(inputs)))}
+        if sharp_out:
+            run.ssim_vs_sharp_min = min(ssim(sharp_out[n], outputs[n]) for n in firsts.values())
+        fidelity = [decode_fidelity(backend, path.read_bytes()) for path in distinct]
+        run.ssim_vs_full_min = None if None in fidelity else min(filter(None, fidelity))
+        runs.append(run)
+    return runs
+
+
+def best_sharp(runs: list[Run], name: str) -> Run | None:
+    sharp = [r for r in runs if r.set == name and r.side.startswith("sharp:")]
+    return max(sharp, key=lambda r: r.images_per_s) if sharp else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=240)
+    parser.add_argument("--sets", nargs="+", default=["sharp", "phone"], choices=["sharp", "phone"])
+    parser.add_argument("--backends", nargs="+", default=["vips", "pillow"])
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="derivd workers and sharp's cores (default: one per core)",
+    )
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--fixture", type=Path, help=f"a local copy of sharp's {FIXTURE_NAME}")
+    parser.add_argument("--label", default="", help="written as bench/out/sharp-LABEL.json")
+    args = parser.parse_args()
+    with_sharp = install_sharp()
+    sets: dict[str, list[Path]] = {}
+    if "sharp" in args.sets and (fixture := sharp_fixture(args.fixture)) is not None:
+        sets["sharp"] = [fixture]
+    if "phone" in args.sets:
+        print("generating phone photos ...", file=sys.stderr, flush=True)
+        sets["phone"] = phone_photos(ROOT / "bench" / "out" / "sharp-inputs")
+    runs: list[Run] = []
+    with cluster() as pg, tempfile.TemporaryDirectory(prefix="derivd-sharp-") as tmp:
+        work = Path(tmp)
+        os.chmod(work, 0o755)
+        for rnd in range(args.rounds):
+            for name, distinct in sets.items():
+                runs += one_set(pg, name, distinct, args, work, with_sharp, rnd)
+        lines = machine(pg.dsn())
+    lines.append(f"sharp {SHARP_VERSION if with_sharp else '(skipped)'}; {args.workers} cores "
+                 f"for each side; {args.images} images per set; {BOX[0]}x{BOX[1]} cover, "
+                 f"JPEG q{QUALITY}")  # fmt: skip
+    print("\n".join(lines))
+    rows = []
+    for r in runs:
+        sharp = best_sharp(runs, r.set)
+        ratio = f"{r.images_per_s / sharp.images_per_s:.2f}x" if sharp else "-"
+        rows.append([r.set, r.side, r.images_per_s, ratio, r.cpu_ms_per_image, r.peak_rss_mb,
+                     "-" if r.ssim_vs_sharp_min is None else f"{r.ssim_vs_sharp_min:.3f}",
+                     "-" if r.ssim_vs_full_min is None else f"{r.ssim_vs_full_min:.3f}",
+                     r.load_1min])  # fmt: skip
+    print(table(["set", "side", "images/s", "vs sharp's best", "CPU ms/image", "peak RSS MiB",
+                 "SSIM vs sharp (min)", "SSIM vs full decode (min)", "load"], rows))  # fmt: skip
+    path = save_results(f"sharp-{args.label}" if args.label else "sharp", {
+        "machine": lines, "sharp_version": SHARP_VERSION if with_sharp else None,
+        "label": args.label,
+        "runs": [asdict(r) | {"images_per_s": r.images_per_s,
+                              "cpu_ms_per_image": r.cpu_ms_per_image} for r in runs],
+    })  # fmt: skip
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
