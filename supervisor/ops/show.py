@@ -46,7 +46,8 @@ def read(queue: QueueDB, file_id: int) -> FileView | None:
 
 def as_json(view: FileView) -> dict[str, Any]:
     """{row, analysis, variants, events}: times in ISO 8601 (UTC), tokens as text."""
-    row = {k: v for k, v in view.row.items() if k.removeprefix("original_") not in ANALYSIS}
+    analysed = {f"original_{name}" for name in ANALYSIS}
+    row = {k: v for k, v in view.row.items() if k not in analysed}
     return {
         "row": _plain(row),
         "analysis": view.analysis,
