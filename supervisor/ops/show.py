@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
+from derivd.handlers.base import Analysis
 from derivd.queue.db import QueueDB, StoredVariant
 
-ANALYSIS = ("width", "height", "format", "frames", "has_alpha", "colour", "placeholder", "dhash")
+ANALYSIS = tuple(f.name for f in fields(Analysis))  # stored as the original_* columns
 UNSIGNED_64 = 2**64 - 1
 
 
