@@ -252,6 +252,11 @@ def show(state: State, file_id: int, as_json: bool) -> None:
     """One file: its row, the analysis of its original, every variant, its events.
 
     \b
+    Examples:
+      derivd show 42            what happened to file 42
+      derivd show --json 42     the same, as one JSON object
+
+    \b
     JSON (--json): {"row": {...}, "analysis": {...} or null, "variants": [...],
     "events": [...]}, times in ISO 8601 UTC. Exit 1 when no file has this id.
     Reads only.
