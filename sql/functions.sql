@@ -423,8 +423,9 @@ END $$;
 -- heartbeat intervals pass without one. One late or lost heartbeat is no reason to call
 -- a host dead, and with the heartbeat at most a third of the lease ([queue] heartbeat) a
 -- host is called stale no later than its leases expire. `derivd status` shows stale
--- hosts; the sweep prunes them after the [sweep] guard. LANGUAGE sql and STABLE, so the
--- server inlines it into the calling query (now() is that statement's time).
+-- hosts; the supervisors' stats round prunes them after [sweep] orphan_guard. LANGUAGE
+-- sql and STABLE, so the server inlines it into the calling query (now() is that
+-- statement's time).
 CREATE OR REPLACE FUNCTION derivd_host_stale(last_heartbeat timestamptz, heartbeat_s float8)
 RETURNS boolean
 LANGUAGE sql STABLE AS $$

@@ -206,7 +206,7 @@ SELECT derivd_event_partitions((now() AT TIME ZONE 'UTC')::date, 8);
 -- The host registry: one row per supervisor, named by its [supervisor] host_id. A
 -- supervisor registers at start, refreshes its row with every heartbeat (database time)
 -- and deletes it on a clean stop; a host whose heartbeat is three intervals old is stale,
--- and stale rows are pruned after the [sweep] guard.
+-- and stale rows are pruned after [sweep] orphan_guard.
 CREATE TABLE derivd_hosts (
     host           text             PRIMARY KEY,
     pid            integer          NOT NULL,

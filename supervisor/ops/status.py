@@ -235,7 +235,7 @@ def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict
 
 def host_json(row: dict[str, Any]) -> dict[str, Any]:
     """One supervisor of the host registry: alive = it heartbeated within 3 of its
-    intervals (a stale row stays, not alive, until pruned after the [sweep] guard)."""
+    intervals (a stale row stays, not alive, until pruned after [sweep] orphan_guard)."""
     return {
         "host": row["host"],
         "pid": row["pid"],
