@@ -436,22 +436,25 @@ class QueueDB:
         self.dsn = dsn
         self.application_name = "derivd"
         self.bound_s: float | None = None  # the supervisor's connections: see `connect`
+        self._pooled: bool | None = None  # found when this handle opened `conn`
 
     @classmethod
     def open(cls, dsn: str, *, role: str = "derivd", bound_s: float | None = None) -> QueueDB:
         """`bound_s`: every statement waits at most that long (the supervisor's own
         connections; a worker's statements are bounded by its job's deadline)."""
         name = f"{role}@{socket.gethostname()}"
-        queue = cls(connect(dsn, application_name=name, bound_s=bound_s), dsn)
+        conn, pooled = open_connection(dsn, application_name=name, bound_s=bound_s)
+        queue = cls(conn, dsn)
         queue.application_name = name
         queue.bound_s = bound_s
+        queue._pooled = pooled
         return queue
 
     def _reconnect_if_broken(self) -> None:
         # After a database restart the old connection is dead; the next call gets a new
         # one (or DatabaseUnavailable, which the caller treats as transient).
         if (self.conn.closed or self.conn.broken) and self.dsn is not None:
-            self.conn = connect(
+            self.conn, self._pooled = open_connection(
                 self.dsn, application_name=self.application_name, bound_s=self.bound_s
             )
 
@@ -459,12 +462,15 @@ class QueueDB:
         self.conn.close()
 
     def pooled(self) -> bool:
-        """Whether this connection goes through a connection pooler (`is_pooled`)."""
+        """Whether this connection goes through a connection pooler (`is_pooled`): known
+        since it was opened here (no second round trip), else asked once."""
         self._reconnect_if_broken()
-        try:
-            return is_pooled(self.conn)
-        except psycopg.OperationalError as error:
-            raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
+        if self._pooled is None:
+            try:
+                self._pooled = is_pooled(self.conn)
+            except psycopg.OperationalError as error:
+                raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
+        return self._pooled
 
     def check_schema(self) -> None:
         """SchemaMismatch unless the schema is this version's (module check_schema)."""
