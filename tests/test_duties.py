@@ -139,7 +139,7 @@ def _partitions(queue: QueueDB, retention_days: int = 90) -> PartitionRound:
 def test_after_a_long_outage_default_is_emptied_into_days_and_past_retention_dropped(
     queue: QueueDB,
 ) -> None:
-    # The upkeep was away longer than the week it makes ahead: those days' events (and
+    # The partition duty was away longer than the week it makes ahead: those days' events (and
     # ones from long ago no partition covered) sit in DEFAULT, and status says so.
     for at in ("now() + interval '10 days'", "now() + interval '11 days'"):
         assert _insert_event(queue, at) == "archive_events_default"
