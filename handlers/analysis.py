@@ -225,16 +225,3 @@ def _encode_channel(
     if scale:
         ac = [0.5 + 0.5 / scale * f for f in ac]
     return dc, ac, scale
-
-
-def thumbhash_average_rgb(hash_bytes: bytes) -> tuple[float, float, float]:
-    """The mean colour a ThumbHash encodes (its DC terms), 0-1 per channel: the reference
-    decoder's thumbHashToAverageRGBA, for tests and clients in Python."""
-    header = hash_bytes[0] | (hash_bytes[1] << 8) | (hash_bytes[2] << 16)
-    lum = (header & 63) / 63
-    p = ((header >> 6) & 63) / 31.5 - 1
-    q = ((header >> 12) & 63) / 31.5 - 1
-    b = lum - 2 / 3 * p
-    r = (3 * lum - b + q) / 2
-    g = r - q
-    return tuple(max(0.0, min(1.0, v)) for v in (r, g, b))  # type: ignore[return-value]

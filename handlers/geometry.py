@@ -81,9 +81,6 @@ def cover_window(original: tuple[int, int], base: tuple[int, int], variant: Vari
 # resize a factor of at least 2 (libvips' own `thumbnail` rule: a little sharper on fine
 # detail, slower); `off` decodes at full size (the reference the tests and bench/sharp.py
 # hold the other two to; not a setting).
-SHRINK_ON_LOAD = ("fast", "safe", "off")
-
-
 def _common_shrink(original: tuple[int, int], base: tuple[int, int]) -> float:
     """How much both axes of `original` shrink to reach `base` (same orientation)."""
     return min(original[0] / base[0], original[1] / base[1])

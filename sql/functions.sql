@@ -607,8 +607,9 @@ END $$;
 -- heartbeat intervals pass without one. One late or lost heartbeat is no reason to call
 -- a host dead, and with the heartbeat at most a third of the lease ([queue] heartbeat) a
 -- host is called stale no later than its leases expire. `derivd status` shows stale
--- hosts; the sweep prunes them after the [sweep] guard. LANGUAGE sql and STABLE, so the
--- server inlines it into the calling query (now() is that statement's time).
+-- hosts; the supervisors' stats round prunes them after [sweep] orphan_guard. LANGUAGE
+-- sql and STABLE, so the server inlines it into the calling query (now() is that
+-- statement's time).
 CREATE OR REPLACE FUNCTION derivd_host_stale(last_heartbeat timestamptz, heartbeat_s float8)
 RETURNS boolean
 LANGUAGE sql STABLE AS $$
@@ -693,6 +694,61 @@ BEGIN
     UPDATE derivd_stats_cache AS s
        SET computed_at = now(), payload = result
      WHERE s.name = 'queue';
+    RETURN result;
+END $$;
+
+-- The recent-events counts behind `derivd status`, the dashboard and the metrics (events
+-- per kind, and rejections per error code, over the last `window_s` seconds), cached for
+-- the fleet like derivd_queue_stats: a result younger than max_age_s is returned
+-- as it is; otherwise the caller takes the cache row's lock, and whoever waited for it
+-- finds the result another host (or probe) just computed. One row per window. Every
+-- caller used to count the window's events itself, in two statements: ~120 ms at 100
+-- jobs/s with the default one-hour window, paid by each health probe (bench/RESULTS.md,
+-- "derivd status as a health probe"). Now one scan per max_age_s for everyone.
+CREATE OR REPLACE FUNCTION derivd_event_window(window_s float8, max_age_s float8)
+RETURNS jsonb
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    key text := 'events ' || window_s::text;
+    result jsonb;
+BEGIN
+    SELECT s.payload INTO result
+      FROM derivd_stats_cache AS s
+     WHERE s.name = key AND s.computed_at > now() - make_interval(secs => max_age_s);
+    IF FOUND THEN
+        RETURN result;
+    END IF;
+    INSERT INTO derivd_stats_cache (name, computed_at, payload)
+    VALUES (key, '-infinity', '{}')
+    ON CONFLICT (name) DO NOTHING;
+    SELECT s.payload INTO result
+      FROM derivd_stats_cache AS s
+     WHERE s.name = key AND s.computed_at > now() - make_interval(secs => max_age_s)
+       FOR UPDATE;
+    IF FOUND THEN  -- computed by the caller whose lock this one waited for
+        RETURN result;
+    END IF;
+    WITH counted AS (
+        SELECT e.kind, e.error_code, count(*)::int AS n
+          FROM archive_events AS e
+         WHERE e.at >= now() - make_interval(secs => window_s)
+         GROUP BY e.kind, e.error_code
+    )
+    SELECT jsonb_build_object(
+               'events',
+               (SELECT coalesce(jsonb_object_agg(k.kind, k.n), '{}')
+                  FROM (SELECT c.kind, sum(c.n)::int AS n FROM counted AS c
+                         GROUP BY c.kind) AS k),
+               'rejected_by_code',
+               (SELECT coalesce(jsonb_object_agg(r.code, r.n), '{}')
+                  FROM (SELECT coalesce(c.error_code, 'none') AS code, sum(c.n)::int AS n
+                          FROM counted AS c
+                         WHERE c.kind IN ('rejected', 'exhausted')
+                         GROUP BY 1) AS r))
+      INTO result;
+    UPDATE derivd_stats_cache AS s
+       SET computed_at = now(), payload = result
+     WHERE s.name = key;
     RETURN result;
 END $$;
 

@@ -284,20 +284,14 @@ RETURNING id;
 -- sql/functions.sql).
 SELECT derivd_queue_stats(%(max_age_s)s::float8) AS payload;
 
--- name: event_counts
--- How many events of each kind (lease_lost, timeout, ...) since the given time.
-SELECT kind, count(*)::int AS n
-  FROM archive_events
- WHERE at >= %(since)s
- GROUP BY kind;
-
--- name: rejections_by_code
--- Rows rejected since the given time, by error code (`rejected` and `exhausted` events):
--- tells bad input (unsupported/corrupt/limit) from a broken backend (processing_failed).
-SELECT error_code, count(*)::int AS n
-  FROM archive_events
- WHERE at >= %(since)s AND kind IN ('rejected', 'exhausted')
- GROUP BY error_code;
+-- name: event_window
+-- The last `window_s` seconds of events, cached for the fleet like queue_stats (a result
+-- computed less than max_age_s ago is reused; 0: compute now): how many of each kind
+-- (lease_lost, timeout, ...), and the rejections (`rejected` and `exhausted` events) by
+-- error code, which tell bad input (unsupported/corrupt/limit) from an upload API that
+-- queues what is not stored (missing_original) and a broken backend (processing_failed)
+-- (derivd_event_window in sql/functions.sql).
+SELECT derivd_event_window(%(window_s)s::float8, %(max_age_s)s::float8) AS payload;
 
 -- name: file_row
 SELECT id, status, attempts, available_at, lease_token, lease_until, original_key,
@@ -468,7 +462,7 @@ SELECT f.status, f.error_code,
 -- name: similar
 -- derivd.client.similar: the other ready files within `max` bits of this file's dhash,
 -- nearest first; none when it has no dhash (or no row has this id). The function takes
--- the optional band index when it exists (migration 0013, README).
+-- the optional band index when it exists (no migration creates it: functions.sql, README).
 SELECT id FROM derivd_similar(%(id)s, %(max)s) AS id;
 
 -- name: dashboard_in_flight
@@ -500,8 +494,9 @@ SELECT minutes_ago, finished, median_s
 -- now() + lease_s. The host's registry row is refreshed (created if pruned); with
 -- `starting` (a supervisor starts, holding no jobs: QueueDB.register_host) it is
 -- started now, replacing a row its previous run left behind: the registry's one upsert.
--- Returns the ids whose lease still holds; every other id sent is lost. Database time
--- throughout: no host clock enters a lease decision.
+-- Returns the ids whose lease still holds, and the ids whose attempt has just ended
+-- itself (committed, failed or released by that very token: see `finished`); every
+-- other id sent is lost. Database time throughout: no host clock enters a lease decision.
 WITH held AS (
     SELECT * FROM jsonb_to_recordset(%(jobs)s::jsonb) AS j(id bigint, token uuid)
 ), checked AS (
@@ -527,10 +522,31 @@ WITH held AS (
            heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now(),
            started_at = CASE WHEN %(starting)s THEN now() ELSE r.started_at END
     RETURNING 1
+), finished AS (
+    -- Not lost: ended by its own attempt. A worker's fenced commit (or failure, or
+    -- release) can land between the supervisor's last reading of its reports and this
+    -- statement; the report is on its way, and killing the worker for it would kill a
+    -- healthy worker. The row's last change is then that outcome: its event carries the
+    -- attempt's token and the same transaction time (updated_at = at = now()). A row
+    -- moved on since (reclaimed, deleted, rejected as exhausted or by hand) has no such
+    -- event at its updated_at. Evaluated only for held ids whose row left `processing`,
+    -- i.e. almost never; `at =` prunes the event partitions to one.
+    SELECT f.id
+      FROM archive_files AS f
+      JOIN held AS h ON f.id = h.id
+     WHERE f.status IN ('ready', 'queued', 'rejected')
+       AND f.id = ANY(%(ids)s::bigint[])
+       AND EXISTS (SELECT 1 FROM archive_events AS e
+                    WHERE e.at = f.updated_at AND e.file_id = f.id
+                      AND e.lease_token = h.token
+                      AND e.kind IN ('ready', 'retry', 'rejected', 'released')
+                   OFFSET 0)  -- keeps it a lookup per row, never a join over all events
 )
 SELECT id FROM checked
 UNION ALL
-SELECT id FROM renewed;
+SELECT id FROM renewed
+UNION ALL
+SELECT id FROM finished;
 
 -- name: deregister_host
 -- A clean stop. Fenced on the pid: a newer supervisor under the same name keeps its row.

@@ -21,8 +21,8 @@
 CREATE DOMAIN derivd_status AS text CONSTRAINT derivd_status_check CHECK (VALUE IN (
     'pending', 'queued', 'processing', 'ready', 'rejected', 'deleting', 'deleted'));
 CREATE DOMAIN derivd_error_code AS text CONSTRAINT derivd_error_code_check CHECK (VALUE IN (
-    'unsupported_content', 'corrupt_content', 'resource_limit', 'attempts_exhausted',
-    'processing_failed'));
+    'unsupported_content', 'corrupt_content', 'resource_limit', 'missing_original',
+    'attempts_exhausted', 'processing_failed'));
 CREATE DOMAIN derivd_event_kind AS text CONSTRAINT derivd_event_kind_check CHECK (VALUE IN (
     'ready', 'retry', 'rejected', 'lease_lost', 'timeout', 'released', 'exhausted',
     'delete_requested', 'deleted', 'operator_retry', 'rederived'));
@@ -273,7 +273,7 @@ SELECT derivd_event_partitions((now() AT TIME ZONE 'UTC')::date, 8);
 -- The host registry: one row per supervisor, named by its [supervisor] host_id. A
 -- supervisor registers at start, refreshes its row with every heartbeat (database time)
 -- and deletes it on a clean stop; a host whose heartbeat is three intervals old is stale,
--- and stale rows are pruned after the [sweep] guard.
+-- and stale rows are pruned after [sweep] orphan_guard.
 CREATE TABLE derivd_hosts (
     host           text             PRIMARY KEY,
     pid            integer          NOT NULL,

@@ -1,6 +1,6 @@
 """The rules an original's analysis must meet before the fenced commit stores it.
 
-They are the CHECK `archive_files_original_check` of migration 0013, said again in Python so
+They are the CHECK `archive_files_original_check` of sql/schema.sql, said again in Python so
 that a handler's malformed analysis fails its own job (`processing_failed`, one log line)
 instead of the commit statement that carries a whole batch; tests/test_analysis_stored.py holds
 the two to the same answers.

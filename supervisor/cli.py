@@ -38,8 +38,7 @@ def friendly_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from derivd.embedded.pgbin import PostgresNotFound
-        from derivd.embedded.pgcluster import EmbeddedClusterError
+        from derivd.embedded import EmbeddedError
         from derivd.errors import Transient
         from derivd.queue.db import SchemaMismatch
         from derivd.storage.base import StorageConfigError
@@ -50,7 +49,7 @@ def friendly_errors(fn: F) -> F:
             die(f"bad configuration:\n{error}", 2)
         except SchemaMismatch as error:
             die(str(error), 3)  # as `derivd status` says it
-        except (Transient, StorageConfigError, EmbeddedClusterError, PostgresNotFound) as error:
+        except (Transient, StorageConfigError, EmbeddedError) as error:
             die(str(error))
 
     return wrapper  # type: ignore[return-value]
@@ -316,6 +315,7 @@ class _Bar:
 @click.option("--max-oldest-age", type=click.FloatRange(min=0), help="Override [status].")
 @click.option("--max-expired-leases", type=click.IntRange(min=0), help="Override [status].")
 @click.option("--max-rejected-ratio", type=click.FloatRange(0, 1), help="Override [status].")
+@click.option("--min-hosts", type=click.IntRange(min=0), help="Override [status].")
 @pass_state
 @friendly_errors
 def status(
@@ -327,8 +327,10 @@ def status(
     max_oldest_age: float | None,
     max_expired_leases: int | None,
     max_rejected_ratio: float | None,
+    min_hosts: int | None,
 ) -> None:
-    """Queue health: rows per status, oldest claimable age, expired leases, rejected share.
+    """Queue health: rows per status, oldest claimable age, expired leases, rejected share,
+    live hosts.
 
     \b
     Exit status (a health check for cron, systemd or Kubernetes):
@@ -344,6 +346,7 @@ def status(
         "max_oldest_age": max_oldest_age,
         "max_expired_leases": max_expired_leases,
         "max_rejected_ratio": max_rejected_ratio,
+        "min_hosts": min_hosts,
     }
     overrides = {k: v for k, v in limits.items() if v is not None}
     if overrides:
@@ -358,6 +361,11 @@ def status(
 @friendly_errors
 def show(state: State, file_id: int, as_json: bool) -> None:
     """One file: its row, the analysis of its original, every variant, its events.
+
+    \b
+    Examples:
+      derivd show 42            what happened to file 42
+      derivd show --json 42     the same, as one JSON object
 
     \b
     JSON (--json): {"row": {...}, "analysis": {...} or null, "variants": [...],

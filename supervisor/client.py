@@ -40,6 +40,7 @@ from psycopg.pq import TransactionStatus
 
 from derivd.queue.db import FINISHED_CHANNEL as CHANNEL
 from derivd.queue.db import QueueDB
+from derivd.storage.base import InvalidKey
 from derivd.traffic import priority_problem, tenant_problem
 
 # Longest a finish goes unseen when it raced the registration (see the module docstring).
@@ -52,6 +53,7 @@ __all__ = [
     "FINAL",
     "ClientError",
     "ConnectionBusy",
+    "InvalidKey",
     "InvalidPriority",
     "InvalidTenant",
     "MissingVersion",
@@ -136,6 +138,11 @@ def enqueue(
     """Queue a stored original, read later by key AND version id. Returns the row id.
     A missing version (None: the PUT to an unversioned bucket returned none) raises
     MissingVersion.
+
+    InvalidKey (a ValueError), and nothing queued, for a key derivd's stores refuse
+    (`..`, a leading `/`, a space, ...: derivd.storage.base.validate_key), as derivd
+    could never read it. A key that is valid but names no object (or no such version)
+    is queued, and rejected by the worker at once as `missing_original`.
 
     `priority`: -100..100, higher runs first (0: live uploads; backfill uses -10).
     `tenant`: whose file it is (None: no tenant); tenants with work at one priority

@@ -92,9 +92,11 @@ def host_port(value: str) -> str | None:
 
 
 def check_handler(value: str) -> str | None:
-    from derivd.handlers.registry import is_import_target, known_handlers  # imports no backend
+    from derivd.handlers.registry import BUILTIN, is_import_target, known_handlers  # no backend
 
-    if is_import_target(value):  # `module:Class`: loaded (and checked) in the worker
+    # A built-in name needs no look at the installed packages' entry points (a scan of
+    # every distribution's metadata, paid by every command that loads the config).
+    if value in BUILTIN or is_import_target(value):  # `module:Class`: checked in the worker
         return None
     known = known_handlers()
     return None if value in known else f"unknown backend {value!r}; known: {', '.join(known)}"
@@ -390,6 +392,18 @@ class StatusSettings:
     )
     window: float = setting(
         3600.0, "seconds of events behind the recent counts and rejected share", check=positive
+    )
+    max_age: float = setting(
+        15.0,
+        "seconds a reading of the counts and recent events, computed by any host or probe, "
+        "is reused (the supervisors refresh it every [metrics] interval); 0: compute each time",
+        check=non_negative,
+    )
+    min_hosts: int = setting(
+        1,
+        "unhealthy when fewer supervisors are alive while work is claimable (due queued rows "
+        "or expired leases); 0: off",
+        check=non_negative,
     )
 
 

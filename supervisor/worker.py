@@ -26,7 +26,7 @@ from derivd.handlers.registry import create_handler
 from derivd.ops.logs import event
 from derivd.queue.db import DatabaseUnavailable, Finished, Job, QueueDB, StoredVariant
 from derivd.queue.retry import record_failure
-from derivd.storage.base import Storage, derived_key, open_storage
+from derivd.storage.base import ObjectMissing, Storage, derived_key, open_storage
 
 log = logging.getLogger("derivd.worker")
 
@@ -312,7 +312,7 @@ class Worker:
 
     def _derive(self, job: Job) -> Derivation:
         if job.original_version is None:
-            raise Permanent("processing_failed", "row has no original version")
+            raise ObjectMissing("row has no original version")
         if not self.reads_original:
             return Derivation.of(self.handler.derive(b"", self.spec))
         original = self.storage.get(

@@ -19,6 +19,7 @@ import pytest
 from PIL import Image, ImageStat
 from test_handlers import BACKENDS, CMYK_UNPROFILED, READY_CASES, SPEC
 
+from derivd.embedded.thumbhash import average_rgb
 from derivd.handlers.analysis import (
     Small,
     analyse,
@@ -27,7 +28,6 @@ from derivd.handlers.analysis import (
     mean_colour,
     small_size,
     thumbhash,
-    thumbhash_average_rgb,
 )
 from derivd.handlers.base import Analysis, Derivation, Handler
 from derivd.handlers.registry import create_handler
@@ -133,7 +133,7 @@ def check_placeholder_mean(original: Analysis, preview: bytes) -> None:
     """The placeholder's DC terms are the image's mean colour, within DC_FRACTION."""
     image = Image.open(io.BytesIO(preview)).convert("RGB")
     mean = ImageStat.Stat(image).mean
-    dc = thumbhash_average_rgb(base64.b64decode(original.placeholder))
+    dc = average_rgb(base64.b64decode(original.placeholder))
     for got, want in zip(dc, mean, strict=True):
         assert abs(got * 255 - want) <= DC_FRACTION * 255, (dc, mean)
 
@@ -155,7 +155,7 @@ def test_both_backends_agree_on_the_analysis(
     if name not in CMYK_UNPROFILED:
         pairs = zip(channels(vips.colour), channels(pillow.colour), strict=True)
         assert all(abs(a - b) <= COLOUR_LEVELS for a, b in pairs), (vips.colour, pillow.colour)
-        dcs = (thumbhash_average_rgb(base64.b64decode(o.placeholder)) for o in (vips, pillow))
+        dcs = (average_rgb(base64.b64decode(o.placeholder)) for o in (vips, pillow))
         assert max(abs(a - b) for a, b in zip(*dcs, strict=True)) <= PLACEHOLDER_DC
     for backend in BACKENDS:
         original = results[backend].original

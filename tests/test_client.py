@@ -73,6 +73,27 @@ def test_enqueue_refuses_a_missing_version(
     assert conn.execute("SELECT count(*) FROM archive_files").fetchone() == (0,)
 
 
+@pytest.mark.parametrize("key", ["../../etc/passwd", "/abs.jpg", "My Photo.jpg", "a\x00b"])
+def test_enqueue_refuses_a_key_derivd_could_never_read(
+    conn: psycopg.Connection[Any], key: str
+) -> None:
+    """The stores' own rule (derivd.storage.base.validate_key): such a row would only
+    ever end `missing_original`."""
+    with pytest.raises(client.InvalidKey, match="key"):
+        client.enqueue(conn, key, "ver-1")
+    assert conn.execute("SELECT count(*) FROM archive_files").fetchone() == (0,)
+
+
+def test_the_batch_enqueue_of_derivd_enqueue_applies_the_same_rule(
+    queue: QueueDB, conn: psycopg.Connection[Any]
+) -> None:
+    """`derivd enqueue` (and the demo) queue through QueueDB.enqueue: one refused key
+    queues nothing of its batch."""
+    with pytest.raises(client.InvalidKey, match="not allowed"):
+        queue.enqueue([("originals/fine", "v1"), ("uploads/My Photo.jpg", "v1")])
+    assert conn.execute("SELECT count(*) FROM archive_files").fetchone() == (0,)
+
+
 # The registration any language sends before waiting (README "From any other language").
 REGISTER = (
     "INSERT INTO derivd_waiters (file_id, waiter, until)"

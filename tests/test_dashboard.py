@@ -135,7 +135,9 @@ def test_numbers_match_the_database_and_the_status_verdict(dsn: str, queue: Queu
 
 def test_reads_are_cached_for_the_refresh_interval(dsn: str, queue: QueueDB) -> None:
     seed_queue(queue, ready=1, rejected=0, queued=1)
-    cfg = defaults(DERIVD_METRICS_INTERVAL="10")
+    # The page's own cache is under test: the readings shared through the database
+    # ([status] max_age, real time) are turned off.
+    cfg = defaults(DERIVD_METRICS_INTERVAL="10", DERIVD_STATUS_MAX_AGE="0")
     now = [1000.0]
     board = Dashboard(dsn, lambda: cfg, Metrics(), clock=lambda: now[0])
     first = board.snapshot()

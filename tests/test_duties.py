@@ -139,12 +139,12 @@ def _partitions(queue: QueueDB, retention_days: int = 90) -> PartitionRound:
 def test_after_a_long_outage_default_is_emptied_into_days_and_past_retention_dropped(
     queue: QueueDB,
 ) -> None:
-    # The upkeep was away longer than the week it makes ahead: those days' events (and
+    # The partition duty was away longer than the week it makes ahead: those days' events (and
     # ones from long ago no partition covered) sit in DEFAULT, and status says so.
     for at in ("now() + interval '10 days'", "now() + interval '11 days'"):
         assert _insert_event(queue, at) == "archive_events_default"
     assert _insert_event(queue, "now() - interval '200 days'") == "archive_events_default"
-    assert DEFAULT_EVENTS in collect(queue, 3600).warnings
+    assert DEFAULT_EVENTS in collect(queue, Config().status).warnings
 
     done = _partitions(queue, retention_days=90)
 
@@ -153,7 +153,7 @@ def test_after_a_long_outage_default_is_emptied_into_days_and_past_retention_dro
     count = "SELECT count(*) AS n FROM {}"
     assert sql(queue.dsn or "", count.format("archive_events_default")) == [{"n": 0}]
     assert sql(queue.dsn or "", count.format("archive_events")) == [{"n": 2}]  # the old one: gone
-    assert collect(queue, 3600).warnings == []
+    assert collect(queue, Config().status).warnings == []
     # Those days are partitions now: their next events land there, not in DEFAULT.
     assert _insert_event(queue, "now() + interval '10 days'") in done.rehomed
     # Still append-only, DEFAULT included.

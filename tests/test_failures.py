@@ -394,6 +394,54 @@ def test_permanent_error_rejects_at_once(
     )
 
 
+# Keys derivd's stores refuse (derivd.client.enqueue refuses them too; an upload API in
+# another language may still insert them): none names an object derivd could ever read.
+REFUSED_KEYS = ["../../etc/passwd", "/abs.jpg", "originals/My Photo.jpg"]
+
+
+def insert_queued(dsn: str, key: str, version: str) -> int:
+    """The enqueue any language may run (README), bypassing derivd.client's checks."""
+    (found,) = sql(
+        dsn,
+        "INSERT INTO archive_files (status, original_key, original_version) "
+        "VALUES ('queued', %s, %s) RETURNING id",
+        (key, version),
+    )
+    return int(found["id"])
+
+
+@pytest.mark.parametrize("store", ["fs", "s3"])
+def test_an_original_missing_for_good_is_rejected_at_once_as_missing_original(
+    request: pytest.FixtureRequest, dsn: str, store: str, worker_cleanup: list[Worker]
+) -> None:
+    """No such key, no such version, a key the store refuses: rejected on the first
+    attempt with `missing_original`, never retried as an outage."""
+    if store == "fs":
+        root = request.getfixturevalue("fs_root")
+        config, storage = fs_config(dsn, root), FsStorage(root)
+    else:
+        url = request.getfixturevalue("s3_server").endpoint_url
+        bucket = request.getfixturevalue("s3_bucket")
+        config, storage = s3_config(dsn, url, bucket), s3_storage(url, bucket)
+    _, stored = enqueue_original(dsn, storage)
+    other_version = storage.put("originals/other", jpeg(), "image/jpeg")
+    ids = [insert_queued(dsn, key, other_version) for key in REFUSED_KEYS]
+    ids.append(insert_queued(dsn, "originals/never-stored", other_version))  # no such key
+    ids.append(insert_queued(dsn, stored, other_version))  # the key's, not this version
+    worker = make_worker(config, dsn, storage)
+    worker_cleanup.append(worker)
+    outcomes = {}
+    for _ in range(len(ids) + 1):  # the good original too
+        result = run_one(worker)
+        assert result is not None
+        outcomes[result.job.id] = (result.outcome, result.code)
+    assert run_one(worker) is None
+    for file_id in ids:
+        assert outcomes[file_id] == ("rejected", "missing_original"), file_id
+        assert row(dsn, file_id)["attempts"] == 1
+        assert events(dsn, file_id) == [("rejected", 1, "missing_original")]
+
+
 def test_database_connection_killed_mid_job_retries(
     dsn: str, fs_root: Path, worker_cleanup: list[Worker]
 ) -> None:
@@ -627,7 +675,7 @@ def test_no_row_event_or_log_line_holds_exception_text_or_credentials(
     assert result is not None and (result.job.id, result.outcome) == (missing_id, "rejected")
 
     assert row(dsn, retried_id)["error_code"] == "processing_failed"
-    assert row(dsn, missing_id)["error_code"] == "processing_failed"
+    assert row(dsn, missing_id)["error_code"] == "missing_original"
     stored = "\n".join(
         json.dumps(r, default=str)
         for table in ("archive_files", "archive_events", "archive_variants", "pending_objects")

@@ -18,7 +18,8 @@ from PIL import Image, ImageCms, ImageStat
 from test_handlers import BACKENDS, MISTAKE_MAD, PARITY_MAD, SPEC, mad, riff_chunks
 from test_handlers_decoding import RAISE_IF_DECODED, never_decoded
 
-from derivd.handlers.analysis import hamming, thumbhash_average_rgb
+from derivd.embedded.thumbhash import average_rgb
+from derivd.handlers.analysis import hamming
 from derivd.handlers.base import Analysis, Derivation, Handler, Permanent, target_size
 from derivd.handlers.isobmff import declared
 from derivd.handlers.registry import create_handler
@@ -256,7 +257,7 @@ def test_placeholder_mean_is_the_image_mean(handler: Handler) -> None:
     for name in ("pug.heic", "arrow.heic", "burst_5.heic"):
         out, original = derive(handler, read(name))
         mean = ImageStat.Stat(Image.open(io.BytesIO(out[0].data)).convert("RGB")).mean
-        dc = thumbhash_average_rgb(base64.b64decode(original.placeholder))
+        dc = average_rgb(base64.b64decode(original.placeholder))
         for got, want in zip(dc, mean, strict=True):
             assert abs(got * 255 - want) <= 0.10 * 255
 

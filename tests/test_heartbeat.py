@@ -6,16 +6,23 @@ after the guard and deregister on a clean stop. All times are the database's."""
 from __future__ import annotations
 
 import socket
+import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from configs import write_ini
+from configs import make_config, write_ini
+from fixtures.work import commit_one, make_worker
 from helpers import sql
 
 from derivd.config import Config, ConfigError, load_config
+from derivd.ops.metrics import Metrics
+from derivd.processes.duties import Heartbeat, held_jobs, lost_tokens, to_kill
+from derivd.processes.pipe import WorkerProc
 from derivd.queue.db import HostInfo, Job, QueueDB
+from derivd.worker import JobResult
 
 LONG = 60.0
 HOST = HostInfo("host-a", 4242, "0.1.0", "vips", 2, 1, 10.0)
@@ -73,6 +80,104 @@ def test_heartbeat_finds_every_lost_lease_in_one_statement(queue: QueueDB, dsn: 
     fake = replace(kept, token=uuid.uuid4())
     assert queue.heartbeat(HOST, [fake], renew=False, lease_s=LONG) == set()
     assert queue.heartbeat(HOST, [], renew=False, lease_s=LONG) == set()
+
+
+@pytest.mark.parametrize("renew", [False, True])
+def test_a_job_its_own_attempt_just_ended_is_not_lost(
+    queue: QueueDB, dsn: str, renew: bool
+) -> None:
+    """Between a worker's fenced commit (or failure, or release) and its report reaching
+    the supervisor, the heartbeat sees the row final: that attempt ended itself, it did
+    not lose its lease. A row that moved on for another reason is lost."""
+    enqueue(queue, 7)
+    committed, retried, rejected, released, exhausted, reclaimed, by_hand = (
+        claim(queue) for _ in range(7)
+    )
+    assert commit_one(queue, committed, [])
+    assert queue.fail(retried, retry=True, code="processing_failed", max_attempts=3) == "queued"
+    assert queue.fail(rejected, retry=False, code="corrupt_content", max_attempts=3) == "rejected"
+    assert queue.release(released)
+    # Lease lapsed: rejected as exhausted by maintenance, or reclaimed and committed by
+    # another attempt. Rejected by an operator's own UPDATE.
+    sql(
+        dsn,
+        "UPDATE archive_files SET lease_until = now() - interval '1s', attempts = 3 WHERE id = %s",
+        (exhausted.id,),
+    )
+    assert queue.reject_exhausted(max_attempts=3) == [exhausted.id]
+    sql(
+        dsn,
+        "UPDATE archive_files SET lease_until = now() - interval '1s' WHERE id = %s",
+        (reclaimed.id,),
+    )
+    [again] = queue.claim_many(limit=1, lease_s=LONG, max_attempts=3, host="host-b")
+    assert again.id == reclaimed.id and commit_one(queue, again, [])
+    sql(
+        dsn,
+        "UPDATE archive_files SET status = 'rejected', error_code = 'processing_failed', "
+        "lease_token = NULL, lease_until = NULL, updated_at = now() WHERE id = %s",
+        (by_hand.id,),
+    )
+    held = [committed, retried, rejected, released, exhausted, reclaimed, by_hand]
+    valid = queue.heartbeat(HOST, held, renew=renew, lease_s=LONG)
+    assert valid == {committed.id, retried.id, rejected.id, released.id}
+    assert lost_tokens(held, valid) == {exhausted.token, reclaimed.token, by_hand.token}
+
+
+class ReportsHeldBack:
+    """Worker hooks that are the supervisor's side of the pipe (WorkerProc), with one
+    fault injected: each time the worker reports outcomes (its commit is done), the
+    supervisor's heartbeat duty runs its round and decides whom to kill, as
+    Supervisor.on_lost does, BEFORE the report arrives. That is the race of issue 21
+    item 10, made to happen on every job."""
+
+    def __init__(self, config: Config, supervisor_db: QueueDB) -> None:
+        self.db = supervisor_db
+        self.proc = WorkerProc(
+            pid=1, slot=1, generation=1, status_r=-1, progress_r=-1, cmd_w=-1, spawned_at=0.0
+        )
+        self.heartbeat = Heartbeat(
+            lambda: config, None, Metrics(), lambda: [self.proc], on_lost=self.on_lost
+        )
+        self.raced: list[int] = []  # running job ids the heartbeat saw already final
+        self.to_kill: list[WorkerProc] = []
+
+    def on_lost(self, lost: set[uuid.UUID]) -> None:
+        self.to_kill += to_kill([self.proc], lost)
+
+    def jobs_claimed(self, jobs: Sequence[Job]) -> None:
+        for job in jobs:
+            self.proc.held[job.id] = job
+
+    def job_started(self, job: Job) -> None:
+        self.proc.last_start = (job.token, time.monotonic())
+
+    def jobs_finished(self, results: Sequence[JobResult]) -> None:
+        sent = held_jobs([self.proc])
+        running = self.proc.running()
+        if running is not None and self.db.statuses([running[0].id]) == {running[0].id: "ready"}:
+            self.raced.append(running[0].id)
+        self.heartbeat.on_heartbeat(sent, self.heartbeat.run_once(self.db, sent, busy=1))
+        for result in results:  # the report arrives
+            self.proc.held.pop(result.job.id, None)
+
+
+def test_a_heartbeat_never_kills_a_worker_whose_job_committed(
+    queue: QueueDB, dsn: str, tmp_path: Path
+) -> None:
+    config = make_config(dsn, fs_root=tmp_path / "store", derive={"backend": "noop"})
+    ids = enqueue(queue, 3)
+    hooks = ReportsHeldBack(config, queue)
+    worker = make_worker(config, dsn)
+    worker.hooks = hooks
+    try:
+        assert worker.run(lambda: False, burst=True) == "drained"
+    finally:
+        worker.close()
+    assert hooks.raced == ids  # the heartbeat ran after each commit, before its report
+    assert hooks.to_kill == []
+    rows = sql(dsn, "SELECT status FROM archive_files ORDER BY id")
+    assert [r["status"] for r in rows] == ["ready"] * 3
 
 
 def test_without_renewal_the_heartbeat_changes_no_lease(queue: QueueDB, dsn: str) -> None:

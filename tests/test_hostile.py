@@ -18,7 +18,7 @@ from pathlib import Path
 
 import imagegen
 import pytest
-from fixtures.burst import outcomes, queue_originals, run_and_watch, write_burst_ini
+from fixtures.burst import outcomes, queue_originals, run_cleanly, write_burst_ini
 
 from derivd.storage.fs import FsStorage
 
@@ -69,11 +69,7 @@ def test_hostile_inputs_end_with_their_code_through_the_supervisor(
         lease=60,
         derive=f"[derive]\nbackend = {backend}\n",
     )
-    log = tmp_path / "derivd.log"
-    code, peaks = run_and_watch(ini, log)
-    text = log.read_text(errors="replace")
-    assert code == 0, text
-    assert "Traceback" not in text
+    peaks = run_cleanly(ini, tmp_path / "derivd.log")
 
     rows, kinds = outcomes(dsn)
     wrong = []
@@ -84,7 +80,6 @@ def test_hostile_inputs_end_with_their_code_through_the_supervisor(
             wrong.append(f"{name}: want {want}, got {status}/{error_code} after {attempts}")
     assert not wrong, "\n".join(wrong)
     assert "timeout" not in kinds and "retry" not in kinds and "exhausted" not in kinds
-    assert "worker died" not in text and "worker recycled" not in text, text
     assert len(peaks) >= 1, "no worker was ever seen"
     assert max(peaks.values()) < PEAK_RSS_MIB, peaks
     print(f"{backend}: peak worker RSS {max(peaks.values()):.0f} MiB over {len(peaks)} workers")

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -70,7 +69,7 @@ def test_scrape_shows_the_exact_workload_and_queue_state(metrics: Metrics, dsn: 
     with QueueDB.open(dsn) as queue:
         seeded = seed_queue(queue, ready=5, rejected=2, queued=3, expired=2)
         stats = queue.queue_stats()
-        events = queue.event_counts(datetime.now(UTC) - timedelta(hours=1))
+        events = queue.event_window(window_s=3600).events
     feed_workload(metrics)
     metrics.set_queue(stats)
     metrics.set_event_counts(events)

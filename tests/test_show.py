@@ -133,6 +133,8 @@ def test_show_lists_every_variant(
         ("large", "webp", "v1"),
         ("thumb", "avif", "v2"),
     ]
+    # The row keeps its own columns named like an analysis field (the primary's size).
+    assert (shown["row"]["width"], shown["row"]["height"]) == (800, 600)
 
 
 def test_show_an_unknown_id_is_one_line_and_exit_1(

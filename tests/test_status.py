@@ -15,19 +15,27 @@ from fixtures.s3 import free_port
 from fixtures.work import claim_one
 
 from derivd.ops.status import HEALTHY, UNAVAILABLE, UNHEALTHY
-from derivd.queue.db import QueueDB
+from derivd.queue.db import HostInfo, QueueDB
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
 
 # Thresholds the seeded queue below stays within: the default ones, with the rejected
 # share judged on it (it has fewer finished jobs than the default minimum).
 LENIENT = {"DERIVD_STATUS_MIN_FINISHED": "1", "DERIVD_STATUS_MAX_REJECTED_RATIO": "0.5"}
+# Tests that change the queue between two looks read it afresh each time.
+FRESH = {"DERIVD_STATUS_MAX_AGE": "0"}
+
+
+# A supervisor that is running (its registry row, fresh): the seeded queue has claimable
+# work, which with no live host is unhealthy ([status] min_hosts).
+RUNNING = HostInfo("web-1", 4242, "0.1.0", "vips", 2, 0, 10.0)
 
 
 @pytest.fixture
 def seeded_dsn(dsn: str) -> str:
     with QueueDB.open(dsn) as queue:
         seed_queue(queue, ready=6, rejected=2, queued=3, expired=2)
+        queue.register_host(RUNNING)
     return dsn
 
 
@@ -91,7 +99,9 @@ def test_expired_lease_threshold_from_the_config_file(
         # the claim off the expired rows, which claims would otherwise take first.
         job = claim_one(queue, lease_s=-1.0, max_attempts=1)
         assert job is not None and job.attempt == 1
-    crossed = run_cli("-c", str(ini), "status", env={"DERIVD_DATABASE_DSN": seeded_dsn, **LENIENT})
+    crossed = run_cli(
+        "-c", str(ini), "status", env={"DERIVD_DATABASE_DSN": seeded_dsn, **LENIENT, **FRESH}
+    )
     assert crossed.returncode == UNHEALTHY
     assert "UNHEALTHY expired_leases: 3 > 2" in crossed.stdout
     assert "raise [queue] lease" in crossed.stdout
@@ -127,6 +137,58 @@ def test_watch_refreshes_and_keeps_the_last_verdict(run_cli: RunCli, seeded_dsn:
     assert result.returncode == HEALTHY, result.stderr
     frames = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(frames) == 3 and all(f["counts"]["ready"] == 6 for f in frames)
+
+
+def test_counts_and_recent_events_are_shared_for_max_age(run_cli: RunCli, seeded_dsn: str) -> None:
+    """A health probe every few seconds reads what the last reader (a supervisor, another
+    probe) computed less than `[status] max_age` ago; 0 computes each time."""
+    first = json.loads(status(run_cli, seeded_dsn, "--json").stdout)
+    with QueueDB.open(seeded_dsn) as queue:
+        job = claim_one(queue, lease_s=60.0, max_attempts=3)
+        assert job is not None
+        assert queue.fail(job, retry=False, code="corrupt_content", max_attempts=3) == "rejected"
+    cached = json.loads(status(run_cli, seeded_dsn, "--json").stdout)
+    fresh = json.loads(status(run_cli, seeded_dsn, "--json", DERIVD_STATUS_MAX_AGE="0").stdout)
+    assert cached["counts"] == first["counts"] and cached["events"] == first["events"]
+    assert fresh["counts"]["rejected"] == first["counts"]["rejected"] + 1
+    assert fresh["events"]["rejected"] == first["events"]["rejected"] + 1
+    assert fresh["rejected_by_code"]["corrupt_content"] == 3
+
+
+def test_no_live_host_while_work_is_claimable_is_unhealthy(
+    run_cli: RunCli, seeded_dsn: str
+) -> None:
+    with QueueDB.open(seeded_dsn) as queue:
+        queue.deregister_host(RUNNING.host, RUNNING.pid)  # a clean stop
+    table = status(run_cli, seeded_dsn)
+    assert table.returncode == UNHEALTHY, table.stdout
+    assert "hosts: none running" in table.stdout
+    assert "no supervisor has run" not in table.stdout
+    assert "UNHEALTHY live_hosts: 0 < 1 while work is claimable" in table.stdout
+    data = json.loads(status(run_cli, seeded_dsn, "--json").stdout)
+    assert [p["signal"] for p in data["problems"]] == ["live_hosts"]
+    assert (data["live_hosts"], data["thresholds"]["min_hosts"]) == (0, 1)
+    # 0 turns the check off, from the command line or the settings.
+    assert status(run_cli, seeded_dsn, "--min-hosts", "0").returncode == HEALTHY
+    assert status(run_cli, seeded_dsn, DERIVD_STATUS_MIN_HOSTS="0").returncode == HEALTHY
+
+
+def test_a_stale_host_is_not_a_live_one(run_cli: RunCli, seeded_dsn: str) -> None:
+    with psycopg.connect(seeded_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE derivd_hosts SET last_heartbeat = now() - interval '31 seconds'")
+    result = status(run_cli, seeded_dsn, "--json")
+    assert result.returncode == UNHEALTHY
+    data = json.loads(result.stdout)
+    assert [h["alive"] for h in data["hosts"]] == [False]
+    assert [p["signal"] for p in data["problems"]] == ["live_hosts"]
+
+
+def test_no_live_host_is_healthy_while_nothing_is_claimable(run_cli: RunCli, dsn: str) -> None:
+    with QueueDB.open(dsn) as queue:
+        seed_queue(queue, ready=2, rejected=0, queued=0)
+    result = status(run_cli, dsn)
+    assert result.returncode == HEALTHY, result.stdout
+    assert "(judged while work is claimable)" in result.stdout
 
 
 def test_unreachable_database_is_one_line_and_its_own_exit_status(run_cli: RunCli) -> None:

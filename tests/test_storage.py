@@ -37,16 +37,44 @@ ESCAPES = [
 ]
 
 
-@pytest.mark.parametrize("key", ESCAPES)
+@pytest.mark.parametrize("key", [*ESCAPES, "My Photo.jpg", "originals/a b"])
 def test_keys_that_could_escape_are_refused(key: str, fs_root: Path) -> None:
     store = FsStorage(fs_root)
     with pytest.raises(InvalidKey):
         validate_key(key)
     with pytest.raises(InvalidKey):
         store.put(key, b"x", "image/webp")
-    with pytest.raises(InvalidKey):
+    # Read, such a key names no object the store could ever hold: missing for good.
+    with pytest.raises(ObjectMissing) as missing:
         store.get(key, "1")
+    assert missing.value.code == "missing_original"
     assert not any(p.is_file() for p in fs_root.parent.rglob("*") if fs_root not in p.parents)
+
+
+def test_s3_reads_of_what_is_not_there_are_missing_for_good(  # type: ignore[no-untyped-def]
+    s3_server, s3_bucket: str
+) -> None:
+    store = s3_store(s3_server.endpoint_url, s3_bucket, prefix="derivd/")
+    version = store.put("originals/abc", b"one", "application/octet-stream")
+    other = store.put("originals/other", b"two", "application/octet-stream")
+    for key, wanted in [
+        ("originals/missing", version),  # no such key
+        ("originals/abc", other),  # no such version of this key
+        ("../../etc/passwd", version),  # a key the store refuses
+        ("/abs.jpg", version),
+        ("originals/My Photo.jpg", version),
+    ]:
+        with pytest.raises(ObjectMissing) as missing:
+            store.get(key, wanted)
+        assert missing.value.code == "missing_original", key
+
+
+def test_a_missing_bucket_is_an_outage_not_a_missing_original(  # type: ignore[no-untyped-def]
+    s3_server,
+) -> None:
+    store = s3_store(s3_server.endpoint_url, f"derivd-absent-{uuid.uuid4().hex[:12]}")
+    with pytest.raises(StorageUnavailable):
+        store.get("originals/abc", "v1")
 
 
 def test_symlinked_folder_cannot_lead_outside(fs_root: Path, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import imagegen
 import pytest
-from fixtures.burst import outcomes, queue_originals, run_and_watch, write_burst_ini
+from fixtures.burst import outcomes, queue_originals, run_cleanly, write_burst_ini
 from PIL import Image
 
 from derivd.queue.db import QueueDB
@@ -127,11 +127,7 @@ def test_variant_options_on_hostile_inputs_through_the_supervisor(
         lease=180,
         derive=SECTIONS.replace("[derive]", f"[derive]\nbackend = {backend}"),
     )
-    log = tmp_path / "derivd.log"
-    code, peaks = run_and_watch(ini, log)
-    text = log.read_text(errors="replace")
-    assert code == 0, text
-    assert "Traceback" not in text
+    peaks = run_cleanly(ini, tmp_path / "derivd.log")
 
     rows, kinds = outcomes(dsn)
     wrong, recorded = [], set()
@@ -162,6 +158,5 @@ def test_variant_options_on_hostile_inputs_through_the_supervisor(
     # Nothing lost, nothing orphaned: the store holds exactly the recorded variants.
     assert set(store.list_keys("derived/")) == recorded
     assert "timeout" not in kinds and "retry" not in kinds and "exhausted" not in kinds
-    assert "worker died" not in text and "worker recycled" not in text, text
     assert peaks and max(peaks.values()) < MAX_WORKER_RSS_MB, peaks
     print(f"{backend}: peak worker RSS {max(peaks.values()):.0f} MiB over {len(peaks)} workers")

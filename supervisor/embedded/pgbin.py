@@ -13,6 +13,8 @@ import subprocess
 from pathlib import Path
 from typing import Final
 
+from derivd.embedded import EmbeddedError
+
 # Search locations, module-level so tests can point them elsewhere.
 PG_CONFIG: Final = "pg_config"
 SERVER_GLOB_ROOT = Path("/usr/lib/postgresql")
@@ -22,7 +24,7 @@ INSTALL_HINT: Final = (
 )
 
 
-class PostgresNotFound(RuntimeError):
+class PostgresNotFound(EmbeddedError):
     """No PostgreSQL server binaries on this machine."""
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from derivd.embedded import EmbeddedError
 from derivd.processes.procutil import pid_alive
 
 log = logging.getLogger("derivd")
@@ -42,7 +43,7 @@ _OWNER_NAME: Final = "owner"
 FALLBACK_BASES: tuple[Path, ...] = (Path("/var/tmp"), Path(tempfile.gettempdir()))
 
 
-class EmbeddedClusterError(RuntimeError):
+class EmbeddedClusterError(EmbeddedError):
     """initdb, pg_ctl or the cluster's set-up failed; the message is one line for humans."""
 
 

@@ -140,7 +140,7 @@ def registry_hosts(rows: Sequence[Mapping[str, Any]], local: HostView) -> tuple[
 
 def read_snapshot(queue: QueueDB, config: Config, hosts: tuple[HostView, ...]) -> Snapshot:
     """One look at the queue; StatusUnavailable when the database cannot answer."""
-    report = collect(queue, config.status.window)
+    report = collect(queue, config.status)
     if report.hosts and len(hosts) == 1:  # the host registry, as `derivd status` reads it
         hosts = registry_hosts(report.hosts, hosts[0])
     try:

@@ -171,6 +171,14 @@ def _signals(snapshot: Snapshot, report: Report) -> str:
             judged,
         ),
         row(
+            "live_hosts",
+            "live hosts",
+            report.live_hosts,
+            str(report.live_hosts) + ("" if report.claimable else " (nothing claimable)"),
+            limits.min_hosts,
+            lim(limits.min_hosts, str(limits.min_hosts)),
+        ),
+        row(
             "rejected_ratio",
             "rejected share (all rows)",
             stats.rejected_ratio,

@@ -203,7 +203,7 @@ class Metrics:
         self.stats_updated.set(time.time())
 
     def set_event_counts(self, counts: Mapping[str, int]) -> None:
-        """Events per kind over the recent window (QueueDB.event_counts), on the same timer
+        """Events per kind over the recent window (QueueDB.event_window), on the same timer
         as set_queue. Kinds absent from `counts` drop to 0 rather than keep a stale value."""
         for kind in sorted({*self._known_event_kinds(), *counts}):
             self.events.labels(kind).set(counts.get(kind, 0))

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
+from derivd.handlers.base import Analysis
 from derivd.queue.db import QueueDB, StoredVariant
 
-ANALYSIS = ("width", "height", "format", "frames", "has_alpha", "colour", "placeholder", "dhash")
+ANALYSIS = tuple(f.name for f in fields(Analysis))  # stored as the original_* columns
 UNSIGNED_64 = 2**64 - 1
 
 
@@ -46,7 +47,8 @@ def read(queue: QueueDB, file_id: int) -> FileView | None:
 
 def as_json(view: FileView) -> dict[str, Any]:
     """{row, analysis, variants, events}: times in ISO 8601 (UTC), tokens as text."""
-    row = {k: v for k, v in view.row.items() if k.removeprefix("original_") not in ANALYSIS}
+    analysed = {f"original_{name}" for name in ANALYSIS}
+    row = {k: v for k, v in view.row.items() if k not in analysed}
     return {
         "row": _plain(row),
         "analysis": view.analysis,

@@ -7,9 +7,10 @@ The exit status makes it a health check (cron, systemd, Kubernetes):
     2  bad configuration or usage (like every derivd command)
     3  cannot tell: the database is unreachable or has no derivd schema
 
-The three thresholds tell the usual troubles apart: claimable work waiting too long
-(too little capacity), expired leases piling up (workers crash or hang, or the lease is
-too short), and a large rejected share (bad input, or a broken backend).
+The thresholds tell the usual troubles apart: claimable work waiting too long (too
+little capacity), expired leases piling up (workers crash or hang, or the lease is too
+short), a large rejected share (bad input, or a broken backend), and claimable work with
+no live supervisor to claim it (derivd is not running: `[status] min_hosts`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -104,6 +105,16 @@ class Report:
         finished = self.recent_finished
         return self.recent_rejected / finished if finished else None
 
+    @property
+    def live_hosts(self) -> int:
+        """Supervisors that heartbeated within three of their intervals."""
+        return sum(1 for h in self.hosts if h["alive"])
+
+    @property
+    def claimable(self) -> bool:
+        """Some row could be claimed now: a due queued row, or an expired lease."""
+        return self.stats.oldest_claimable_age_s is not None or self.stats.expired_leases > 0
+
 
 @dataclass(frozen=True)
 class Alarm:
@@ -113,14 +124,18 @@ class Alarm:
     hint: str
 
 
-def collect(queue: QueueDB, window_s: float) -> Report:
-    """Read the health signals; StatusUnavailable when the database cannot answer."""
-    since = datetime.now(UTC) - timedelta(seconds=window_s)
+def collect(queue: QueueDB, limits: StatusSettings) -> Report:
+    """Read the health signals; StatusUnavailable when the database cannot answer. The
+    counts and the recent events are shared with the fleet: a reading younger than
+    `[status] max_age` is reused, so a probe every few seconds costs a cache read, not a
+    count over the table and the window's events."""
+    window_s, max_age_s = limits.window, limits.max_age
     try:
+        recent = queue.event_window(window_s=window_s, max_age_s=max_age_s)
         return Report(
-            stats=queue.queue_stats(),
-            events=queue.event_counts(since),
-            rejected_by_code=queue.rejections_by_code(since),
+            stats=queue.queue_stats(max_age_s=max_age_s),
+            events=recent.events,
+            rejected_by_code=recent.rejected_by_code,
             window_s=window_s,
             hosts=queue.hosts(),
             backfill=_backfill(queue),
@@ -177,8 +192,19 @@ def evaluate(report: Report, limits: StatusSettings) -> list[Alarm]:
                 ratio,
                 limits.max_rejected_ratio,
                 "many jobs are rejected: unsupported/corrupt_content or resource_limit "
-                "mean bad input; processing_failed or attempts_exhausted mean a broken "
-                "backend or crashing workers",
+                "mean bad input; missing_original: the upload API queues keys or versions "
+                "the store does not have; processing_failed or attempts_exhausted mean a "
+                "broken backend or crashing workers",
+            )
+        )
+    if limits.min_hosts and report.claimable and report.live_hosts < limits.min_hosts:
+        alarms.append(
+            Alarm(
+                "live_hosts",
+                report.live_hosts,
+                limits.min_hosts,
+                "work is claimable and too few supervisors are alive to claim it: start "
+                "`derivd run` (or its service) on a host, or see why it stopped in its log",
             )
         )
     return alarms
@@ -206,7 +232,9 @@ def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict
             "max_expired_leases": limits.max_expired_leases,
             "max_rejected_ratio": limits.max_rejected_ratio,
             "min_finished": limits.min_finished,
+            "min_hosts": limits.min_hosts,
         },
+        "live_hosts": report.live_hosts,
         "problems": [a.__dict__ for a in alarms],
         "hosts": [host_json(h) for h in report.hosts],
         "backfill": report.backfill.as_json() if report.backfill else None,
@@ -216,7 +244,7 @@ def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict
 
 def host_json(row: dict[str, Any]) -> dict[str, Any]:
     """One supervisor of the host registry: alive = it heartbeated within 3 of its
-    intervals (a stale row stays, not alive, until pruned after the [sweep] guard)."""
+    intervals (a stale row stays, not alive, until pruned after [sweep] orphan_guard)."""
     return {
         "host": row["host"],
         "pid": row["pid"],
@@ -234,7 +262,8 @@ def host_json(row: dict[str, Any]) -> dict[str, Any]:
 
 def _host_lines(hosts: list[dict[str, Any]]) -> list[str]:
     if not hosts:
-        return ["", "hosts: none registered (no supervisor has run since the last prune)"]
+        # A clean stop removes its host's row; a dead host's row is pruned once stale.
+        return ["", "hosts: none running"]
     lines = [
         "",
         f"  {'host':<24}{'pid':>8}  {'state':<6}{'workers':>8}{'busy':>6}"
@@ -308,6 +337,13 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
             + ("" if judged else f" (judged from {limits.min_finished})"),
         ),
         row("rejected share (all rows)", _percent(stats.rejected_ratio), "", None),
+        row(
+            "live hosts",
+            str(report.live_hosts),
+            _limit(limits.min_hosts, lambda v: str(int(v))),
+            "live_hosts" if report.claimable else None,
+            "" if report.claimable else "(judged while work is claimable)",
+        ),
         "",
         f"last {window}: "
         + "  ".join(f"{label} {report.events.get(kind, 0)}" for label, kind in RECENT_EVENTS),
@@ -335,6 +371,8 @@ def _show(alarm: Alarm) -> str:
         return f"{duration(alarm.value)} > {duration(alarm.limit)}"
     if alarm.signal == "recent_rejected_ratio":
         return f"{_percent(alarm.value)} > {_percent(alarm.limit)}"
+    if alarm.signal == "live_hosts":
+        return f"{alarm.value:g} < {alarm.limit:g} while work is claimable"
     return f"{alarm.value:g} > {alarm.limit:g}"
 
 
@@ -342,7 +380,7 @@ def check_once(
     queue: QueueDB, limits: StatusSettings, *, as_json_out: bool, warnings: Sequence[str] = ()
 ) -> tuple[int, str]:
     """(exit status, text) of one look at the queue; `warnings` are added to its own."""
-    report = collect(queue, limits.window)
+    report = collect(queue, limits)
     report.warnings[:0] = warnings
     alarms = evaluate(report, limits)
     if as_json_out:
@@ -361,16 +399,17 @@ def run_status(
     count: int | None = None,
 ) -> int:
     """The `derivd status` command. Returns the exit status (see the module doc)."""
-    from derivd.embedded.pgbin import PostgresNotFound
-    from derivd.embedded.pgcluster import EmbeddedClusterError
+    from derivd.embedded import EmbeddedError
     from derivd.embedded.runtime import database
 
     try:
+        # One connection: the schema is checked on the one that reads the status.
         with (
-            database(config, read_only=True) as dsn,
+            database(config, read_only=True, check=False) as dsn,
             QueueDB.open(dsn, role="derivd-status") as queue,
         ):
-            warnings = _listen_warnings(config, dsn)
+            queue.check_schema()
+            warnings = _listen_warnings(config, dsn, queue)
             if not watch:
                 code, text = check_once(
                     queue, config.status, as_json_out=as_json_out, warnings=warnings
@@ -382,20 +421,30 @@ def run_status(
         StatusUnavailable,
         DatabaseUnavailable,
         SchemaMismatch,
-        EmbeddedClusterError,
-        PostgresNotFound,
+        EmbeddedError,
     ) as e:
         click.echo(f"derivd: {e}", err=True)
         return UNAVAILABLE
 
 
-def _listen_warnings(config: Config, dsn: str) -> list[str]:
-    """The supervisors' LISTEN path, checked as they check it on every (re)connect."""
-    from derivd.processes.duties import listen_problem
-
+def _listen_warnings(config: Config, dsn: str, queue: QueueDB) -> list[str]:
+    """The supervisors' LISTEN path, checked as they check it on every (re)connect. With
+    no listen_dsn that path is `dsn`, whose pooler this command's own connection can
+    tell: no second connection, and the supervisor's modules (metrics and all) are
+    imported only when there is something to say. A health probe runs this every few
+    seconds."""
     if not config.queue.listen:
         return []
-    problem = listen_problem(config, dsn)
+    if config.database.listen_dsn:
+        from derivd.processes.duties import listen_problem
+
+        problem = listen_problem(config, dsn)
+    elif queue.pooled():
+        from derivd.processes.duties import pooled_listen
+
+        problem = pooled_listen(config)
+    else:
+        problem = None
     return [f"wake-ups fall back to polling: {problem}"] if problem else []
 
 

@@ -32,7 +32,6 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar, Generic, TypeVar
 
 from derivd import __version__
@@ -144,7 +143,9 @@ def held_jobs(workers: Iterable[WorkerProc]) -> list[Job]:
 
 
 def lost_tokens(sent: Iterable[Job], valid: set[int]) -> set[uuid.UUID]:
-    """The leases the database no longer grants: sent in the heartbeat, not returned."""
+    """The leases the database no longer grants: sent in the heartbeat, not returned (it
+    returns the held ones and those their own attempt just ended: a worker whose job
+    committed is never killed for it)."""
     return {job.token for job in sent if job.id not in valid}
 
 
@@ -269,11 +270,12 @@ class FleetStats(DatabaseDuty[FleetState]):
 
     def run_once(self, db: QueueDB) -> FleetState:
         config = self.config()
-        since = datetime.now(UTC) - timedelta(seconds=config.status.window)
         pruned = db.prune_hosts(guard_s=config.sweep.orphan_guard)
-        # Shared gauges: another host's stats younger than an interval are reused.
-        stats = db.queue_stats(max_age_s=config.metrics.interval)
-        return FleetState(stats, db.event_counts(since), db.hosts(), pruned)
+        # Shared gauges: another host's readings younger than an interval are reused.
+        max_age = config.metrics.interval
+        stats = db.queue_stats(max_age_s=max_age)
+        recent = db.event_window(window_s=config.status.window, max_age_s=max_age)
+        return FleetState(stats, recent.events, db.hosts(), pruned)
 
     def on_result(self, result: FleetState | None) -> None:
         if result is None:

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
-from datetime import date, datetime
+from datetime import date
 from typing import Any, Final, LiteralString
 
 import psycopg
@@ -31,6 +31,7 @@ from derivd.errors import ErrorCode, Transient
 from derivd.handlers.base import Analysis
 from derivd.queue.sqlfiles import function_names, functions, migrations, queries
 from derivd.redact import one_line
+from derivd.storage.base import validate_key
 
 # The notification channels, as the triggers in sql/functions.sql spell them
 # (archive_files_notify_queued, archive_files_notify_finished): a row entering `queued`
@@ -147,6 +148,14 @@ class QueueStats:
     def rejected_ratio(self) -> float:
         finished = sum(self.counts.get(s, 0) for s in ("ready", "rejected"))
         return self.counts.get("rejected", 0) / finished if finished else 0.0
+
+
+@dataclass(frozen=True)
+class EventWindow:
+    """The recent events: how many of each kind, and the rejections by error code."""
+
+    events: dict[str, int]
+    rejected_by_code: dict[str, int]
 
 
 # Every connection: TCP keepalives, so a server host that vanished (power, network) is
@@ -307,19 +316,27 @@ def check_schema(dsn: str) -> None:
     A release may add a function without a migration: its hosts are refused until
     `derivd migrate` has created it, as they would be for a missing migration.
     """
-    applied: set[str] = set()
-    absent: list[str] = []
     bound = PARENT_STATEMENT_TIMEOUT_S  # `derivd run` asks before it forks anything
     with connect(dsn, application_name="derivd-check", bound_s=bound) as conn:
-        try:
-            with bounded(conn, bound):
-                row = conn.execute(_q("migrations_exists")).fetchone()
-                if row and row[0]:
-                    applied = {r[0] for r in conn.execute(_q("migrations_applied"))}
-                    names = {"names": function_names()}
-                    absent = [r[0] for r in conn.execute(_q("functions_missing"), names)]
-        except psycopg.Error as error:
-            raise DatabaseUnavailable(f"database error: {one_line(error)}") from None
+        check_schema_on(conn, bound_s=bound)
+
+
+def check_schema_on(conn: psycopg.Connection[Any], *, bound_s: float | None = None) -> None:
+    """check_schema on a connection the caller holds (a command that opens one only);
+    its statements wait at most `bound_s` (`bounded`)."""
+    applied: set[str] = set()
+    absent: list[str] = []
+    try:
+        with bounded(conn, bound_s):
+            row = conn.execute(_q("migrations_exists")).fetchone()
+            if row and row[0]:
+                applied = {r[0] for r in conn.execute(_q("migrations_applied"))}
+                names = {"names": function_names()}
+                absent = [r[0] for r in conn.execute(_q("functions_missing"), names)]
+    except psycopg.OperationalError as error:
+        raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
+    except psycopg.Error as error:
+        raise DatabaseUnavailable(f"database error: {one_line(error)}") from None
     problem = schema_problem(applied, {m.name for m in migrations()}, absent)
     if problem:
         raise SchemaMismatch(problem)
@@ -429,27 +446,46 @@ class QueueDB:
         self.dsn = dsn
         self.application_name = "derivd"
         self.bound_s: float | None = None  # the supervisor's connections: see `connect`
+        self._pooled: bool | None = None  # found when this handle opened `conn`
 
     @classmethod
     def open(cls, dsn: str, *, role: str = "derivd", bound_s: float | None = None) -> QueueDB:
         """`bound_s`: every statement waits at most that long (the supervisor's own
         connections; a worker's statements are bounded by its job's deadline)."""
         name = f"{role}@{socket.gethostname()}"
-        queue = cls(connect(dsn, application_name=name, bound_s=bound_s), dsn)
+        conn, pooled = open_connection(dsn, application_name=name, bound_s=bound_s)
+        queue = cls(conn, dsn)
         queue.application_name = name
         queue.bound_s = bound_s
+        queue._pooled = pooled
         return queue
 
     def _reconnect_if_broken(self) -> None:
         # After a database restart the old connection is dead; the next call gets a new
         # one (or DatabaseUnavailable, which the caller treats as transient).
         if (self.conn.closed or self.conn.broken) and self.dsn is not None:
-            self.conn = connect(
+            self.conn, self._pooled = open_connection(
                 self.dsn, application_name=self.application_name, bound_s=self.bound_s
             )
 
     def close(self) -> None:
         self.conn.close()
+
+    def pooled(self) -> bool:
+        """Whether this connection goes through a connection pooler (`is_pooled`): known
+        since it was opened here (no second round trip), else asked once."""
+        self._reconnect_if_broken()
+        if self._pooled is None:
+            try:
+                self._pooled = is_pooled(self.conn)
+            except psycopg.OperationalError as error:
+                raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
+        return self._pooled
+
+    def check_schema(self) -> None:
+        """SchemaMismatch unless the schema is this version's (module check_schema)."""
+        self._reconnect_if_broken()
+        check_schema_on(self.conn, bound_s=self.bound_s)
 
     def __enter__(self) -> QueueDB:
         return self
@@ -584,7 +620,9 @@ class QueueDB:
         self, host: HostInfo, jobs: Sequence[Job], *, renew: bool, lease_s: float
     ) -> set[int]:
         """Check (and with `renew`, extend) the leases of `jobs` and refresh the host's
-        registry row, in one statement. Returns the ids whose lease still holds."""
+        registry row, in one statement. Returns the ids that are not lost: whose lease
+        still holds, or whose attempt has just ended itself (committed, failed or
+        released with its own token) before its worker could report it."""
         return self._host_seen(host, jobs, renew=renew, lease_s=lease_s, starting=False)
 
     def register_host(self, host: HostInfo) -> None:
@@ -694,11 +732,12 @@ class QueueDB:
         tenant: str | None = None,
     ) -> list[int]:
         """Queue stored originals given as (key, version id), at one priority and for
-        one tenant. Returns the new ids."""
+        one tenant. Returns the new ids. InvalidKey, and nothing queued, when a key is
+        one the stores refuse."""
         if not originals:
             return []
         params = {
-            "keys": [key for key, _ in originals],
+            "keys": [validate_key(key) for key, _ in originals],
             "versions": [version for _, version in originals],
             "priority": priority,
             "tenant": tenant,
@@ -731,12 +770,17 @@ class QueueDB:
             estimated=tuple(str(s) for s in payload.get("estimated") or ()),
         )
 
-    def event_counts(self, since: datetime) -> dict[str, int]:
-        return {r["kind"]: r["n"] for r in self._all("event_counts", {"since": since})}
-
-    def rejections_by_code(self, since: datetime) -> dict[str, int]:
-        rows = self._all("rejections_by_code", {"since": since})
-        return {str(r["error_code"] or "none"): r["n"] for r in rows}
+    def event_window(self, *, window_s: float, max_age_s: float = 0.0) -> EventWindow:
+        """The last `window_s` seconds of events; a result another host (or probe)
+        computed less than `max_age_s` ago is reused (0: compute now)."""
+        row = self._one("event_window", {"window_s": window_s, "max_age_s": max_age_s}) or {}
+        payload: dict[str, Any] = row.get("payload") or {}
+        return EventWindow(
+            events={str(k): int(v) for k, v in (payload.get("events") or {}).items()},
+            rejected_by_code={
+                str(k): int(v) for k, v in (payload.get("rejected_by_code") or {}).items()
+            },
+        )
 
     def file_row(self, file_id: int) -> dict[str, Any] | None:
         return self._one("file_row", {"id": file_id})
@@ -754,7 +798,13 @@ class QueueDB:
     def enqueue_one(
         self, key: str, version: str, *, priority: int = 0, tenant: str | None = None
     ) -> int:
-        params = {"key": key, "version": version, "priority": priority, "tenant": tenant}
+        """One stored original (derivd.client.enqueue); InvalidKey as `enqueue`."""
+        params = {
+            "key": validate_key(key),
+            "version": version,
+            "priority": priority,
+            "tenant": tenant,
+        }
         row = self._one("client_enqueue", params)
         assert row is not None  # INSERT … RETURNING always returns its row
         return int(row["id"])

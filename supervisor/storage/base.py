@@ -1,6 +1,9 @@
 """Object storage: the protocol both stores honour, key rules, and the factory.
 
-Keys are generated here (never taken from user input) and validated by both stores.
+Keys are generated here (never taken from user input) and validated by both stores and
+at enqueue (`validate_key`, the one rule): a key a store refuses names no object it can
+ever read, so it never enters the queue through derivd, and a worker that meets one (a
+row inserted by other means) rejects it at once as `missing_original`.
 Every PUT returns the version id it created; reads are always by key and version, so an
 original can never change under a job and attempts never overwrite each other's bytes.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
 from derivd.errors import Permanent, ResourceLimit, Transient
@@ -35,10 +39,21 @@ class StorageUnavailable(Transient):
 
 
 class ObjectMissing(Permanent):
-    """The exact key+version is gone: retrying cannot bring it back."""
+    """No object under this key and version, or a key the store refuses: retrying cannot
+    bring it back, so the row is rejected at once as `missing_original`."""
 
     def __init__(self, message: str = "") -> None:
-        super().__init__("processing_failed", message)
+        super().__init__("missing_original", message)
+
+
+@contextmanager
+def refused_is_missing() -> Iterator[None]:
+    """Around a read: a key the store refuses names no object it holds (ObjectMissing),
+    not a fault to retry."""
+    try:
+        yield
+    except InvalidKey as error:
+        raise ObjectMissing(f"key refused: {error}") from None
 
 
 def refuse_oversize(size: int, max_bytes: int | None) -> None:
@@ -47,14 +62,19 @@ def refuse_oversize(size: int, max_bytes: int | None) -> None:
 
 
 def validate_key(key: str) -> str:
-    """Accept only relative keys of plain segments: no '..', no absolute path, no NUL."""
+    """Accept only relative keys of plain segments: no '..', no absolute path, no NUL.
+    The rule of both stores (fs and s3, under its prefix) and of every enqueue."""
     if not key or len(key) > MAX_KEY_LENGTH:
-        raise InvalidKey("key is empty or too long")
+        raise InvalidKey(f"key is empty or longer than {MAX_KEY_LENGTH} characters")
     if "\x00" in key or key.startswith("/") or "\\" in key:
         raise InvalidKey("key holds NUL, a backslash or starts with '/'")
     for segment in key.split("/"):
         if not _SEGMENT.match(segment) or segment.endswith(RESERVED_SUFFIX):
-            raise InvalidKey(f"key segment {segment!r} is not allowed")
+            raise InvalidKey(
+                f"key segment {segment[:40]!r} is not allowed (segments are 1-128 of "
+                f"A-Z a-z 0-9 . _ -, start with a letter or digit, do not end with "
+                f"{RESERVED_SUFFIX!r})"
+            )
     return key
 
 
@@ -92,7 +112,9 @@ class Storage(Protocol):
         """Store bytes under key; return the new version id."""
 
     def get(self, key: str, version: str, *, max_bytes: int | None = None) -> bytes:
-        """The bytes of exactly this version (ObjectMissing, StorageUnavailable).
+        """The bytes of exactly this version. ObjectMissing when there is none, for good
+        (no such key or version, or a key the store refuses); StorageUnavailable when
+        the store cannot answer now.
 
         Larger than max_bytes: ResourceLimit, raised before the body is read.
         """

@@ -22,6 +22,7 @@ from derivd.storage.base import (
     InvalidKey,
     ObjectMissing,
     refuse_oversize,
+    refused_is_missing,
     validate_key,
 )
 
@@ -54,11 +55,14 @@ class FsStorage:
         return version
 
     def get(self, key: str, version: str, *, max_bytes: int | None = None) -> bytes:
-        path = self.path_of(key, version)
+        with refused_is_missing():
+            path = self.path_of(key, version)
         try:
             refuse_oversize(path.stat().st_size, max_bytes)
             return path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            # NotADirectory: a segment of the key is another key's file; IsADirectory:
+            # the "version" names a folder. Either way no such object, for good.
             raise ObjectMissing("no such key or version") from None
 
     def delete_all_versions(self, key: str) -> int:

@@ -17,10 +17,14 @@ from derivd.storage.base import (
     StorageUnavailable,
     cache_control,
     refuse_oversize,
+    refused_is_missing,
     validate_key,
 )
 
+# The object is not there, for good. A missing bucket is not: it is the deployment's
+# fault (and would reject every job), so it is retried like an outage.
 _MISSING = {"NoSuchKey", "NoSuchVersion", "404", "NotFound", "InvalidArgument"}
+_NOT_OURS = {"NoSuchBucket"}
 _RETRYABLE_HTTP = {408, 429, 500, 502, 503, 504}
 
 
@@ -71,7 +75,7 @@ class S3Storage:
         except ClientError as error:
             code = str(error.response.get("Error", {}).get("Code", ""))
             status = int(error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-            if code in _MISSING or status == 404:
+            if code not in _NOT_OURS and (code in _MISSING or status == 404):
                 raise ObjectMissing(f"s3 {what}: {code or status}") from None
             if status in _RETRYABLE_HTTP or status == 0:
                 raise StorageUnavailable(f"s3 {what}: {code or status}") from None
@@ -121,7 +125,9 @@ class S3Storage:
             )
 
     def get(self, key: str, version: str, *, max_bytes: int | None = None) -> bytes:
-        answer = self._call("get", self.client.get_object, Key=self._full(key), VersionId=version)
+        with refused_is_missing():
+            full = self._full(key)
+        answer = self._call("get", self.client.get_object, Key=full, VersionId=version)
         try:
             refuse_oversize(int(answer.get("ContentLength") or 0), max_bytes)
         except ResourceLimit:
