@@ -5,6 +5,7 @@ set, and no object unreferenced once the sweep has run."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -392,10 +393,10 @@ def test_status_and_the_dashboard_show_backfill_progress(
     store = {"fs_root": tmp_path}
     new_cfg = config(dsn, store, V2)
     ready_files(config(dsn, store, V1), ["ok"] * 3)
-    assert collect(queue, 60).backfill is None
+    limits = dataclasses.replace(new_cfg.status, max_age=0)  # no shared reading reused
+    assert collect(queue, limits).backfill is None
     apply(queue, new_cfg)
-    report = collect(queue, 60)
-    limits = new_cfg.status
+    report = collect(queue, limits)
     assert as_json(report, [], limits)["backfill"] == {
         "run": 1, "state": "re-deriving", "planned": 1.0, "scanned": 3, "queued": 3,
         "in_queue": 3,
@@ -404,7 +405,7 @@ def test_status_and_the_dashboard_show_backfill_progress(
         render_table(report, [], limits)
     )
     drain(new_cfg)
-    report = collect(queue, 60)
+    report = collect(queue, limits)
     assert report.backfill is not None and report.backfill.state == "done"
     page = render(Snapshot.taken(new_cfg, report))
     assert '<section id="backfill" data-state="done">' in page
