@@ -4,8 +4,9 @@ Every stored variant (one row per variant and format) records it (migration 0014
 `derivd backfill` can tell which files were made with another spec than the configured
 one. It covers every setting that changes the bytes: the variant's size or box, fit,
 gravity, the row's format, its effective quality, lossless, upscale, animated, plus the
-backend and the WebP effort. Not the variant's name (that is the key it is compared
-under) nor the limits (they decide whether a file is derived, not how).
+backend, the WebP effort and the shrink-on-load rule (`fast` decodes at a smaller
+scale). Not the variant's name (that is the key it is compared under) nor the limits
+(they decide whether a file is derived, not how).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def fingerprint(variant: VariantSpec, fmt: str, spec: DeriveSpec, backend: str) 
         "animated": variant.animated,
         "effort": spec.effort if fmt == "webp" else None,
         "backend": backend,
+        "shrink_on_load": spec.shrink_on_load,
     }
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -140,7 +140,8 @@ def test_differences_name_missing_changed_and_extra() -> None:
 def test_the_fingerprint_follows_what_changes_the_bytes(dsn: str, tmp_path: Path) -> None:
     base = configured(config(dsn, {"fs_root": tmp_path}, V1))
     same = configured(config(dsn, {"fs_root": tmp_path}, V1).replace("derive", max_pixels=5))
-    for change in ({"quality": 50}, {"effort": 6}, {"backend": "pillow"}):
+    changes = ({"quality": 50}, {"effort": 6}, {"backend": "pillow"}, {"shrink_on_load": "safe"})
+    for change in changes:
         other = configured(config(dsn, {"fs_root": tmp_path}, V1).replace("derive", **change))
         assert other["thumb.webp"] != base["thumb.webp"], change
     assert same == base  # limits decide whether, not how

@@ -170,9 +170,25 @@ class Sweeper:
         self.renewed_at = self.clock()
 
     def _delete_orphans(self, report: SweepReport) -> None:
+        self._delete_listed(
+            lambda: self.queue.orphans_due(guard_s=self.orphan_guard, limit=self.batch),
+            self.queue.forget_orphans,
+            report.orphans_deleted,
+            report,
+        )
+
+    def _delete_listed(
+        self,
+        due: Callable[[], list[str]],
+        forget: Callable[[list[str]], None],
+        deleted: list[str],
+        report: SweepReport,
+    ) -> None:
+        """Delete every version of each listed key, batch by batch, and forget the entries
+        of those deleted (orphans, or objects a backfill replaced)."""
         while True:
             self._renew()
-            keys = self.queue.orphans_due(guard_s=self.orphan_guard, limit=self.batch)
+            keys = due()
             done: list[str] = []
             try:
                 for key in keys:
@@ -182,8 +198,8 @@ class Sweeper:
             finally:
                 # Only now: an entry forgotten before its object is gone would leak it.
                 with contextlib.suppress(DatabaseUnavailable):
-                    self.queue.forget_orphans(done)
-                report.orphans_deleted += done
+                    forget(done)
+                deleted += done
             if len(keys) < self.batch:
                 return
 
@@ -203,21 +219,12 @@ class Sweeper:
                 return
 
     def _delete_retired(self, report: SweepReport) -> None:
-        while True:
-            self._renew()
-            keys = self.queue.retired_due(guard_s=self.delete_guard, limit=self.batch)
-            done: list[str] = []
-            try:
-                for key in keys:
-                    self._renew()
-                    report.objects_deleted += self.storage.delete_all_versions(key)
-                    done.append(key)
-            finally:  # after the objects, as for orphans
-                with contextlib.suppress(DatabaseUnavailable):
-                    self.queue.forget_retired(done)
-                report.retired_deleted += done
-            if len(keys) < self.batch:
-                return
+        self._delete_listed(
+            lambda: self.queue.retired_due(guard_s=self.delete_guard, limit=self.batch),
+            self.queue.forget_retired,
+            report.retired_deleted,
+            report,
+        )
 
     def _bound_tables(self, report: SweepReport) -> None:
         self._renew()
