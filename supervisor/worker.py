@@ -15,7 +15,7 @@ import select
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 from derivd import analysis
 from derivd.config import Config
@@ -27,6 +27,16 @@ from derivd.ops.logs import event
 from derivd.queue.db import DatabaseUnavailable, Finished, Job, QueueDB, StoredVariant
 from derivd.queue.retry import record_failure
 from derivd.storage.base import ObjectMissing, Storage, derived_key, open_storage
+
+
+class ClaimTerms(TypedDict):
+    """The claim's parameters besides its limit (QueueDB.claim_many / commit_and_claim)."""
+
+    lease_s: float
+    max_attempts: int
+    host: str | None
+    tenant_cap: int
+
 
 log = logging.getLogger("derivd.worker")
 
@@ -171,15 +181,19 @@ class Worker:
 
     # -- one job ---------------------------------------------------------------------
 
-    def claim_many(self, limit: int) -> list[Job]:
+    def _claim_terms(self) -> ClaimTerms:
+        """What every claim of this worker asks for, from [queue] and the host: one place
+        for the claim alone and the claim that follows a commit."""
         q = self.config.queue
-        jobs = self.queue.claim_many(
-            limit=limit,
+        return ClaimTerms(
             lease_s=q.lease,
             max_attempts=q.max_attempts,
             host=self.config.host_id,
             tenant_cap=q.max_in_flight_per_tenant,
         )
+
+    def claim_many(self, limit: int) -> list[Job]:
+        jobs = self.queue.claim_many(limit=limit, **self._claim_terms())
         if jobs:
             self.hooks.jobs_claimed(jobs)
         return jobs
@@ -256,18 +270,12 @@ class Worker:
         """The steady state: commit what is pending and claim the next batch in one
         statement (one round trip and one transaction per job at claim_batch = 1, every
         fence unchanged). The new jobs wait in `_prefetched` for the next run_batch."""
-        q = self.config.queue
         pending, self._pending = self._pending, []
         limit = self._claim_limit(max_jobs, pending=len(pending))
         sent = time.monotonic()
         try:
             committed, jobs = self.queue.commit_and_claim(
-                [d.finished for d in pending],
-                limit=limit,
-                lease_s=q.lease,
-                max_attempts=q.max_attempts,
-                host=self.config.host_id,
-                tenant_cap=q.max_in_flight_per_tenant,
+                [d.finished for d in pending], limit=limit, **self._claim_terms()
             )
         except DatabaseUnavailable:
             for d in pending:

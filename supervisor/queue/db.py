@@ -89,6 +89,19 @@ class Finished:
     original: Analysis | None = None
 
 
+def _claim_params(
+    limit: int, lease_s: float, max_attempts: int, host: str | None, tenant_cap: int
+) -> dict[str, Any]:
+    """The claim's named parameters, shared by `claim` and `commit_and_claim`."""
+    return {
+        "limit": limit,
+        "lease_s": lease_s,
+        "max_attempts": max_attempts,
+        "host": host,
+        "tenant_cap": tenant_cap,
+    }
+
+
 def _commit_row(finished: Finished) -> dict[str, Any]:
     job, variants, original = finished.job, finished.variants, finished.original
     primary = variants[0] if variants else None
@@ -535,13 +548,7 @@ class QueueDB:
         """Lease up to `limit` rows in one statement, in claim order; each row gets its
         own token and lease, and records `host` as its holder. `tenant_cap`: at most that
         many rows in flight per tenant (0: no cap)."""
-        params = {
-            "limit": limit,
-            "lease_s": lease_s,
-            "max_attempts": max_attempts,
-            "host": host,
-            "tenant_cap": tenant_cap,
-        }
+        params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
         return _jobs(self._all("claim", params))
 
     def register_pending(self, job: Job, keys: Sequence[str]) -> None:
@@ -569,17 +576,9 @@ class QueueDB:
         """`commit_many` and `claim_many` in one durable statement (one round trip, one
         transaction): the ids that committed, and the newly claimed jobs in claim order.
         Every fence is the same as in the two separate calls."""
-        rows = self._all(
-            "commit_and_claim",
-            {
-                "jobs": json.dumps([_commit_row(f) for f in results]),
-                "limit": limit,
-                "lease_s": lease_s,
-                "max_attempts": max_attempts,
-                "host": host,
-                "tenant_cap": tenant_cap,
-            },
-        )
+        params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
+        params["jobs"] = json.dumps([_commit_row(f) for f in results])
+        rows = self._all("commit_and_claim", params)
         committed = {int(r["id"]) for r in rows if r["kind"] == "committed"}
         return committed, _jobs([r for r in rows if r["kind"] == "claimed"])
 
