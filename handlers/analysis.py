@@ -49,6 +49,21 @@ class Small:
             raise ValueError("rgba is not width * height * 4 bytes")
 
 
+def rgba_of(pixels: bytes, bands: int) -> bytes:
+    """8-bit interleaved grey, grey + alpha, RGB or RGBA pixels as RGBA (opaque where
+    there is no alpha): a backend hands over its small copy as it comes, without asking
+    its library for the extra bands (each libvips operation costs more than this)."""
+    if bands == 4:
+        return pixels
+    count = len(pixels) // bands
+    out = bytearray(b"\xff" * (count * 4))
+    for channel in range(3):
+        out[channel::4] = pixels[(channel if bands >= 3 else 0) :: bands]
+    if bands == 2:
+        out[3::4] = pixels[1::2]
+    return bytes(out)
+
+
 def small_size(width: int, height: int) -> tuple[int, int]:
     """The size a backend shrinks the first frame to (aspect kept, both sides >= 1)."""
     scale = min(1.0, SMALL_EDGE / max(width, height))

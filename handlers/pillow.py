@@ -24,7 +24,6 @@ from PIL import (
     Image,
     ImageCms,
     ImageFile,
-    ImageOps,
     TiffImagePlugin,
     UnidentifiedImageError,
     features,
@@ -62,6 +61,16 @@ ALLOWED_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "TIFF", "AVIF")
 
 _ORIENTATION_TAG = 0x0112
 _SIDEWAYS = frozenset({5, 6, 7, 8})
+# What turns a stored image upright, per EXIF orientation (as ImageOps.exif_transpose).
+_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 
 _SRGB = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB"))
 
@@ -224,6 +233,7 @@ def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> Decoded:
     turn = orientation(im)
     upright = (stored[1], stored[0]) if turn in _SIDEWAYS else stored
     base = base_size(*upright, spec.variants)
+    stored_way = (base[1], base[0]) if turn in _SIDEWAYS else base
     jpeg = im.format in ("JPEG", "MPO")
     shrink = jpeg_shrink(upright, base, spec.shrink_on_load) if jpeg else 1
     if shrink > 1:
@@ -237,12 +247,11 @@ def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> Decoded:
         if index:
             im.seek(index)
         im.load()
-        box = _whole_pixels(im, stored, shrink)
-        if turn != 1:  # the transpose copies anyway: cut the partial pixel off before it
-            oriented, box = ImageOps.exif_transpose(im.crop(box) if box else im), None
-        else:
-            oriented = im
-        frame = _to_base(oriented, base, box)
+        # Resized as stored, turned upright once small: turning the decoded original
+        # first would copy it whole (a 12 MP portrait photo: 9 MiB more at peak).
+        frame = _to_base(im, stored_way, _whole_pixels(im, stored, shrink))
+        if turn in _TRANSPOSE:
+            frame = frame.transpose(_TRANSPOSE[turn])
         # to_srgb may hand back the file image itself, whose pixels the next seek replaces.
         frames.append(frame.copy() if frame is im and count > 1 else frame)
         durations.append(int(im.info.get("duration", 100) or 100))
@@ -285,11 +294,11 @@ def _to_base(image: Image.Image, base: tuple[int, int],
 
 def small_copy(frame: Image.Image) -> Small:
     """The analysis' intermediate: the first frame, RGBA, SMALL_EDGE px."""
-    rgba = frame.convert("RGBA")
-    size = small_size(*rgba.size)
-    if rgba.size != size:
-        rgba = rgba.resize(size, Image.Resampling.BOX)
-    return Small(size[0], size[1], rgba.tobytes())
+    size = small_size(*frame.size)
+    # Shrunk first, then given an alpha band: the same pixels as the other way round
+    # (Pillow premultiplies RGBA around a resize), without an RGBA copy of the base.
+    small = frame.resize(size, Image.Resampling.BOX) if frame.size != size else frame
+    return Small(size[0], size[1], small.convert("RGBA").tobytes())
 
 
 def analysis_of(decoded: Decoded, fmt: str, frames: int) -> Analysis:

@@ -24,7 +24,7 @@ from typing import Any
 import pyvips
 
 from derivd.handlers import heif
-from derivd.handlers.analysis import Small, analyse, small_size
+from derivd.handlers.analysis import Small, analyse, rgba_of, small_size
 from derivd.handlers.base import (
     Analysis,
     CorruptContent,
@@ -304,15 +304,13 @@ def decode_heif(original: bytes, spec: DeriveSpec) -> Decoded:
 
 def small_copy(decoded: Decoded) -> Small:
     """The analysis' intermediate: the first frame, RGBA, SMALL_EDGE px."""
-    first = decoded.base.crop(0, 0, decoded.base.width, decoded.page_height)
+    base, page_height = decoded.base, decoded.page_height
+    first = base if page_height == base.height else base.crop(0, 0, base.width, page_height)
     width, height = small_size(first.width, first.height)
     small = first.thumbnail_image(width, height=height, size="force", no_rotate=True)
-    if small.bands < 3:  # grey (and alpha): the same grey in R, G and B
-        small = small[0].bandjoin([small[0], small[0], *([small[1]] if small.bands == 2 else [])])
-    if small.bands == 3:
-        small = small.bandjoin_const([255])
-    small = small.cast("uchar")
-    return Small(width, height, bytes(small.write_to_memory()))
+    if small.format != "uchar":
+        small = small.cast("uchar")
+    return Small(width, height, rgba_of(bytes(small.write_to_memory()), small.bands))
 
 
 def analysis_of(decoded: Decoded, fmt: str) -> Analysis:

@@ -26,6 +26,7 @@ from derivd.handlers.analysis import (
     dhash,
     hamming,
     mean_colour,
+    rgba_of,
     small_size,
     thumbhash,
 )
@@ -98,6 +99,15 @@ def test_mean_colour_weights_by_alpha() -> None:
     half = Image.new("RGBA", (10, 10), (255, 0, 0, 255))
     half.paste((0, 0, 255, 0), (5, 0, 10, 10))  # invisible blue must not count
     assert mean_colour(small_of(half)) == "#ff0000"
+
+
+@pytest.mark.parametrize("mode", ["L", "LA", "RGB", "RGBA"])
+def test_rgba_of_matches_pillows_conversion(mode: str) -> None:
+    image = imagegen.scene(7, 5).convert(mode)
+    if "A" in mode:
+        image.putalpha(Image.linear_gradient("L").resize(image.size))
+    expected = image.convert("RGBA").tobytes()
+    assert rgba_of(image.tobytes(), len(mode)) == expected
 
 
 def test_dhash_tells_the_same_picture_from_another() -> None:
