@@ -34,6 +34,7 @@ define editable_install
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	rm -rf build/__editable__.derivd-*
 	$(BIN)/pip install -q -e '.$(1)' --config-settings editable_mode=strict
+	$(BIN)/python -m compileall -q build/__editable__.derivd-*
 endef
 
 $(RUN_STAMP): setup.cfg pyproject.toml $(SOURCES)

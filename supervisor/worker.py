@@ -338,7 +338,7 @@ class Worker:
             StoredVariant(
                 v.name,
                 key,
-                self.storage.put(key, v.data, v.content_type),
+                self.storage.put(key, v.data, v.content_type, sha256=v.sha256),
                 v.sha256,
                 v.width,
                 v.height,

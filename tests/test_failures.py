@@ -174,8 +174,8 @@ class StorageWrapper:
     def check(self) -> None:
         self.inner.check()
 
-    def put(self, key: str, data: bytes, content_type: str) -> str:
-        return self.inner.put(key, data, content_type)
+    def put(self, key: str, data: bytes, content_type: str, *, sha256: str | None = None) -> str:
+        return self.inner.put(key, data, content_type, sha256=sha256)
 
     def get(self, key: str, version: str, *, max_bytes: int | None = None) -> bytes:
         return self.inner.get(key, version, max_bytes=max_bytes)
@@ -190,8 +190,8 @@ class StorageWrapper:
 class DiesAfterFirstPut(StorageWrapper):
     """The process dies right after its first PUT succeeded, before any commit."""
 
-    def put(self, key: str, data: bytes, content_type: str) -> str:
-        self.inner.put(key, data, content_type)
+    def put(self, key: str, data: bytes, content_type: str, *, sha256: str | None = None) -> str:
+        self.inner.put(key, data, content_type, sha256=sha256)
         os._exit(70)
 
 

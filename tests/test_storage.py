@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import io
 import uuid
 from pathlib import Path
@@ -166,6 +168,28 @@ def test_s3_round_trip_by_version(s3_server, s3_bucket: str) -> None:  # type: i
     assert list(store.list_keys("originals/")) == ["originals/abc"]
     assert store.delete_all_versions("originals/abc") == 2
     assert list(store.list_keys()) == []
+
+
+def test_s3_put_sends_our_sha256_instead_of_hashing_again(  # type: ignore[no-untyped-def]
+    s3_server, s3_bucket: str
+) -> None:
+    """The digest the worker took at encode time goes with the PUT as S3's SHA-256
+    checksum (S3 checks the body against it and keeps it with the object; moto does
+    neither, so this holds what derivd sends): botocore adds no checksum of its own."""
+    store = s3_store(s3_server.endpoint_url, s3_bucket)
+    sent: list[dict[str, str | bytes]] = []
+    store.client.meta.events.register(
+        "before-send.s3.PutObject",
+        lambda request, **_: sent.append({k.lower(): v for k, v in request.headers.items()}),
+    )
+    data = b"variant bytes"
+    digest = hashlib.sha256(data).hexdigest()
+    store.put("derived/1/t/thumb.webp", data, "image/webp", sha256=digest)
+    store.put("originals/abc", data, "image/jpeg")
+    with_digest, without = sent
+    assert base64.b64decode(with_digest["x-amz-checksum-sha256"]).hex() == digest
+    assert not any(k.startswith("x-amz-checksum-crc") for k in with_digest)
+    assert "x-amz-checksum-sha256" not in without  # no digest given: botocore's own
 
 
 def test_s3_refuses_a_bucket_without_versioning(  # type: ignore[no-untyped-def]

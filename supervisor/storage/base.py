@@ -108,8 +108,10 @@ class Storage(Protocol):
     def check(self) -> None:
         """Raise StorageConfigError when the store cannot keep versions (start-up)."""
 
-    def put(self, key: str, data: bytes, content_type: str) -> str:
-        """Store bytes under key; return the new version id."""
+    def put(self, key: str, data: bytes, content_type: str, *, sha256: str | None = None) -> str:
+        """Store bytes under key; return the new version id. `sha256`, the hex digest of
+        `data` when the caller has it already, lets a store that checks integrity use it
+        instead of hashing the bytes again."""
 
     def get(self, key: str, version: str, *, max_bytes: int | None = None) -> bytes:
         """The bytes of exactly this version. ObjectMissing when there is none, for good

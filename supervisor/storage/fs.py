@@ -42,7 +42,7 @@ class FsStorage:
             raise InvalidKey("key resolves outside the store")
         return path
 
-    def put(self, key: str, data: bytes, content_type: str) -> str:
+    def put(self, key: str, data: bytes, content_type: str, *, sha256: str | None = None) -> str:
         folder = self._versions_dir(key)
         folder.mkdir(parents=True, exist_ok=True)
         version = f"{time.time_ns():020d}{secrets.token_hex(4)}"
