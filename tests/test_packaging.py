@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
 import zipfile
@@ -16,7 +17,19 @@ SOURCE_FOLDERS = {"supervisor": "derivd", "handlers": "derivd/handlers", "sql": 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
+    # setuptools builds in the tree's build/ folder: two xdist workers building at once
+    # collide there ("File exists: build/bdist..."), so one builds at a time.
+    (ROOT / "build").mkdir(exist_ok=True)
+    with (ROOT / "build" / ".wheel-test.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = _pip_wheel(out)
+    assert built.returncode == 0, built.stderr
+    (wheel_file,) = out.glob("derivd-*.whl")
+    return wheel_file
+
+
+def _pip_wheel(out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -29,12 +42,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             str(out),
             str(ROOT),
         ],
-        check=True,
         capture_output=True,
         text=True,
     )
-    (built,) = out.glob("derivd-*.whl")
-    return built
 
 
 @pytest.fixture(scope="module")
