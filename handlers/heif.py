@@ -17,10 +17,8 @@ opened. The caller converts the embedded ICC profile (Display P3 on iPhones) to 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import pi_heif
-from PIL import Image
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 from derivd.handlers.base import (
     HEIF_MAX_TILES,
@@ -34,6 +32,9 @@ from derivd.handlers.base import (
 from derivd.handlers.isobmff import declared
 from derivd.handlers.sniff import input_format
 
+if TYPE_CHECKING:  # Pillow only for deep or premultiplied pixels (imported there)
+    from PIL import Image
+
 # libheif's words (pi-heif passes them on as the exception text) for a codec this build
 # lacks (AV1 in a non-AVIF file, JPEG 2000, H.264, VVC) and for its own security limits.
 _NO_CODEC = ("not been built in", "Unsupported codec")
@@ -45,12 +46,19 @@ _EIGHT_BIT = frozenset({"L", "LA", "RGB", "RGBA"})
 _DECODABLE = frozenset({b"hvc1", b"unci", b"mski"})
 
 
-def configure(spec: DeriveSpec) -> None:
-    """Process-wide pi-heif settings: never touch what we ignore, decode with our threads."""
+@cache
+def libheif(threads: int) -> Any:  # pi_heif carries no types
+    """pi-heif, loaded with the first HEIF file a worker gets, not at its boot (a vips
+    worker that never gets one never maps libheif, libde265 and Pillow: ~6 MiB of its
+    RSS and ~30 ms of its boot), with its process-wide settings: never touch what we
+    ignore, decode with our threads."""
+    import pi_heif
+
     pi_heif.options.DEPTH_IMAGES = False
     pi_heif.options.AUX_IMAGES = False
     pi_heif.options.THUMBNAILS = False
-    pi_heif.options.DECODE_THREADS = max(1, spec.concurrency)
+    pi_heif.options.DECODE_THREADS = max(1, threads)
+    return pi_heif
 
 
 def is_heif(original: bytes) -> bool:
@@ -79,7 +87,7 @@ def read_header(original: bytes, spec: DeriveSpec) -> Header:
     if boxes.samples > spec.max_frames:
         raise ResourceLimit(f"{boxes.samples} frames > max_frames {spec.max_frames}")
     try:
-        heif = pi_heif.open_heif(original, convert_hdr_to_8bit=True)
+        heif = libheif(spec.concurrency).open_heif(original, convert_hdr_to_8bit=True)
         image = heif[heif.primary_index]
         width, height = image.size
     except Exception as error:  # libheif on user bytes: see `_classify`
@@ -116,12 +124,16 @@ def decode(header: Header) -> Pixels:
     icc = image.info.get("icc_profile") or None
     if mode in _EIGHT_BIT and stride == width * len(mode):
         return Pixels(data, width, height, mode, icc)
+    from PIL import Image
+
     converted = _eight_bit(Image.frombytes(mode, (width, height), data, "raw", mode, stride))
     return Pixels(converted.tobytes(), width, height, converted.mode, icc)
 
 
 def to_pillow(pixels: Pixels) -> Image.Image:
     """The pixels as a Pillow image, the ICC profile in `info` (as Pillow's decoders do)."""
+    from PIL import Image
+
     size = (pixels.width, pixels.height)
     image = Image.frombytes(pixels.mode, size, pixels.data)
     if pixels.icc:

@@ -99,7 +99,6 @@ def check_encoders(spec: DeriveSpec) -> None:
 
 def configure(spec: DeriveSpec) -> None:
     """Process-wide Pillow settings for a worker (it handles one image at a time)."""
-    heif.configure(spec)
     # Pillow's own bomb check, a backstop behind ours: it warns above this and raises at
     # twice it; we turn the warning into an error in `_strict_open`.
     Image.MAX_IMAGE_PIXELS = spec.max_pixels

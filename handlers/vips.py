@@ -39,7 +39,6 @@ from derivd.handlers.base import (
     encoding,
 )
 from derivd.handlers.geometry import base_size
-from derivd.handlers.pillow import missing_encoders as pillow_missing_encoders
 from derivd.handlers.sniff import (
     TIFF_BITS_PER_SAMPLE,
     TIFF_PHOTOMETRIC,
@@ -238,9 +237,10 @@ def check_encoders(spec: DeriveSpec) -> None:
     lacks, or (an animated AVIF, written by Pillow) an encoder Pillow lacks."""
     formats = {fmt for v in spec.variants for fmt in v.formats}
     missing = sorted(f for f in formats if not pyvips.type_find("VipsOperation", _SAVERS[f]))
-    animated_avif = any(v.animated and "avif" in v.formats for v in spec.variants)
-    missing += [f"{f} (animated, via Pillow)" for f in pillow_missing_encoders(
-        {"avif"} if animated_avif else set())]  # fmt: skip
+    if any(v.animated and "avif" in v.formats for v in spec.variants):
+        from derivd.handlers.pillow import missing_encoders as pillow_missing  # Pillow: only here
+
+        missing += [f"{f} (animated, via Pillow)" for f in pillow_missing({"avif"})]
     if missing:
         raise MissingEncoder(f"backend vips: libvips {pyvips.version(0)}.{pyvips.version(1)} "
                              f"cannot write {', '.join(missing)}")  # fmt: skip
@@ -337,7 +337,6 @@ class VipsHandler:
         self.spec = spec
         check_encoders(spec)
         configure(spec.concurrency)
-        heif.configure(spec)
 
     def derive(self, original: bytes, spec: DeriveSpec) -> Derivation:
         check_input_size(original, spec)

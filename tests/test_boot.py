@@ -1,6 +1,8 @@
-"""What the supervisor loads. It forks its workers, and libvips (its threads and caches) must
-never cross a fork (DESIGN "Fork safety"), so the supervisor imports no image library,
-before or after it forked workers that did."""
+"""What the supervisor and a worker load. The supervisor forks its workers, and libvips
+(its threads and caches) must never cross a fork (DESIGN "Fork safety"), so it imports no
+image library, before or after it forked workers that did. A vips worker loads libvips
+alone until a HEIC (pi-heif) or an animated AVIF or smart crop (Pillow) needs more: each
+library costs boot time and resident memory in every worker."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 
 import psycopg
+import pytest
 from configs import write_ini
 from imagegen import jpeg
 
@@ -57,3 +60,42 @@ def test_the_supervisor_imports_no_image_library(dsn: str, tmp_path: Path) -> No
     assert not loaded & IMAGE_LIBRARIES
     with psycopg.connect(dsn) as conn:
         assert client.result(conn, file_id).status == "ready"  # a worker did load libvips
+
+
+# A worker's imports after fork, in a fresh interpreter: create the handler and derive.
+_DERIVE_AND_LIST = """
+import json, sys
+from derivd.handlers.base import DeriveSpec, VariantSpec
+from derivd.handlers.registry import create_handler
+spec = DeriveSpec(variants=(VariantSpec("thumb", long_edge=64, formats=("jpeg", "webp")),
+                            VariantSpec("cover", box=(32, 32), fit="cover", formats=("avif",))))
+handler = create_handler("vips", spec)
+for path in sys.argv[1:]:
+    handler.derive(open(path, "rb").read(), spec)
+print("MODULES " + json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
+"""
+
+
+def _loaded_by_a_vips_worker(*originals: Path) -> set[str]:
+    ran = subprocess.run(
+        [sys.executable, "-c", _DERIVE_AND_LIST, *map(str, originals)],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    return _top_level_modules(ran.stdout)
+
+
+def test_a_vips_worker_loads_neither_pillow_nor_libheif_for_a_jpeg(tmp_path: Path) -> None:
+    photo = tmp_path / "photo.jpg"
+    photo.write_bytes(jpeg())
+    loaded = _loaded_by_a_vips_worker(photo)
+    assert "pyvips" in loaded
+    assert not loaded & {"PIL", "pi_heif"}
+
+
+def test_a_vips_worker_loads_libheif_with_its_first_heic() -> None:
+    """The other side of the test above: the lazy load does happen, and the HEIC derives."""
+    iphone = Path(__file__).parent / "corpus" / "heic" / "arrow.heic"
+    if not iphone.exists():
+        pytest.skip("tests/corpus/heic is absent")
+    assert {"pi_heif", "PIL"} <= _loaded_by_a_vips_worker(iphone)
