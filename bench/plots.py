@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -143,25 +144,34 @@ def fleet(data: Data) -> tuple[Figure, str]:
 
 def sharp(data: Data) -> tuple[Figure, str]:
     """Per set of images: images/s and CPU per image of each side (sharp's two ways to use
-    the cores, derivd's backends), with each run's load average under its bar."""
+    the cores, derivd's backends): the median over the rounds, whiskers from the lowest to
+    the highest round, the rounds' median load under each bar."""
     runs = data["runs"]
     sets = list(dict.fromkeys(r["set"] for r in runs))
     fig, axes = plt.subplots(2, len(sets), figsize=(4.6 * len(sets), 6.2), squeeze=False)
     for col, name in enumerate(sets):
-        these = [r for r in runs if r["set"] == name]
-        labels = [f"{r['side']}\nload {r['load_1min']:.1f}" for r in these]
-        colours = ["#d9822b" if r["side"].startswith("sharp") else "#4a7bd0" for r in these]
+        sides = list(dict.fromkeys(r["side"] for r in runs if r["set"] == name))
+        by_side = {side: [r for r in runs if r["set"] == name and r["side"] == side]
+                   for side in sides}  # fmt: skip
+        rounds = max(len(these) for these in by_side.values())
+        labels = [f"{side}\nload {statistics.median(r['load_1min'] for r in these):.1f}"
+                  for side, these in by_side.items()]  # fmt: skip
+        colours = ["#d9822b" if side.startswith("sharp") else "#4a7bd0" for side in sides]
         for row, (key, unit) in enumerate((("images_per_s", "images/s"),
                                            ("cpu_ms_per_image", "CPU ms per image"))):  # fmt: skip
             ax = axes[row][col]
-            values = [r[key] for r in these]
-            ax.bar(range(len(these)), values, color=colours)
-            ax.set_xticks(range(len(these)), labels, fontsize=6, rotation=30, ha="right")
+            values = [[r[key] for r in these] for these in by_side.values()]
+            middle = [statistics.median(v) for v in values]
+            spread = [[m - min(v) for m, v in zip(middle, values, strict=True)],
+                      [max(v) - m for m, v in zip(middle, values, strict=True)]]  # fmt: skip
+            ax.bar(range(len(sides)), middle, color=colours, yerr=spread, capsize=3)
+            ax.set_xticks(range(len(sides)), labels, fontsize=6, rotation=30, ha="right")
             ax.set_ylabel(unit)
             ax.grid(axis="y", alpha=0.3)
-            for i, value in enumerate(values):
-                ax.text(i, value, f"{value:.1f}", ha="center", va="bottom", fontsize=7)
-        axes[0][col].set_title(f"{name} set ({these[0]['images']} images)", fontsize=9)
+            for i, value in enumerate(middle):
+                ax.text(i, value, f"{value:.1f}", ha="left", va="bottom", fontsize=7)
+        axes[0][col].set_title(f"{name} set ({runs[0]['images']} images, {rounds} rounds)",
+                               fontsize=9)  # fmt: skip
     fig.suptitle("derivd whole (run --burst, boot included) vs sharp, 720x588 cover JPEG q80")
     return fig, "derivd vs sharp on sharp's task and phone photos (bench/sharp.py)"
 

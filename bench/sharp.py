@@ -42,6 +42,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,6 +95,7 @@ class Run:
     load_1min: float
     ssim_vs_sharp_min: float | None = None
     ssim_vs_full_min: float | None = None
+    round: int = 0
 
     @property
     def images_per_s(self) -> float:
@@ -249,37 +251,54 @@ def decode_fidelity(backend: str, data: bytes) -> float | None:
 
 def one_set(pg: Any, name: str, distinct: list[Path], args: argparse.Namespace, work: Path,
             with_sharp: bool, rnd: int) -> list[Run]:  # fmt: skip
+    """One round over one set: sharp's two ways and derivd per backend, sharp first in
+    even rounds and last in odd ones (neither side always gets the quieter minutes)."""
     inputs = [distinct[n % len(distinct)] for n in range(args.images)]
     runs: list[Run] = []
     sharp_out: dict[int, bytes] = {}
-    if with_sharp:
-        for mode in SHARP_MODES:
-            print(f"{name}: sharp {mode} ...", file=sys.stderr, flush=True)
-            out = work / f"sharp-{name}-{mode}"
-            wall, cpu, rss = run_sharp(mode, inputs, args.workers, out)
-            runs.append(Run(name, f"sharp:{mode}", len(inputs), wall, cpu, rss,
-                            os.getloadavg()[0]))  # fmt: skip
-        for path in sorted(out.iterdir()):
-            sharp_out[int(path.name[:4])] = path.read_bytes()
-    for backend in args.backends:
-        print(f"{name}: derivd {backend} ...", file=sys.stderr, flush=True)
-        burst, outputs = run_derivd(pg, backend, inputs, args.workers, work,
-                                    f"{name}_{backend}_{rnd}")  # fmt: skip
-        run = Run(name, f"derivd:{backend}", len(inputs), burst.wall_s, burst.cpu_s,
-                  burst.peak_rss_mb, os.getloadavg()[0])  # fmt: skip
-        # Fidelity once per distinct input (the copies are the same bytes).
-        firsts = {distinct.index(path): n for n, path in reversed(list(enumerate(inputs)))}
+    derivd_out: dict[str, list[bytes]] = {}
+    for side in ("sharp", "derivd") if rnd % 2 == 0 else ("derivd", "sharp"):
+        if side == "sharp" and with_sharp:
+            for mode in SHARP_MODES:
+                print(f"{name}: sharp {mode} ...", file=sys.stderr, flush=True)
+                out = work / f"sharp-{name}-{mode}"
+                wall, cpu, rss = run_sharp(mode, inputs, args.workers, out)
+                runs.append(Run(name, f"sharp:{mode}", len(inputs), wall, cpu, rss,
+                                os.getloadavg()[0], round=rnd))  # fmt: skip
+            for path in sorted(out.iterdir()):
+                sharp_out[int(path.name[:4])] = path.read_bytes()
+        if side == "derivd":
+            for backend in args.backends:
+                print(f"{name}: derivd {backend} ...", file=sys.stderr, flush=True)
+                burst, derivd_out[backend] = run_derivd(pg, backend, inputs, args.workers, work,
+                                                        f"{name}_{backend}_{rnd}")  # fmt: skip
+                runs.append(Run(name, f"derivd:{backend}", len(inputs), burst.wall_s,
+                                burst.cpu_s, burst.peak_rss_mb, os.getloadavg()[0],
+                                round=rnd))  # fmt: skip
+    # Fidelity once per distinct input (the copies are the same bytes).
+    firsts = {distinct.index(path): n for n, path in reversed(list(enumerate(inputs)))}
+    for run in runs:
+        backend = run.side.removeprefix("derivd:")
+        if backend not in derivd_out:
+            continue
+        outputs = derivd_out[backend]
         if sharp_out:
             run.ssim_vs_sharp_min = min(ssim(sharp_out[n], outputs[n]) for n in firsts.values())
         fidelity = [decode_fidelity(backend, path.read_bytes()) for path in distinct]
         run.ssim_vs_full_min = None if None in fidelity else min(filter(None, fidelity))
-        runs.append(run)
     return runs
 
 
-def best_sharp(runs: list[Run], name: str) -> Run | None:
-    sharp = [r for r in runs if r.set == name and r.side.startswith("sharp:")]
+def best_sharp(runs: list[Run], name: str, rnd: int) -> Run | None:
+    """sharp's better way on this set in this round: the reference derivd's runs of the
+    same round are held to (runs minutes apart on a shared machine do not compare)."""
+    sharp = [r for r in runs if r.set == name and r.round == rnd and r.side.startswith("sharp:")]
     return max(sharp, key=lambda r: r.images_per_s) if sharp else None
+
+
+def ratio_to_sharp(runs: list[Run], run: Run) -> float | None:
+    sharp = best_sharp(runs, run.set, run.round)
+    return run.images_per_s / sharp.images_per_s if sharp else None
 
 
 def main() -> None:
@@ -318,14 +337,24 @@ def main() -> None:
     print("\n".join(lines))
     rows = []
     for r in runs:
-        sharp = best_sharp(runs, r.set)
-        ratio = f"{r.images_per_s / sharp.images_per_s:.2f}x" if sharp else "-"
-        rows.append([r.set, r.side, r.images_per_s, ratio, r.cpu_ms_per_image, r.peak_rss_mb,
+        ratio = ratio_to_sharp(runs, r)
+        rows.append([r.set, r.round + 1, r.side, r.images_per_s,
+                     "-" if ratio is None else f"{ratio:.2f}x", r.cpu_ms_per_image, r.peak_rss_mb,
                      "-" if r.ssim_vs_sharp_min is None else f"{r.ssim_vs_sharp_min:.3f}",
                      "-" if r.ssim_vs_full_min is None else f"{r.ssim_vs_full_min:.3f}",
                      r.load_1min])  # fmt: skip
-    print(table(["set", "side", "images/s", "vs sharp's best", "CPU ms/image", "peak RSS MiB",
-                 "SSIM vs sharp (min)", "SSIM vs full decode (min)", "load"], rows))  # fmt: skip
+    print(table(["set", "round", "side", "images/s", "vs sharp's best", "CPU ms/image",
+                 "peak RSS MiB", "SSIM vs sharp (min)", "SSIM vs full decode (min)", "load"],
+                rows))  # fmt: skip
+    for name in sets:
+        for side in sorted({r.side for r in runs if r.set == name}):
+            mine = [r for r in runs if r.set == name and r.side == side]
+            ratios = [x for r in mine if (x := ratio_to_sharp(runs, r)) is not None]
+            cpu = statistics.median(r.cpu_ms_per_image for r in mine)
+            vs = f"{statistics.median(ratios):.2f}x sharp's best" if ratios else "-"
+            print(f"{name} {side}: median of {len(mine)} rounds: {vs} "
+                  f"({min(ratios, default=0):.2f}-{max(ratios, default=0):.2f}), "
+                  f"{cpu:.1f} CPU ms/image")  # fmt: skip
     path = save_results(f"sharp-{args.label}" if args.label else "sharp", {
         "machine": lines, "sharp_version": SHARP_VERSION if with_sharp else None,
         "label": args.label,

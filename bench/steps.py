@@ -13,6 +13,9 @@ functions had other names):
 - crop + encode: the variant shaped from that base and encoded, its SHA-256 taken
   (the original's analysis, which `derive` adds, is not in either step);
 - store: the variant written to the fs store (a temporary file, fsync, rename);
+- handler: the handler's whole `derive` (the analysis included); floor: sharp's own
+  pipeline in the plain library (`vips_floor`, `pillow_floor`): what any program doing
+  this task with that library pays, so handler minus floor is what derivd adds;
 - queue: the CPU per job of `derivd run --burst` with the `noop` backend over `--jobs`
   rows (claim, fenced commit, supervisor; PostgreSQL's own CPU is not counted);
 - boot: `derivd run --burst` (vips) on an empty queue with one worker, as a whole (the
@@ -42,6 +45,7 @@ from common import ROOT, burst_drain, cluster, fresh_db, save_results, table
 os.environ.setdefault("VIPS_CONCURRENCY", "1")
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
+from derivd.handlers.geometry import base_size, jpeg_shrink
 from derivd.handlers.registry import create_handler
 from derivd.storage.fs import FsStorage
 
@@ -89,8 +93,48 @@ def pillow_steps(data: bytes) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     return decode, encode
 
 
+def vips_floor(data: bytes) -> bytes:
+    """sharp's pipeline in plain pyvips, nothing else: the JPEG opened at sharp's
+    shrink-on-load factor (geometry.jpeg_shrink, `fast`), lanczos3 to cover the box, the
+    centre cut out, JPEG q80 4:2:0 with optimised Huffman tables (sharp's defaults). No
+    sniffing, limits, orientation, colour management or analysis: the floor any libvips
+    program doing this task stands on."""
+    import pyvips
+
+    head = pyvips.Image.jpegload_buffer(data, access="sequential")
+    base = base_size(head.width, head.height, SPEC.variants)
+    shrink = jpeg_shrink((head.width, head.height), base, "fast")
+    image = pyvips.Image.jpegload_buffer(data, shrink=shrink, access="sequential")
+    image = image.thumbnail_image(base[0], height=base[1], size="force")
+    box = VARIANT.bounds
+    image = image.crop((base[0] - box[0]) // 2, (base[1] - box[1]) // 2, *box)
+    return bytes(image.jpegsave_buffer(Q=80, subsample_mode="on", optimize_coding=True,
+                                       keep="none"))  # fmt: skip
+
+
+def pillow_floor(data: bytes) -> bytes:
+    """The same in plain Pillow: draft at the same factor, Lanczos, centre cut, save."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        base = base_size(*im.size, SPEC.variants)
+        shrink = jpeg_shrink(im.size, base, "fast")
+        im.draft("RGB", (im.size[0] // shrink, im.size[1] // shrink))
+        image = im.resize(base, Image.Resampling.LANCZOS)
+    box = VARIANT.bounds
+    left, top = (base[0] - box[0]) // 2, (base[1] - box[1]) // 2
+    out = io.BytesIO()
+    image.crop((left, top, left + box[0], top + box[1])).save(
+        out, "JPEG", quality=80, subsampling=2, optimize=True
+    )
+    return out.getvalue()
+
+
 def handler_rows(inputs: dict[str, bytes], repeat: int, store: FsStorage) -> list[dict[str, Any]]:
     rows = []
+    floors = {"vips": vips_floor, "pillow": pillow_floor}
     for backend, steps in (("vips", vips_steps), ("pillow", pillow_steps)):
         for name, data in inputs.items():
             decode, encode = steps(data)
@@ -105,6 +149,7 @@ def handler_rows(inputs: dict[str, bytes], repeat: int, store: FsStorage) -> lis
                 "store_ms": cpu_ms(lambda: store.put("derived/1/x/bench.jpg", out.data,  # noqa: B023
                                                      "image/jpeg"), repeat),
                 "handler_ms": cpu_ms(lambda: whole.derive(data, SPEC), repeat),  # noqa: B023
+                "floor_ms": cpu_ms(lambda: floors[backend](data), repeat),  # noqa: B023
             })  # fmt: skip
     return rows
 
@@ -155,7 +200,8 @@ def main() -> None:
     print(f"{args.label}: load {load:.1f}; queue {fleet['queue_ms_per_job']:.2f} CPU ms/job; "
           f"run --burst on an empty queue {fleet['boot_run_cpu_s']:.3f} CPU s "
           f"(one worker's boot {fleet['worker_boot_cpu_s']:.3f})")  # fmt: skip
-    keys = ["decode_resize_ms", "crop_encode_ms", "sha256_ms", "store_ms", "handler_ms"]
+    keys = ["decode_resize_ms", "crop_encode_ms", "sha256_ms", "store_ms", "handler_ms",
+            "floor_ms"]  # fmt: skip
     print(table(["backend", "input", *keys], [[r["backend"], r["input"], *(r[k] for k in keys)]
                                                for r in rows]))  # fmt: skip
     path = save_results(f"steps-{args.label}", {"label": args.label, "load_1min": load,
