@@ -7,11 +7,12 @@ Per job: sniff the loader from the first bytes (allowlist), read the header only
 limits, then one thumbnail to the base the largest variant needs, from which every variant
 is derived (`vips_variants`). A still JPEG or WebP is opened at the shrink-on-load scale of
 `[derive] shrink_on_load` (`geometry.jpeg_shrink`, `webp_scale`) and `thumbnail_image` does
-the rest; PNG, GIF, TIFF, AVIF and animated WebP go through `thumbnail_buffer` (HEIC
+the rest; PNG, GIF, TIFF, AVIF and animated WebP go through `thumbnail_source` (HEIC
 through pi-heif, `decode_heif`). Either way: EXIF autorotation, colour management to sRGB (embedded
 profile, or libvips' built-in CMYK profile for unprofiled CMYK), 16-bit to 8-bit, a
 lanczos3 resize, and streaming, so memory stays near one base-sized buffer plus a few
-scanlines of input.
+scanlines of input. Every loader reads the original's bytes in place (a memory source,
+`vips_variants.unread`): none copies the whole file first, as the `*_buffer` loaders do.
 """
 
 from __future__ import annotations
@@ -48,7 +49,14 @@ from derivd.handlers.sniff import (
     input_format,
     tiff_tags,
 )
-from derivd.handlers.vips_variants import checked_base, derive_variants, load_base, open_shrunk
+from derivd.handlers.vips_variants import (
+    checked_base,
+    derive_variants,
+    load_base,
+    open_shrunk,
+    source_loader,
+    unread,
+)
 
 # The loaders we accept, by nickname (what find_load_buffer reports), and the loader class
 # families to leave unblocked. Everything else libvips could read (svg, matrix, csv, vips,
@@ -133,7 +141,7 @@ def sniff_loader(original: bytes) -> str:
 class Header:
     """What the limits need, read without decoding pixels."""
 
-    def __init__(self, image: Any, original: bytes) -> None:
+    def __init__(self, image: Any, original: bytes, loader: str) -> None:
         self.width: int = image.width
         self.height: int = image.height
         # libnsgif may report the first frame's size for an absurd logical screen; count
@@ -147,7 +155,7 @@ class Header:
         self.needs_icc = image.get_typeof("icc-profile-data") != 0 or (
             image.interpretation == "cmyk"
         )
-        self.loader = str(image.get("vips-loader")) if image.get_typeof("vips-loader") else ""
+        self.loader = loader  # the sniffed nickname (jpegload_buffer, ...), not the source one
         orientation = _int_field(image, "orientation", 1)
         self.orientation = orientation if 1 <= orientation <= 8 else 1
 
@@ -169,11 +177,12 @@ def _int_field(image: Any, name: str, default: int) -> int:
 def read_header(original: bytes, loader: str) -> Header:
     try:
         # Loaders are lazy: this parses the header and allocates no pixel memory.
-        source = cielab8_as_rgb(original) or original
-        image = pyvips.Operation.call(loader, source, access="sequential", fail_on="error")
+        data = cielab8_as_rgb(original) or original
+        image = pyvips.Operation.call(source_loader(loader), unread(data), access="sequential",
+                                      fail_on="error")  # fmt: skip
     except pyvips.Error as e:
         raise CorruptContent(f"unreadable header: {_first_line(e)}") from None
-    return Header(image, original)
+    return Header(image, original, loader)
 
 
 def decode_base(original: bytes, size: tuple[int, int], header: Header, all_frames: bool,
@@ -185,6 +194,8 @@ def decode_base(original: bytes, size: tuple[int, int], header: Header, all_fram
         shrunk = None if all_frames else open_shrunk(original, header.loader, header.upright,
                                                      size, shrink_on_load)  # fmt: skip
         return load_base(original, size, header.needs_icc, all_frames, shrunk)
+    # A buffer loader (it copies): `relabelled` is this function's, gone before the base
+    # is rendered, and a memory source would read it after it is freed.
     image = lab_to_srgb(pyvips.Image.tiffload_buffer(relabelled, access="sequential",
                                                      fail_on="error"))  # fmt: skip
     return checked_base(image.thumbnail_image(size[0], height=size[1], size="force"), size)
@@ -283,7 +294,7 @@ def decode_original(original: bytes, spec: DeriveSpec) -> Decoded:
 def decode_heif(original: bytes, spec: DeriveSpec) -> Decoded:
     """HEIC/HEIF: pi-heif decodes (handlers/heif.py: this libvips has no HEVC decoder),
     libvips takes the pixels from memory and shrinks and colour-manages them as
-    `thumbnail_buffer` does for the other formats."""
+    `thumbnail_source` does for the other formats."""
     header = heif.read_header(original, spec)
     pixels = heif.decode(header)
     upright = (header.width, header.height)

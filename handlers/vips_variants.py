@@ -52,7 +52,7 @@ def load_base(
 
     `shrunk` is the original already opened at a reduced scale (`open_shrunk`): then
     `thumbnail_image` does the rest of thumbnail's work (resize, colour, orientation),
-    without the shrink-on-load choice of its own that `thumbnail_buffer` would make."""
+    without the shrink-on-load choice of its own that `thumbnail_source` would make."""
     # Without a profile libvips still converts any colourspace to sRGB; with one (or for
     # CMYK, through its built-in CMYK profile) it goes through LittleCMS.
     colour = {"output_profile": "srgb", "intent": "relative"} if icc else {}
@@ -60,13 +60,13 @@ def load_base(
         image = shrunk.thumbnail_image(size[0], height=size[1], size="force", **colour)
         return checked_base(image, size)
     options = "fail_on=error" + (",n=-1" if all_frames else "")
-    image = pyvips.Image.thumbnail_buffer(
-        original,
+    image = pyvips.Image.thumbnail_source(
+        unread(original),
         size[0],
         height=size[1],
         size="force",
-        # The loader must get fail_on through option_string: thumbnail_buffer's own
-        # `fail_on` argument does not reach it (libvips 8.18), and truncated JPEG/PNG
+        # The loader must get fail_on through option_string: thumbnail's own `fail_on`
+        # argument does not reach it (libvips 8.18), and truncated JPEG/PNG
         # would then come out half grey. tests/test_handlers.py holds both cases.
         option_string=options,
         fail_on="error",
@@ -80,20 +80,36 @@ def open_shrunk(
 ) -> Any | None:
     """A single-frame JPEG or WebP opened (lazily) at the cheapest scale whose pixels still
     cover `size`, per `[derive] shrink_on_load` (`geometry.jpeg_shrink`/`webp_scale`);
-    None for other loaders, which `thumbnail_buffer` opens itself.
+    None for other loaders, which `thumbnail_source` opens itself.
 
     libvips' thumbnail leaves a JPEG a factor of 2 for its resize (sharp's `safe`): the
     2725 x 2225 fixture of sharp's benchmark is then decoded at full size for a 720 x 588
     cover, where a DCT shrink of 2 and a lanczos3 resize take 40 % less CPU."""
     if loader == "jpegload_buffer":
         shrink = jpeg_shrink(upright, size, mode)
-        return pyvips.Image.jpegload_buffer(original, shrink=shrink, access="sequential",
+        return pyvips.Image.jpegload_source(unread(original), shrink=shrink, access="sequential",
                                             fail_on="error")  # fmt: skip
     if loader == "webpload_buffer":
         scale = webp_scale(upright, size, mode)
-        return pyvips.Image.webpload_buffer(original, scale=scale, access="sequential",
+        return pyvips.Image.webpload_source(unread(original), scale=scale, access="sequential",
                                             fail_on="error")  # fmt: skip
     return None
+
+
+def unread(original: bytes) -> Any:
+    """The original as a libvips source that reads the caller's bytes in place. A
+    `*_buffer` loader first copies the whole original into a blob of its own (a 19 MB
+    PNG: 19 MB more at peak and ~1 ms); a memory source is a pointer and a length. The
+    bytes must outlive every image read from it: `derive` holds them until its base is
+    in memory (`copy_memory`) and its variants are encoded, and the operation cache,
+    which could keep a loader alive past that, is off (`vips.configure`)."""
+    return pyvips.Source.new_from_memory(original)
+
+
+def source_loader(nickname: str) -> str:
+    """The loader that reads a source, for the `*_buffer` nickname libvips' sniffing
+    reports (jpegload_buffer -> jpegload_source)."""
+    return nickname.removesuffix("_buffer") + "_source"
 
 
 def checked_base(image: Any, size: tuple[int, int]) -> tuple[Any, int]:
@@ -159,7 +175,7 @@ def shape(frames: list[Any], upright: tuple[int, int], variant: VariantSpec) -> 
 def _resize(image: Any, width: int, height: int) -> Any:
     if image.width == width and image.height == height:
         return image
-    # thumbnail_image premultiplies alpha around the resize, as thumbnail_buffer does.
+    # thumbnail_image premultiplies alpha around the resize, as thumbnail_source does.
     return image.thumbnail_image(width, height=height, size="force", no_rotate=True)
 
 
