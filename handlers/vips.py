@@ -12,7 +12,7 @@ through pi-heif, `decode_heif`). Either way: EXIF autorotation, colour managemen
 profile, or libvips' built-in CMYK profile for unprofiled CMYK), 16-bit to 8-bit, a
 lanczos3 resize, and streaming, so memory stays near one base-sized buffer plus a few
 scanlines of input. Every loader reads the original's bytes in place (a memory source,
-`vips_variants.unread`): none copies the whole file first, as the `*_buffer` loaders do.
+`vips_variants.read_in_place`): none copies the whole file first, as the `*_buffer` loaders do.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from derivd.handlers.vips_variants import (
     derive_variants,
     load_base,
     open_shrunk,
+    read_in_place,
     source_loader,
-    unread,
 )
 
 # The loaders we accept, by nickname (what find_load_buffer reports), and the loader class
@@ -178,8 +178,7 @@ def read_header(original: bytes, loader: str) -> Header:
     try:
         # Loaders are lazy: this parses the header and allocates no pixel memory.
         data = cielab8_as_rgb(original) or original
-        image = pyvips.Operation.call(source_loader(loader), unread(data), access="sequential",
-                                      fail_on="error")  # fmt: skip
+        image = read_in_place(source_loader(loader), data, access="sequential", fail_on="error")
     except pyvips.Error as e:
         raise CorruptContent(f"unreadable header: {_first_line(e)}") from None
     return Header(image, original, loader)
@@ -194,10 +193,8 @@ def decode_base(original: bytes, size: tuple[int, int], header: Header, all_fram
         shrunk = None if all_frames else open_shrunk(original, header.loader, header.upright,
                                                      size, shrink_on_load)  # fmt: skip
         return load_base(original, size, header.needs_icc, all_frames, shrunk)
-    # A buffer loader (it copies): `relabelled` is this function's, gone before the base
-    # is rendered, and a memory source would read it after it is freed.
-    image = lab_to_srgb(pyvips.Image.tiffload_buffer(relabelled, access="sequential",
-                                                     fail_on="error"))  # fmt: skip
+    image = lab_to_srgb(read_in_place("tiffload_source", relabelled, access="sequential",
+                                      fail_on="error"))  # fmt: skip
     return checked_base(image.thumbnail_image(size[0], height=size[1], size="force"), size)
 
 

@@ -203,3 +203,30 @@ def test_a_worker_reports_a_missing_encoder_in_one_line() -> None:
 
     reason = "backend pillow: Pillow 10.4.0 cannot write avif"
     assert _boot_error_text(MissingEncoder(reason)) == reason
+
+
+class _Original(bytearray):
+    """Bytes a weak reference can follow (bytes itself takes none)."""
+
+
+def test_the_original_read_in_place_lives_as_long_as_an_image_that_reads_it() -> None:
+    """The vips loaders read the caller's bytes where they are (no copy): every image
+    computed from them keeps them alive, whoever else lets go, and lets go in the end."""
+    import gc
+    import weakref
+
+    from derivd.handlers.vips_variants import read_in_place
+
+    data = imagegen.jpeg()
+    expected = read_in_place("jpegload_source", data).thumbnail_image(40, height=30).avg()
+    original = _Original(data)
+    alive = weakref.ref(original)
+    loaded = read_in_place("jpegload_source", original, access="sequential")
+    shrunk = loaded.thumbnail_image(40, height=30)  # lazy: nothing decoded yet
+    del original, loaded
+    gc.collect()
+    assert alive() is not None  # only `shrunk` (through its input) holds the bytes now
+    assert shrunk.avg() == expected
+    del shrunk
+    gc.collect()
+    assert alive() is None
