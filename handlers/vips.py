@@ -139,9 +139,11 @@ def sniff_loader(original: bytes) -> str:
 
 
 class Header:
-    """What the limits need, read without decoding pixels."""
+    """What the limits need, read without decoding pixels; and the relabelled bytes of an
+    8-bit CIELAB TIFF (`cielab8_as_rgb`), which the decode reads too."""
 
-    def __init__(self, image: Any, original: bytes, loader: str) -> None:
+    def __init__(self, image: Any, original: bytes, loader: str, relabelled: bytes | None
+                 ) -> None:  # fmt: skip
         self.width: int = image.width
         self.height: int = image.height
         # libnsgif may report the first frame's size for an absurd logical screen; count
@@ -156,6 +158,7 @@ class Header:
             image.interpretation == "cmyk"
         )
         self.loader = loader  # the sniffed nickname (jpegload_buffer, ...), not the source one
+        self.relabelled = relabelled
         orientation = _int_field(image, "orientation", 1)
         self.orientation = orientation if 1 <= orientation <= 8 else 1
 
@@ -177,18 +180,19 @@ def _int_field(image: Any, name: str, default: int) -> int:
 def read_header(original: bytes, loader: str) -> Header:
     try:
         # Loaders are lazy: this parses the header and allocates no pixel memory.
-        data = cielab8_as_rgb(original) or original
-        image = read_in_place(source_loader(loader), data, access="sequential", fail_on="error")
+        relabelled = cielab8_as_rgb(original)
+        image = read_in_place(source_loader(loader), relabelled or original,
+                              access="sequential", fail_on="error")  # fmt: skip
     except pyvips.Error as e:
         raise CorruptContent(f"unreadable header: {_first_line(e)}") from None
-    return Header(image, original, loader)
+    return Header(image, original, loader, relabelled)
 
 
 def decode_base(original: bytes, size: tuple[int, int], header: Header, all_frames: bool,
                 shrink_on_load: str = "fast") -> tuple[Any, int]:  # fmt: skip
     """The decoded base every variant is derived from, and its page height (see
     `vips_variants.load_base`); 8-bit CIELAB TIFF takes its own path (`cielab8_as_rgb`)."""
-    relabelled = cielab8_as_rgb(original)
+    relabelled = header.relabelled
     if relabelled is None:
         shrunk = None if all_frames else open_shrunk(original, header.loader, header.upright,
                                                      size, shrink_on_load)  # fmt: skip
@@ -310,10 +314,15 @@ def decode_heif(original: bytes, spec: DeriveSpec) -> Decoded:
     return Decoded(base, page_height, upright, header.frames)
 
 
+def _first_frame(decoded: Decoded) -> Any:
+    """The base's first page (the base itself unless frames are stacked)."""
+    base, page_height = decoded.base, decoded.page_height
+    return base if page_height == base.height else base.crop(0, 0, base.width, page_height)
+
+
 def small_copy(decoded: Decoded) -> Small:
     """The analysis' intermediate: the first frame, RGBA, SMALL_EDGE px."""
-    base, page_height = decoded.base, decoded.page_height
-    first = base if page_height == base.height else base.crop(0, 0, base.width, page_height)
+    first = _first_frame(decoded)
     width, height = small_size(first.width, first.height)
     small = first.thumbnail_image(width, height=height, size="force", no_rotate=True)
     if small.format != "uchar":
@@ -331,10 +340,9 @@ def analysis_of(decoded: Decoded, fmt: str) -> Analysis:
 def _transparent(decoded: Decoded) -> bool:
     """Whether any pixel of the first frame is less than opaque (libvips gives every GIF
     an alpha band: its presence alone says nothing)."""
-    base = decoded.base
-    if not base.hasalpha():
+    if not decoded.base.hasalpha():
         return False
-    first = base.crop(0, 0, base.width, decoded.page_height)
+    first = _first_frame(decoded)
     return bool(first[first.bands - 1].min() < 255)
 
 
