@@ -15,6 +15,7 @@ import hashlib
 import json
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
+from derivd.handlers.outputs import quality_of
 
 # Bumped when the meaning of a field changes (every stored fingerprint then differs).
 VERSION = 1
@@ -28,7 +29,7 @@ def fingerprint(variant: VariantSpec, fmt: str, spec: DeriveSpec, backend: str) 
         "fit": variant.fit,
         "gravity": variant.gravity if variant.fit == "cover" else None,
         "format": fmt,
-        "quality": None if fmt == "png" or variant.lossless else _quality(variant, spec),
+        "quality": None if fmt == "png" or variant.lossless else quality_of(variant, spec),
         "lossless": variant.lossless,
         "upscale": variant.upscale,
         "animated": variant.animated,
@@ -38,10 +39,6 @@ def fingerprint(variant: VariantSpec, fmt: str, spec: DeriveSpec, backend: str) 
     }
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _quality(variant: VariantSpec, spec: DeriveSpec) -> int:
-    return variant.quality or spec.quality
 
 
 def slot(name: str, fmt: str) -> str:
