@@ -22,6 +22,13 @@ from derivd.config import (
     render_ini,
 )
 from derivd.states import ERROR_CODES
+from derivd.traffic import (
+    BACKFILL_PRIORITY,
+    DEFAULT_PRIORITY,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    TENANT_MAX_CHARS,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -81,6 +88,17 @@ class State:
 
 
 pass_state = click.make_pass_decorator(State)
+
+
+def priority_option(default: int, meaning: str) -> Callable[[F], F]:
+    """`--priority`, its range from derivd.traffic (checked there, one line on a bad one)."""
+    return click.option(
+        "--priority",
+        type=int,
+        default=default,
+        show_default=True,
+        help=f"{PRIORITY_MIN}..{PRIORITY_MAX}, {meaning}.",
+    )
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -161,14 +179,11 @@ def migrate(state: State) -> None:
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--quiet", "-q", is_flag=True, help="Print only the new ids.")
+@priority_option(DEFAULT_PRIORITY, f"higher runs first (backfill runs at {BACKFILL_PRIORITY})")
 @click.option(
-    "--priority",
-    type=int,
-    default=0,
-    show_default=True,
-    help="-100..100, higher runs first (backfill runs at -10).",
+    "--tenant",
+    help=f"Whose files these are (at most {TENANT_MAX_CHARS} characters); none by default.",
 )
-@click.option("--tenant", help="Whose files these are (at most 200 characters); none by default.")
 @pass_state
 @friendly_errors
 def enqueue(
@@ -222,12 +237,9 @@ def enqueue(
     show_default=True,
     help="With --apply: at most this many re-derivations claimable at a time.",
 )
-@click.option(
-    "--priority",
-    type=int,
-    default=-10,
-    show_default=True,
-    help="With --apply: the re-derivations' priority (below live uploads at 0).",
+@priority_option(
+    BACKFILL_PRIORITY,
+    f"with --apply, the re-derivations' priority (below live uploads at {DEFAULT_PRIORITY})",
 )
 @pass_state
 @friendly_errors

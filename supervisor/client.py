@@ -41,7 +41,7 @@ from psycopg.pq import TransactionStatus
 from derivd.queue.db import FINISHED_CHANNEL as CHANNEL
 from derivd.queue.db import QueueDB
 from derivd.storage.base import InvalidKey
-from derivd.traffic import priority_problem, tenant_problem
+from derivd.traffic import DEFAULT_PRIORITY, priority_problem, tenant_problem
 
 # Longest a finish goes unseen when it raced the registration (see the module docstring).
 RECHECK_S = 1.0
@@ -132,7 +132,7 @@ def enqueue(
     original_key: str,
     original_version: str | None,
     *,
-    priority: int = 0,
+    priority: int = DEFAULT_PRIORITY,
     tenant: str | None = None,
 ) -> int:
     """Queue a stored original, read later by key AND version id. Returns the row id.

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from derivd.queue.db import QueueDB
 from derivd.storage.base import Storage, new_original_key
+from derivd.traffic import DEFAULT_PRIORITY
 
 CONTENT_TYPE = "application/octet-stream"
 
@@ -30,7 +31,7 @@ def upload_and_queue(
     *,
     batch: int = 100,
     progress: Callable[[Path], None] | None = None,
-    priority: int = 0,
+    priority: int = DEFAULT_PRIORITY,
     tenant: str | None = None,
 ) -> list[int]:
     """Upload each file under a generated key, then queue the confirmed versions in

@@ -32,6 +32,7 @@ from derivd.handlers.base import Analysis
 from derivd.queue.sqlfiles import function_names, functions, migrations, queries
 from derivd.redact import one_line
 from derivd.storage.base import validate_key
+from derivd.traffic import DEFAULT_PRIORITY
 
 # The notification channels, as the triggers in sql/functions.sql spell them
 # (archive_files_notify_queued, archive_files_notify_finished): a row entering `queued`
@@ -727,7 +728,7 @@ class QueueDB:
         self,
         originals: Sequence[tuple[str, str | None]],
         *,
-        priority: int = 0,
+        priority: int = DEFAULT_PRIORITY,
         tenant: str | None = None,
     ) -> list[int]:
         """Queue stored originals given as (key, version id), at one priority and for
@@ -795,7 +796,7 @@ class QueueDB:
     # -- derivd.client: upload APIs, on the caller's own connection --------------------
 
     def enqueue_one(
-        self, key: str, version: str, *, priority: int = 0, tenant: str | None = None
+        self, key: str, version: str, *, priority: int = DEFAULT_PRIORITY, tenant: str | None = None
     ) -> int:
         """One stored original (derivd.client.enqueue); InvalidKey as `enqueue`."""
         params = {
