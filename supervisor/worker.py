@@ -81,15 +81,13 @@ class NoHooks:
 class _Derived:
     """An attempt whose variants are stored, waiting for its (batched) fenced commit."""
 
-    job: Job
-    stored: list[StoredVariant]
-    original: Analysis | None
+    finished: Finished  # what the commit records
     started: float  # monotonic
     duration_s: float
 
     @property
-    def finished(self) -> Finished:
-        return Finished(self.job, self.stored, self.original)
+    def job(self) -> Job:
+        return self.finished.job
 
 
 # Derived results wait for a batched commit at most this long after their job started:
@@ -213,7 +211,7 @@ class Worker:
             self._finish(job, outcome, code, time.monotonic() - started)
             return
         duration_s = time.monotonic() - started
-        self._pending.append(_Derived(job, stored, original, started, duration_s))
+        self._pending.append(_Derived(Finished(job, stored, original), started, duration_s))
 
     def _failed(self, job: Job, error: Exception) -> tuple[str, ErrorCode | None]:
         if isinstance(error, Permanent):
