@@ -130,7 +130,7 @@ class EmbeddedCluster:
         with self._locked():
             self._place(run_as)
             self._prepare_dirs(run_as)
-            if not (self.data_dir / "PG_VERSION").exists():
+            if not self.exists():
                 self._initdb(run_as)
             if not self._adopt_running():
                 self._start_server(run_as)

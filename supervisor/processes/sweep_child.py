@@ -76,10 +76,8 @@ class SweepChild(Duty["SweepReport"]):
         from derivd.ops.sweep import Sweeper
         from derivd.storage.base import open_storage
 
-        sweeper = Sweeper.from_config(self.config(), db, open_storage(self.config()))
-        if self.holder is not None:
-            sweeper.holder = self.holder
-        return sweeper.run_once()
+        config = self.config()
+        return Sweeper.from_config(config, db, open_storage(config), holder=self.holder).run_once()
 
     def reap(self) -> None:
         """Collect a finished pass; kill one that outlived two intervals."""
