@@ -336,6 +336,26 @@ def test_a_second_apply_is_refused_while_one_runs(dsn: str, tmp_path: Path, queu
         apply(queue, config(dsn, {"fs_root": tmp_path}, V2))
 
 
+def test_the_lease_is_renewed_on_pages_with_nothing_to_queue(
+    dsn: str, tmp_path: Path, queue: QueueDB
+) -> None:
+    """A long scan of files that already match keeps the lease: between its pages a
+    second --apply cannot take it. Time passing beyond the lease is its row aged."""
+    cfg = config(dsn, {"fs_root": tmp_path}, V2)
+    ready_files(cfg, ["ok"] * 3)
+    taken: list[bool] = []
+    with QueueDB.open(dsn) as other:
+
+        def try_then_age(cursor: int, last: int) -> None:
+            if cursor < last:  # pages remain: the run must hold the lease
+                taken.append(other.take_lease("backfill", uuid.uuid4(), ttl_s=60))
+            sql(dsn, "UPDATE derivd_leases SET until = now() - interval '1 second'")
+
+        plan = apply(queue, cfg, page=1, progress=try_then_age)
+    assert (plan.scanned, plan.queued) == (3, 0)
+    assert taken == [False, False, False]  # before the first page, after pages 1 and 2
+
+
 # -- the command line -------------------------------------------------------------------
 
 

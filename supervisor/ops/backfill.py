@@ -129,6 +129,7 @@ class Apply:
         cursor, last = int(run["cursor"]), int(run["last_id"])
         self.progress(cursor, last)
         for rows in pages(self.queue, after=cursor, last=last, page=self.page):
+            self._renew()
             todo = []
             for file_id, current in rows:
                 diff = differences(current, self.configured)
@@ -149,10 +150,10 @@ class Apply:
     def _queue_within_bound(self, ids: list[int]) -> int:
         queued = 0
         while ids:
-            self._renew()
             room = self.max_queued - self.queue.backfill_claimable()
             if room <= 0:
                 self.sleep(WAIT_S)
+                self._renew()
                 continue
             queued += len(self.queue.backfill_queue(ids[:room], priority=self.priority))
             ids = ids[room:]
