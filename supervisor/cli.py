@@ -256,7 +256,7 @@ def backfill(state: State, apply_: bool, max_queued: int, priority: int) -> None
     --apply runs at a time (any host).
     """
     from derivd.embedded.runtime import database
-    from derivd.fingerprint import configured_set, target_digest
+    from derivd.fingerprint import configured_set
     from derivd.ops.backfill import Apply, BackfillRunning, scan
     from derivd.queue.db import QueueDB
     from derivd.traffic import priority_problem
@@ -275,7 +275,6 @@ def backfill(state: State, apply_: bool, max_queued: int, priority: int) -> None
         run = Apply(
             queue,
             configured,
-            target_digest(configured),
             priority=priority,
             max_queued=max_queued,
             progress=bar.show,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
 from derivd.handlers.outputs import quality_of
@@ -55,7 +56,7 @@ def configured_set(spec: DeriveSpec, backend: str) -> dict[str, str]:
     }
 
 
-def target_digest(configured: dict[str, str]) -> str:
+def target_digest(configured: Mapping[str, str]) -> str:
     """One digest of a whole configured set: a backfill resumes only toward the same."""
     text = json.dumps(sorted(configured.items()), separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

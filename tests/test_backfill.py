@@ -20,7 +20,7 @@ from helpers import sql
 
 from derivd import client
 from derivd.config import Config
-from derivd.fingerprint import configured_set, target_digest
+from derivd.fingerprint import configured_set
 from derivd.ops.backfill import Apply, BackfillRunning, Plan, differences, scan
 from derivd.ops.dashboard import Snapshot
 from derivd.ops.dashboard_page import render
@@ -88,7 +88,7 @@ def ready_files(cfg: Config, scripts: list[str]) -> list[int]:
 def apply(queue: QueueDB, cfg: Config, **kwargs: Any) -> Plan:
     wanted = configured(cfg)
     options: dict[str, Any] = {"priority": -10, "max_queued": 1000, **kwargs}
-    return Apply(queue, wanted, target_digest(wanted), **options).run()
+    return Apply(queue, wanted, **options).run()
 
 
 def variant_set(queue: QueueDB, file_id: int) -> dict[str, str | None]:

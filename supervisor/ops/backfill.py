@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from derivd.fingerprint import target_digest
 from derivd.queue.db import QueueDB
 
 LEASE_NAME = "backfill"
@@ -105,7 +106,6 @@ class Apply:
 
     queue: QueueDB
     configured: Mapping[str, str]
-    target: str  # derivd.fingerprint.target_digest(configured)
     priority: int
     max_queued: int
     page: int = PAGE
@@ -124,7 +124,8 @@ class Apply:
             self.queue.drop_lease(LEASE_NAME, self.holder)
 
     def _run(self) -> Plan:
-        run = self.queue.backfill_run(self.target)
+        # A run resumes only toward the same configured set.
+        run = self.queue.backfill_run(target_digest(self.configured))
         plan = Plan()
         cursor, last = int(run["cursor"]), int(run["last_id"])
         self.progress(cursor, last)
