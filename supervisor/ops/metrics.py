@@ -208,7 +208,7 @@ class Metrics:
         for kind in sorted({*self._known_event_kinds(), *counts}):
             self.events.labels(kind).set(counts.get(kind, 0))
 
-    def serve(self, listen: str, *, dashboard: Route | None = None, where: str = "") -> None:
+    def serve(self, listen: str, *, dashboard: Route | None = None, where: str = "startup") -> None:
         """Start the HTTP endpoint on host:port (a daemon thread in the supervisor):
         `/metrics`, and the dashboard at `/` when given (derivd.ops.web).
 
@@ -227,7 +227,7 @@ class Metrics:
             raise ConfigError(
                 [
                     Problem(
-                        where or "startup",
+                        where,
                         "metrics",
                         "listen",
                         f"cannot listen on {listen}: {reason}",
@@ -265,12 +265,12 @@ class Metrics:
         return COUNTED_EVENTS
 
 
-def split_listen(listen: str, where: str = "") -> tuple[str, int]:
+def split_listen(listen: str, where: str = "startup") -> tuple[str, int]:
     """`host:port` (IPv6 as `[::1]:9464`) -> (host, port)."""
     try:
         return split_host_port(listen)
     except ValueError as error:
-        raise ConfigError([Problem(where or "startup", "metrics", "listen", str(error))]) from None
+        raise ConfigError([Problem(where, "metrics", "listen", str(error))]) from None
 
 
 def listening_line(address: tuple[str, int] | None) -> str:
