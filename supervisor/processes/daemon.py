@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from derivd.config import Config, load_config
+from derivd.config import DEFAULTS, Config, load_config
 from derivd.embedded.runtime import database
 from derivd.ops.dashboard import Dashboard
 from derivd.ops.metrics import Metrics, listening_line
@@ -86,7 +86,7 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
 
 def _reload_from(config: Config) -> Callable[[], Config]:
     def reload() -> Config:
-        if config.source == "(defaults)":
+        if config.source == DEFAULTS:
             return load_config()
         return load_config(Path(config.source), required=True)
 
