@@ -464,6 +464,10 @@ class Config:
         """The file (or environment variable) a setting came from, for error messages."""
         return self.origins.get((section, key), self.source)
 
+    def problem(self, section: str, key: str, message: str) -> Problem:
+        """A problem with one setting, named where that setting came from."""
+        return Problem(self.where(section, key), section, key, message)
+
     def replace(self, section: str, **values: Any) -> Config:
         """A copy with some settings of one section changed (tests, `demo`)."""
         current = getattr(self, section)
@@ -490,9 +494,7 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        scope = " ".join(
-            part for part in (f"[{self.section}]" if self.section else "", self.key or "") if part
-        )
+        scope = " ".join(filter(None, (self.section and f"[{self.section}]", self.key)))
         return (
             f"{self.where}: {scope}: {self.message}" if scope else f"{self.where}: {self.message}"
         )
@@ -663,28 +665,16 @@ def _cross_checks(config: Config) -> list[Problem]:
     problems = _lease_checks(config)
     if config.sweep.orphan_guard <= queue.lease:
         problems.append(
-            Problem(
-                config.where("sweep", "orphan_guard"),
+            config.problem(
                 "sweep",
                 "orphan_guard",
                 f"must exceed [queue] lease ({queue.lease:g}s): live attempts keep their objects",
             )
         )
     if queue.retry_max < queue.retry_base:
-        problems.append(
-            Problem(
-                config.where("queue", "retry_max"),
-                "queue",
-                "retry_max",
-                "must be at least retry_base",
-            )
-        )
+        problems.append(config.problem("queue", "retry_max", "must be at least retry_base"))
     if config.storage.backend == "s3" and not config.storage.bucket:
-        problems.append(
-            Problem(
-                config.where("storage", "bucket"), "storage", "bucket", "required when backend = s3"
-            )
-        )
+        problems.append(config.problem("storage", "bucket", "required when backend = s3"))
     return problems
 
 
@@ -696,8 +686,7 @@ def _lease_checks(config: Config) -> list[Problem]:
     # is still running. With renewal the heartbeat keeps the lease ahead of the job.
     if not queue.renew and sup.job_timeout + sup.kill_grace > 0.8 * queue.lease:
         problems.append(
-            Problem(
-                config.where("supervisor", "job_timeout"),
+            config.problem(
                 "supervisor",
                 "job_timeout",
                 f"job_timeout + kill_grace ({sup.job_timeout + sup.kill_grace:g}s) must be at most "
@@ -708,8 +697,7 @@ def _lease_checks(config: Config) -> list[Problem]:
     # and a host is called stale (3 missed heartbeats) no later than its leases expire.
     if queue.heartbeat_s > queue.lease / 3:
         problems.append(
-            Problem(
-                config.where("queue", "heartbeat"),
+            config.problem(
                 "queue",
                 "heartbeat",
                 f"must be at most a third of [queue] lease ({queue.lease / 3:g}s)",
@@ -771,9 +759,7 @@ def load_config(
     config = Config(**sections, variant_sections=variant_sections, source=where, origins=origins)
     problems = _cross_checks(config)
     _, variant_problems = build_variants(config.derive.variants, variant_sections)
-    problems += [
-        Problem(config.where(sec, key), sec, key, msg) for sec, key, msg in variant_problems
-    ]
+    problems += [config.problem(sec, key, msg) for sec, key, msg in variant_problems]
     if problems:
         raise ConfigError(problems)
     return config
