@@ -466,8 +466,8 @@ def demo(state: State, count: int, backend: str | None, into: str | None) -> Non
     from derivd.config import check_dsn
     from derivd.embedded.demo import demo_config, run_demo
 
-    if into is not None and (not into or check_dsn(into)):
-        die(f"--into: {check_dsn(into) or 'give a DSN'}", 2)
+    if into is not None and (problem := check_dsn(into) if into else "give a DSN"):
+        die(f"--into: {problem}", 2)
     config = demo_config(state.config, into=into)
     if into is None and state.config.database.dsn:
         click.echo(
