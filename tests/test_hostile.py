@@ -18,7 +18,13 @@ from pathlib import Path
 
 import imagegen
 import pytest
-from fixtures.burst import outcomes, queue_originals, run_cleanly, write_burst_ini
+from fixtures.burst import (
+    first_attempt_misses,
+    outcomes,
+    queue_originals,
+    run_cleanly,
+    write_burst_ini,
+)
 
 from derivd.storage.fs import FsStorage
 
@@ -72,12 +78,7 @@ def test_hostile_inputs_end_with_their_code_through_the_supervisor(
     peaks = run_cleanly(ini, tmp_path / "derivd.log")
 
     rows, kinds = outcomes(dsn)
-    wrong = []
-    for file_id, (name, want) in expected.items():
-        status, error_code, attempts = rows[file_id]
-        got = "ready" if status == "ready" else error_code
-        if got != want or attempts != 1:
-            wrong.append(f"{name}: want {want}, got {status}/{error_code} after {attempts}")
+    wrong = first_attempt_misses(rows, expected)
     assert not wrong, "\n".join(wrong)
     assert "timeout" not in kinds and "retry" not in kinds and "exhausted" not in kinds
     assert len(peaks) >= 1, "no worker was ever seen"

@@ -15,7 +15,13 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from fixtures.burst import outcomes, queue_originals, run_cleanly, write_burst_ini
+from fixtures.burst import (
+    first_attempt_misses,
+    outcomes,
+    queue_originals,
+    run_cleanly,
+    write_burst_ini,
+)
 from test_handlers_heic import HEIC, READY, REJECTED
 
 from derivd.storage.fs import FsStorage
@@ -46,12 +52,11 @@ def test_heic_corpus_ends_with_its_outcome_through_the_supervisor(
     peaks = run_cleanly(ini, tmp_path / "derivd.log")
 
     rows, kinds = outcomes(dsn)
-    wrong = []
-    for file_id, name in zip(ids, names, strict=True):
-        status, error_code, attempts = rows[file_id]
-        want = ("ready", None) if name in READY else ("rejected", REJECTED[name])
-        if (status, error_code) != want or attempts != 1:
-            wrong.append(f"{name}: want {want}, got {status}/{error_code} after {attempts}")
+    expected = {
+        file_id: (name, "ready" if name in READY else REJECTED[name])
+        for file_id, name in zip(ids, names, strict=True)
+    }
+    wrong = first_attempt_misses(rows, expected)
     assert not wrong, "\n".join(wrong)
     assert "timeout" not in kinds and "retry" not in kinds and "exhausted" not in kinds
     assert peaks and max(peaks.values()) < MAX_WORKER_RSS_MB, peaks
