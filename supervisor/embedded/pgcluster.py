@@ -163,8 +163,12 @@ class EmbeddedCluster:
         self._started_here = False
 
     def is_running(self) -> bool:
+        return self._live_pidfile() is not None
+
+    def _live_pidfile(self) -> list[str] | None:
+        """postmaster.pid's lines while its server process lives, else None."""
         fields = self._read_pidfile()
-        return fields is not None and pid_alive(int(fields[0]))
+        return fields if fields is not None and pid_alive(int(fields[0])) else None
 
     def exists(self) -> bool:
         """Whether initdb has made this cluster (in place or in its recorded home)."""
@@ -173,13 +177,13 @@ class EmbeddedCluster:
     def peek_dsn(self) -> tuple[str, bool]:
         """(DSN, running) without starting or creating anything: the running server's
         address from its pidfile, else the one start() would give it (no TCP only)."""
-        fields = self._read_pidfile()
-        running = fields is not None and pid_alive(int(fields[0]))
-        if fields is not None and running:
+        fields = self._live_pidfile()
+        if fields is not None:
             host, port = fields[4].strip() or "127.0.0.1", fields[3].strip()
         else:
             host = "127.0.0.1" if self.listen_tcp else str(self._socket_dir)
             port = str(self._port or _NO_TCP_PORT)
+        running = fields is not None
         return make_conninfo(host=host, port=port, user=SUPERUSER, dbname=DEFAULT_DB), running
 
     def dsn(self, dbname: str = DEFAULT_DB) -> str:
@@ -370,8 +374,8 @@ class EmbeddedCluster:
         return lines
 
     def _adopt_running(self) -> bool:
-        fields = self._read_pidfile()
-        if fields is None or not pid_alive(int(fields[0])):
+        fields = self._live_pidfile()
+        if fields is None:
             return False
         port, sockdir, listen = int(fields[3]), fields[4].strip(), fields[5].strip()
         if self.listen_tcp and not listen:
