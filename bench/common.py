@@ -182,6 +182,21 @@ class Burst(NamedTuple):
     peak_rss_mb: float  # the largest of those processes
 
 
+def store_and_queue(dsn: str, store: Path, originals: Sequence[tuple[str, Path]]) -> None:
+    """Each (key, file) put in the fs store at `store` and queued, then the table analysed:
+    the untimed set-up of a `run --burst` benchmark."""
+    from derivd.storage.fs import FsStorage
+
+    storage = FsStorage(store)
+    rows = [(key, storage.put(key, path.read_bytes(), "application/octet-stream"))
+            for key, path in originals]  # fmt: skip
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with conn.cursor() as cur:
+            cur.executemany("INSERT INTO archive_files (status, original_key, original_version)"
+                            " VALUES ('queued', %s, %s)", rows)  # fmt: skip
+        conn.execute("VACUUM (ANALYZE) archive_files")
+
+
 def compile_derivd() -> None:
     """Bytecode for derivd's modules, as an installed derivd has (pip compiles a wheel
     at install; `make install` does it for the editable tree): where the environment

@@ -43,10 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psycopg
-from common import ROOT, burst_drain, cluster, fresh_db, machine, table
-
-from derivd.storage.fs import FsStorage
+from common import ROOT, burst_drain, cluster, fresh_db, machine, store_and_queue, table
 
 VARIANTS = (("preview", 1600), ("thumb", 320))
 QUALITY, EFFORT = 80, 4
@@ -161,19 +158,7 @@ def run_derivd(pg: object, backend: str, paths: list[Path], workers: int, work: 
     supervisor and workers, boot included; PostgreSQL's own CPU is not counted)."""
     dsn = fresh_db(pg, f"e2e_{backend}{tag}")  # type: ignore[arg-type]
     store = work / f"objects-{backend}{tag}"
-    storage = FsStorage(store)
-    rows = []
-    for path in paths:
-        key = f"originals/{path.stem}"
-        rows.append((key, storage.put(key, path.read_bytes(), "application/octet-stream")))
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        with conn.cursor() as cur:
-            cur.executemany(
-                "INSERT INTO archive_files (status, original_key, original_version)"
-                " VALUES ('queued', %s, %s)",
-                rows,
-            )
-        conn.execute("VACUUM (ANALYZE) archive_files")
+    store_and_queue(dsn, store, [(f"originals/{path.stem}", path) for path in paths])
     ini = work / f"derivd-{backend}.ini"
     ini.write_text(
         f"[database]\ndsn = {dsn}\n[storage]\nbackend = fs\nroot = {store}\n"

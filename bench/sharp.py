@@ -62,6 +62,7 @@ from common import (
     machine,
     measured,
     save_results,
+    store_and_queue,
     table,
 )
 
@@ -196,16 +197,7 @@ def run_derivd(pg: Any, backend: str, inputs: list[Path], workers: int, work: Pa
     each input's output bytes, in input order."""
     dsn = fresh_db(pg, f"sharp_{tag}")
     store = work / f"objects-{tag}"
-    storage = FsStorage(store)
-    rows = []
-    for n, path in enumerate(inputs):
-        key = f"originals/{n:04d}"
-        rows.append((key, storage.put(key, path.read_bytes(), "image/jpeg")))
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        with conn.cursor() as cur:
-            cur.executemany("INSERT INTO archive_files (status, original_key, original_version)"
-                            " VALUES ('queued', %s, %s)", rows)  # fmt: skip
-        conn.execute("VACUUM (ANALYZE) archive_files")
+    store_and_queue(dsn, store, [(f"originals/{n:04d}", path) for n, path in enumerate(inputs)])
     ini = work / f"derivd-{tag}.ini"
     ini.write_text(
         f"[database]\ndsn = {dsn}\n[storage]\nbackend = fs\nroot = {store}\n"
@@ -223,6 +215,7 @@ def run_derivd(pg: Any, backend: str, inputs: list[Path], workers: int, work: Pa
             "SELECT f.original_key, v.key, v.version FROM archive_variants v"
             "  JOIN archive_files f ON f.id = v.file_id"
         ).fetchall()
+    storage = FsStorage(store)
     by_key = {original: storage.path_of(key, version).read_bytes()
               for original, key, version in found}  # fmt: skip
     return burst, [by_key[f"originals/{n:04d}"] for n in range(len(inputs))]
