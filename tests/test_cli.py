@@ -92,6 +92,22 @@ def test_status_never_creates_a_cluster(run_cli: RunCli, tmp_path: Path) -> None
     assert list(tmp_path.iterdir()) == []  # no var/, no cluster, no store
 
 
+def test_enqueue_never_creates_a_cluster(run_cli: RunCli, tmp_path: Path) -> None:
+    """From another directory, without -c, `enqueue` started a new embedded cluster in
+    ./var and queued there, where no daemon would ever look; now it refuses as `status`
+    does, in one line that says what to do, and nothing is made or uploaded."""
+    image = tmp_path / "photos" / "a.png"
+    image.parent.mkdir()
+    Image.new("RGB", (8, 8)).save(image)
+    for args in (("enqueue", str(image)), ("retry", "1"), ("delete", "1"), ("backfill",)):
+        result = run_cli(*args, cwd=tmp_path)
+        line = one_line_error(result)
+        assert f"no embedded database under {tmp_path / 'var'}" in line, args
+        assert "`derivd run` or `derivd demo` makes one" in line
+        assert "-c" in line
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["photos"], args
+
+
 def test_config_show_names_the_embedded_database(run_cli: RunCli, tmp_path: Path) -> None:
     (tmp_path / "etc").mkdir()
     ini = write_ini(tmp_path / "etc" / "derivd.ini", {"supervisor": {"state_dir": "../state"}})
