@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from configs import write_ini
 from fixtures.cli import derivd_command
+from fixtures.readonly import read_only_dir
 from PIL import Image
 
 from derivd.config import Config
@@ -106,6 +107,23 @@ def test_enqueue_never_creates_a_cluster(run_cli: RunCli, tmp_path: Path) -> Non
         assert "`derivd run` or `derivd demo` makes one" in line
         assert "-c" in line
         assert sorted(p.name for p in tmp_path.iterdir()) == ["photos"], args
+
+
+def test_a_read_only_store_stops_enqueue_and_run_in_one_line(
+    run_cli: RunCli, dsn: str, tmp_path: Path
+) -> None:
+    """`derivd enqueue` into a read-only store printed a 40-line traceback."""
+    image = tmp_path / "a.png"
+    Image.new("RGB", (8, 8)).save(image)
+    with read_only_dir(tmp_path / "store") as root:
+        env = fs_env(dsn, root)
+        for args in (("enqueue", str(image)), ("run", "--burst")):
+            line = one_line_error(run_cli(*args, env=env))
+            assert f"fs store {root} is not writable: " in line, line
+            assert "Read-only file system" in line or "Permission denied" in line
+            assert "[storage] root" in line
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM archive_files").fetchone() == (0,)
 
 
 def test_config_show_names_the_embedded_database(run_cli: RunCli, tmp_path: Path) -> None:
