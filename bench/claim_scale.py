@@ -130,7 +130,7 @@ def main() -> None:
         builds = [("this build", dsn)]
         if args.baseline:
             builds.append((args.baseline, baseline_db(pg, "claim_scale_base", args.baseline)))
-        seed_s = [seed(d, args.ready, args.queued) for _, d in builds][0]
+        seed_s = [seed(d, args.ready, args.queued) for _, d in builds]
         plan_before = explain_claim(dsn)
         all_times = measure([d for _, d in builds], args.claims)
         plan_after = explain_claim(dsn)
@@ -138,7 +138,7 @@ def main() -> None:
         print("\n".join(machine(dsn)))
         print(
             f"table: {args.ready:,} ready + {args.queued:,} queued rows "
-            f"(seeded in {seed_s:.1f} s); {args.claims:,} claims, each followed by its "
+            f"(seeded in {" / ".join(f"{s:.1f}" for s in seed_s)} s); {args.claims:,} claims, each followed by its "
             "noop commit; one client, claim round trip timed"
         )
         rows = []
