@@ -493,9 +493,9 @@ SELECT minutes_ago, finished, median_s
 -- One statement per host every [queue] heartbeat: which of the jobs this host holds
 -- (`jobs`: a JSON array of {id, token}, running and claimed-unstarted) still hold their
 -- lease, fenced by id + token; with `renew`, exactly those leases are extended to
--- now() + lease_s. The host's registry row is refreshed (created if pruned); with
--- `starting` (a supervisor starts, holding no jobs: QueueDB.register_host) it is
--- started now, replacing a row its previous run left behind: the registry's one upsert.
+-- now() + lease_s. The host's registry row is refreshed (created if pruned), fenced on
+-- the run that owns it: with `started_at` (a supervisor's, from register_host) only the
+-- row of this pid and start; another run's row under the same name is never taken over.
 -- Returns the ids whose lease still holds, and the ids whose attempt has just ended
 -- itself (committed, failed or released by that very token: see `finished`); every
 -- other id sent is lost. Database time throughout: no host clock enters a lease decision.
@@ -515,14 +515,16 @@ WITH held AS (
        AND f.id = ANY(%(ids)s::bigint[])
     RETURNING f.id
 ), host AS (
-    INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
+    INSERT INTO derivd_hosts AS r
+           (host, pid, version, backend, workers, busy, heartbeat_s, started_at)
     VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, %(busy)s,
-            %(heartbeat_s)s)
+            %(heartbeat_s)s, coalesce(%(started_at)s::timestamptz, now()))
     ON CONFLICT (host) DO UPDATE
        SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
            workers = EXCLUDED.workers, busy = EXCLUDED.busy,
-           heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now(),
-           started_at = CASE WHEN %(starting)s THEN now() ELSE r.started_at END
+           heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now()
+     WHERE %(started_at)s::timestamptz IS NULL
+        OR (r.pid = EXCLUDED.pid AND r.started_at = %(started_at)s::timestamptz)
     RETURNING 1
 ), finished AS (
     -- Not lost: ended by its own attempt. A worker's fenced commit (or failure, or
@@ -550,9 +552,33 @@ SELECT id FROM renewed
 UNION ALL
 SELECT id FROM finished;
 
+-- name: host_holder
+-- The registry row under a name, for a supervisor about to start under it.
+SELECT pid, version, started_at, heartbeat_s,
+       extract(epoch FROM now() - last_heartbeat)::float8 AS heartbeat_age_s,
+       NOT derivd_host_stale(last_heartbeat, heartbeat_s) AS alive
+  FROM derivd_hosts
+ WHERE host = %(host)s;
+
+-- name: register_host
+-- A supervisor starts: its registry row, idle and started now. Fenced: it replaces only
+-- the row it was shown (`seen_pid` + `seen_started_at`: a stale one, or its own crashed
+-- run's), never one another run has written since; nothing returned: try again.
+INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
+VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, 0, %(heartbeat_s)s)
+ON CONFLICT (host) DO UPDATE
+   SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
+       workers = EXCLUDED.workers, busy = 0, heartbeat_s = EXCLUDED.heartbeat_s,
+       last_heartbeat = now(), started_at = now()
+ WHERE r.pid = %(seen_pid)s AND r.started_at = %(seen_started_at)s::timestamptz
+RETURNING started_at;
+
 -- name: deregister_host
--- A clean stop. Fenced on the pid: a newer supervisor under the same name keeps its row.
-DELETE FROM derivd_hosts WHERE host = %(host)s AND pid = %(pid)s;
+-- A clean stop. Fenced on the pid and the start: a supervisor under the same name (a
+-- newer one, or one on another machine) keeps its row.
+DELETE FROM derivd_hosts
+ WHERE host = %(host)s AND pid = %(pid)s
+   AND (%(started_at)s::timestamptz IS NULL OR started_at = %(started_at)s::timestamptz);
 
 -- name: prune_hosts
 -- Rows of hosts that stopped heartbeating (stale: derivd_host_stale) for longer than the

@@ -244,7 +244,8 @@ def test_a_restart_starts_the_row_again_and_a_heartbeat_keeps_its_start(
     queue.heartbeat(replace(HOST, busy=2), [], renew=False, lease_s=LONG)
     [beat] = queue.hosts()
     assert (beat["started_at"], beat["busy"]) == (before["started_at"], 2)
-    queue.register_host(HOST)
+    assert queue.register_host(HOST) is None  # a live row: only the one shown is replaced
+    queue.register_host(HOST, replacing=queue.host_holder(HOST.host))
     [restarted] = queue.hosts()
     assert restarted["started_at"] > before["started_at"] and restarted["busy"] == 0
     # Two of three intervals (10 s each) missed: alive, so a 5 s guard prunes nothing.

@@ -17,9 +17,11 @@ from derivd.config import DEFAULTS, Config, load_config
 from derivd.embedded.runtime import database
 from derivd.ops.dashboard import Dashboard
 from derivd.ops.metrics import Metrics, listening_line
-from derivd.processes.duties import listen_problem
+from derivd.processes.duties import host_info, listen_problem
+from derivd.processes.hostclaim import claim_host
 from derivd.processes.procutil import Pidfile, PidfileError
 from derivd.processes.supervisor import RunResult, Supervisor
+from derivd.queue.db import HostInfo, QueueDB
 from derivd.redact import redact
 
 log = logging.getLogger("derivd")
@@ -62,9 +64,12 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
     except PidfileError as error:
         return RunResult(1, str(error))
     try:
+        host = _claim_host_id(config, dsn)
+        if isinstance(host, str):
+            return RunResult(2, host)
         metrics = Metrics()
         supervisor = Supervisor(
-            config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config)
+            config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config), host=host
         )
         if config.metrics.listen:
             # The dashboard follows the supervisor's current config (SIGHUP reloads it).
@@ -82,6 +87,12 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
     finally:
         if pidfile:
             pidfile.remove()
+
+
+def _claim_host_id(config: Config, dsn: str) -> HostInfo | str:
+    """This run's registry row, before the first fork; or why another run holds it."""
+    with QueueDB.open(dsn, role="derivd-supervisor") as queue:
+        return claim_host(queue, host_info(config, busy=0))
 
 
 def _reload_from(config: Config) -> Callable[[], Config]:

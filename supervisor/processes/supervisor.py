@@ -54,7 +54,7 @@ from derivd.processes.lifecycle import (
 from derivd.processes.pipe import WorkerProc
 from derivd.processes.procutil import SignalQueue, sd_notify, set_proctitle, watchdog_interval
 from derivd.processes.sweep_child import SweepChild
-from derivd.queue.db import Job, QueueListener
+from derivd.queue.db import HostInfo, Job, QueueListener
 
 log = logging.getLogger("derivd.supervisor")
 
@@ -85,8 +85,10 @@ class Supervisor:
         burst: bool = False,
         metrics: Metrics | None = None,
         reload: Callable[[], Config],
+        host: HostInfo,
     ) -> None:
         self.config = config
+        self.host = host  # registered (derivd.processes.hostclaim): its start fences its row
         self.dsn = dsn
         self.burst = burst
         self.metrics = metrics or Metrics()
@@ -108,8 +110,12 @@ class Supervisor:
         self.db_thread.on_notify = self.on_notify
         self.books = Bookkeeping(self.db_thread, self.metrics)
         current = lambda: self.config  # noqa: E731  (duties follow a reload)
+        heartbeat = Heartbeat(
+            current, self.db_thread, self.metrics, self.workers.values, self.on_lost
+        )
+        heartbeat.started_at = host.started_at
         self.duties: list[Duty[Any]] = [
-            Heartbeat(current, self.db_thread, self.metrics, self.workers.values, self.on_lost),
+            heartbeat,
             ExhaustedRejection(current, self.db_thread),
             FleetStats(current, self.db_thread, self.metrics),
             EventPartitions(current, self.db_thread),
@@ -508,7 +514,6 @@ class Supervisor:
             burst=self.burst,
         )
         self.db_thread.start()
-        host = self.books.register(self.config)
         now = time.monotonic()
         for duty in self.duties:
             duty.start(now)
@@ -535,7 +540,7 @@ class Supervisor:
             self.sweep.stop()
             self.books.give_back_leases(self.sweep.abandoned, "sweep")
             if self.outcome is None:  # a clean stop: leave the registry
-                self.books.deregister(host)
+                self.books.deregister(self.host)
             self.db_thread.close(self._close_timeout())
         outcome = self.outcome or RunResult(0)
         event(log, "supervisor stopped", code=outcome.code)

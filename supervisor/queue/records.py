@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from derivd.handlers.base import Analysis
 
@@ -62,6 +63,9 @@ class HostInfo:
     workers: int
     busy: int
     heartbeat_s: float
+    # The start the registry recorded for this run (register_host): the fence of its
+    # heartbeats and of its clean stop. None: unfenced (tests, benchmarks).
+    started_at: datetime | None = None
 
 
 @dataclass(frozen=True)
