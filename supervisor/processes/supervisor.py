@@ -45,6 +45,7 @@ from derivd.processes.lifecycle import (
     Slot,
     back_off,
     classify_exit,
+    crash_returns,
     deadline_action,
     exit_text,
     next_deadline,
@@ -383,8 +384,11 @@ class Supervisor:
         self.books.release(job)
 
     def on_crash(self, worker: WorkerProc, slot: Slot, how: str) -> None:
-        # The row stays `processing`; its lease expires and the next claim counts the
-        # attempt (or the ExhaustedRejection duty ends it): a job that kills workers cannot loop.
+        """Every job the worker held goes back now (crash_returns): the one it was
+        running counted, with a `worker_died` event, the others released. None waits for
+        its lease, and a job that kills workers still ends after max_attempts. Should the
+        database not take one, its lease expires as before."""
+        returns = crash_returns(worker, self.config.queue)
         event(
             log,
             "worker died",
@@ -392,8 +396,14 @@ class Supervisor:
             slot=worker.slot,
             pid=worker.pid,
             status=how,
-            file_id=running[0].id if (running := worker.running()) else "-",
+            file_id=",".join(str(r.job.id) for r in returns.died) or "-",
+            released=len(returns.released),
         )
+        for died in returns.died:
+            worker.held.pop(died.job.id, None)
+            self.books.worker_died(died, self.config, worker.slot)
+        for job in returns.released:
+            self.release_job(worker, job)
         self.metrics.worker_restarted("crash")
         now = time.monotonic()
         back_off(slot, now, lived_s=now - worker.spawned_at)
