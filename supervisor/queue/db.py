@@ -31,7 +31,7 @@ from derivd.errors import ErrorCode, Transient
 from derivd.handlers.base import Analysis
 from derivd.queue.sqlfiles import function_names, functions, migrations, queries
 from derivd.redact import one_line
-from derivd.storage.base import validate_key
+from derivd.storage.base import ATTEMPT_PREFIX_FORMAT, validate_key
 from derivd.traffic import DEFAULT_PRIORITY
 
 # The notification channels, as the triggers in sql/functions.sql spell them
@@ -100,6 +100,7 @@ def _claim_params(
         "max_attempts": max_attempts,
         "host": host,
         "tenant_cap": tenant_cap,
+        "prefix_format": ATTEMPT_PREFIX_FORMAT,
     }
 
 
@@ -461,6 +462,13 @@ class QueueDB:
         self.application_name = "derivd"
         self.bound_s: float | None = None  # the supervisor's connections: see `connect`
         self._pooled: bool | None = None  # found when this handle opened `conn`
+        # One statement at a time: a pipelined worker's threads share this handle.
+        self._lock = threading.RLock()
+        # Tokens claimed by a claim that did not wait for its WAL flush, so their
+        # write-ahead prefix (`claim`) may not be durable yet; emptied by the next
+        # statement that writes and waits for its flush: WAL is flushed in order, so
+        # that flush covers every claim committed before it.
+        self._unflushed: set[uuid.UUID] = set()
 
     @classmethod
     def open(cls, dsn: str, *, role: str = "derivd", bound_s: float | None = None) -> QueueDB:
@@ -509,6 +517,10 @@ class QueueDB:
 
     @contextmanager
     def _cursor(self) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
+        with self._lock:
+            yield from self._locked_cursor()
+
+    def _locked_cursor(self) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
         self._reconnect_if_broken()
         try:
             with bounded(self.conn, self.bound_s), self.conn.cursor(row_factory=dict_row) as cur:
@@ -550,10 +562,26 @@ class QueueDB:
         own token and lease, and records `host` as its holder. `tenant_cap`: at most that
         many rows in flight per tenant (0: no cap)."""
         params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
-        return _jobs(self._all("claim", params))
+        with self._lock:
+            jobs = _jobs(self._all("claim", params))
+            self._unflushed.update(j.token for j in jobs)
+        return jobs
+
+    def write_ahead_durable(self, job: Job) -> bool:
+        """Whether the claim's write-ahead prefix of `job` is flushed (see `claim` in
+        sql/queries.sql): the PUTs may go without a `register_pending` of their own."""
+        with self._lock:
+            return job.token not in self._unflushed
+
+    def _flushed(self) -> None:
+        """A statement that wrote has ended with its WAL flushed (call under the lock)."""
+        self._unflushed.clear()
 
     def register_pending(self, job: Job, keys: Sequence[str]) -> None:
-        self._all("register_pending", {"id": job.id, "token": job.token, "keys": list(keys)})
+        with self._lock:
+            self._all("register_pending", {"id": job.id, "token": job.token, "keys": list(keys)})
+            if keys:
+                self._flushed()
 
     def commit_many(self, results: Sequence[Finished]) -> set[int]:
         """Commit several attempts in one durable statement, each fenced on its own
@@ -562,7 +590,11 @@ class QueueDB:
         if not results:
             return set()
         jobs = json.dumps([_commit_row(f) for f in results])
-        return {int(r["id"]) for r in self._all("commit", {"jobs": jobs})}
+        with self._lock:
+            # Each row commits or records its `lease_lost`: the statement always writes.
+            committed = {int(r["id"]) for r in self._all("commit", {"jobs": jobs})}
+            self._flushed()
+        return committed
 
     def commit_and_claim(
         self,
@@ -579,7 +611,10 @@ class QueueDB:
         Every fence is the same as in the two separate calls."""
         params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
         params["jobs"] = json.dumps([_commit_row(f) for f in results])
-        rows = self._all("commit_and_claim", params)
+        with self._lock:
+            rows = self._all("commit_and_claim", params)
+            if results or rows:  # it wrote, and (durable) waited for its flush
+                self._flushed()
         committed = {int(r["id"]) for r in rows if r["kind"] == "committed"}
         return committed, _jobs([r for r in rows if r["kind"] == "claimed"])
 
