@@ -22,7 +22,8 @@ FINAL = ("ready", "rejected", "deleted")
 
 @dataclass(frozen=True)
 class Row:
-    """One row of archive_files: a file, or a re-derivation's job row (rederive_of)."""
+    """One row of archive_files (a file), or a re-derivation's job (`rederive_of`: the
+    file whose variant set it makes)."""
 
     id: int
     status: str
@@ -77,8 +78,10 @@ class History:
     rows: dict[int, Row] = field(default_factory=dict)
     variants: list[Variant] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)  # in id order
-    pending_keys: set[str] = field(default_factory=set)  # the write-ahead registry
-    retired_keys: set[str] = field(default_factory=set)  # replaced sets, awaiting delete
+    # The write-ahead registry and the replaced sets awaiting deletion: keys, or key
+    # prefixes (ending in "/": every key under it).
+    pending_keys: set[str] = field(default_factory=set)
+    retired_keys: set[str] = field(default_factory=set)
     objects: list[StoredObject] = field(default_factory=list)  # the store's listing
 
     def events_of(self) -> dict[int, list[Event]]:
@@ -95,11 +98,6 @@ class History:
         return out
 
 
-_ROWS = """
-SELECT id, status, attempts, tenant, error_code, lease_token::text AS lease_token,
-       original_key, original_version, derived_key, derived_version, sha256, rederive_of
-  FROM archive_files ORDER BY id
-"""
 _VARIANTS = """
 SELECT file_id, name, format, key, version, sha256, lease_token::text AS lease_token,
        fingerprint
@@ -107,17 +105,47 @@ SELECT file_id, name, format, key, version, sha256, lease_token::text AS lease_t
 """
 
 
-def _events_query(conn: psycopg.Connection[Any]) -> str:
-    """The claim's tenant is a column only where claims are recorded with it."""
-    has_tenant = conn.execute(
-        "SELECT 1 FROM pg_attribute WHERE attrelid = 'archive_events'::regclass"
-        " AND attname = 'tenant' AND NOT attisdropped"
-    ).fetchone()
-    tenant = "tenant" if has_tenant else "NULL::text AS tenant"
-    return (
+def _columns(conn: psycopg.Connection[Any], table: str) -> set[str]:
+    """The columns `table` has (none when it does not exist): the loader reads schemas
+    from before and after a release that adds one."""
+    rows = conn.execute(
+        "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s)"
+        " AND attnum > 0 AND NOT attisdropped",
+        (table,),
+    ).fetchall()
+    return {r["attname"] for r in rows}
+
+
+def _or_null(columns: set[str], name: str, cast: str = "") -> str:
+    return f"{name}{cast} AS {name}" if name in columns else f"NULL{cast or '::text'} AS {name}"
+
+
+def _rows(conn: psycopg.Connection[Any]) -> dict[int, Row]:
+    """archive_files, and the re-derivation jobs wherever they live: rows of
+    archive_files with `rederive_of`, or a table of their own (derivd_rederivations)."""
+    rederive_of = _or_null(_columns(conn, "archive_files"), "rederive_of", "::bigint")
+    query = f"""
+        SELECT id, status, attempts, tenant, error_code, lease_token::text AS lease_token,
+               original_key, original_version, derived_key, derived_version, sha256,
+               {rederive_of}
+          FROM archive_files"""
+    if _columns(conn, "derivd_rederivations"):
+        query += """
+        UNION ALL
+        SELECT id, status, attempts, tenant, error_code, lease_token::text, original_key,
+               original_version, NULL, NULL, NULL, file_id
+          FROM derivd_rederivations"""
+    return {r["id"]: Row(**r) for r in conn.execute(query + " ORDER BY id")}
+
+
+def _events(conn: psycopg.Connection[Any]) -> list[Event]:
+    """Every event in id order; the claim's tenant where claims record it."""
+    tenant = _or_null(_columns(conn, "archive_events"), "tenant")
+    query = (
         "SELECT id, file_id, kind, attempt, lease_token::text AS lease_token, error_code,"
         f" actor, {tenant} FROM archive_events ORDER BY id"
     )
+    return [Event(**e) for e in conn.execute(query)]
 
 
 def load(dsn: str, objects: Iterable[tuple[str, str]]) -> History:
@@ -125,9 +153,9 @@ def load(dsn: str, objects: Iterable[tuple[str, str]]) -> History:
     the store's listing `objects`, (key, version) pairs (harness.listing)."""
     with psycopg.connect(dsn, row_factory=dict_row) as conn:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        rows = {r["id"]: Row(**r) for r in conn.execute(_ROWS)}
+        rows = _rows(conn)
         variants = [Variant(**v) for v in conn.execute(_VARIANTS)]
-        events = [Event(**e) for e in conn.execute(_events_query(conn))]
+        events = _events(conn)
         pending = {r["key"] for r in conn.execute("SELECT key FROM pending_objects")}
         retired = {r["key"] for r in conn.execute("SELECT key FROM derivd_retired_objects")}
     return History(

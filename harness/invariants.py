@@ -167,6 +167,7 @@ _MOVES: dict[str, tuple[tuple[str, ...], str]] = {
     "exhausted": (("live",), "rejected"),
     "operator_retry": (("rejected",), "live"),
     "rederived": (("ready",), "ready"),
+    "rederive_rejected": (("ready",), "ready"),  # the file keeps its set
     "delete_requested": (("live", "ready", "rejected"), "deleting"),
     "deleted": (("deleting",), "deleted"),
 }
@@ -209,7 +210,8 @@ def final_states_stay_final(history: History, rules: Rules) -> Verdict:
 
 def attempts_within_cap(history: History, rules: Rules) -> Verdict:
     """Attempts never above [queue] max_attempts: no row, no event of an attempt."""
-    verdict = Verdict(f"attempts never above the cap ({rules.max_attempts})", 0, "rows and events")
+    unit = f"rows and events (cap {rules.max_attempts})"
+    verdict = Verdict("attempts never above the cap", 0, unit)
     for row in history.rows.values():
         verdict.checked += 1
         if row.attempts > rules.max_attempts:
@@ -257,8 +259,8 @@ def tenants_within_cap(history: History, rules: Rules) -> Verdict:
     """Every tenant below its cap at every claim: replaying the claims (`claimed`
     events, with the row's tenant) and every end of an attempt in id order, a claim of
     a tenant's row never finds `tenant_cap` of its rows in flight already."""
-    unit = "claims of a tenant's row"
-    verdict = Verdict(f"every tenant below its cap ({rules.tenant_cap}) at every claim", 0, unit)
+    unit = f"claims of a tenant's row (cap {rules.tenant_cap})"
+    verdict = Verdict("every tenant below its cap at every claim", 0, unit)
     if rules.tenant_cap < 1:
         verdict.unit = "claims (no cap configured: nothing to check)"
         return verdict
@@ -297,7 +299,7 @@ def objects_owned(history: History, rules: Rules) -> Verdict:
         verdict.checked += 1
         if (obj.key, obj.version) in referenced:
             continue
-        if obj.key in history.pending_keys or obj.key in history.retired_keys:
+        if _registered(obj.key, history.pending_keys | history.retired_keys):
             continue
         why = (
             "another version of the key is referenced"
@@ -319,6 +321,14 @@ def objects_present(history: History, rules: Rules) -> Verdict:
         if (key, version) not in stored:
             verdict.violations.append(f"{key} version {version}: referenced, not stored")
     return verdict
+
+
+def _registered(key: str, registry: set[str]) -> bool:
+    """`key` is in the registry, itself or under a registered prefix (`…/`)."""
+    if key in registry:
+        return True
+    parts = key.split("/")
+    return any("/".join(parts[:n]) + "/" in registry for n in range(1, len(parts)))
 
 
 def _referenced(history: History) -> set[tuple[str, str]]:

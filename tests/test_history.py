@@ -107,7 +107,7 @@ def test_an_attempt_over_the_cap_is_reported(world: World) -> None:
         "UPDATE archive_files SET attempts = %s WHERE id = %s",
         (MAX_ATTEMPTS + 1, file_id),
     )
-    violations = only(world, f"attempts never above the cap ({MAX_ATTEMPTS})")
+    violations = only(world, "attempts never above the cap")
     assert violations == [f"file {file_id}: {MAX_ATTEMPTS + 1} attempts (ready)"]
 
 
@@ -145,14 +145,19 @@ def test_an_orphan_object_is_reported(world: World) -> None:
 
 def test_an_object_in_the_write_ahead_registry_or_retired_has_an_owner(world: World) -> None:
     pending = derived_key(world.ids[0], uuid.uuid4(), "thumb")
+    under_prefix = derived_key(world.ids[2], token := uuid.uuid4(), "thumb")
     retired = derived_key(world.ids[1], uuid.uuid4(), "thumb")
-    for key in (pending, retired):
+    for key in (pending, under_prefix, retired):
         world.store.put(key, b"bytes", "image/webp")
-    sql(
-        world.dsn,
-        "INSERT INTO pending_objects (key, file_id, lease_token) VALUES (%s, %s, %s)",
-        (pending, world.ids[0], str(uuid.uuid4())),
-    )
+    for key, file_id in (
+        (pending, world.ids[0]),
+        (f"derived/{world.ids[2]}/{token}/", world.ids[2]),
+    ):
+        sql(
+            world.dsn,
+            "INSERT INTO pending_objects (key, file_id, lease_token) VALUES (%s, %s, %s)",
+            (key, file_id, str(uuid.uuid4())),
+        )
     sql(
         world.dsn,
         "INSERT INTO derivd_retired_objects (key, file_id) VALUES (%s, %s)",
@@ -231,3 +236,52 @@ def test_a_variant_of_another_attempt_is_reported(world: World) -> None:
     )
     (violation,) = only(world, "variants belong to the commit that installed them")
     assert violation.startswith(f"file {file_id} thumb.webp: token {stranger[:8]}, installed by ")
+
+
+def claimed(dsn: str, file_id: int, tenant: str | None, token: uuid.UUID) -> None:
+    """A `claimed` event as a capped claim records it."""
+    sql(
+        dsn,
+        "INSERT INTO archive_events (file_id, kind, attempt, lease_token, tenant)"
+        " VALUES (%s, 'claimed', 1, %s, %s)",
+        (file_id, str(token), tenant),
+    )
+
+
+def ended(dsn: str, file_id: int, kind: str, token: uuid.UUID) -> None:
+    sql(
+        dsn,
+        "INSERT INTO archive_events (file_id, kind, attempt, lease_token) VALUES (%s, %s, 1, %s)",
+        (file_id, kind, str(token)),
+    )
+
+
+def test_a_claim_over_its_tenants_cap_is_reported(world: World) -> None:
+    """Cap 1: file a2 claimed while a1 of the same tenant is in flight; b's and the
+    untenanted claims, a1's reclaim after its lease expired and a3's claim after a1's
+    release are all within the cap."""
+    world.rules = Rules(world.rules.max_attempts, world.rules.slots, tenant_cap=1)
+    a1, a2, a3, b, none = 9001, 9002, 9003, 9004, 9005
+    t = {n: uuid.uuid4() for n in range(7)}
+    claimed(world.dsn, a1, "a", t[0])
+    claimed(world.dsn, b, "b", t[1])
+    claimed(world.dsn, none, None, t[2])
+    claimed(world.dsn, a1, "a", t[3])  # its expired lease, reclaimed
+    claimed(world.dsn, a2, "a", t[4])  # the violation
+    ended(world.dsn, a2, "ready", t[4])
+    ended(world.dsn, a1, "released", t[3])
+    claimed(world.dsn, a3, "a", t[5])
+    verdict = world.verdicts()["every tenant below its cap at every claim"]
+    assert verdict.checked == 4  # a1, b, a2, a3: no tenant and a reclaim are no new claim
+    (violation,) = verdict.violations
+    assert violation.startswith(f"tenant 'a': file {a2} claimed (event ")
+    assert violation.endswith(f"with 1 in flight already: files [{a1}]")
+
+
+def test_a_cap_without_recorded_claims_is_reported(world: World) -> None:
+    """The check cannot pass by finding nothing to check."""
+    sql(world.dsn, "UPDATE archive_files SET tenant = 'a'")
+    world.rules = Rules(world.rules.max_attempts, world.rules.slots, tenant_cap=1)
+    assert only(world, "every tenant below its cap at every claim") == [
+        "a cap is configured but the history records no claims"
+    ]
