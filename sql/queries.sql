@@ -462,9 +462,10 @@ SELECT f.status, f.error_code,
 
 -- name: similar
 -- derivd.client.similar: the other ready files within `max` bits of this file's dhash,
--- nearest first; none when it has no dhash (or no row has this id). The function takes
--- the optional band index when it exists (no migration creates it: functions.sql, README).
-SELECT id FROM derivd_similar(%(id)s, %(max)s) AS id;
+-- nearest first, at most `limit`; none when it has no dhash (or no row has this id). The
+-- function takes the optional band index when it exists (no migration creates it:
+-- functions.sql, README).
+SELECT id FROM derivd_similar(%(id)s, %(max)s, %(limit)s) AS id;
 
 -- name: dashboard_in_flight
 -- The dashboard's jobs in flight (every host), oldest lease first, through the partial

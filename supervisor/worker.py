@@ -224,7 +224,7 @@ class Worker:
                 "job %s attempt %s failed transiently: %s",
                 job.id,
                 job.attempt,
-                type(error).__name__,
+                error if error.own_words else type(error).__name__,
             )
             log.debug("job %s transient failure: %s", job.id, error, exc_info=True)
             return self._fail(job, retry=True, code=error.code), error.code

@@ -38,6 +38,14 @@ class StorageUnavailable(Transient):
     """Network, throttling or a 5xx: the request may succeed later."""
 
 
+class StoreUnwritable(StorageUnavailable):
+    """A store that refuses a write (a read-only file system, no permission, a full
+    disk), until an operator fixes it. Its message is derivd's own: the path and the
+    system's reason, shown whole in the log and on the command line."""
+
+    own_words = True
+
+
 class ObjectMissing(Permanent):
     """No object under this key and version, or a key the store refuses: retrying cannot
     bring it back, so the row is rejected at once as `missing_original`."""
