@@ -285,3 +285,31 @@ def test_a_cap_without_recorded_claims_is_reported(world: World) -> None:
     assert only(world, "every tenant below its cap at every claim") == [
         "a cap is configured but the history records no claims"
     ]
+
+
+def test_capped_claims_record_their_tenant_and_pass(world: World) -> None:
+    """The real claim under a cap writes the `claimed` events the tenant check replays:
+    cap 1, tenants a, a, b and no tenant, claimed one call at a time."""
+    world.rules = Rules(world.rules.max_attempts, world.rules.slots, tenant_cap=1)
+    originals = []
+    for _ in range(4):
+        key = new_original_key()
+        originals.append((key, world.store.put(key, b"x", "image/jpeg")))
+    with QueueDB.open(world.dsn, role="test") as queue:
+        ids = queue.enqueue(originals)
+        for file_id, tenant in zip(ids, ["a", "a", "b", None], strict=True):
+            sql(world.dsn, "UPDATE archive_files SET tenant = %s WHERE id = %s", (tenant, file_id))
+        claims = [
+            queue.claim_many(limit=1, lease_s=30, max_attempts=MAX_ATTEMPTS, tenant_cap=1)
+            for _ in range(4)
+        ]
+    got = sorted(job.id for jobs in claims for job in jobs)
+    assert got == sorted([ids[0], ids[2], ids[3]])  # a's second row waits: a is at its cap
+    events = sql(
+        world.dsn, "SELECT file_id, tenant, attempt FROM archive_events WHERE kind = 'claimed'"
+    )
+    assert sorted((e["file_id"], e["tenant"], e["attempt"]) for e in events) == sorted(
+        [(ids[0], "a", 1), (ids[2], "b", 1), (ids[3], None, 1)]
+    )
+    verdict = world.verdicts()["every tenant below its cap at every claim"]
+    assert (verdict.checked, verdict.violations) == (2, [])
