@@ -32,14 +32,13 @@ SELECT to_regclass('derivd_migrations') IS NOT NULL AS present;
 INSERT INTO derivd_migrations (name) VALUES (%(name)s);
 
 -- name: functions_missing
--- Which of the functions this derivd calls (`names`: those of sql/functions.sql) the
--- database lacks. A release may add a function without a migration; its hosts must not
--- start before `derivd migrate` has created it.
-SELECT n AS name
-  FROM unnest(%(names)s::text[]) AS n
- WHERE NOT EXISTS (SELECT 1 FROM pg_proc AS p
-                    WHERE p.proname = n AND pg_function_is_visible(p.oid))
- ORDER BY n;
+-- Which of the functions this derivd calls (`signatures`: those of sql/functions.sql, as
+-- `name(argument types)`) the database lacks. A release may add a function or an overload
+-- without a migration; its hosts must not start before `derivd migrate` has created it.
+SELECT s AS signature
+  FROM unnest(%(signatures)s::text[]) AS s
+ WHERE to_regprocedure(s) IS NULL
+ ORDER BY s;
 
 -- name: enqueue
 -- Queue confirmed originals (key and version already stored), all at one priority and

@@ -4,4 +4,4 @@
 ALTER DOMAIN derivd_event_kind DROP CONSTRAINT derivd_event_kind_check;
 ALTER DOMAIN derivd_event_kind ADD CONSTRAINT derivd_event_kind_check CHECK (VALUE IN (
     'ready', 'retry', 'rejected', 'lease_lost', 'timeout', 'released', 'exhausted',
-    'delete_requested', 'deleted', 'operator_retry', 'rederived', 'worker_died'));
+    'delete_requested', 'deleted', 'operator_retry', 'rederived', 'claimed', 'worker_died'));
