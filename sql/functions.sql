@@ -468,6 +468,17 @@ BEGIN
     RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
               extract(epoch FROM now() - c.since)::float8, c.tier, c.since,
               coalesce(f.rederive_of, f.id);
+    -- Under a tenant cap each claim records itself, with its row's tenant (migration
+    -- 0015): the history in which a checker sees every tenant's rows in flight at every
+    -- claim (harness.invariants). The event's id is drawn here, after this claim's
+    -- tenant locks and counts, so id order is the order in which claims counted. The
+    -- default claim records nothing (its cost per job is a measured budget).
+    IF tenant_cap > 0 THEN
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token, tenant)
+        SELECT f.id, 'claimed', f.attempts, f.lease_token, f.tenant
+          FROM archive_files AS f
+         WHERE f.id = ANY (ids);
+    END IF;
 END $$;
 
 -- A worker's steady state in one round trip and one durable transaction: the fenced
