@@ -118,7 +118,7 @@ class Supervisor:
         if not burst:  # one LISTEN connection for the fleet (--burst: no worker idles)
             listener = QueueListener(config.database.listen_dsn or dsn)
             self.duties.append(Listening(current, self.db_thread, listener, self.on_listening))
-        self.sweep = SweepChild(current, dsn, self._parent_fds)
+            self.duties.append(SweepChild(current, dsn, self._parent_fds, self._give_back_sweep))
         self.status_at = 0.0
 
     # -- signals -----------------------------------------------------------------------
@@ -138,6 +138,8 @@ class Supervisor:
             self.stop_deadline = time.monotonic() + grace
             for worker in self.workers.values():
                 worker.ask_stop()
+            for duty in self.duties:
+                duty.stopping()
         else:
             event(log, "stopping now", logging.WARNING, signal=name, busy=self.busy_count())
             self.stop_deadline = time.monotonic()
@@ -453,7 +455,7 @@ class Supervisor:
 
     def housekeeping(self) -> None:
         """What the loop does besides its workers: gauges, the watchdog, the duties that
-        are due, the sweep, the systemd status line."""
+        are due (the sweep among them), the systemd status line."""
         now = time.monotonic()
         busy = self.busy_count()
         self.metrics.set_workers(alive=sum(w.ready for w in self.workers.values()), busy=busy)
@@ -464,19 +466,12 @@ class Supervisor:
             return
         for duty in self.duties:
             duty.tick(now)
-        self.run_sweep(now)
         if now >= self.status_at:
             self.status_at = now + self.config.metrics.interval
             sd_notify(f"STATUS={self.status_line()}")
 
-    def run_sweep(self, now: float) -> None:
-        """Every [sweep] interval, one sweep pass in a short-lived child (not in --burst,
-        and no new one while stopping)."""
-        if self.burst or self.stop_deadline is not None:
-            self.sweep.reap()
-        else:
-            self.sweep.tick(now)
-        self.books.give_back_leases(self.sweep.abandoned, "sweep")
+    def _give_back_sweep(self, abandoned: list[uuid.UUID]) -> None:
+        self.books.give_back_leases(abandoned, "sweep")
 
     def status_line(self) -> str:
         alive = sum(w.ready for w in self.workers.values())
@@ -522,8 +517,6 @@ class Supervisor:
         now = time.monotonic()
         for duty in self.duties:
             duty.start(now)
-        if not self.burst:
-            self.sweep.start(now)
         try:
             while True:
                 self.handle_signals()
@@ -542,8 +535,6 @@ class Supervisor:
             self.signals.restore()
             for duty in self.duties:
                 duty.stop()
-            self.sweep.stop()
-            self.books.give_back_leases(self.sweep.abandoned, "sweep")
             if self.outcome is None:  # a clean stop: leave the registry
                 self.books.deregister(host)
             self.db_thread.close(self._close_timeout())
