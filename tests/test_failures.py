@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import random
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -189,9 +190,13 @@ class StorageWrapper:
 
 
 class DiesAfterFirstPut(StorageWrapper):
-    """The process dies right after its first PUT succeeded, before any commit."""
+    """The process dies right after its first PUT succeeded, before any commit. A job's
+    PUTs go out concurrently: the others wait for the first one, which never lets go."""
+
+    first = threading.Lock()
 
     def put(self, key: str, data: bytes, content_type: str, *, sha256: str | None = None) -> str:
+        self.first.acquire()
         self.inner.put(key, data, content_type, sha256=sha256)
         os._exit(70)
 
