@@ -652,6 +652,8 @@ $$;
 -- exact while the table is small (under 50,000 rows by the planner's statistics) and
 -- planner estimates beyond (`estimated` lists which counts are). max_age_s = 0: compute
 -- now.
+-- Every answer carries `age_s`: how long ago the reading was computed (0: now), so that
+-- whoever shows a shared reading can say how old it is.
 CREATE OR REPLACE FUNCTION derivd_queue_stats(max_age_s float8)
 RETURNS jsonb
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
@@ -660,13 +662,15 @@ DECLARE
     total float8;
     counts jsonb;
 BEGIN
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = 'queue' AND s.computed_at > now() - make_interval(secs => max_age_s);
     IF FOUND THEN
         RETURN result;
     END IF;
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = 'queue'
        AND s.computed_at > now() - make_interval(secs => max_age_s)
@@ -720,7 +724,7 @@ BEGIN
     UPDATE derivd_stats_cache AS s
        SET computed_at = now(), payload = result
      WHERE s.name = 'queue';
-    RETURN result;
+    RETURN result || '{"age_s": 0}';
 END $$;
 
 -- The recent-events counts behind `derivd status`, the dashboard and the metrics (events
@@ -738,7 +742,8 @@ DECLARE
     key text := 'events ' || window_s::text;
     result jsonb;
 BEGIN
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = key AND s.computed_at > now() - make_interval(secs => max_age_s);
     IF FOUND THEN
@@ -747,7 +752,8 @@ BEGIN
     INSERT INTO derivd_stats_cache (name, computed_at, payload)
     VALUES (key, '-infinity', '{}')
     ON CONFLICT (name) DO NOTHING;
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = key AND s.computed_at > now() - make_interval(secs => max_age_s)
        FOR UPDATE;
@@ -775,7 +781,7 @@ BEGIN
     UPDATE derivd_stats_cache AS s
        SET computed_at = now(), payload = result
      WHERE s.name = key;
-    RETURN result;
+    RETURN result || '{"age_s": 0}';
 END $$;
 
 -- The dashboard's chart, at a cost that does not grow with the table: jobs finished per

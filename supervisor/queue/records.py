@@ -74,6 +74,7 @@ class QueueStats:
     oldest_claimable_age_s: float | None
     expired_leases: int
     estimated: tuple[str, ...] = ()  # statuses whose count is a planner estimate
+    age_s: float = 0.0  # how long ago the (fleet-shared) reading was computed
 
     @property
     def rejected_ratio(self) -> float:
@@ -87,3 +88,4 @@ class EventWindow:
 
     events: dict[str, int]
     rejected_by_code: dict[str, int]
+    age_s: float = 0.0  # how long ago the (fleet-shared) reading was computed
