@@ -505,6 +505,17 @@ SELECT f.status, f.error_code,
 -- functions.sql, README).
 SELECT id FROM derivd_similar(%(id)s, %(max)s, %(limit)s) AS id;
 
+-- name: not_yet_due
+-- What a `run --burst` leaves behind once nothing is claimable: queued rows whose retry
+-- delay has not passed (counted to 10,000) and in how many seconds the first is due,
+-- both through the partial index of queued rows.
+SELECT (SELECT count(*) FROM (SELECT 1 FROM archive_files
+                               WHERE status = 'queued' AND available_at > now()
+                               LIMIT 10000) AS q)::int AS waiting,
+       extract(epoch FROM (SELECT min(available_at) FROM archive_files
+                            WHERE status = 'queued' AND available_at > now())
+                          - now())::float8 AS next_due_s;
+
 -- name: dashboard_in_flight
 -- The dashboard's jobs in flight (every host), oldest lease first, through the partial
 -- index on processing rows: bounded by `limit` whatever the table's size.
