@@ -354,8 +354,9 @@ def test_sigkill_supervisor_takes_children_along(
     sup = supervisor(supervisor={"workers": "2"}).start()
     workers = wait_for(lambda: sup.ready_workers(2), "two ready workers")
     sup.proc.kill()  # type: ignore[union-attr]
-    sup.wait_exit()
+    assert sup.wait_exit() == -signal.SIGKILL
     wait_for(lambda: not any(alive(p) for p in workers), "every worker to die", timeout=10)
+    assert [p for p in workers if alive(p)] == []
 
 
 def test_unreachable_database_stops_run_in_one_line(
@@ -412,6 +413,8 @@ def test_max_jobs_recycles_worker(supervisor: Callable[..., Supervisor]) -> None
         wait_for(lambda f=file_id: sup.status_is(f, "ready"), f"file {file_id} ready")
     wait_for(lambda: not alive(first), "the first worker to be recycled")
     wait_for(lambda: sup.log().count("reason=max_jobs") >= 2, "two recycles to be logged")
+    assert [sup.row(i)["attempts"] for i in ids] == [1, 1, 1]  # a recycle burns no attempt
+    assert first not in (sup.ready_workers(1) or [])
 
 
 def test_burst_exits_when_drained(supervisor: Callable[..., Supervisor]) -> None:
