@@ -477,7 +477,7 @@ def demo(state: State, count: int, backend: str | None, into: str | None) -> Non
     throughput, where the derived files are, and a gallery page to open.
     """
     from derivd.config import check_dsn
-    from derivd.embedded.demo import demo_config, run_demo
+    from derivd.demo import demo_config, run_demo
 
     if into is not None and (problem := check_dsn(into) if into else "give a DSN"):
         die(f"--into: {problem}", 2)

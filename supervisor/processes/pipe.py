@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from derivd.processes.procutil import rss_mb, set_proctitle
+from derivd.osproc import rss_mb, set_proctitle
 from derivd.queue.db import Job
 
 if TYPE_CHECKING:
