@@ -1,7 +1,7 @@
 """The queue's vocabulary: row statuses, event kinds and error codes, once in Python.
 
 The database is the authority: the domains of sql/schema.sql (derivd_status,
-derivd_error_code, derivd_event_kind; migration 0014 added `rederived`), to which the
+derivd_error_code, derivd_event_kind; migration 0014 added `rederived`, 0015 `rederive_rejected`), to which the
 tables' CHECK constraints cast their columns. These literals are their one Python copy;
 every other module imports from here, and tests/test_states.py reads the domains'
 constraints back from a migrated database (pg_get_constraintdef) and fails when the two
@@ -25,6 +25,7 @@ EventKind = Literal[
     "deleted",
     "operator_retry",
     "rederived",
+    "rederive_rejected",
 ]
 ErrorCode = Literal[
     "unsupported_content",

@@ -20,7 +20,7 @@ from typing import Protocol, TypedDict
 from derivd import analysis
 from derivd.config import Config
 from derivd.errors import ErrorCode, Permanent, Transient
-from derivd.fingerprint import configured_set, slot
+from derivd.fingerprint import configured_set, set_problem, slot
 from derivd.handlers.base import Analysis, Derivation, DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
 from derivd.ops.logs import event
@@ -203,6 +203,7 @@ class Worker:
         self.hooks.job_started(job)
         try:
             derivation = self._derive(job)
+            self._check_set(job, derivation)
             original = _storable(derivation.original)
             stored = self._store(job, derivation)
         except Exception as error:  # classified in _failed
@@ -325,6 +326,17 @@ class Worker:
             job.original_key, job.original_version, max_bytes=self.spec.max_input_bytes
         )
         return Derivation.of(self.handler.derive(original, self.spec))
+
+    def _check_set(self, job: Job, variants: Sequence[DerivedVariant]) -> None:
+        """A backend fault (final) unless the handler returned exactly the configured set
+        (or, deriving for the first time, nothing: noop): checked before any PUT. A file
+        is never `ready` with part of its set, and a re-derivation never swaps in one."""
+        rederive = job.for_file != job.id
+        problem = set_problem(
+            (slot(v.name, v.format) for v in variants), self.fingerprints, rederive=rederive
+        )
+        if problem:
+            raise Permanent("processing_failed", f"{self.handler.name}: {problem}")
 
     def _store(self, job: Job, variants: Sequence[DerivedVariant]) -> list[StoredVariant]:
         # Under the file's prefix: a re-derivation's objects belong to the file it serves.

@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import date
@@ -119,6 +119,15 @@ def _commit_row(finished: Finished) -> dict[str, Any]:
         # Absent keys are NULLs to the commit (derivd_commit_and_claim, sql/functions.sql).
         **({f"original_{k}": v for k, v in asdict(original).items()} if original else {}),
     }
+
+
+def _held(job: Job) -> dict[str, Any]:
+    """A held job as the heartbeat reads it: id and token, and the file a re-derivation
+    serves (the proof of its commit is on the file: derivd_heartbeat)."""
+    held: dict[str, Any] = {"id": job.id, "token": str(job.token)}
+    if job.for_file != job.id:
+        held["file"] = job.for_file
+    return held
 
 
 def _jobs(rows: list[dict[str, Any]]) -> list[Job]:
@@ -635,8 +644,7 @@ class QueueDB:
     ) -> set[int]:
         params = {
             **host.__dict__,
-            "jobs": json.dumps([{"id": j.id, "token": str(j.token)} for j in jobs]),
-            "ids": [j.id for j in jobs],
+            "jobs": json.dumps([_held(j) for j in jobs]),
             "renew": renew,
             "lease_s": lease_s,
             "starting": starting,
@@ -758,6 +766,12 @@ class QueueDB:
         params = {"ids": list(ids) if ids is not None else None, "code": code, "actor": actor}
         return [r["id"] for r in self._all("operator_retry", params)]
 
+    def rederive_retry(self, *, code: str | None, actor: str) -> list[int]:
+        """Queue rejected re-derivations again (of `code` only, when given); the files
+        they serve."""
+        rows = self._all("rederive_retry", {"code": code, "actor": actor})
+        return [int(r["id"]) for r in rows]
+
     def queue_stats(self, *, max_age_s: float = 0.0) -> QueueStats:
         """Queue health; a result another host computed less than `max_age_s` ago is
         reused (0: compute now)."""
@@ -856,22 +870,29 @@ class QueueDB:
         row = self._one("backfill_last_id")
         return int(row["last_id"]) if row else 0
 
-    def backfill_queue(self, ids: Sequence[int], *, priority: int) -> list[int]:
-        """Queue re-derivations of these ready files; the files actually queued."""
+    def backfill_queue(self, ids: Sequence[int], *, priority: int, run: int) -> list[int]:
+        """Queue re-derivations of these ready files for backfill `run`; the files
+        actually queued."""
         if not ids:
             return []
-        rows = self._all("backfill_queue", {"ids": list(ids), "priority": priority})
+        params = {"ids": list(ids), "priority": priority, "run": run}
+        rows = self._all("backfill_queue", params)
         return [int(r["id"]) for r in rows]
 
     def backfill_claimable(self) -> int:
         row = self._one("backfill_claimable")
         return int(row["n"]) if row else 0
 
-    def backfill_run(self, target: str) -> dict[str, Any]:
-        """The unfinished run toward `target` (resumed), else a new one."""
+    def backfill_run(self, target: str, configured: Mapping[str, str]) -> dict[str, Any]:
+        """The unfinished run toward `target` (resumed), else a new one that aims at
+        `configured` (its digest is `target`): the only set its re-derivations swap in."""
         row = self._one("backfill_resume", {"target": target})
         if row is None:
-            params = {"target": target, "last_id": self.backfill_last_id()}
+            params = {
+                "target": target,
+                "last_id": self.backfill_last_id(),
+                "configured": json.dumps(dict(configured)),
+            }
             row = self._one("backfill_start", params)
         assert row is not None  # INSERT … RETURNING always returns its row
         return row
