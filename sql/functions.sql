@@ -223,27 +223,21 @@ END $$;
 -- original_width, original_height, original_format, original_frames, original_has_alpha,
 -- original_colour, original_placeholder, original_dhash}; the analysis keys absent, as
 -- from a handler that analyses nothing or a host of a release before 0013: NULLs). Each
--- row passes or fails its own fence. Its fenced UPDATE and its event (`ready`, or
--- `lease_lost` when the fence fails) are one statement; for a row that passes, its
--- variants are recorded and, when it stored some, its attempt's write-ahead entries
--- cleared (an attempt registers pending objects exactly for the variants it PUTs).
--- Returns the ids that committed. Durable: its caller leaves synchronous_commit alone.
---
--- Commit of a re-derivation (rederive_of set): under the file's row lock, while the file
--- is still `ready`, its variants are replaced by the new ones (the old objects go to
--- derivd_retired_objects), its derived_* updated and a `rederived` event appended to it;
--- the job row is then deleted (its attempt's `ready` event stays). A file no longer ready
--- (deleted meanwhile) keeps what it has: the job row is deleted with a `lease_lost`
--- event and its objects are left to the orphan sweep. Either way the job row's fence
--- (id + token) is checked first.
-CREATE OR REPLACE FUNCTION derivd_commit(jobs jsonb)
-RETURNS SETOF bigint
+-- row passes or fails its own fence. A file's fenced UPDATE and its `ready` event are one
+-- statement; for a row that passes, its variants are recorded and, when it stored some,
+-- its attempt's write-ahead entries cleared (an attempt registers pending objects
+-- exactly for the variants it PUTs). An id no file holds under its token goes to
+-- derivd_commit_rederivation (a re-derivation's swap, which takes exactly its run's
+-- configured set or rejects the job; else `lease_lost`). Returns each id with its
+-- outcome: 'committed', 'rejected' (a re-derivation whose set was refused) or 'lost'.
+-- Durable: its caller leaves synchronous_commit alone.
+CREATE OR REPLACE FUNCTION derivd_commit_outcomes(jobs jsonb)
+RETURNS TABLE (id bigint, outcome text)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
 DECLARE
     j record;
-    committed boolean;
-    target bigint;
+    n integer;
 BEGIN
     FOR j IN
         SELECT *
@@ -255,8 +249,7 @@ BEGIN
                     original_has_alpha boolean, original_colour text,
                     original_placeholder text, original_dhash bigint)
     LOOP
-        -- The fence and the attempt's event (`ready`, or `lease_lost` when the fence
-        -- fails) in one statement, which also says whether the row re-derives a file.
+        -- The fence and the attempt's `ready` event in one statement.
         WITH done AS (
             UPDATE archive_files AS f
                SET status = 'ready',
@@ -279,44 +272,24 @@ BEGIN
                    finished_at = now(),
                    updated_at = now()
              WHERE f.id = j.id AND f.lease_token = j.token  -- the fence (see the top)
-            RETURNING f.attempts, f.rederive_of)
+            RETURNING f.attempts)
         INSERT INTO archive_events AS e (file_id, kind, attempt, lease_token)
-        SELECT j.id, CASE WHEN d.attempts IS NULL THEN 'lease_lost' ELSE 'ready' END,
-               coalesce(d.attempts, j.attempt), j.token
-          FROM (SELECT) AS one LEFT JOIN done AS d ON true
-        RETURNING e.kind = 'ready', (SELECT d.rederive_of FROM done AS d)
-             INTO committed, target;
-        CONTINUE WHEN NOT committed;
-        IF target IS NOT NULL THEN
-            -- A re-derivation: its job row is done with either way.
-            DELETE FROM archive_files AS f WHERE f.id = j.id;
-            PERFORM 1 FROM archive_files AS t
-             WHERE t.id = target AND t.status = 'ready' FOR UPDATE;
-            IF NOT FOUND THEN
-                INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-                VALUES (j.id, 'lease_lost', j.attempt, j.token);
-                CONTINUE;
-            END IF;
-            INSERT INTO derivd_retired_objects (key, file_id)
-            SELECT a.key, a.file_id FROM archive_variants AS a WHERE a.file_id = target
-            ON CONFLICT (key) DO NOTHING;
-            DELETE FROM archive_variants AS a WHERE a.file_id = target;
-            UPDATE archive_files AS f
-               SET derived_key = j.derived_key,
-                   derived_version = j.derived_version,
-                   sha256 = j.sha256,
-                   width = j.width,
-                   height = j.height,
-                   updated_at = now()
-             WHERE f.id = target;
-            INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-            VALUES (target, 'rederived', j.attempt, j.token);
+        SELECT j.id, 'ready', d.attempts, j.token FROM done AS d
+        RETURNING e.attempt INTO n;
+        IF n IS NULL THEN
+            -- No file holds this lease: a re-derivation's (one id space), or lost (the
+            -- `lease_lost` event is written there). A file pays for this only on a
+            -- failed fence.
+            id := j.id;
+            outcome := derivd_commit_rederivation(to_jsonb(j));
+            RETURN NEXT;
+            CONTINUE;
         END IF;
         IF jsonb_array_length(coalesce(j.variants, '[]')) > 0 THEN
             INSERT INTO archive_variants AS a (file_id, name, format, content_type, key,
                                                version, sha256, width, height, lease_token,
                                                fingerprint)
-            SELECT coalesce(target, j.id), v.name, v.format, v.content_type, v.key,
+            SELECT j.id, v.name, v.format, v.content_type, v.key,
                    v.version, v.sha256, v.width, v.height, j.token, v.fingerprint
               FROM jsonb_to_recordset(j.variants)
                    AS v(name text, format text, content_type text, key text,
@@ -330,9 +303,18 @@ BEGIN
                    created_at = now();
             DELETE FROM pending_objects WHERE lease_token = j.token;
         END IF;
-        RETURN NEXT j.id;
+        id := j.id;
+        outcome := 'committed';
+        RETURN NEXT;
     END LOOP;
 END $$;
+
+-- The ids that committed (derivd_commit_outcomes without the other outcomes).
+CREATE OR REPLACE FUNCTION derivd_commit(jobs jsonb)
+RETURNS SETOF bigint
+LANGUAGE sql AS $$
+    SELECT c.id FROM derivd_commit_outcomes(jobs) AS c WHERE c.outcome = 'committed'
+$$;
 
 -- The claim of up to `lim` rows (none when lim < 1), each with its own fresh token and
 -- lease, and the file whose variants it makes (`file_id`: its own id, or rederive_of,
@@ -367,11 +349,28 @@ DECLARE
     locked_tenants text[] := '{}';
     chosen_tenants text[] := '{}';
     busy integer;
+    turn bigint;
+    got integer;
 BEGIN
     IF lim < 1 THEN
         RETURN;
     END IF;
-    oldest := nextval('derivd_claim_turns') % 20 = 0;
+    turn := nextval('derivd_claim_turns');
+    oldest := turn % 20 = 0;
+    IF turn % 40 = 0 THEN
+        -- Every other oldest-first turn serves the re-derivations first: they come after
+        -- every due file otherwise, and a backfill under a steady load of uploads still
+        -- gets 1 claim in 40 (derivd_claim_rederivations).
+        RETURN QUERY
+        SELECT r.id, r.lease_token, r.attempts, r.original_key, r.original_version,
+               r.wait_s, r.tier, r.claimable_since, r.file_id
+          FROM derivd_claim_rederivations(lim, lease_s, max_attempts, host) AS r;
+        GET DIAGNOSTICS got = ROW_COUNT;
+        lim := lim - got;
+        IF lim < 1 THEN
+            RETURN;
+        END IF;
+    END IF;
     -- Expired leases first, whatever the turn or the cap (their tenants' rows are
     -- `processing` already: reclaiming one adds nothing to its tenant's count).
     SELECT array_agg(e.id), array_agg(e.lease_until), array_agg(0) INTO ids, since, tiers
@@ -451,30 +450,38 @@ BEGIN
             tiers := tiers || 1;
         END LOOP;
     END IF;
-    IF ids IS NULL THEN
-        RETURN;
+    IF ids IS NOT NULL THEN
+        RETURN QUERY
+        UPDATE archive_files AS f
+           SET status = 'processing',
+               lease_token = gen_random_uuid(),
+               lease_until = now() + make_interval(secs => derivd_claim.lease_s),
+               attempts = f.attempts + 1,
+               claimed_at = now(),
+               claimed_by = derivd_claim.host,
+               updated_at = now()
+          FROM unnest(ids, since, tiers) AS c(id, since, tier)
+         WHERE f.id = c.id
+        RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
+                  extract(epoch FROM now() - c.since)::float8, c.tier, c.since, f.id;
     END IF;
-    RETURN QUERY
-    UPDATE archive_files AS f
-       SET status = 'processing',
-           lease_token = gen_random_uuid(),
-           lease_until = now() + make_interval(secs => derivd_claim.lease_s),
-           attempts = f.attempts + 1,
-           claimed_at = now(),
-           claimed_by = derivd_claim.host,
-           updated_at = now()
-      FROM unnest(ids, since, tiers) AS c(id, since, tier)
-     WHERE f.id = c.id
-    RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
-              extract(epoch FROM now() - c.since)::float8, c.tier, c.since,
-              coalesce(f.rederive_of, f.id);
+    -- What the files leave of the limit goes to re-derivations. (A claim that found its
+    -- rows, the steady state, stops at this comparison.)
+    IF coalesce(cardinality(ids), 0) < lim THEN
+        RETURN QUERY
+        SELECT r.id, r.lease_token, r.attempts, r.original_key, r.original_version,
+               r.wait_s, r.tier, r.claimable_since, r.file_id
+          FROM derivd_claim_rederivations(lim - coalesce(cardinality(ids), 0), lease_s,
+                                          max_attempts, host) AS r;
+    END IF;
 END $$;
 
 -- A worker's steady state in one round trip and one durable transaction: the fenced
 -- commit of its finished attempts (derivd_commit), then the claim of up to `lim` next
 -- rows (derivd_claim; lim = 0: commit only). The claim comes second and sees the commit:
 -- a committed row is no longer claimable, a committed tenant's row no longer counts
--- against its cap. Rows: kind = 'committed' (id only) or 'claimed' (the claim's columns).
+-- against its cap. Rows: kind = 'committed' or 'rejected' (id only: derivd_commit_outcomes)
+-- or 'claimed' (the claim's columns).
 -- The signature without tenant_cap and file_id (below) stays, as a wrapper, for hosts
 -- still on a release before 0014.
 CREATE OR REPLACE FUNCTION derivd_commit_and_claim(jobs jsonb, lim integer, lease_s float8,
@@ -486,9 +493,10 @@ RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
 LANGUAGE plpgsql AS $$
 BEGIN
     RETURN QUERY
-    SELECT 'committed'::text, c.id, NULL::uuid, NULL::integer, NULL::text, NULL::text,
+    SELECT c.outcome, c.id, NULL::uuid, NULL::integer, NULL::text, NULL::text,
            NULL::float8, NULL::integer, NULL::timestamptz, NULL::bigint
-      FROM derivd_commit(jobs) AS c(id);
+      FROM derivd_commit_outcomes(jobs) AS c
+     WHERE c.outcome <> 'lost';
     RETURN QUERY
     SELECT 'claimed'::text, c.*
       FROM derivd_claim(lim, lease_s, max_attempts, host, tenant_cap) AS c;

@@ -84,9 +84,11 @@ ON CONFLICT (key) DO NOTHING;
 -- name: commit
 -- The fenced commit of one or more finished attempts (`jobs`: a JSON array of
 -- {id, token, attempt, derived_key, derived_version, sha256, width, height, variants}),
--- durable; each row passes or fails its own fence (derivd_commit in sql/functions.sql).
--- Returns the ids that committed.
-SELECT id FROM derivd_commit(%(jobs)s::jsonb) AS id;
+-- durable; each row passes or fails its own fence (derivd_commit_outcomes in
+-- sql/functions.sql). Returns the ids that committed, and the re-derivations refused.
+SELECT c.outcome AS kind, c.id
+  FROM derivd_commit_outcomes(%(jobs)s::jsonb) AS c
+ WHERE c.outcome <> 'lost';
 
 -- name: commit_and_claim
 -- A worker's steady state in one round trip and one durable transaction: the commit,

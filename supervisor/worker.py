@@ -24,7 +24,14 @@ from derivd.fingerprint import configured_set, set_problem, slot
 from derivd.handlers.base import Analysis, Derivation, DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
 from derivd.ops.logs import event
-from derivd.queue.db import DatabaseUnavailable, Finished, Job, QueueDB, StoredVariant
+from derivd.queue.db import (
+    Committed,
+    DatabaseUnavailable,
+    Finished,
+    Job,
+    QueueDB,
+    StoredVariant,
+)
 from derivd.queue.retry import record_failure
 from derivd.storage.base import ObjectMissing, Storage, derived_key, open_storage
 
@@ -286,10 +293,15 @@ class Worker:
             self.hooks.jobs_claimed(jobs)
         self._prefetched = (jobs, sent)
 
-    def _record_commits(self, pending: Sequence[_Derived], committed: set[int]) -> None:
+    def _record_commits(self, pending: Sequence[_Derived], committed: Committed) -> None:
         for d in pending:
             if d.job.id in committed:
                 self._finish(d.job, "ready", None, d.duration_s)
+            elif d.job.id in committed.rejected:
+                # A re-derivation whose set is not its run's configured one (this worker
+                # runs another configuration than the backfill's): the file keeps its set.
+                log.error("job %s: its variant set is not the backfill's target", d.job.id)
+                self._finish(d.job, "rejected", "processing_failed", d.duration_s)
             else:
                 event(log, "lease lost", logging.WARNING, file_id=d.job.id, attempt=d.job.attempt)
                 self._finish(d.job, "lease_lost", None, d.duration_s)
