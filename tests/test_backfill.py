@@ -117,9 +117,7 @@ def unreferenced(queue: QueueDB, storage: Storage) -> set[str]:
 
 
 def job_rows(dsn: str) -> list[dict[str, Any]]:
-    return sql(
-        dsn, "SELECT id, status, file_id FROM derivd_rederivations ORDER BY file_id"
-    )
+    return sql(dsn, "SELECT id, status, file_id FROM derivd_rederivations ORDER BY file_id")
 
 
 # -- the planner (pure) -----------------------------------------------------------------

@@ -157,7 +157,9 @@ def test_rederivations_never_show_as_files(dsn: str, tmp_path: Path, queue: Queu
 
 
 def test_retry_rejected_retries_rederivations_without_a_traceback(
-    run_cli: Callable[..., subprocess.CompletedProcess[str]], dsn: str, tmp_path: Path,
+    run_cli: Callable[..., subprocess.CompletedProcess[str]],
+    dsn: str,
+    tmp_path: Path,
     queue: QueueDB,
 ) -> None:
     """The review's run: a rejected re-derivation, then another backfill (the file has
