@@ -138,7 +138,8 @@ def main() -> None:
         print("\n".join(machine(dsn)))
         print(
             f"table: {args.ready:,} ready + {args.queued:,} queued rows "
-            f"(seeded in {" / ".join(f"{s:.1f}" for s in seed_s)} s); {args.claims:,} claims, each followed by its "
+            f"(seeded in {' / '.join(f'{s:.1f}' for s in seed_s)} s); "
+            f"{args.claims:,} claims per build, each followed by its "
             "noop commit; one client, claim round trip timed"
         )
         rows = []
