@@ -36,6 +36,11 @@ from derivd.queue.retry import record_failure
 from derivd.storage.base import ObjectMissing, Storage, derived_key, open_storage
 
 
+# How a re-derivation's ending outcomes are reported (the others, retry, lease_lost, ...,
+# are an attempt's whatever it derives).
+REDERIVATION_OUTCOMES = {"ready": "rederived", "rejected": "rederive_rejected"}
+
+
 class ClaimTerms(TypedDict):
     """The claim's parameters besides its limit (QueueDB.claim_many / commit_and_claim)."""
 
@@ -242,8 +247,12 @@ class Worker:
         return self._fail(job, retry=True, code="processing_failed"), "processing_failed"
 
     def _finish(self, job: Job, outcome: str, code: ErrorCode | None, duration_s: float) -> None:
-        """One attempt's outcome: its log line now, its report with the next flush."""
+        """One attempt's outcome: its log line now, its report with the next flush. A
+        re-derivation's end is not a file's: `rederived` / `rederive_rejected` (the
+        metrics' ready and rejected counts are files')."""
         self.jobs_done += 1
+        if job.for_file != job.id:
+            outcome = REDERIVATION_OUTCOMES.get(outcome, outcome)
         event(
             log,
             "job finished",

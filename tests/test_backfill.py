@@ -213,7 +213,7 @@ def test_a_lost_lease_leaves_the_old_set(dsn: str, store: dict[str, Any], queue:
     [again] = worker.claim_many(1)  # the expired lease is reclaimed: a new token
     assert run_job(worker, job).outcome == "lease_lost"
     assert readable_set(dsn, storage, f) == old
-    assert run_job(worker, again).outcome == "ready"
+    assert run_job(worker, again).outcome == "rederived"
     assert readable_set(dsn, storage, f) == configured(new_cfg)
     worker.close()
     sweep(queue, storage)

@@ -123,7 +123,7 @@ def test_the_swap_refuses_a_set_made_for_another_target(
     apply(queue, new_cfg)
     worker = make_worker(old_cfg, dsn)  # not reloaded: derives V1
     [job] = worker.claim_many(1)
-    assert run_job(worker, job).outcome == "rejected"
+    assert run_job(worker, job).outcome == "rederive_rejected"
     worker.close()
     assert readable_set(dsn, storage, f) == old
     [row] = jobs_of(dsn)
