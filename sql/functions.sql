@@ -474,6 +474,18 @@ BEGIN
           FROM derivd_claim_rederivations(lim - coalesce(cardinality(ids), 0), lease_s,
                                           max_attempts, host) AS r;
     END IF;
+    -- Under a tenant cap each claim records itself, with its row's tenant (migration
+    -- 0015): the history in which a checker sees every tenant's rows in flight at every
+    -- claim (harness.invariants). The event's id is drawn here, after this claim's
+    -- tenant locks and counts, so id order is the order in which claims counted. The
+    -- default claim records nothing (its cost per job is a measured budget). A
+    -- re-derivation is outside the cap (docs/traffic.md): it records nothing either.
+    IF tenant_cap > 0 THEN
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token, tenant)
+        SELECT f.id, 'claimed', f.attempts, f.lease_token, f.tenant
+          FROM archive_files AS f
+         WHERE f.id = ANY (ids);
+    END IF;
 END $$;
 
 -- A worker's steady state in one round trip and one durable transaction: the fenced
@@ -1163,23 +1175,36 @@ LANGUAGE sql STABLE SET max_parallel_workers_per_gather = 0 AS $$
      ORDER BY bit_count((f.original_dhash # h)::bit(64)), f.id
 $$;
 
-CREATE OR REPLACE FUNCTION derivd_similar(file_id bigint, max_distance integer)
+-- At most `max_rows` answers (capped at 10,000 whatever is asked): at a wide distance
+-- most of the table matches, and an unbounded answer is a whole table shipped to one app
+-- process. A top-N sort keeps the scan's memory bounded too.
+CREATE OR REPLACE FUNCTION derivd_similar(file_id bigint, max_distance integer, max_rows integer)
 RETURNS SETOF bigint
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
     h bigint;
+    cap integer := LEAST(GREATEST(coalesce(max_rows, 0), 0), 10000);
 BEGIN
     SELECT f.original_dhash INTO h FROM archive_files AS f WHERE f.id = file_id;
-    IF h IS NULL THEN
+    IF h IS NULL OR cap = 0 THEN
         RETURN;
     END IF;
     IF max_distance <= 7 AND to_regclass('archive_files_dhash_bands') IS NOT NULL THEN
-        RETURN QUERY SELECT n.id FROM derivd_similar_near(h, file_id, max_distance) AS n(id);
+        RETURN QUERY
+        SELECT n.id FROM derivd_similar_near(h, file_id, max_distance) AS n(id) LIMIT cap;
     ELSE
         RETURN QUERY
         SELECT f.id FROM archive_files AS f
          WHERE f.status = 'ready' AND f.id <> file_id
            AND bit_count((f.original_dhash # h)::bit(64)) <= max_distance
-         ORDER BY bit_count((f.original_dhash # h)::bit(64)), f.id;
+         ORDER BY bit_count((f.original_dhash # h)::bit(64)), f.id
+         LIMIT cap;
     END IF;
 END $$;
+
+-- The two-argument form of earlier releases (and of the README's SQL): the 100 nearest.
+CREATE OR REPLACE FUNCTION derivd_similar(file_id bigint, max_distance integer)
+RETURNS SETOF bigint
+LANGUAGE sql STABLE AS $$
+    SELECT derivd_similar(file_id, max_distance, 100)
+$$;

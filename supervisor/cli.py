@@ -209,7 +209,10 @@ def enqueue(
         die(problem, 2)
     files = list(expand_paths(paths))
     # The database (and its schema) first: nothing is uploaded for a row that cannot exist.
-    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-enqueue") as queue:
+    with (
+        database(state.config, create=False) as dsn,
+        QueueDB.open(dsn, role="derivd-enqueue") as queue,
+    ):
         storage = open_storage(state.config)
         storage.check()
         with click.progressbar(
@@ -267,7 +270,10 @@ def backfill(state: State, apply_: bool, max_queued: int, priority: int) -> None
     if problem:
         die(problem, 2)
     configured = configured_set(config.derive_spec(), config.derive.backend)
-    with database(config) as dsn, QueueDB.open(dsn, role="derivd-backfill") as queue:
+    with (
+        database(config, create=False) as dsn,
+        QueueDB.open(dsn, role="derivd-backfill") as queue,
+    ):
         if not apply_:
             for line in scan(queue, configured).lines(configured):
                 click.echo(line)
@@ -573,7 +579,10 @@ def delete(state: State, ids: tuple[int, ...]) -> None:
     from derivd.ops import actions
     from derivd.queue.db import QueueDB
 
-    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-cli") as queue:
+    with (
+        database(state.config, create=False) as dsn,
+        QueueDB.open(dsn, role="derivd-cli") as queue,
+    ):
         result = actions.delete(queue, ids, actor=actions.cli_actor())
     if result.done:
         click.echo(f"accepted (now deleting): {_ids(result.done)}")
@@ -623,7 +632,10 @@ def retry(state: State, ids: tuple[int, ...], all_rejected: bool, code: str | No
     from derivd.queue.db import QueueDB
 
     actor = actions.cli_actor()
-    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-cli") as queue:
+    with (
+        database(state.config, create=False) as dsn,
+        QueueDB.open(dsn, role="derivd-cli") as queue,
+    ):
         if all_rejected:
             retried = actions.retry_rejected(queue, code=code, actor=actor)
             if retried.files:

@@ -2,9 +2,9 @@
 
 The database is the authority: the domains of sql/schema.sql (derivd_status,
 derivd_error_code, derivd_event_kind; migration 0014 added `rederived`, 0015
-`rederive_rejected`), to which the tables' CHECK constraints cast their columns. These
-literals are their one Python copy; every other module imports from here, and
-tests/test_states.py reads the domains' constraints back from a migrated database
+`claimed`, 0016 `rederive_rejected`), to which the tables' CHECK constraints cast their
+columns. These literals are their one Python copy; every other module imports from here,
+and tests/test_states.py reads the domains' constraints back from a migrated database
 (pg_get_constraintdef) and fails when the two disagree.
 """
 
@@ -25,6 +25,7 @@ EventKind = Literal[
     "deleted",
     "operator_retry",
     "rederived",
+    "claimed",
     "rederive_rejected",
 ]
 ErrorCode = Literal[

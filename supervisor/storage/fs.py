@@ -10,9 +10,11 @@ resolved paths are checked to stay inside the root.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -21,10 +23,27 @@ from derivd.storage.base import (
     RESERVED_SUFFIX,
     InvalidKey,
     ObjectMissing,
+    StorageConfigError,
+    StoreUnwritable,
     refuse_oversize,
     refused_is_missing,
     validate_key,
 )
+
+
+def _reason(error: OSError) -> str:
+    return error.strerror or type(error).__name__
+
+
+@contextlib.contextmanager
+def _writing(where: Path) -> Iterator[None]:
+    """Around a write: an OSError (a read-only file system, no permission, a full disk)
+    becomes one line naming the path and the reason, in derivd's own words, so the log
+    and the command line can show it whole. Transient: an operator can fix it."""
+    try:
+        yield
+    except OSError as error:
+        raise StoreUnwritable(f"fs store: cannot write {where}: {_reason(error)}") from None
 
 
 class FsStorage:
@@ -34,7 +53,18 @@ class FsStorage:
         self.root = root.resolve()
 
     def check(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        """The root exists and takes a file (written and removed): a read-only or foreign
+        directory is refused at start-up, in one line, not at the first PUT."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=self.root, prefix=".probe-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as error:
+            raise StorageConfigError(
+                f"fs store {self.root} is not writable: {_reason(error)} "
+                "(set [storage] root to a directory this user can write)"
+            ) from None
 
     def _versions_dir(self, key: str) -> Path:
         path = (self.root / (validate_key(key.rstrip("/")) + RESERVED_SUFFIX)).resolve()
@@ -44,14 +74,15 @@ class FsStorage:
 
     def put(self, key: str, data: bytes, content_type: str, *, sha256: str | None = None) -> str:
         folder = self._versions_dir(key)
-        folder.mkdir(parents=True, exist_ok=True)
         version = f"{time.time_ns():020d}{secrets.token_hex(4)}"
-        temp = folder / f".tmp-{version}"
-        with temp.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, folder / (version + PurePosixPath(key).suffix))
+        with _writing(folder):
+            folder.mkdir(parents=True, exist_ok=True)
+            temp = folder / f".tmp-{version}"
+            with temp.open("wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, folder / (version + PurePosixPath(key).suffix))
         return version
 
     def get(self, key: str, version: str, *, max_bytes: int | None = None) -> bytes:
