@@ -37,16 +37,25 @@ def main() -> None:
         table(
             ["build", "server CPU ms/job (median)", "stdev", "vs baseline", "runs"],
             [
-                [k, m[0][0], m[1], f"{(m[0][0] / base - 1) * 100:+.1f} %",
-                 " ".join(f"{r[0]:.3f}" for r in runs[k])]  # fmt: skip
+                [
+                    k,
+                    m[0][0],
+                    m[1],
+                    f"{(m[0][0] / base - 1) * 100:+.1f} %",
+                    " ".join(f"{r[0]:.3f}" for r in runs[k]),
+                ]
                 for k, m in medians.items()
             ],
         )
     )
     save_results(
         "rederive_cost",
-        {"machine": lines, "baseline": args.baseline, "jobs": args.jobs,
-         "runs": {k: [r[0] for r in v] for k, v in runs.items()}},  # fmt: skip
+        {
+            "machine": lines,
+            "baseline": args.baseline,
+            "jobs": args.jobs,
+            "runs": {k: [r[0] for r in v] for k, v in runs.items()},
+        },
     )
 
 

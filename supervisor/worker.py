@@ -37,7 +37,6 @@ from derivd.queue.retry import record_failure
 from derivd.storage.base import ObjectMissing, Storage, derived_key, open_storage
 from derivd.storage.parallel import Put, put_all
 
-
 # How a re-derivation's ending outcomes are reported (the others, retry, lease_lost, ...,
 # are an attempt's whatever it derives).
 REDERIVATION_OUTCOMES = {"ready": "rederived", "rejected": "rederive_rejected"}
