@@ -25,7 +25,7 @@ CREATE DOMAIN derivd_error_code AS text CONSTRAINT derivd_error_code_check CHECK
     'attempts_exhausted', 'processing_failed'));
 CREATE DOMAIN derivd_event_kind AS text CONSTRAINT derivd_event_kind_check CHECK (VALUE IN (
     'ready', 'retry', 'rejected', 'lease_lost', 'timeout', 'released', 'exhausted',
-    'delete_requested', 'deleted', 'operator_retry', 'rederived', 'claimed',
+    'delete_requested', 'deleted', 'operator_retry', 'rederived', 'claimed', 'worker_died',
     'rederive_rejected'));
 -- A file's priority (higher runs first) and tenant: limits as domains too (migration 0014).
 CREATE DOMAIN derivd_priority AS smallint
@@ -87,7 +87,7 @@ CREATE TABLE archive_files (
     -- Claim order within a priority, given as the row enters `queued`
     -- (archive_files_fair_rank in functions.sql).
     fair_rank        bigint,
-    -- Unused since migration 0016 (re-derivations have their own table,
+    -- Unused since migration 0017 (re-derivations have their own table,
     -- derivd_rederivations); kept, with its index, for hosts of the release before
     -- during a rolling upgrade. Always NULL.
     rederive_of      bigint,
@@ -144,7 +144,7 @@ CREATE INDEX archive_files_claim_order ON archive_files (priority DESC, fair_ran
 CREATE INDEX archive_files_tenant_rank
     ON archive_files (priority, (coalesce(tenant, '')), fair_rank)
     WHERE status = 'queued';
--- Of the release before 0016 (see rederive_of); empty, so no claim or enqueue pays
+-- Of the release before 0017 (see rederive_of); empty, so no claim or enqueue pays
 -- for it (`rederive_of IS NOT NULL` first).
 CREATE UNIQUE INDEX archive_files_rederive_live ON archive_files (rederive_of)
     WHERE rederive_of IS NOT NULL AND status IN ('queued', 'processing');
@@ -231,7 +231,7 @@ CREATE TABLE derivd_backfills (
     configured  jsonb
 );
 
--- Re-derivations (backfill; migration 0016, docs/traffic.md): never rows of
+-- Re-derivations (backfill; migration 0017, docs/traffic.md): never rows of
 -- archive_files, so no count, share or app query takes one for a file. One row per file
 -- at most: its live re-derivation, or the one that was rejected (a new
 -- backfill queues that row again). A swapped-in one is deleted by its commit. Ids come

@@ -81,5 +81,5 @@ DELETE FROM archive_files WHERE rederive_of IS NOT NULL;
 ALTER DOMAIN derivd_event_kind DROP CONSTRAINT derivd_event_kind_check;
 ALTER DOMAIN derivd_event_kind ADD CONSTRAINT derivd_event_kind_check CHECK (VALUE IN (
     'ready', 'retry', 'rejected', 'lease_lost', 'timeout', 'released', 'exhausted',
-    'delete_requested', 'deleted', 'operator_retry', 'rederived', 'claimed',
+    'delete_requested', 'deleted', 'operator_retry', 'rederived', 'claimed', 'worker_died',
     'rederive_rejected'));
