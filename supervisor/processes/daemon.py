@@ -19,9 +19,9 @@ from derivd.embedded.runtime import database
 from derivd.ops.dashboard import Dashboard
 from derivd.ops.metrics import Metrics, listening_line
 from derivd.ops.status import duration
+from derivd.osproc import Pidfile, PidfileError
 from derivd.processes.duties import host_info, listen_problem
 from derivd.processes.hostclaim import claim_host
-from derivd.processes.procutil import Pidfile, PidfileError
 from derivd.processes.supervisor import RunResult, Supervisor
 from derivd.queue.db import DatabaseUnavailable, HostInfo, QueueDB
 from derivd.redact import redact

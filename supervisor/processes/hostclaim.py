@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from derivd.ops.logs import event
-from derivd.processes.procutil import pid_alive
+from derivd.osproc import pid_alive
 from derivd.queue.db import HostInfo, QueueDB
 
 log = logging.getLogger("derivd.supervisor")
