@@ -375,7 +375,8 @@ class VariantSettings:
 class SweepSettings:
     orphan_guard: float = setting(
         3600.0,
-        "seconds before an uncommitted object is deleted (must exceed the lease)",
+        "seconds before an uncommitted object is deleted (must exceed the lease and "
+        "job_timeout + kill_grace)",
         check=positive(10 * 365 * DAY),
     )
     delete_guard: float = setting(
@@ -714,19 +715,33 @@ def _section_values(
 def _cross_checks(config: Config) -> list[Problem]:
     queue = config.queue
     problems = _lease_checks(config)
-    if config.sweep.orphan_guard <= queue.lease:
-        problems.append(
-            config.problem(
-                "sweep",
-                "orphan_guard",
-                f"must exceed [queue] lease ({queue.lease:g}s): live attempts keep their objects",
-            )
-        )
+    if problem := _orphan_guard_problem(config):
+        problems.append(config.problem("sweep", "orphan_guard", problem))
     if queue.retry_max < queue.retry_base:
         problems.append(config.problem("queue", "retry_max", "must be at least retry_base"))
     if config.storage.backend == "s3" and not config.storage.bucket:
         problems.append(config.problem("storage", "bucket", "required when backend = s3"))
     return problems
+
+
+def _orphan_guard_problem(config: Config) -> str | None:
+    """An attempt's objects must outlive every PUT the attempt can still make: the sweep
+    deletes an uncommitted object once it is older than the guard and its token holds no
+    lease, and an attempt whose lease was lost (or never renewed) may still be PUTting
+    until the supervisor's kill lands, job_timeout + kill_grace after its start. Without
+    renewal that is below the lease (the lease check), with `renew = yes` it may be far
+    above it (lease 30, job_timeout 600)."""
+    queue, sup = config.queue, config.supervisor
+    guard = config.sweep.orphan_guard
+    if guard <= queue.lease:
+        return f"must exceed [queue] lease ({queue.lease:g}s): live attempts keep their objects"
+    longest = sup.job_timeout + sup.kill_grace
+    if guard <= longest:
+        return (
+            f"must exceed [supervisor] job_timeout + kill_grace ({longest:g}s): an attempt "
+            "may store objects until it is killed"
+        )
+    return None
 
 
 def _lease_checks(config: Config) -> list[Problem]:
