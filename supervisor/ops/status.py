@@ -11,6 +11,10 @@ The thresholds tell the usual troubles apart: claimable work waiting too long (t
 little capacity), expired leases piling up (workers crash or hang, or the lease is too
 short), a large rejected share (bad input, or a broken backend), and claimable work with
 no live supervisor to claim it (derivd is not running: `[status] min_hosts`).
+
+A probe never hangs: its connection and every statement are bounded (PROBE_TIMEOUT_S,
+client-side everywhere, plus statement_timeout and lock_timeout on a direct connection),
+and a database that does not answer in time is one line and exit status 3.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ from derivd.ops.backfill import Progress
 from derivd.ops.budget import connection_budget
 from derivd.queue.db import (
     NO_SCHEMA,
+    PARENT_LOCK_TIMEOUT_S,
+    PARENT_STATEMENT_TIMEOUT_S,
     DatabaseUnavailable,
+    LockBusy,
     QueueDB,
     QueueStats,
     SchemaMismatch,
@@ -73,6 +80,12 @@ DEFAULT_EVENTS = (
 
 class StatusUnavailable(Exception):
     """The queue's health cannot be read (one line for the operator)."""
+
+
+# The probe's bounds: its statements, and its waits for a lock (a reading of the shared
+# stats another connection is recomputing) on a direct connection.
+PROBE_TIMEOUT_S = PARENT_STATEMENT_TIMEOUT_S
+PROBE_LOCK_TIMEOUT_S = PARENT_LOCK_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -143,6 +156,11 @@ def collect(queue: QueueDB, limits: StatusSettings) -> Report:
         )
     except DatabaseUnavailable as error:
         raise StatusUnavailable(str(error)) from None
+    except LockBusy:
+        raise StatusUnavailable(
+            f"the database did not answer within {PROBE_LOCK_TIMEOUT_S:g}s: a lock another "
+            "connection holds (lock_timeout)"
+        ) from None
     except psycopg.errors.UndefinedTable:  # dropped since the check at start
         raise StatusUnavailable(NO_SCHEMA) from None
     except psycopg.Error as error:
@@ -406,7 +424,7 @@ def run_status(
         # One connection: the schema is checked on the one that reads the status.
         with (
             database(config, read_only=True, check=False) as dsn,
-            QueueDB.open(dsn, role="derivd-status") as queue,
+            QueueDB.open(dsn, role="derivd-status", bound_s=PROBE_TIMEOUT_S) as queue,
         ):
             queue.check_schema()
             warnings = _listen_warnings(config, dsn, queue)
