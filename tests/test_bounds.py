@@ -13,6 +13,8 @@ from collections.abc import Callable
 import psycopg
 import pytest
 from fixtures.pgproxy import PgProxy
+from helpers import wait_for
+from test_supervisor import Supervisor, supervisor  # noqa: F401  (the fixture)
 
 from derivd.queue.db import DatabaseUnavailable, QueueDB, StatementTimeout
 from derivd.queue.worker_queries import CLAIM_TIMEOUT_S
@@ -87,3 +89,36 @@ def test_a_workers_claim_gives_up_when_the_server_freezes(dsn: str) -> None:
         queue.close()
     finally:
         proxy.stop()
+
+
+def heartbeat_during_blocked_stats(dsn: str) -> bool:
+    """Whether the host registry's last heartbeat is later than the start of a stats
+    statement that still waits for its lock: a heartbeat ran while maintenance hung."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity AS a, derivd_hosts AS h"
+            " WHERE a.wait_event_type = 'Lock' AND a.query LIKE '%%derivd_queue_stats%%'"
+            " AND h.last_heartbeat > a.query_start)"
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def test_lease_renewal_keeps_its_pace_while_a_maintenance_round_hangs(
+    supervisor: Callable[..., Supervisor],  # noqa: F811
+    dsn: str,
+) -> None:
+    """The stats round of a real `derivd run` waits for rows another connection locks
+    (a slow database, as the supervisor sees it); heartbeats and renewals go on beside
+    it on their own lane. On the one serial thread they waited behind it."""
+    sup = supervisor(
+        queue={"heartbeat": "0.3", "renew": "yes"}, metrics={"interval": "0.5"}
+    ).start()
+    wait_for(lambda: sup.ready_workers(1), "a ready worker", detail=sup.log)
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT * FROM derivd_stats_cache FOR UPDATE")
+        wait_for(
+            lambda: heartbeat_during_blocked_stats(dsn),
+            "a heartbeat while the stats round waits for its lock",
+            timeout=LIVENESS_S,
+            detail=sup.log,
+        )

@@ -3,9 +3,9 @@
 The parent never imports pyvips and never holds a storage client: children build their
 own after fork (`derivd.processes.child`). Its background duties (heartbeat, exhausted
 rows, stats, event partitions, LISTEN, the sweep) are `derivd.processes.duties` and
-`derivd.processes.sweep_child`, and its database work runs on `derivd.processes.dbthread`;
-what a worker's exit means is `derivd.processes.lifecycle`; the pipes are
-`derivd.processes.pipe`.
+`derivd.processes.sweep_child`, and its database work runs on `derivd.processes.dbthread`
+(two lanes: leases, maintenance); what a worker's exit means is
+`derivd.processes.lifecycle`; the pipes are `derivd.processes.pipe`.
 
 Signal handlers only queue the signal and write to a wake-up pipe; the main loop
 (`run`) dispatches: SIGTERM/SIGINT stop gracefully (a second one escalates), SIGHUP
@@ -105,12 +105,15 @@ class Supervisor:
         self.watchdog = watchdog_interval()
         self.watchdog_at = 0.0
         self.title = ""
-        self.db_thread = DatabaseThread(dsn, wake=self.signals.wake)
+        # Two database lanes: the leases (heartbeat, renewal, attempts the supervisor
+        # ends) never queue behind a slow maintenance round (stats, partitions, rejections).
+        self.lease_thread = DatabaseThread(dsn, wake=self.signals.wake, lane="lease")
+        self.db_thread = DatabaseThread(dsn, wake=self.signals.wake, lane="maintenance")
         self.db_thread.on_notify = self.on_notify
-        self.books = Bookkeeping(self.db_thread, self.metrics)
+        self.books = Bookkeeping(self.lease_thread, self.metrics)
         current = lambda: self.config  # noqa: E731  (duties follow a reload)
         self.duties: list[Duty[Any]] = [
-            Heartbeat(current, self.db_thread, self.metrics, self.workers.values, self.on_lost),
+            Heartbeat(current, self.lease_thread, self.metrics, self.workers.values, self.on_lost),
             ExhaustedRejection(current, self.db_thread),
             FleetStats(current, self.db_thread, self.metrics),
             EventPartitions(current, self.db_thread),
@@ -188,7 +191,7 @@ class Supervisor:
         """Descriptors a forked child must close: the other children's pipes, the wake-up
         pipe, the LISTEN connection and the metrics socket are the parent's alone."""
         fds = [fd for w in self.workers.values() for fd in w.fds()]
-        fds += [*self.signals.fds(), *self.db_thread.fds()]
+        fds += [*self.signals.fds(), *self.lease_thread.fds(), *self.db_thread.fds()]
         metrics_fd = self.metrics.fileno()
         if metrics_fd is not None:
             fds.append(metrics_fd)
@@ -491,7 +494,9 @@ class Supervisor:
                 self.signals.drain()
             else:
                 self.read_status(by_fd[fd])
-        self.db_thread.poll()  # last: the workers' own news is read first
+        # Last: the workers' own news is read first.
+        self.lease_thread.poll()
+        self.db_thread.poll()
 
     def finished(self) -> bool:
         if self.workers:
@@ -512,6 +517,7 @@ class Supervisor:
             backend=self.config.derive.backend,
             burst=self.burst,
         )
+        self.lease_thread.start()
         self.db_thread.start()
         host = self.books.register(self.config)
         now = time.monotonic()
@@ -537,7 +543,10 @@ class Supervisor:
                 duty.stop()
             if self.outcome is None:  # a clean stop: leave the registry
                 self.books.deregister(host)
-            self.db_thread.close(self._close_timeout())
+            # The lease lane first: its releases and the registry row matter most.
+            ends_at = time.monotonic() + self._close_timeout()
+            self.lease_thread.close(self._close_timeout())
+            self.db_thread.close(max(0.1, ends_at - time.monotonic()))
         outcome = self.outcome or RunResult(0)
         event(log, "supervisor stopped", code=outcome.code)
         return outcome
