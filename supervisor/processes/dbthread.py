@@ -77,6 +77,7 @@ class DatabaseThread:
         os.set_blocking(self._task_w, False)
         self._queue: QueueDB | None = None
         self._warned = False
+        self._stopping = False
         self._thread = threading.Thread(target=self._main, name=f"derivd-db-{lane}", daemon=True)
 
     # -- the loop's side (never blocks) ------------------------------------------------
@@ -127,13 +128,19 @@ class DatabaseThread:
                     fds.append(conn.fileno())
         return fds
 
+    def stop_soon(self) -> None:
+        """Let the thread end once the tasks queued so far are done (`close` waits)."""
+        if self._thread.is_alive() and not self._stopping:
+            self._stopping = True
+            self._tasks.put(None)
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._task_w, b"t")
+
     def close(self, timeout: float) -> None:
         """Finish the queued tasks within `timeout` seconds, then stop the thread; what is
         left when time runs out is dropped (leases expire on their own)."""
         if self._thread.is_alive():
-            self._tasks.put(None)
-            with contextlib.suppress(BlockingIOError):
-                os.write(self._task_w, b"t")
+            self.stop_soon()
             self._thread.join(timeout)
             self.poll()
         if not self._thread.is_alive():

@@ -543,10 +543,12 @@ class Supervisor:
                 duty.stop()
             if self.outcome is None:  # a clean stop: leave the registry
                 self.books.deregister(host)
-            # The lease lane first: its releases and the registry row matter most.
+            # Both lanes finish their queues at once, within the one close timeout.
             ends_at = time.monotonic() + self._close_timeout()
-            self.lease_thread.close(self._close_timeout())
-            self.db_thread.close(max(0.1, ends_at - time.monotonic()))
+            for lane in (self.lease_thread, self.db_thread):
+                lane.stop_soon()
+            for lane in (self.lease_thread, self.db_thread):
+                lane.close(max(0.0, ends_at - time.monotonic()))
         outcome = self.outcome or RunResult(0)
         event(log, "supervisor stopped", code=outcome.code)
         return outcome
