@@ -579,6 +579,26 @@ BEGIN
     RETURN NEXT;
 END $$;
 
+-- A worker died holding this attempt (its supervisor reaped it: a crash, kill -9, the OOM
+-- killer): a `worker_died` event on the attempt, then derivd_fail's retry rule with the
+-- attempt counted: back to `queued` after delay_s while attempts remain, else `rejected`
+-- attempts_exhausted. A crashed job waits for no lease (only a dead host's do). Fenced on
+-- the token as derivd_fail is: no row when the attempt had moved on already (reclaimed,
+-- committed, deleted; derivd_fail appends `lease_lost` then). The death is recorded
+-- either way: it happened to that attempt.
+CREATE OR REPLACE FUNCTION derivd_worker_died(file_id bigint, token uuid, attempt integer,
+                                              max_attempts integer, delay_s float8)
+RETURNS TABLE (status text, error_code text)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+    VALUES (derivd_worker_died.file_id, 'worker_died', derivd_worker_died.attempt, token);
+    RETURN QUERY
+        SELECT d.status, d.error_code
+          FROM derivd_fail(derivd_worker_died.file_id, token, derivd_worker_died.attempt,
+                           true, 'attempts_exhausted', max_attempts, delay_s, NULL) AS d;
+END $$;
+
 -- Give a job back (shutdown, or too little lease left) without burning its attempt;
 -- fenced, a failed fence appends `lease_lost`. Returns whether it was released.
 CREATE OR REPLACE FUNCTION derivd_release(file_id bigint, token uuid, attempt integer)

@@ -137,6 +137,14 @@ SELECT status, error_code
                    %(code)s::text, %(max_attempts)s::integer, %(delay_s)s::float8,
                    %(extra_event)s::text);
 
+-- name: worker_died
+-- A dead worker's job, returned by its supervisor (derivd_worker_died in
+-- sql/functions.sql): `worker_died`, then back to `queued` after delay_s with the attempt
+-- counted, or `rejected` attempts_exhausted on its last one. No row: the fence failed.
+SELECT status, error_code
+  FROM derivd_worker_died(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer,
+                          %(max_attempts)s::integer, %(delay_s)s::float8);
+
 -- name: release
 -- Give a job back during shutdown without burning its attempt (derivd_release in
 -- sql/functions.sql; fenced, a failed fence appends `lease_lost`).

@@ -25,7 +25,7 @@ CREATE DOMAIN derivd_error_code AS text CONSTRAINT derivd_error_code_check CHECK
     'attempts_exhausted', 'processing_failed'));
 CREATE DOMAIN derivd_event_kind AS text CONSTRAINT derivd_event_kind_check CHECK (VALUE IN (
     'ready', 'retry', 'rejected', 'lease_lost', 'timeout', 'released', 'exhausted',
-    'delete_requested', 'deleted', 'operator_retry', 'rederived', 'claimed'));
+    'delete_requested', 'deleted', 'operator_retry', 'rederived', 'claimed', 'worker_died'));
 -- A file's priority (higher runs first) and tenant: limits as domains too (migration 0014).
 CREATE DOMAIN derivd_priority AS smallint
     CONSTRAINT derivd_priority_check CHECK (VALUE BETWEEN -100 AND 100);
