@@ -20,7 +20,7 @@ from fixtures.cli import derivd_command, run_cli
 from helpers import alive, proc_title, wait_for
 
 from derivd.config import ConfigError, load_config
-from derivd.processes.procutil import Pidfile, children_of, sd_notify, watchdog_interval
+from derivd.osproc import Pidfile, children_of, sd_notify, watchdog_interval
 from derivd.queue.db import QueueDB
 from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
@@ -354,8 +354,9 @@ def test_sigkill_supervisor_takes_children_along(
     sup = supervisor(supervisor={"workers": "2"}).start()
     workers = wait_for(lambda: sup.ready_workers(2), "two ready workers")
     sup.proc.kill()  # type: ignore[union-attr]
-    sup.wait_exit()
+    assert sup.wait_exit() == -signal.SIGKILL
     wait_for(lambda: not any(alive(p) for p in workers), "every worker to die", timeout=10)
+    assert [p for p in workers if alive(p)] == []
 
 
 def test_unreachable_database_stops_run_in_one_line(
@@ -412,6 +413,8 @@ def test_max_jobs_recycles_worker(supervisor: Callable[..., Supervisor]) -> None
         wait_for(lambda f=file_id: sup.status_is(f, "ready"), f"file {file_id} ready")
     wait_for(lambda: not alive(first), "the first worker to be recycled")
     wait_for(lambda: sup.log().count("reason=max_jobs") >= 2, "two recycles to be logged")
+    assert [sup.row(i)["attempts"] for i in ids] == [1, 1, 1]  # a recycle burns no attempt
+    assert first not in (sup.ready_workers(1) or [])
 
 
 def test_burst_exits_when_drained(supervisor: Callable[..., Supervisor]) -> None:
@@ -493,7 +496,7 @@ def test_sd_notify_without_socket_is_a_no_op() -> None:
 
 
 def test_pidfile_refuses_a_live_owner(tmp_path: Path) -> None:
-    from derivd.processes.procutil import PidfileError
+    from derivd.osproc import PidfileError
 
     path = tmp_path / "x.pid"
     path.write_text(f"{os.getppid()}\n")  # a live process that is not us
