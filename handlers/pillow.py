@@ -2,9 +2,10 @@
 
 Per job: open with only the accepted plugins (so Pillow never hands EPS to Ghostscript or
 guesses at TGA), check the limits from the header, decode once (the first frame, or every
-frame when a variant is animated; JPEG shrunk on load by `draft` as `[derive]
-shrink_on_load` and `geometry.jpeg_shrink` say, then reduced and resampled with Lanczos;
-Pillow has no scaled WebP decode, so WebP is decoded whole), orient, convert to 8-bit
+frame when a variant is animated; a still JPEG by libjpeg-turbo at the M/8 scale of
+`[derive] shrink_on_load` (`jpegscale`, `geometry.jpeg_eighths`), or, where that decoder
+declines it, by Pillow shrunk on load by `draft` (`geometry.jpeg_shrink`), then resampled
+with Lanczos; Pillow has no scaled WebP decode, so WebP is decoded whole), orient, convert to 8-bit
 sRGB, then shape and encode each variant from that one decoded image (`pillow_variants`),
 with metadata stripped.
 

@@ -5,10 +5,12 @@ This is the only module that imports pyvips, and the registry imports it lazily,
 
 Per job: sniff the loader from the first bytes (allowlist), read the header only, check the
 limits, then one thumbnail to the base the largest variant needs, from which every variant
-is derived (`vips_variants`). A still JPEG or WebP is opened at the shrink-on-load scale of
-`[derive] shrink_on_load` (`geometry.jpeg_shrink`, `webp_scale`) and `thumbnail_image` does
-the rest; PNG, GIF, TIFF, AVIF and animated WebP go through `thumbnail_source` (HEIC
-through pi-heif, `decode_heif`). Either way: EXIF autorotation, colour management to sRGB (embedded
+is derived (`vips_variants`). A still JPEG is decoded by libjpeg-turbo at the M/8 scale of
+`[derive] shrink_on_load` (`jpegscale`, `geometry.jpeg_eighths`) and resized, or, where
+that decoder declines it (CMYK, a warning), opened by jpegload at its shrink
+(`geometry.jpeg_shrink`); a still WebP at `webp_scale`; `thumbnail_image` does the rest.
+PNG, GIF, TIFF, AVIF and animated WebP go through `thumbnail_source` (HEIC through
+pi-heif, `decode_heif`). Either way: EXIF autorotation, colour management to sRGB (embedded
 profile, or libvips' built-in CMYK profile for unprofiled CMYK), 16-bit to 8-bit, a
 lanczos3 resize, and streaming, so memory stays near one base-sized buffer plus a few
 scanlines of input. Every loader reads the original's bytes in place (a memory source,
