@@ -13,10 +13,11 @@ import psycopg
 import pytest
 from configs import write_ini
 from fixtures.cli import derivd_command
+from fixtures.readonly import read_only_dir
 from PIL import Image
 
 from derivd.config import Config
-from derivd.embedded.demo import demo_config
+from derivd.demo import demo_config
 from derivd.embedded.pgcluster import discard
 
 RunCli = Callable[..., CompletedProcess[str]]
@@ -92,6 +93,39 @@ def test_status_never_creates_a_cluster(run_cli: RunCli, tmp_path: Path) -> None
     assert list(tmp_path.iterdir()) == []  # no var/, no cluster, no store
 
 
+def test_enqueue_never_creates_a_cluster(run_cli: RunCli, tmp_path: Path) -> None:
+    """From another directory, without -c, `enqueue` started a new embedded cluster in
+    ./var and queued there, where no daemon would ever look; now it refuses as `status`
+    does, in one line that says what to do, and nothing is made or uploaded."""
+    image = tmp_path / "photos" / "a.png"
+    image.parent.mkdir()
+    Image.new("RGB", (8, 8)).save(image)
+    for args in (("enqueue", str(image)), ("retry", "1"), ("delete", "1"), ("backfill",)):
+        result = run_cli(*args, cwd=tmp_path)
+        line = one_line_error(result)
+        assert f"no embedded database under {tmp_path / 'var'}" in line, args
+        assert "`derivd run` or `derivd demo` makes one" in line
+        assert "-c" in line
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["photos"], args
+
+
+def test_a_read_only_store_stops_enqueue_and_run_in_one_line(
+    run_cli: RunCli, dsn: str, tmp_path: Path
+) -> None:
+    """`derivd enqueue` into a read-only store printed a 40-line traceback."""
+    image = tmp_path / "a.png"
+    Image.new("RGB", (8, 8)).save(image)
+    with read_only_dir(tmp_path / "store") as root:
+        env = fs_env(dsn, root)
+        for args in (("enqueue", str(image)), ("run", "--burst")):
+            line = one_line_error(run_cli(*args, env=env))
+            assert f"fs store {root} is not writable: " in line, line
+            assert "Read-only file system" in line or "Permission denied" in line
+            assert "[storage] root" in line
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM archive_files").fetchone() == (0,)
+
+
 def test_config_show_names_the_embedded_database(run_cli: RunCli, tmp_path: Path) -> None:
     (tmp_path / "etc").mkdir()
     ini = write_ini(tmp_path / "etc" / "derivd.ini", {"supervisor": {"state_dir": "../state"}})
@@ -111,6 +145,29 @@ def test_config_show_names_the_embedded_database(run_cli: RunCli, tmp_path: Path
     }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["etc"]  # nothing made
     assert ini.exists()
+
+
+def test_config_show_names_the_file_it_read_and_the_environments_values(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """`config show` printed values without saying where they came from: a file in
+    another directory, the defaults, or an environment variable overriding the file."""
+    (tmp_path / "etc").mkdir()
+    ini = write_ini(tmp_path / "etc" / "derivd.ini", {"queue": {"lease": "90"}})
+    env = {"DERIVD_QUEUE_LEASE": "60", "DERIVD_QUEUE_RETRY_BASE": "2"}
+    result = run_cli("-c", "etc/derivd.ini", "config", "show", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"# read from {ini}"
+    assert lines[1] == "# from the environment: DERIVD_QUEUE_LEASE, DERIVD_QUEUE_RETRY_BASE"
+    at = lines.index("lease = 60")
+    assert lines[at - 1] == "# (from the environment DERIVD_QUEUE_LEASE, not the file)"
+    assert lines[lines.index("max_attempts = 3") - 1].startswith("# attempts per file")
+    defaults = run_cli("config", "show", cwd=tmp_path / "etc")
+    assert defaults.returncode == 0, defaults.stderr
+    assert defaults.stdout.startswith(
+        f"# no config file read: built-in defaults (etc/derivd.ini is not in {tmp_path / 'etc'}"
+    )
 
 
 def test_unreachable_database_is_one_line(run_cli: RunCli, tmp_path: Path) -> None:
