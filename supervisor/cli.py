@@ -209,7 +209,10 @@ def enqueue(
         die(problem, 2)
     files = list(expand_paths(paths))
     # The database (and its schema) first: nothing is uploaded for a row that cannot exist.
-    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-enqueue") as queue:
+    with (
+        database(state.config, create=False) as dsn,
+        QueueDB.open(dsn, role="derivd-enqueue") as queue,
+    ):
         storage = open_storage(state.config)
         storage.check()
         with click.progressbar(
@@ -267,7 +270,10 @@ def backfill(state: State, apply_: bool, max_queued: int, priority: int) -> None
     if problem:
         die(problem, 2)
     configured = configured_set(config.derive_spec(), config.derive.backend)
-    with database(config) as dsn, QueueDB.open(dsn, role="derivd-backfill") as queue:
+    with (
+        database(config, create=False) as dsn,
+        QueueDB.open(dsn, role="derivd-backfill") as queue,
+    ):
         if not apply_:
             for line in scan(queue, configured).lines(configured):
                 click.echo(line)
@@ -471,7 +477,7 @@ def demo(state: State, count: int, backend: str | None, into: str | None) -> Non
     throughput, where the derived files are, and a gallery page to open.
     """
     from derivd.config import check_dsn
-    from derivd.embedded.demo import demo_config, run_demo
+    from derivd.demo import demo_config, run_demo
 
     if into is not None and (problem := check_dsn(into) if into else "give a DSN"):
         die(f"--into: {problem}", 2)
@@ -573,7 +579,10 @@ def delete(state: State, ids: tuple[int, ...]) -> None:
     from derivd.ops import actions
     from derivd.queue.db import QueueDB
 
-    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-cli") as queue:
+    with (
+        database(state.config, create=False) as dsn,
+        QueueDB.open(dsn, role="derivd-cli") as queue,
+    ):
         result = actions.delete(queue, ids, actor=actions.cli_actor())
     if result.done:
         click.echo(f"accepted (now deleting): {_ids(result.done)}")
@@ -609,7 +618,8 @@ def retry(state: State, ids: tuple[int, ...], all_rejected: bool, code: str | No
       derivd retry --rejected                             every rejected file
 
     Only `rejected` files change; the others are listed and left alone (exit 1 when
-    an id is unknown). Content errors (corrupt_content, unsupported_content,
+    an id is unknown). --rejected also queues again the rejected re-derivations of
+    ready files (backfill), listed by file. Content errors (corrupt_content, unsupported_content,
     resource_limit) come back unless the limits or the backend changed. You
     (user@host) are recorded in each file's events.
     """
@@ -622,10 +632,18 @@ def retry(state: State, ids: tuple[int, ...], all_rejected: bool, code: str | No
     from derivd.queue.db import QueueDB
 
     actor = actions.cli_actor()
-    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-cli") as queue:
+    with (
+        database(state.config, create=False) as dsn,
+        QueueDB.open(dsn, role="derivd-cli") as queue,
+    ):
         if all_rejected:
             retried = actions.retry_rejected(queue, code=code, actor=actor)
-            click.echo(f"queued again: {_ids(retried)}" if retried else "nothing to retry")
+            if retried.files:
+                click.echo(f"queued again: {_ids(retried.files)}")
+            if retried.rederivations:
+                click.echo(f"re-derivations queued again: {_ids(retried.rederivations)}")
+            if not (retried.files or retried.rederivations):
+                click.echo("nothing to retry")
             return
         result = actions.retry_ids(queue, ids, actor=actor)
     if result.done:

@@ -14,19 +14,32 @@ import random
 import select
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, TypedDict
 
 from derivd import analysis
 from derivd.config import Config
 from derivd.errors import ErrorCode, Permanent, Transient
-from derivd.fingerprint import configured_set, slot
+from derivd.fingerprint import configured_set, set_problem, slot
 from derivd.handlers.base import Analysis, Derivation, DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
 from derivd.ops.logs import event
-from derivd.queue.db import DatabaseUnavailable, Finished, Job, QueueDB, StoredVariant
+from derivd.queue.db import (
+    Committed,
+    DatabaseUnavailable,
+    Finished,
+    Job,
+    QueueDB,
+    StoredVariant,
+)
 from derivd.queue.retry import record_failure
 from derivd.storage.base import ObjectMissing, Storage, derived_key, open_storage
+from derivd.storage.parallel import Put, put_all
+
+# How a re-derivation's ending outcomes are reported (the others, retry, lease_lost, ...,
+# are an attempt's whatever it derives).
+REDERIVATION_OUTCOMES = {"ready": "rederived", "rejected": "rederive_rejected"}
 
 
 class ClaimTerms(TypedDict):
@@ -94,6 +107,9 @@ class _Derived:
 # short jobs share one commit round trip, and a job that ran this long is committed
 # before the next one starts (so real image jobs never wait for another's).
 FLUSH_AFTER_S = 0.05
+# Threads for a worker's storage requests: every variant of a job at once (the default
+# set has five) plus the next original's GET.
+IO_THREADS = 8
 
 
 class IdleWait:
@@ -165,6 +181,15 @@ class Worker:
         # Jobs claimed by the last commit (commit_and_claim), with when it was sent.
         self._prefetched: tuple[list[Job], float] | None = None
         self._unreported: list[JobResult] = []
+        # The threads a job's PUTs (and the pipeline's I/O) run on, made on first use, in
+        # the process that works (after any fork).
+        self._io: ThreadPoolExecutor | None = None
+
+    @property
+    def io(self) -> ThreadPoolExecutor:
+        if self._io is None:
+            self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="derivd-io")
+        return self._io
 
     @classmethod
     def create(cls, config: Config, dsn: str, *, hooks: WorkerHooks | None = None) -> Worker:
@@ -175,6 +200,8 @@ class Worker:
         return cls(config, queue=queue, storage=storage, handler=handler, hooks=hooks)
 
     def close(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
         self.queue.close()
 
     # -- one job ---------------------------------------------------------------------
@@ -203,6 +230,7 @@ class Worker:
         self.hooks.job_started(job)
         try:
             derivation = self._derive(job)
+            self._check_set(job, derivation)
             original = _storable(derivation.original)
             stored = self._store(job, derivation)
         except Exception as error:  # classified in _failed
@@ -224,7 +252,7 @@ class Worker:
                 "job %s attempt %s failed transiently: %s",
                 job.id,
                 job.attempt,
-                type(error).__name__,
+                error if error.own_words else type(error).__name__,
             )
             log.debug("job %s transient failure: %s", job.id, error, exc_info=True)
             return self._fail(job, retry=True, code=error.code), error.code
@@ -234,8 +262,12 @@ class Worker:
         return self._fail(job, retry=True, code="processing_failed"), "processing_failed"
 
     def _finish(self, job: Job, outcome: str, code: ErrorCode | None, duration_s: float) -> None:
-        """One attempt's outcome: its log line now, its report with the next flush."""
+        """One attempt's outcome: its log line now, its report with the next flush. A
+        re-derivation's end is not a file's: `rederived` / `rederive_rejected` (the
+        metrics' ready and rejected counts are files')."""
         self.jobs_done += 1
+        if job.for_file != job.id:
+            outcome = REDERIVATION_OUTCOMES.get(outcome, outcome)
         event(
             log,
             "job finished",
@@ -296,10 +328,15 @@ class Worker:
         self._pending = [*pending, *self._pending]
         self._commit_pending()
 
-    def _record_commits(self, pending: Sequence[_Derived], committed: set[int]) -> None:
+    def _record_commits(self, pending: Sequence[_Derived], committed: Committed) -> None:
         for d in pending:
             if d.job.id in committed:
                 self._finish(d.job, "ready", None, d.duration_s)
+            elif d.job.id in committed.rejected:
+                # A re-derivation whose set is not its run's configured one (this worker
+                # runs another configuration than the backfill's): the file keeps its set.
+                log.error("job %s: its variant set is not the backfill's target", d.job.id)
+                self._finish(d.job, "rejected", "processing_failed", d.duration_s)
             else:
                 event(log, "lease lost", logging.WARNING, file_id=d.job.id, attempt=d.job.attempt)
                 self._finish(d.job, "lease_lost", None, d.duration_s)
@@ -337,17 +374,35 @@ class Worker:
         )
         return Derivation.of(self.handler.derive(original, self.spec))
 
+    def _check_set(self, job: Job, variants: Sequence[DerivedVariant]) -> None:
+        """A backend fault (final) unless the handler returned exactly the configured set
+        (or, deriving for the first time, nothing: noop): checked before any PUT. A file
+        is never `ready` with part of its set, and a re-derivation never swaps in one."""
+        rederive = job.for_file != job.id
+        problem = set_problem(
+            (slot(v.name, v.format) for v in variants), self.fingerprints, rederive=rederive
+        )
+        if problem:
+            raise Permanent("processing_failed", f"{self.handler.name}: {problem}")
+
     def _store(self, job: Job, variants: Sequence[DerivedVariant]) -> list[StoredVariant]:
         # Under the file's prefix: a re-derivation's objects belong to the file it serves.
         keys = [derived_key(job.for_file, job.token, v.name, v.extension) for v in variants]
-        if keys:
-            # Write-ahead: a crash after a PUT leaves a record for the orphan sweep.
+        if keys and not self.queue.write_ahead_durable(job):
+            # Write-ahead: a crash after a PUT leaves a record for the orphan sweep. The
+            # claim registered the attempt's prefix; this is its flush when no durable
+            # statement has ended since (the first job after an idle claim).
             self.queue.register_pending(job, keys)
+        puts = [
+            Put(key, v.data, v.content_type, v.sha256)
+            for key, v in zip(keys, variants, strict=True)
+        ]
+        versions = put_all(self.storage, puts, self.io)
         return [
             StoredVariant(
                 v.name,
                 key,
-                self.storage.put(key, v.data, v.content_type, sha256=v.sha256),
+                version,
                 v.sha256,
                 v.width,
                 v.height,
@@ -355,7 +410,7 @@ class Worker:
                 v.content_type,
                 self.fingerprints.get(slot(v.name, v.format)),
             )
-            for key, v in zip(keys, variants, strict=True)
+            for key, version, v in zip(keys, versions, variants, strict=True)
         ]
 
     def _fail(self, job: Job, *, retry: bool, code: ErrorCode) -> str:

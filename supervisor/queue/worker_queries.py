@@ -9,10 +9,12 @@ from typing import Any
 
 from derivd.errors import ErrorCode
 from derivd.queue.records import (
+    Committed,
     Finished,
     Job,
 )
 from derivd.queue.statements import Statements
+from derivd.storage.base import ATTEMPT_PREFIX_FORMAT
 
 
 def _claim_params(
@@ -25,6 +27,7 @@ def _claim_params(
         "max_attempts": max_attempts,
         "host": host,
         "tenant_cap": tenant_cap,
+        "prefix_format": ATTEMPT_PREFIX_FORMAT,
     }
 
 
@@ -44,6 +47,14 @@ def _commit_row(finished: Finished) -> dict[str, Any]:
         # Absent keys are NULLs to the commit (derivd_commit_and_claim, sql/functions.sql).
         **({f"original_{k}": v for k, v in asdict(original).items()} if original else {}),
     }
+
+
+def _committed(rows: list[dict[str, Any]]) -> Committed:
+    """The commit's rows (`kind`: committed, rejected; others ignored) as Committed."""
+    return Committed(
+        (int(r["id"]) for r in rows if r["kind"] == "committed"),
+        (int(r["id"]) for r in rows if r["kind"] == "rejected"),
+    )
 
 
 def _jobs(rows: list[dict[str, Any]]) -> list[Job]:
@@ -79,19 +90,40 @@ class WorkerQueries(Statements):
         own token and lease, and records `host` as its holder. `tenant_cap`: at most that
         many rows in flight per tenant (0: no cap)."""
         params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
-        return _jobs(self._all("claim", params))
+        with self._lock:
+            jobs = _jobs(self._all("claim", params))
+            self._unflushed.update(j.token for j in jobs)
+        return jobs
+
+    def write_ahead_durable(self, job: Job) -> bool:
+        """Whether the claim's write-ahead prefix of `job` is flushed (see `claim` in
+        sql/queries.sql): the PUTs may go without a `register_pending` of their own."""
+        with self._lock:
+            return job.token not in self._unflushed
+
+    def _flushed(self) -> None:
+        """A statement that wrote has ended with its WAL flushed (call under the lock)."""
+        self._unflushed.clear()
 
     def register_pending(self, job: Job, keys: Sequence[str]) -> None:
-        self._all("register_pending", {"id": job.id, "token": job.token, "keys": list(keys)})
+        with self._lock:
+            self._all("register_pending", {"id": job.id, "token": job.token, "keys": list(keys)})
+            if keys:
+                self._flushed()
 
-    def commit_many(self, results: Sequence[Finished]) -> set[int]:
+    def commit_many(self, results: Sequence[Finished]) -> Committed:
         """Commit several attempts in one durable statement, each fenced on its own
-        token, with its variants and analysis. Returns the ids that committed; every other
-        one lost its lease (and got a `lease_lost` event)."""
+        token, with its variants and analysis. Returns the ids that committed (and the
+        re-derivations refused: `Committed.rejected`); every other one lost its lease
+        (and got a `lease_lost` event)."""
         if not results:
-            return set()
+            return Committed()
         jobs = json.dumps([_commit_row(f) for f in results])
-        return {int(r["id"]) for r in self._all("commit", {"jobs": jobs})}
+        with self._lock:
+            # Each row commits or records its outcome: the statement always writes.
+            committed = _committed(self._all("commit", {"jobs": jobs}))
+            self._flushed()
+        return committed
 
     def commit_and_claim(
         self,
@@ -102,15 +134,17 @@ class WorkerQueries(Statements):
         max_attempts: int,
         host: str | None = None,
         tenant_cap: int = 0,
-    ) -> tuple[set[int], list[Job]]:
+    ) -> tuple[Committed, list[Job]]:
         """`commit_many` and `claim_many` in one durable statement (one round trip, one
         transaction): the ids that committed, and the newly claimed jobs in claim order.
         Every fence is the same as in the two separate calls."""
         params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
         params["jobs"] = json.dumps([_commit_row(f) for f in results])
-        rows = self._all("commit_and_claim", params)
-        committed = {int(r["id"]) for r in rows if r["kind"] == "committed"}
-        return committed, _jobs([r for r in rows if r["kind"] == "claimed"])
+        with self._lock:
+            rows = self._all("commit_and_claim", params)
+            if results or rows:  # it wrote, and (durable) waited for its flush
+                self._flushed()
+        return _committed(rows), _jobs([r for r in rows if r["kind"] == "claimed"])
 
     def fail(
         self,
