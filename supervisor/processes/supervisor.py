@@ -54,6 +54,7 @@ from derivd.processes.lifecycle import (
 from derivd.processes.pipe import WorkerProc
 from derivd.processes.procutil import SignalQueue, sd_notify, set_proctitle, watchdog_interval
 from derivd.processes.sweep_child import SweepChild
+from derivd.processes.webhook_child import WebhookChild, WebhookSync
 from derivd.queue.db import Job, QueueListener
 
 log = logging.getLogger("derivd.supervisor")
@@ -118,6 +119,10 @@ class Supervisor:
             listener = QueueListener(config.database.listen_dsn or dsn)
             self.duties.append(Listening(current, self.db_thread, listener, self.on_listening))
         self.sweep = SweepChild(current, dsn, self._parent_fds)
+        # Webhooks: the endpoints the outbox subscribes, and the child that POSTs.
+        self.webhook_sync = WebhookSync(current, self.db_thread)
+        self.duties.append(self.webhook_sync)
+        self.webhooks = WebhookChild(current, dsn, self._parent_fds)
         self.status_at = 0.0
 
     # -- signals -----------------------------------------------------------------------
@@ -156,6 +161,8 @@ class Supervisor:
         self.config = new
         self.generation += 1
         self.notified_ready = False
+        self.webhook_sync.now()
+        self.webhooks.reload()
         event(log, "reloading", generation=self.generation, workers=new.worker_count)
 
     # -- the fleet ---------------------------------------------------------------------
@@ -455,6 +462,10 @@ class Supervisor:
         for duty in self.duties:
             duty.tick(now)
         self.run_sweep(now)
+        if self.burst or self.stop_deadline is not None:
+            self.webhooks.reap()
+        else:
+            self.webhooks.tick(now)
         if now >= self.status_at:
             self.status_at = now + self.config.metrics.interval
             sd_notify(f"STATUS={self.status_line()}")
@@ -514,6 +525,7 @@ class Supervisor:
             duty.start(now)
         if not self.burst:
             self.sweep.start(now)
+            self.webhooks.start(now)
         try:
             while True:
                 self.handle_signals()
@@ -533,6 +545,7 @@ class Supervisor:
             for duty in self.duties:
                 duty.stop()
             self.sweep.stop()
+            self.webhooks.stop()
             self.books.give_back_leases(self.sweep.abandoned, "sweep")
             if self.outcome is None:  # a clean stop: leave the registry
                 self.books.deregister(host)

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import date
-from typing import Any, Final, LiteralString
+from typing import Any, Final, LiteralString, Self
 
 import psycopg
 from psycopg import sql
@@ -398,9 +398,16 @@ class QueueListener:
     connection is closed again and reported `pooled`.
     """
 
-    def __init__(self, dsn: str, *, bound_s: float | None = PARENT_STATEMENT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        bound_s: float | None = PARENT_STATEMENT_TIMEOUT_S,
+        channel: str = QUEUED_CHANNEL,  # the delivering process listens on another
+    ) -> None:
         self.dsn = dsn
         self.bound_s = bound_s
+        self.channel = channel
         self.conn: psycopg.Connection[Any] | None = None
 
     @property
@@ -424,7 +431,7 @@ class QueueListener:
             return "pooled"
         try:
             with bounded(conn, self.bound_s):
-                conn.execute(_on_channel("listen", QUEUED_CHANNEL))
+                conn.execute(_on_channel("listen", self.channel))
         except psycopg.Error:
             conn.close()
             return "unavailable"
@@ -463,7 +470,7 @@ class QueueDB:
         self._pooled: bool | None = None  # found when this handle opened `conn`
 
     @classmethod
-    def open(cls, dsn: str, *, role: str = "derivd", bound_s: float | None = None) -> QueueDB:
+    def open(cls, dsn: str, *, role: str = "derivd", bound_s: float | None = None) -> Self:
         """`bound_s`: every statement waits at most that long (the supervisor's own
         connections; a worker's statements are bounded by its job's deadline)."""
         name = f"{role}@{socket.gethostname()}"
@@ -659,11 +666,25 @@ class QueueDB:
         params = {"id": job.id, "token": job.token, "attempt": job.attempt}
         return bool(self._all("record_lease_lost", params))
 
+    def sync_webhook_endpoints(
+        self, subscriptions: Sequence[dict[str, Any]]
+    ) -> tuple[list[str], list[str]]:
+        """Make the database's webhook endpoints these ({name, events, tenants}): the
+        outbox's subscribers. Returns the names removed and those added or changed."""
+        row = self._one("webhook_endpoints_sync", {"endpoints": json.dumps(list(subscriptions))})
+        return (list(row["removed"]), list(row["changed"])) if row else ([], [])
+
     # -- the background duties and the sweep --------------------------------------------
 
     def reject_exhausted(self, *, max_attempts: int, limit: int = 100) -> list[int]:
-        rows = self._all("reject_exhausted", {"max_attempts": max_attempts, "limit": limit})
-        return [r["id"] for r in rows]
+        """Reject rows whose worker died on their last attempt; their `file.rejected`
+        webhooks enter the outbox in the same transaction."""
+        with self._cursor() as cur, self.conn.transaction():
+            cur.execute(_q("reject_exhausted"), {"max_attempts": max_attempts, "limit": limit})
+            ids = [int(r["id"]) for r in cur.fetchall()]
+            if ids:
+                cur.execute(_q("outbox_many"), {"ids": ids, "event": "file.rejected"})
+        return ids
 
     def orphans_due(self, *, guard_s: float, limit: int = 500) -> list[str]:
         return [r["key"] for r in self._all("orphans_due", {"guard_s": guard_s, "limit": limit})]
@@ -678,8 +699,15 @@ class QueueDB:
         return [(r["id"], r["original_key"]) for r in rows]
 
     def mark_deleted(self, file_id: int) -> bool:
-        row = self._one("mark_deleted", {"id": file_id})
-        return bool(row and row["deleted"])
+        """The last step of a deletion; its `file.deleted` webhooks enter the outbox in
+        the same transaction."""
+        with self._cursor() as cur, self.conn.transaction():
+            cur.execute(_q("mark_deleted"), {"id": file_id})
+            row = cur.fetchone()
+            deleted = bool(row and row["deleted"])
+            if deleted:
+                cur.execute(_q("outbox_many"), {"ids": [file_id], "event": "file.deleted"})
+        return deleted
 
     def retired_due(self, *, guard_s: float, limit: int = 500) -> list[str]:
         """Keys of replaced variant sets retired longer than `guard_s` ago."""
