@@ -1,7 +1,8 @@
 -- Every query derivd runs. Blocks start with `-- name: <name>`; the comment lines that
 -- follow say what the query is for. Parameters are psycopg named placeholders; `{name}`
 -- is an identifier composed with psycopg.sql.Identifier, never text pasted in. Only
--- supervisor/queue/db.py executes these; nothing else in derivd builds SQL.
+-- derivd.queue executes these (supervisor/queue/statements.py); nothing else in derivd
+-- builds SQL.
 --
 -- The lease protocol's bodies (derivd_claim, derivd_commit, ...) and the triggers' are in
 -- sql/functions.sql, the tables in sql/schema.sql. The fence is `id + lease_token`

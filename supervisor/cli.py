@@ -74,7 +74,7 @@ class State:
         if self._config is None:
             self._config = load_config(self.config_path, required=self.explicit)
             from derivd.ops.logs import setup_logging
-            from derivd.redact import dsn_password
+            from derivd.redact import dsn_password, url_secrets
 
             setup_logging(
                 self.log_level or self._config.logging.level,
@@ -82,6 +82,7 @@ class State:
                 secrets=[
                     dsn_password(self._config.database.dsn),
                     dsn_password(self._config.database.listen_dsn),
+                    *url_secrets(self._config.storage.endpoint_url),
                 ],
             )
         return self._config
@@ -425,15 +426,21 @@ def config_check(state: State) -> None:
 @pass_state
 @friendly_errors
 def config_show(state: State, defaults: bool) -> None:
-    """Print the effective configuration as INI, with its documentation (secrets masked),
-    then which database it names: for the embedded one, the DSN to reach it with."""
+    """Print which file was read and which settings came from the environment, the
+    effective configuration as INI with its documentation (secrets masked), then which
+    database it names: for the embedded one, the DSN to reach it with."""
     if defaults:
         click.echo(render_ini(None, mask_secrets=True), nl=False)
         return
+    from derivd.config import describe_source
     from derivd.embedded.runtime import describe_database
 
+    config = state.config
     click.echo(
-        render_ini(state.config, mask_secrets=True) + "\n" + describe_database(state.config),
+        describe_source(config)
+        + render_ini(config, mask_secrets=True)
+        + "\n"
+        + describe_database(config),
         nl=False,
     )
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
-from derivd.redact import MASK, mask_dsn, parse_dsn
+from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn
 from derivd.variants import (
     SECTION_PREFIX,
     build_variants,
@@ -49,33 +49,68 @@ Check = Callable[[Any], str | None]  # returns a problem, or None when the value
 
 
 def setting(
-    default: Any, doc: str, *, check: Check | None = None, secret: bool = False, path: bool = False
+    default: Any,
+    doc: str,
+    *,
+    check: Check | None = None,
+    mask: Callable[[str], str] | None = None,
+    path: bool = False,
 ) -> Any:
-    """One declared setting. `path`: a relative value resolves against the directory of
-    the config file that holds it (the working directory without a file)."""
-    return field(
-        default=default, metadata={"doc": doc, "check": check, "secret": secret, "path": path}
-    )
+    """One declared setting. `mask`: how `config show` hides the secret the value may
+    hold. `path`: a relative value resolves against the directory of the config file
+    that holds it (the working directory without a file)."""
+    return field(default=default, metadata={"doc": doc, "check": check, "mask": mask, "path": path})
 
 
-def positive(value: float) -> str | None:
-    return None if value > 0 else "must be greater than 0"
+@dataclass(frozen=True)
+class Bounds:
+    """A number's range, finite at both ends: every numeric setting declares one, so a
+    value like `inf` or `1e300` is refused at load instead of overflowing an interval, an
+    integer column or a timer later. `above`: strictly more than `low`."""
+
+    low: float
+    high: float
+    above: bool = False
+
+    def __call__(self, value: float) -> str | None:
+        # Written so that NaN fails every comparison, hence the check.
+        if (value > self.low if self.above else value >= self.low) and value <= self.high:
+            return None
+        low, high = _number(self.low), _number(self.high)
+        if self.above:
+            return f"must be greater than {low} and at most {high}"
+        return f"must be between {low} and {high}"
 
 
-def non_negative(value: float) -> str | None:
-    return None if value >= 0 else "must be 0 or more"
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:g}"
+
+
+def positive(high: float) -> Bounds:
+    return Bounds(0, high, above=True)
+
+
+def non_negative(high: float) -> Bounds:
+    return Bounds(0, high)
+
+
+def in_range(low: int, high: int) -> Bounds:
+    return Bounds(low, high)
+
+
+fraction = Bounds(0, 1)
+
+
+# Upper bounds, generous for any real deployment, small enough for every use downstream
+# (PostgreSQL intervals and integers, timers, sizes in bytes).
+MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
+DAYS_MAX = 36_500  # a century of days
+COUNT_MAX = 1_000_000_000  # fits PostgreSQL's integer
 
 
 def one_of(*choices: str) -> Check:
     def check(value: str) -> str | None:
         return None if value in choices else f"must be one of: {', '.join(choices)}"
-
-    return check
-
-
-def in_range(low: int, high: int) -> Check:
-    def check(value: int) -> str | None:
-        return None if low <= value <= high else f"must be between {low} and {high}"
 
     return check
 
@@ -149,19 +184,19 @@ class DatabaseSettings:
         "",
         "libpq connection string or URL; empty: a private PostgreSQL cluster under state_dir",
         check=check_dsn,
-        secret=True,
+        mask=mask_dsn,
     )
     listen_dsn: str = setting(
         "",
         "direct connection for LISTEN when dsn is a transaction pooler (PgBouncer); empty: dsn",
         check=check_dsn,
-        secret=True,
+        mask=mask_dsn,
     )
     listen_retry: float = setting(
         1.0,
         "seconds between a supervisor's attempts to (re)open its LISTEN connection, each "
         "checked for a pooler (workers poll meanwhile)",
-        check=positive,
+        check=positive(HOUR),
     )
 
 
@@ -172,33 +207,41 @@ class StorageSettings:
     )
     root: str = setting("", "fs: the store's directory; empty: <state_dir>/objects", path=True)
     bucket: str = setting("", "s3: bucket name (versioning must be enabled)")
-    endpoint_url: str = setting("", "s3: endpoint for MinIO/Ceph/other S3 APIs; empty: AWS")
+    endpoint_url: str = setting(
+        "", "s3: endpoint for MinIO/Ceph/other S3 APIs; empty: AWS", mask=mask_url
+    )
     region: str = setting("", "s3: region; empty: from the AWS environment/profile")
     prefix: str = setting("", "s3: key prefix inside the bucket, e.g. derivd/")
 
 
 @dataclass(frozen=True)
 class SupervisorSettings:
-    workers: int = setting(0, "worker processes; 0: one per CPU", check=non_negative)
+    workers: int = setting(0, "worker processes; 0: one per CPU", check=non_negative(1024))
     job_timeout: float = setting(
         30.0,
         "seconds one job may run before its worker is killed "
         "(below the lease unless [queue] renew = yes)",
-        check=positive,
+        check=positive(7 * DAY),
     )
     kill_grace: float = setting(
-        3.0, "seconds between SIGTERM and SIGKILL for a worker past its deadline", check=positive
+        3.0,
+        "seconds between SIGTERM and SIGKILL for a worker past its deadline",
+        check=positive(HOUR),
     )
     shutdown_grace: float = setting(
         30.0,
         "seconds running jobs get to finish on SIGTERM before they are released",
-        check=non_negative,
+        check=non_negative(DAY),
     )
     max_jobs_per_worker: int = setting(
-        1000, "recycle a worker after this many jobs (with jitter); 0: never", check=non_negative
+        1000,
+        "recycle a worker after this many jobs (with jitter); 0: never",
+        check=non_negative(COUNT_MAX),
     )
     max_worker_rss_mb: int = setting(
-        1024, "recycle a worker whose RSS exceeds this after a job; 0: never", check=non_negative
+        1024,
+        "recycle a worker whose RSS exceeds this after a job; 0: never",
+        check=non_negative(1024 * 1024),
     )
     pidfile: str = setting("", "write the supervisor's pid here; empty: no pidfile", path=True)
     state_dir: str = setting(
@@ -217,13 +260,13 @@ class QueueSettings:
     lease: float = setting(
         45.0,
         "seconds a claim stays valid (database time); a dead host's jobs come back after it",
-        check=positive,
+        check=positive(7 * DAY),
     )
     heartbeat: float = setting(
         0.0,
         "seconds between a supervisor's lease checks (one statement for all its jobs) and "
         "host registry updates, at most lease / 3; 0: the smaller of 10 and lease / 3",
-        check=non_negative,
+        check=non_negative(DAY),
     )
     renew: bool = setting(
         False,
@@ -234,19 +277,19 @@ class QueueSettings:
         3, "attempts per file, crashes and timeouts included", check=in_range(1, 100)
     )
     retry_base: float = setting(
-        5.0, "first retry delay in seconds; doubles per attempt", check=non_negative
+        5.0, "first retry delay in seconds; doubles per attempt", check=non_negative(7 * DAY)
     )
-    retry_max: float = setting(300.0, "longest retry delay in seconds", check=non_negative)
+    retry_max: float = setting(300.0, "longest retry delay in seconds", check=non_negative(7 * DAY))
     retry_jitter: bool = setting(True, "full jitter: wait a random 0..delay (yes/no)")
     poll_interval: float = setting(
-        1.0, "seconds between polls when idle (a fallback when listen = yes)", check=positive
+        1.0, "seconds between polls when idle (a fallback when listen = yes)", check=positive(HOUR)
     )
     listen: bool = setting(True, "wake idle workers with LISTEN/NOTIFY (yes/no)")
     exhausted_interval: float = setting(
         5.0,
         "seconds between a supervisor's rejections of rows whose worker died on their last "
         "attempt (attempts_exhausted)",
-        check=positive,
+        check=positive(DAY),
     )
     claim_batch: int = setting(
         1,
@@ -257,7 +300,7 @@ class QueueSettings:
         0,
         "most jobs of one tenant processing at once, fleet-wide (claims skip a tenant at "
         "the cap); 0: no cap",
-        check=non_negative,
+        check=non_negative(COUNT_MAX),
     )
 
     @property
@@ -279,11 +322,15 @@ class DeriveSettings:
     )
     quality: int = setting(80, "quality, 1-100 (a variant may set its own)", check=in_range(1, 100))
     effort: int = setting(4, "WebP effort (CPU spent on compression), 0-6", check=in_range(0, 6))
-    max_input_mb: float = setting(50.0, "largest original accepted, in MiB", check=positive)
-    max_pixels: int = setting(
-        100_000_000, "largest width x height x frames decoded", check=positive
+    max_input_mb: float = setting(
+        50.0, "largest original accepted, in MiB", check=positive(64 * 1024)
     )
-    max_frames: int = setting(100, "most frames (pages) an original may declare", check=positive)
+    max_pixels: int = setting(
+        100_000_000, "largest width x height x frames decoded", check=positive(10**12)
+    )
+    max_frames: int = setting(
+        100, "most frames (pages) an original may declare", check=positive(COUNT_MAX)
+    )
     concurrency: int = setting(1, "libvips threads per worker", check=in_range(1, 64))
     shrink_on_load: str = setting(
         "fast",
@@ -343,7 +390,7 @@ class WebhookSettings:
     secret: str = setting(
         "",
         "Standard Webhooks secret, whsec_<base64>; or set secret_env or secret_file instead",
-        secret=True,
+        mask=lambda value: MASK if value else value,
     )
     secret_env: str = setting("", "name of an environment variable that holds the secret")
     secret_file: str = setting("", "file that holds the secret", path=True)
@@ -354,14 +401,18 @@ class WebhookSettings:
         "", "comma-separated tenants whose files are announced; empty: all", check=check_tenants
     )
     timeout: float = setting(
-        10.0, "seconds one POST may take in all (connect, send, response)", check=positive
+        10.0,
+        "seconds one POST may take in all (connect, send, response)",
+        check=positive(10 * MINUTE),
     )
     retry_horizon: float = setting(
-        86400.0, "seconds after the event past which it is not retried: failed", check=positive
+        86400.0,
+        "seconds after the event past which it is not retried: failed",
+        check=positive(30 * DAY),
     )
     retry_base: float = setting(
         5.0, "first retry delay (doubles per attempt, full jitter, at most an hour)",
-        check=positive,
+        check=positive(HOUR),
     )  # fmt: skip
     concurrency: int = setting(
         4, "POSTs in flight to this endpoint at once, per host", check=in_range(1, 64)
@@ -373,30 +424,32 @@ class SweepSettings:
     orphan_guard: float = setting(
         3600.0,
         "seconds before an uncommitted object is deleted (must exceed the lease)",
-        check=positive,
+        check=positive(10 * 365 * DAY),
     )
     delete_guard: float = setting(
-        300.0, "seconds a deleted file's objects are kept before removal", check=non_negative
+        300.0,
+        "seconds a deleted file's objects are kept before removal",
+        check=non_negative(365 * DAY),
     )
     interval: float = setting(
-        60.0, "seconds between the supervisor's sweeps; 0: off", check=non_negative
+        60.0, "seconds between the supervisor's sweeps; 0: off", check=non_negative(DAY)
     )
     events_retention_days: int = setting(
         90,
         "days archive_events keeps (whole days are dropped); 0: keep forever",
-        check=non_negative,
+        check=non_negative(DAYS_MAX),
     )
     partitions_interval: float = setting(
         3600.0,
         "seconds between a supervisor's rounds of archive_events partitions (a week of days "
         "ahead, days past retention dropped; also at start); a round that finds the table "
         "locked retries within a minute",
-        check=positive,
+        check=positive(DAY),
     )
     purge_deleted_days: int = setting(
         0,
         "days after which `deleted` rows are removed from archive_files; 0: keep them",
-        check=non_negative,
+        check=non_negative(DAYS_MAX),
     )
 
 
@@ -404,12 +457,10 @@ class SweepSettings:
 class MetricsSettings:
     listen: str = setting("", "host:port for Prometheus metrics; empty: off", check=host_port)
     interval: float = setting(
-        15.0, "seconds between the queue stats queries behind the queue gauges", check=positive
+        15.0,
+        "seconds between the queue stats queries behind the queue gauges",
+        check=positive(HOUR),
     )
-
-
-def fraction(value: float) -> str | None:
-    return None if 0 <= value <= 1 else "must be between 0 and 1"
 
 
 @dataclass(frozen=True)
@@ -419,12 +470,12 @@ class StatusSettings:
     max_oldest_age: float = setting(
         900.0,
         "unhealthy when the oldest claimable row has waited longer (seconds); 0: off",
-        check=non_negative,
+        check=non_negative(365 * DAY),
     )
     max_expired_leases: int = setting(
         10,
         "unhealthy when more processing rows have an expired lease; 0: off",
-        check=non_negative,
+        check=non_negative(COUNT_MAX),
     )
     max_rejected_ratio: float = setting(
         0.2,
@@ -432,22 +483,26 @@ class StatusSettings:
         check=fraction,
     )
     min_finished: int = setting(
-        20, "jobs finished in the window before the rejected share is judged", check=positive
+        20,
+        "jobs finished in the window before the rejected share is judged",
+        check=positive(COUNT_MAX),
     )
     window: float = setting(
-        3600.0, "seconds of events behind the recent counts and rejected share", check=positive
+        3600.0,
+        "seconds of events behind the recent counts and rejected share",
+        check=positive(365 * DAY),
     )
     max_age: float = setting(
         15.0,
         "seconds a reading of the counts and recent events, computed by any host or probe, "
         "is reused (the supervisors refresh it every [metrics] interval); 0: compute each time",
-        check=non_negative,
+        check=non_negative(HOUR),
     )
     min_hosts: int = setting(
         1,
         "unhealthy when fewer supervisors are alive while work is claimable (due queued rows "
         "or expired leases); 0: off",
-        check=non_negative,
+        check=non_negative(10_000),
     )
 
 
@@ -499,7 +554,7 @@ class Config:
         """`[derive]` with every listed variant, sections included (validated at load)."""
         specs, problems = build_variants(self.derive.variants, self.variant_sections)
         if problems:
-            raise ValueError("; ".join(f"[{s}] {k}: {m}" for s, k, m in problems))
+            raise ValueError("; ".join(str(self.problem(*p)) for p in problems))
         return self.derive.spec(specs)
 
     @property
@@ -507,11 +562,11 @@ class Config:
         """This supervisor's name in the host registry and on its claims."""
         return self.supervisor.host_id or socket.gethostname()
 
-    def where(self, section: str, key: str) -> str:
+    def where(self, section: str, key: str | None) -> str:
         """The file (or environment variable) a setting came from, for error messages."""
-        return self.origins.get((section, key), self.source)
+        return self.origins.get((section, key), self.source) if key else self.source
 
-    def problem(self, section: str, key: str, message: str) -> Problem:
+    def problem(self, section: str, key: str | None, message: str) -> Problem:
         """A problem with one setting, named where that setting came from."""
         return Problem(self.where(section, key), section, key, message)
 
@@ -857,12 +912,32 @@ def render_ini(config: Config | None = None, *, mask_secrets: bool = False) -> s
         lines += ["", f"[{name}]"]
         for spec in fields(section):
             value = render_value(getattr(section, spec.name))
-            if mask_secrets and spec.metadata.get("secret"):
-                value = mask_dsn(value)
+            mask = spec.metadata.get("mask")
+            if mask_secrets and mask is not None:
+                value = mask(value)
             lines.append(f"# {spec.metadata['doc']}")
+            origin = config.origins.get((name, spec.name))
+            if origin:  # the file may say otherwise: this is the value in effect
+                lines.append(f"# (from the {origin}, not the file)")
             lines.append(f"{spec.name} = {value}".rstrip())
     lines += _render_variants(config)
     lines += _render_webhooks(config, mask_secrets=mask_secrets)
+    return "\n".join(lines) + "\n"
+
+
+def describe_source(config: Config) -> str:
+    """The comment lines `config show` starts with: which file it read (absolute), or
+    that none was, and how many values the environment gave."""
+    if config.source == DEFAULTS:
+        lines = [
+            f"# no config file read: built-in defaults ({DEFAULT_CONFIG} is not in "
+            f"{Path.cwd()}; -c FILE or ${CONFIG_ENV} names one)"
+        ]
+    else:
+        lines = [f"# read from {Path(config.source).resolve()}"]
+    names = sorted(origin.removeprefix("environment ") for origin in config.origins.values())
+    if names:
+        lines.append(f"# from the environment: {', '.join(names)}")
     return "\n".join(lines) + "\n"
 
 
@@ -889,8 +964,9 @@ def _render_webhooks(config: Config, *, mask_secrets: bool) -> list[str]:
         lines += ["", f"{prefix}[{WEBHOOK_PREFIX}{name}]"]
         for spec in fields(WebhookSettings):
             value = render_value(getattr(values or WebhookSettings(), spec.name))
-            if mask_secrets and spec.metadata.get("secret") and value:
-                value = MASK
+            mask = spec.metadata.get("mask")
+            if mask_secrets and mask is not None:
+                value = mask(value)
             lines.append(f"# {spec.metadata['doc']}")
             lines.append(f"{prefix}{spec.name} = {value}".rstrip())
     return lines

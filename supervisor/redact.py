@@ -90,6 +90,29 @@ def mask_dsn(dsn: str) -> str:
     return masked
 
 
+# A URL's user info: everything between `scheme://` and the LAST `@` before the host's end.
+_URL_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+
+
+def mask_url(url: str) -> str:
+    """A URL (an S3 endpoint) with its user info hidden whole: `user:password@` may hold
+    an access key and its secret, and a user name alone may be either."""
+    return _URL_USERINFO.sub(r"\1" + MASK + "@", url.strip())
+
+
+def url_secrets(url: str) -> list[str]:
+    """The user name and password of a URL, to register: a library's error may echo
+    them in some other spelling than the URL's."""
+    from urllib.parse import unquote, urlsplit
+
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError:
+        return []
+    found = [parts.username, parts.password]
+    return [piece for value in found if value for piece in (value, unquote(value))]
+
+
 def redact(text: str) -> str:
     """`text` without any registered secret or secret-shaped value."""
     for secret in sorted(_SECRETS, key=len, reverse=True):  # longest first: no tails left

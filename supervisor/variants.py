@@ -24,7 +24,7 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 _SHORTHAND = re.compile(r"^([a-z0-9][a-z0-9_-]{0,31}):([0-9]{1,5})$")
 _BOX = re.compile(r"^([0-9]{1,5})\s*[xX]\s*([0-9]{1,5})$")
 
-VariantProblem = tuple[str, str, str]  # section, key, message
+VariantProblem = tuple[str, str | None, str]  # section, key (None: the section), message
 
 
 def is_variant_section(section: str) -> bool:
@@ -122,9 +122,13 @@ def build_variants(
     for name in sections:
         section = SECTION_PREFIX + name
         if not _NAME.match(name):
-            problems.append((section, "-", "NAME must be lower-case letters, digits, - or _"))
+            problems.append((section, None, "NAME must be lower-case letters, digits, - or _"))
         elif name not in names and not any(p[0] == section for p in problems):
-            problems.append((section, "-", "not listed in [derive] variants"))
+            # The key to change is the list, not anything inside the section.
+            unlisted = (
+                f"does not list {name!r}, yet [{section}] exists: list it or remove the section"
+            )
+            problems.append(("derive", "variants", unlisted))
     return tuple(specs), problems
 
 

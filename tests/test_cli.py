@@ -113,6 +113,29 @@ def test_config_show_names_the_embedded_database(run_cli: RunCli, tmp_path: Path
     assert ini.exists()
 
 
+def test_config_show_names_the_file_it_read_and_the_environments_values(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """`config show` printed values without saying where they came from: a file in
+    another directory, the defaults, or an environment variable overriding the file."""
+    (tmp_path / "etc").mkdir()
+    ini = write_ini(tmp_path / "etc" / "derivd.ini", {"queue": {"lease": "90"}})
+    env = {"DERIVD_QUEUE_LEASE": "60", "DERIVD_QUEUE_RETRY_BASE": "2"}
+    result = run_cli("-c", "etc/derivd.ini", "config", "show", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"# read from {ini}"
+    assert lines[1] == "# from the environment: DERIVD_QUEUE_LEASE, DERIVD_QUEUE_RETRY_BASE"
+    at = lines.index("lease = 60")
+    assert lines[at - 1] == "# (from the environment DERIVD_QUEUE_LEASE, not the file)"
+    assert lines[lines.index("max_attempts = 3") - 1].startswith("# attempts per file")
+    defaults = run_cli("config", "show", cwd=tmp_path / "etc")
+    assert defaults.returncode == 0, defaults.stderr
+    assert defaults.stdout.startswith(
+        f"# no config file read: built-in defaults (etc/derivd.ini is not in {tmp_path / 'etc'}"
+    )
+
+
 def test_unreachable_database_is_one_line(run_cli: RunCli, tmp_path: Path) -> None:
     env = fs_env("host=127.0.0.1 port=1 user=x dbname=x connect_timeout=2", tmp_path)
     line = one_line_error(run_cli("migrate", env=env))

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from pathlib import Path
+from typing import get_type_hints
 
 import pytest
 from configs import write_ini
 
 from derivd.config import (
     SECTIONS,
+    Bounds,
     Config,
     ConfigError,
+    VariantSettings,
     config_location,
     example_config,
     known_env_names,
@@ -196,3 +200,33 @@ def test_variants_parse_in_order_and_reject_nonsense() -> None:
 def test_passwords_are_masked() -> None:
     assert mask_dsn("host=db password=s3cret user=x") == "host=db password=*** user=x"
     assert mask_dsn("postgresql://u:s3cret@db/x") == "postgresql://u:***@db/x"
+
+
+def test_every_number_has_a_finite_declared_range(tmp_path: Path) -> None:
+    """`inf` and `1e300` passed `positive` and crashed later: an OverflowError in
+    `max_input_mb`'s bytes, an interval PostgreSQL cannot hold for `[status] window`,
+    `retry_max` or `purge_deleted_days`."""
+    for name, cls in [*SECTIONS.items(), ("variant:x", VariantSettings)]:
+        hints = get_type_hints(cls)
+        for spec in fields(cls):
+            if hints[spec.name] in (int, float):
+                bounds = spec.metadata["check"]
+                assert isinstance(bounds, Bounds), f"[{name}] {spec.name} declares no range"
+                assert math.isfinite(bounds.high), f"[{name}] {spec.name}"
+    named = {
+        "derive": "max_input_mb",
+        "status": "window",
+        "queue": "retry_max",
+        "sweep": "purge_deleted_days",
+    }
+    for value in ("inf", "1e300", "nan", "-inf"):
+        path = write_ini(tmp_path / "big.ini", {s: {k: value} for s, k in named.items()})
+        with pytest.raises(ConfigError) as caught:
+            load_config(path, env={})
+        found = {(p.section, p.key) for p in caught.value.problems}
+        assert set(named.items()) <= found, (value, str(caught.value))
+    with pytest.raises(ConfigError) as caught:
+        load_config(Path("absent.ini"), env={"DERIVD_QUEUE_RETRY_MAX": "inf"})
+    assert str(caught.value) == (
+        "environment DERIVD_QUEUE_RETRY_MAX: [queue] retry_max: must be between 0 and 604,800"
+    )

@@ -155,3 +155,20 @@ def test_the_log_shows_no_fragment_of_a_quoted_password(run_cli: RunCli) -> None
         assert "password=***" in result.stderr  # the log line is there, masked
         everything = result.stdout + result.stderr
         assert "hunter2" not in everything and "is long" not in everything, everything
+
+
+def test_config_show_masks_the_user_info_of_the_s3_endpoint(run_cli: RunCli) -> None:
+    """`[storage] endpoint_url = http://key:secret@minio:9000` was printed as it is."""
+    endpoint = "http://Kx7derivd:Wq9%2Fsecret@127.0.0.1:9000/"
+    assert redact.mask_url(endpoint) == "http://***@127.0.0.1:9000/"
+    assert redact.mask_url("https://minio.internal:9000") == "https://minio.internal:9000"
+    result = run_cli(
+        "config",
+        "show",
+        env={"DERIVD_STORAGE_ENDPOINT_URL": endpoint, "DERIVD_STORAGE_BUCKET": "b"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "endpoint_url = http://***@127.0.0.1:9000/\n" in result.stdout
+    everything = result.stdout + result.stderr
+    for fragment in ("Kx7derivd", "Wq9", "secret@"):
+        assert fragment not in everything

@@ -76,6 +76,8 @@ def test_each_mistake_is_one_line_with_file_section_and_key(
 
 
 def test_listed_names_and_sections_must_meet(tmp_path: Path) -> None:
+    """An unlisted section printed `[variant:spare] -: ...`: the key to change is
+    `[derive] variants`, and a bad section name has no key at all."""
     path = write_ini(tmp_path / "bad.ini", {
         "derive": {"variants": "missing, thumb:320"},
         "variant:thumb": {"size": "320"},
@@ -88,10 +90,11 @@ def test_listed_names_and_sections_must_meet(tmp_path: Path) -> None:
     for expected in (
         "[derive] variants: 'missing' has no [variant:missing] section",
         "[derive] variants: 'thumb:320': [variant:thumb] exists too",
-        "[variant:spare] -: not listed in [derive] variants",
-        "[variant:Bad Name] -: NAME must be lower-case",
+        "[derive] variants: does not list 'spare', yet [variant:spare] exists: list it or",
+        "[variant:Bad Name]: NAME must be lower-case",
     ):
         assert any(line.startswith(f"{path}: {expected}") for line in lines), (expected, lines)
+    assert not any(" -:" in line for line in lines), lines
 
 
 def test_config_check_prints_the_problems_and_fails(run_cli: RunCli, tmp_path: Path) -> None:

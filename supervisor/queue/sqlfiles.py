@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
+from typing import LiteralString
 
 _NAME = re.compile(r"^--\s*name:\s*([a-z0-9_]+)\s*$", re.MULTILINE)
 _FUNCTION = re.compile(r"^CREATE OR REPLACE FUNCTION\s+([a-z0-9_]+)\s*\(", re.MULTILINE)
@@ -61,3 +62,10 @@ def functions() -> str:
 def function_names() -> list[str]:
     """The name of every function sql/functions.sql defines, sorted."""
     return sorted(set(_FUNCTION.findall(functions())))
+
+
+def query(name: str) -> LiteralString:
+    """The named block of sql/queries.sql. The queries come from our own package data,
+    never from input: they are literal."""
+    text: LiteralString = queries()[name]  # type: ignore[assignment]
+    return text

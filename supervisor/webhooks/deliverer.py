@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from derivd.errors import Transient
 from derivd.ops.logs import event
-from derivd.queue.db import QueueListener
-from derivd.queue.deliveries import DELIVERIES_CHANNEL, Delivery, DeliveryDB
+from derivd.queue.db import QueueDB, QueueListener
+from derivd.queue.webhook_queries import DELIVERIES_CHANNEL, Delivery
 from derivd.webhooks.endpoints import Endpoint
 from derivd.webhooks.policy import decide, error_text
 from derivd.webhooks.sender import post
@@ -57,7 +57,7 @@ class Deliverer:
         self.host = host
         self.poll_interval = poll_interval
         self.clock = clock
-        self.db = DeliveryDB.open(dsn, role="derivd-webhooks")
+        self.db = QueueDB.open(dsn, role="derivd-webhooks")
         self.db_lock = threading.Lock()  # one connection, shared by the POSTing threads
         self.listener = QueueListener(listen_dsn or dsn, channel=DELIVERIES_CHANNEL)
         self.busy = dict.fromkeys(self.endpoints, 0)
@@ -92,7 +92,7 @@ class Deliverer:
             if free <= 0:
                 continue
             with self.db_lock:
-                rows = self.db.claim(
+                rows = self.db.claim_deliveries(
                     endpoint.name, limit=free, lease_s=lease_for(endpoint), host=self.host
                 )
             for delivery in rows:
@@ -154,7 +154,7 @@ class Deliverer:
         )
         error = error_text(response)
         with self.db_lock:
-            kept = self.db.finish(
+            kept = self.db.finish_delivery(
                 delivery,
                 status=decision.status,
                 delay_s=decision.delay_s,

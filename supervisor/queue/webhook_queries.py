@@ -1,20 +1,17 @@
 """The webhook outbox's statements (sql/queries.sql, "Webhooks"): the endpoints the
-database knows, the lease protocol of deliveries, their views, replay and retention.
-
-A `QueueDB` with these methods besides (same connection policy, same one place running
-SQL): the delivering process, the supervisor's endpoint sync and the operators' commands
-use it.
-"""
+database knows, the lease protocol of deliveries, their views, replay and retention; and
+`derivd files`' page of files. Part of QueueDB like every other query API."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
-from derivd.queue.db import QueueDB
+from derivd.queue.statements import Statements
 
 # The channel derivd_outbox notifies (sql/functions.sql) whenever it inserts deliveries.
 DELIVERIES_CHANNEL: Final = "derivd_deliveries"
@@ -46,11 +43,24 @@ class Circuit:
     pause_max: float = 3600.0
 
 
-class DeliveryDB(QueueDB):
-    def endpoints(self) -> list[dict[str, Any]]:
+class WebhookQueries(Statements):
+    """The outbox's endpoints, the deliveries' lease protocol, their views, replay and
+    retention."""
+
+    def sync_webhook_endpoints(
+        self, subscriptions: Sequence[dict[str, Any]]
+    ) -> tuple[list[str], list[str]]:
+        """Make the database's webhook endpoints these ({name, events, tenants}): the
+        outbox's subscribers. Returns the names removed and those added or changed."""
+        row = self._one("webhook_endpoints_sync", {"endpoints": json.dumps(list(subscriptions))})
+        return (list(row["removed"]), list(row["changed"])) if row else ([], [])
+
+    def webhook_endpoints(self) -> list[dict[str, Any]]:
         return self._all("webhook_endpoints")
 
-    def claim(self, endpoint: str, *, limit: int, lease_s: float, host: str) -> list[Delivery]:
+    def claim_deliveries(
+        self, endpoint: str, *, limit: int, lease_s: float, host: str
+    ) -> list[Delivery]:
         params = {"endpoint": endpoint, "limit": limit, "lease_s": lease_s, "host": host}
         return [
             Delivery(
@@ -65,7 +75,7 @@ class DeliveryDB(QueueDB):
             for r in self._all("deliveries_claim", params)
         ]
 
-    def finish(
+    def finish_delivery(
         self,
         delivery: Delivery,
         *,
@@ -91,10 +101,10 @@ class DeliveryDB(QueueDB):
         row = self._one("delivery_finish", params)
         return bool(row and row["finished"])
 
-    def stats(self, *, window_s: float) -> list[dict[str, Any]]:
+    def webhook_stats(self, *, window_s: float) -> list[dict[str, Any]]:
         return self._all("webhook_stats", {"window_s": window_s})
 
-    def replay(
+    def replay_deliveries(
         self,
         *,
         endpoint: str | None = None,
@@ -113,7 +123,7 @@ class DeliveryDB(QueueDB):
         row = self._one("deliveries_replay", params)
         return int(row["replayed"]) if row else 0
 
-    def add_test(self, endpoint: str, body: str) -> int:
+    def add_test_delivery(self, endpoint: str, body: str) -> int:
         row = self._one("delivery_test", {"endpoint": endpoint, "body": body})
         assert row is not None
         return int(row["id"])
@@ -121,7 +131,7 @@ class DeliveryDB(QueueDB):
     def delivery(self, delivery_id: int) -> dict[str, Any] | None:
         return self._one("delivery_row", {"id": delivery_id})
 
-    def purge(self, *, older_than_days: int, limit: int = 1000) -> dict[str, int]:
+    def purge_deliveries(self, *, older_than_days: int, limit: int = 1000) -> dict[str, int]:
         """Retention: finished deliveries of events past `older_than_days` (0: none)."""
         rows = self._all("deliveries_purge", {"days": older_than_days, "limit": limit})
         counts: dict[str, int] = {}

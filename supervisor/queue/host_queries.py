@@ -1,0 +1,61 @@
+"""The supervisor's heartbeat and the host registry."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from derivd.queue.records import (
+    HostInfo,
+    Job,
+)
+from derivd.queue.statements import Statements
+
+
+class HostQueries(Statements):
+    """The supervisor's heartbeat and the host registry."""
+
+    def heartbeat(
+        self, host: HostInfo, jobs: Sequence[Job], *, renew: bool, lease_s: float
+    ) -> set[int]:
+        """Check (and with `renew`, extend) the leases of `jobs` and refresh the host's
+        registry row, in one statement. Returns the ids that are not lost: whose lease
+        still holds, or whose attempt has just ended itself (committed, failed or
+        released with its own token) before its worker could report it."""
+        return self._host_seen(host, jobs, renew=renew, lease_s=lease_s, starting=False)
+
+    def register_host(self, host: HostInfo) -> None:
+        """A supervisor starts: its registry row, idle and started now. The heartbeat's
+        statement, holding no jobs: the registry's upsert is written once."""
+        self._host_seen(replace(host, busy=0), [], renew=False, lease_s=0.0, starting=True)
+
+    def _host_seen(
+        self, host: HostInfo, jobs: Sequence[Job], *, renew: bool, lease_s: float, starting: bool
+    ) -> set[int]:
+        params = {
+            **host.__dict__,
+            "jobs": json.dumps([{"id": j.id, "token": str(j.token)} for j in jobs]),
+            "ids": [j.id for j in jobs],
+            "renew": renew,
+            "lease_s": lease_s,
+            "starting": starting,
+        }
+        return {int(r["id"]) for r in self._all("heartbeat", params)}
+
+    def deregister_host(self, host: str, pid: int) -> None:
+        self._all("deregister_host", {"host": host, "pid": pid})
+
+    def prune_hosts(self, *, guard_s: float) -> list[str]:
+        return [str(r["host"]) for r in self._all("prune_hosts", {"guard_s": guard_s})]
+
+    def hosts(self) -> list[dict[str, Any]]:
+        """The host registry, with `alive`, `heartbeat_age_s` and `in_flight` per host."""
+        return self._all("hosts")
+
+    def record_lease_lost(self, job: Job) -> bool:
+        """A `lease_lost` event for an attempt the supervisor killed (none when the lease
+        is this attempt's after all)."""
+        params = {"id": job.id, "token": job.token, "attempt": job.attempt}
+        return bool(self._all("record_lease_lost", params))

@@ -1,0 +1,85 @@
+"""What the queue hands out and takes back: jobs, stored variants, finished attempts,
+host reports, statistics (plain frozen records; no SQL here)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from derivd.handlers.base import Analysis
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    token: uuid.UUID
+    attempt: int
+    original_key: str
+    original_version: str | None
+    wait_s: float
+    # The file whose variants this job makes: its own row, or for a re-derivation
+    # (backfill) the ready file it re-derives (None: `id`).
+    file_id: int | None = None
+
+    @property
+    def for_file(self) -> int:
+        """The file id under whose prefix this job's objects are stored."""
+        return self.id if self.file_id is None else self.file_id
+
+
+@dataclass(frozen=True)
+class StoredVariant:
+    name: str
+    key: str
+    version: str
+    sha256: str
+    width: int
+    height: int
+    format: str = "webp"
+    content_type: str = "image/webp"
+    fingerprint: str | None = None  # of the spec that made it (derivd.fingerprint)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A derived attempt for the fenced commit: its variants as stored (the first is the
+    primary) and the analysis of the original (None: the handler analysed nothing)."""
+
+    job: Job
+    variants: Sequence[StoredVariant]
+    original: Analysis | None = None
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """What a supervisor tells the host registry about itself."""
+
+    host: str
+    pid: int
+    version: str
+    backend: str
+    workers: int
+    busy: int
+    heartbeat_s: float
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    counts: dict[str, int]
+    oldest_claimable_age_s: float | None
+    expired_leases: int
+    estimated: tuple[str, ...] = ()  # statuses whose count is a planner estimate
+
+    @property
+    def rejected_ratio(self) -> float:
+        finished = sum(self.counts.get(s, 0) for s in ("ready", "rejected"))
+        return self.counts.get("rejected", 0) / finished if finished else 0.0
+
+
+@dataclass(frozen=True)
+class EventWindow:
+    """The recent events: how many of each kind, and the rejections by error code."""
+
+    events: dict[str, int]
+    rejected_by_code: dict[str, int]

@@ -1,0 +1,144 @@
+"""The lease protocol as a worker calls it: claim, write-ahead, fenced commit, fail, release."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from derivd.errors import ErrorCode
+from derivd.queue.records import (
+    Finished,
+    Job,
+)
+from derivd.queue.statements import Statements
+
+
+def _claim_params(
+    limit: int, lease_s: float, max_attempts: int, host: str | None, tenant_cap: int
+) -> dict[str, Any]:
+    """The claim's named parameters, shared by `claim` and `commit_and_claim`."""
+    return {
+        "limit": limit,
+        "lease_s": lease_s,
+        "max_attempts": max_attempts,
+        "host": host,
+        "tenant_cap": tenant_cap,
+    }
+
+
+def _commit_row(finished: Finished) -> dict[str, Any]:
+    job, variants, original = finished.job, finished.variants, finished.original
+    primary = variants[0] if variants else None
+    return {
+        "id": job.id,
+        "token": str(job.token),
+        "attempt": job.attempt,
+        "derived_key": primary.key if primary else None,
+        "derived_version": primary.version if primary else None,
+        "sha256": primary.sha256 if primary else None,
+        "width": primary.width if primary else None,
+        "height": primary.height if primary else None,
+        "variants": [v.__dict__ for v in variants],
+        # Absent keys are NULLs to the commit (derivd_commit_and_claim, sql/functions.sql).
+        **({f"original_{k}": v for k, v in asdict(original).items()} if original else {}),
+    }
+
+
+def _jobs(rows: list[dict[str, Any]]) -> list[Job]:
+    """Claimed rows as jobs, in claim order (RETURNING has none)."""
+    rows.sort(key=lambda r: (r["tier"], r["claimable_since"], r["id"]))
+    return [
+        Job(
+            id=row["id"],
+            token=row["lease_token"],
+            attempt=row["attempts"],
+            original_key=row["original_key"],
+            original_version=row["original_version"],
+            wait_s=max(0.0, row["wait_s"] or 0.0),
+            file_id=row.get("file_id"),
+        )
+        for row in rows
+    ]
+
+
+class WorkerQueries(Statements):
+    """The lease protocol as a worker calls it: claim, write-ahead, fenced commit, fail, release."""
+
+    def claim_many(
+        self,
+        *,
+        limit: int,
+        lease_s: float,
+        max_attempts: int,
+        host: str | None = None,
+        tenant_cap: int = 0,
+    ) -> list[Job]:
+        """Lease up to `limit` rows in one statement, in claim order; each row gets its
+        own token and lease, and records `host` as its holder. `tenant_cap`: at most that
+        many rows in flight per tenant (0: no cap)."""
+        params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
+        return _jobs(self._all("claim", params))
+
+    def register_pending(self, job: Job, keys: Sequence[str]) -> None:
+        self._all("register_pending", {"id": job.id, "token": job.token, "keys": list(keys)})
+
+    def commit_many(self, results: Sequence[Finished]) -> set[int]:
+        """Commit several attempts in one durable statement, each fenced on its own
+        token, with its variants and analysis. Returns the ids that committed; every other
+        one lost its lease (and got a `lease_lost` event)."""
+        if not results:
+            return set()
+        jobs = json.dumps([_commit_row(f) for f in results])
+        return {int(r["id"]) for r in self._all("commit", {"jobs": jobs})}
+
+    def commit_and_claim(
+        self,
+        results: Sequence[Finished],
+        *,
+        limit: int,
+        lease_s: float,
+        max_attempts: int,
+        host: str | None = None,
+        tenant_cap: int = 0,
+    ) -> tuple[set[int], list[Job]]:
+        """`commit_many` and `claim_many` in one durable statement (one round trip, one
+        transaction): the ids that committed, and the newly claimed jobs in claim order.
+        Every fence is the same as in the two separate calls."""
+        params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
+        params["jobs"] = json.dumps([_commit_row(f) for f in results])
+        rows = self._all("commit_and_claim", params)
+        committed = {int(r["id"]) for r in rows if r["kind"] == "committed"}
+        return committed, _jobs([r for r in rows if r["kind"] == "claimed"])
+
+    def fail(
+        self,
+        job: Job,
+        *,
+        retry: bool,
+        code: ErrorCode,
+        max_attempts: int,
+        delay_s: float = 0.0,
+        extra_event: str | None = None,
+    ) -> str | None:
+        """Fenced failure. Returns the row's new status, or None when the lease was lost."""
+        row = self._one(
+            "fail",
+            {
+                "id": job.id,
+                "token": job.token,
+                "attempt": job.attempt,
+                "retry": retry,
+                "code": code,
+                "max_attempts": max_attempts,
+                "delay_s": delay_s,
+                "extra_event": extra_event,
+            },
+        )
+        return None if row is None else str(row["status"])
+
+    def release(self, job: Job) -> bool:
+        """Give the job back without burning its attempt. False: the lease was lost."""
+        row = self._one("release", {"id": job.id, "token": job.token, "attempt": job.attempt})
+        return bool(row and row["released"])
