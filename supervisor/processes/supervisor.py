@@ -202,6 +202,8 @@ class Supervisor:
         """Fork what is missing in the current generation (respecting slot backoff)."""
         if self.stop_deadline is not None or self.outcome is not None:
             return
+        if not self.webhook_sync.settled:
+            return  # the first commits must find this configuration's endpoints
         now = time.monotonic()
         current = {w.slot for w in self.workers.values() if w.generation == self.generation}
         for slot_no in range(1, self.config.worker_count + 1):

@@ -7,7 +7,9 @@ forked again after a backoff; SIGHUP replaces it with one of the new configurati
 old one is asked to stop, its POSTs in flight end within their timeout; whatever it
 could not finish comes back when its leases expire). The sync puts this host's endpoints
 in the database at start, on SIGHUP and every SYNC_INTERVAL_S (a start while the
-database was away heals): they are what the outbox subscribes.
+database was away heals): they are what the outbox subscribes. The first workers start
+once the first sync has ended, so that their first commits find this configuration's
+endpoints (a fleet that starts with new sections announces its first files too).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 
 from derivd.config import Config
 from derivd.ops.logs import event
+from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.duties import DatabaseDuty
 from derivd.processes.procutil import set_pdeathsig, set_proctitle
 from derivd.queue.db import QueueDB
@@ -39,10 +42,15 @@ class WebhookSync(DatabaseDuty[tuple[list[str], list[str]]]):
     def interval(self) -> float:
         return SYNC_INTERVAL_S
 
+    def __init__(self, config: Callable[[], Config], thread: DatabaseThread | None = None) -> None:
+        super().__init__(config, thread)
+        self.settled = False  # the first round has ended (either way)
+
     def run_once(self, db: QueueDB) -> tuple[list[str], list[str]]:
         return db.sync_webhook_endpoints([e.subscription() for e in self.config().webhooks])
 
     def on_result(self, result: tuple[list[str], list[str]] | None) -> None:
+        self.settled = True
         if result is None:
             return
         removed, changed = result
