@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 CONFIG ?= etc/derivd.ini
 PYTEST_WORKERS ?= 2
 
-.PHONY: install install-run run test pytest test-unit test-integration test-acceptance lint typecheck chaos bench clean system-deps system-deps-run
+.PHONY: install install-run run test test-fast pytest test-unit test-integration test-acceptance lint typecheck chaos bench clean system-deps system-deps-run
 
 # What pip cannot bring. Running needs PostgreSQL's server only; the test suite also uses
 # pgbouncer, chromium and faketime (their tests skip, each with one line, without them).
@@ -55,10 +55,10 @@ run: install-run
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check supervisor handlers sql tests bench
+	$(BIN)/ruff format --check supervisor handlers sql tests bench harness
 
 typecheck: install
-	MYPYPATH="$$(echo build/__editable__.derivd-*)" $(BIN)/mypy -p derivd
+	MYPYPATH="$$(echo build/__editable__.derivd-*)" $(BIN)/mypy -p derivd -p harness
 
 pytest: install
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) tests
@@ -72,6 +72,10 @@ test-acceptance: install
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m acceptance tests
 
 test: lint typecheck pytest
+
+# While you work: lint, types and every test but the `slow` ones (chaos runs, big inputs).
+test-fast: lint typecheck
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m 'not slow' tests
 
 chaos: install
 	$(BIN)/python bench/chaos.py --full

@@ -4,8 +4,12 @@ Seeds the table with generate_series (seconds, not minutes), then claims through
 product's own `QueueDB.claim` (client round trip included) and commits each job with the
 noop commit, so the claim index sees the churn a real drain gives it. Prints claim
 p50/p99 and the plans (auto_explain, ANALYZE, BUFFERS) of the statements inside one claim.
+With `--baseline REF` a second database gets REF's migrations and functions.sql (as
+bench/traffic.py builds its baseline) and the same rows; the two take their claims in
+interleaved blocks of 100 (a shared machine's load moves within a minute).
 
     .venv/bin/python bench/claim_scale.py [--ready 1000000] [--queued 100000] [--claims 5000]
+                                          [--baseline main]
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 
 import psycopg
 from common import cluster, fresh_db, machine, percentile, table
+from traffic import baseline_db
 
 from derivd.queue.db import Finished, QueueDB
 from derivd.queue.sqlfiles import queries
@@ -81,16 +86,26 @@ def explain_claim(dsn: str) -> str:
     return "\n\n".join(nested or plans)
 
 
-def measure(dsn: str, claims: int) -> list[float]:
-    times: list[float] = []
-    with QueueDB.open(dsn, role="bench") as queue:
-        for _ in range(claims):
-            started = time.perf_counter()
-            jobs = queue.claim_many(limit=1, lease_s=120.0, max_attempts=3)
-            times.append(time.perf_counter() - started)
-            if not jobs:
-                raise SystemExit("queue ran dry: seed more queued rows than claims")
-            queue.commit_many([Finished(jobs[0], [])])
+BLOCK = 100  # claims per database before the next one's turn
+
+
+def measure(dsns: list[str], claims: int) -> list[list[float]]:
+    """Claim round trips (s) per database, `claims` each, interleaved in blocks."""
+    times: list[list[float]] = [[] for _ in dsns]
+    queues = [QueueDB.open(dsn, role="bench") for dsn in dsns]
+    try:
+        for block in range(0, claims, BLOCK):
+            for queue, measured in zip(queues, times, strict=True):
+                for _ in range(min(BLOCK, claims - block)):
+                    started = time.perf_counter()
+                    jobs = queue.claim_many(limit=1, lease_s=120.0, max_attempts=3)
+                    measured.append(time.perf_counter() - started)
+                    if not jobs:
+                        raise SystemExit("queue ran dry: seed more queued rows than claims")
+                    queue.commit_many([Finished(jobs[0], [])])
+    finally:
+        for queue in queues:
+            queue.close()
     return times
 
 
@@ -108,37 +123,41 @@ def main() -> None:
     parser.add_argument("--ready", type=int, default=1_000_000)
     parser.add_argument("--queued", type=int, default=100_000)
     parser.add_argument("--claims", type=int, default=5000)
+    parser.add_argument("--baseline", help="git ref to compare with, in the same run")
     args = parser.parse_args()
     with cluster() as pg:
         dsn = fresh_db(pg, "claim_scale")
-        seed_s = seed(dsn, args.ready, args.queued)
+        builds = [("this build", dsn)]
+        if args.baseline:
+            builds.append((args.baseline, baseline_db(pg, "claim_scale_base", args.baseline)))
+        seed_s = [seed(d, args.ready, args.queued) for _, d in builds]
         plan_before = explain_claim(dsn)
-        times = measure(dsn, args.claims)
+        all_times = measure([d for _, d in builds], args.claims)
         plan_after = explain_claim(dsn)
         print("## claim_scale")
         print("\n".join(machine(dsn)))
         print(
             f"table: {args.ready:,} ready + {args.queued:,} queued rows "
-            f"(seeded in {seed_s:.1f} s); {args.claims:,} claims, each followed by its "
+            f"(seeded in {' / '.join(f'{s:.1f}' for s in seed_s)} s); "
+            f"{args.claims:,} claims per build, each followed by its "
             "noop commit; one client, claim round trip timed"
         )
-        ms = [t * 1000 for t in times]
-        print()
-        print(
-            table(
-                ["claims", "p50 ms", "p90 ms", "p99 ms", "max ms", "mean ms"],
+        rows = []
+        for (label, _), times in zip(builds, all_times, strict=True):
+            ms = [t * 1000 for t in times]
+            rows.append(
                 [
-                    [
-                        len(ms),
-                        percentile(ms, 50),
-                        percentile(ms, 90),
-                        percentile(ms, 99),
-                        max(ms),
-                        sum(ms) / len(ms),
-                    ]
-                ],
+                    label,
+                    len(ms),
+                    percentile(ms, 50),
+                    percentile(ms, 90),
+                    percentile(ms, 99),
+                    max(ms),
+                    sum(ms) / len(ms),
+                ]
             )
-        )
+        print()
+        print(table(["build", "claims", "p50 ms", "p90 ms", "p99 ms", "max ms", "mean ms"], rows))
         print()
         print(table(["relation", "size"], sizes(dsn)))
         print("\nPlans (auto_explain: ANALYZE, BUFFERS) inside one claim, before the run:\n")

@@ -111,11 +111,6 @@ def dhash(small: Small) -> int:
     return bits - (1 << 64) if bits >= 1 << 63 else bits
 
 
-def hamming(a: int, b: int) -> int:
-    """Bits that differ between two dhashes (signed or not)."""
-    return ((a ^ b) & ((1 << 64) - 1)).bit_count()
-
-
 def _grey_area(small: Small, out_w: int, out_h: int) -> list[float]:
     """Luma (BT.601, composited on white) of each cell of an out_w x out_h grid, as the
     area-weighted mean of the pixels it covers (exact box filter, also when enlarging)."""

@@ -57,8 +57,6 @@ AVIF_MAX_PIXELS = 4096 * 4096
 # tile is a decoder run of its own: a grid of thousands of tiny tiles costs far more CPU
 # than its pixel count says. Phones use 512 x 512 tiles: a 48 MP photo has 192.
 HEIF_MAX_TILES = 1024
-FITS = ("inside", "cover")
-GRAVITIES = ("centre", "attention", "entropy")
 
 
 @dataclass(frozen=True)

@@ -296,32 +296,16 @@ END $$;
 
 -- == The lease protocol =================================================================
 
--- A worker's steady state in one round trip and one durable transaction: the fenced
--- commit of its finished attempts, then the claim of up to `lim` next rows (lim = 0:
--- commit only). Rows: kind = 'committed' (id only) or 'claimed' (the claim's columns).
---
--- The commit (`jobs`: a JSON array of {id, token, attempt, derived_key, derived_version,
--- sha256, width, height, variants, original_width, original_height, original_format,
--- original_frames, original_has_alpha, original_colour, original_placeholder,
--- original_dhash}; the analysis keys absent, as from a handler that analyses nothing or a
--- host of a release before 0013: NULLs): each row passes or fails its own fence. Its fenced
--- UPDATE and its event (`ready`, or `lease_lost` when the fence fails) are one
--- statement; for a row that passes, its variants are recorded and, when it stored some,
--- its attempt's write-ahead entries cleared (an attempt registers pending objects
--- exactly for the variants it PUTs).
---
--- `tenant_cap`: [queue] max_in_flight_per_tenant (0: none). `file_id`: the file whose
--- variants the job makes (its own id, or rederive_of), under whose prefix the worker
--- stores them. Both came with migration 0014; the signatures without them stay, as
--- wrappers, for hosts still on the previous release. derivd_commit and derivd_claim
--- are thin wrappers too: one copy of each piece of logic.
---
--- Claim order: expired leases under the attempt cap; then due queued rows by priority
--- DESC, fair_rank, id; every 20th call (derivd_claim_turns) by available_at, id instead.
--- tenant_cap > 0: the candidates are walked in that order (at most 4 x lim + 16), each
--- tenant checked under a transaction-scoped advisory lock (held to the end of the
--- claim's transaction, so two claims of one tenant count each other's rows; works
--- through a transaction pooler), and a tenant with tenant_cap rows `processing` skipped.
+-- The fenced commit of one or more finished attempts (`jobs`: a JSON array of {id,
+-- token, attempt, derived_key, derived_version, sha256, width, height, variants,
+-- original_width, original_height, original_format, original_frames, original_has_alpha,
+-- original_colour, original_placeholder, original_dhash}; the analysis keys absent, as
+-- from a handler that analyses nothing or a host of a release before 0013: NULLs). Each
+-- row passes or fails its own fence. Its fenced UPDATE and its event (`ready`, or
+-- `lease_lost` when the fence fails) are one statement; for a row that passes, its
+-- variants are recorded and, when it stored some, its attempt's write-ahead entries
+-- cleared (an attempt registers pending objects exactly for the variants it PUTs).
+-- Returns the ids that committed. Durable: its caller leaves synchronous_commit alone.
 --
 -- Commit of a re-derivation (rederive_of set): under the file's row lock, while the file
 -- is still `ready`, its variants are replaced by the new ones (the old objects go to
@@ -330,29 +314,14 @@ END $$;
 -- (deleted meanwhile) keeps what it has: the job row is deleted with a `lease_lost`
 -- event and its objects are left to the orphan sweep. Either way the job row's fence
 -- (id + token) is checked first.
-CREATE OR REPLACE FUNCTION derivd_commit_and_claim(jobs jsonb, lim integer, lease_s float8,
-                                                   max_attempts integer, host text,
-                                                   tenant_cap integer)
-RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
-               original_key text, original_version text, wait_s float8, tier integer,
-               claimable_since timestamptz, file_id bigint)
+CREATE OR REPLACE FUNCTION derivd_commit(jobs jsonb)
+RETURNS SETOF bigint
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
 DECLARE
     j record;
     committed boolean;
     target bigint;
-    oldest boolean;
-    ids bigint[];
-    since timestamptz[];
-    tiers integer[];
-    cand_ids bigint[];
-    cand_since timestamptz[];
-    cand_tenants text[];
-    full_tenants text[] := '{}';
-    locked_tenants text[] := '{}';
-    chosen_tenants text[] := '{}';
-    busy integer;
     hooks boolean;  -- any webhook endpoint: asked once, after the first commit passes
 BEGIN
     FOR j IN
@@ -448,62 +417,82 @@ BEGIN
                                   CASE WHEN target IS NULL THEN 'file.ready'
                                        ELSE 'file.rederived' END);
         END IF;
-        kind := 'committed';
-        id := j.id;
-        RETURN NEXT;
+        RETURN NEXT j.id;
     END LOOP;
+END $$;
+
+-- The claim of up to `lim` rows (none when lim < 1), each with its own fresh token and
+-- lease, and the file whose variants it makes (`file_id`: its own id, or rederive_of,
+-- under whose prefix the worker stores them). Its caller decides durability (`claim` in
+-- sql/queries.sql waits for no WAL flush; after a commit it is durable anyway).
+-- `tenant_cap`: [queue] max_in_flight_per_tenant (0: none).
+--
+-- Claim order: expired leases under the attempt cap (the one statement that knows the
+-- rule); then due queued rows by priority DESC, fair_rank, id; every 20th call
+-- (derivd_claim_turns) by available_at, id instead. tenant_cap > 0: the candidates are
+-- walked in that order (at most 4 x lim + 16), each tenant checked under a
+-- transaction-scoped advisory lock (held to the end of the claim's transaction, so two
+-- claims of one tenant count each other's rows; works through a transaction pooler), and
+-- a tenant with tenant_cap rows `processing` skipped.
+CREATE OR REPLACE FUNCTION derivd_claim(lim integer, lease_s float8, max_attempts integer,
+                                        host text, tenant_cap integer)
+RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
+               original_version text, wait_s float8, tier integer,
+               claimable_since timestamptz, file_id bigint)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+DECLARE
+    oldest boolean;
+    wanted integer;
+    ids bigint[];
+    since timestamptz[];
+    tiers integer[];
+    cand_ids bigint[];
+    cand_since timestamptz[];
+    cand_tenants text[];
+    full_tenants text[] := '{}';
+    locked_tenants text[] := '{}';
+    chosen_tenants text[] := '{}';
+    busy integer;
+BEGIN
     IF lim < 1 THEN
         RETURN;
     END IF;
     oldest := nextval('derivd_claim_turns') % 20 = 0;
-    IF tenant_cap < 1 AND NOT oldest THEN
-        -- One statement picks and locks the rows; the second branch is read only for
-        -- what the first leaves of the limit. (Two statements below rather than one with
-        -- a third branch switched off: an unused branch is still set up at every call.)
-        SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier)
+    -- Expired leases first, whatever the turn or the cap (their tenants' rows are
+    -- `processing` already: reclaiming one adds nothing to its tenant's count).
+    SELECT array_agg(e.id), array_agg(e.lease_until), array_agg(0) INTO ids, since, tiers
+      FROM (SELECT f.id, f.lease_until
+              FROM archive_files AS f
+             WHERE f.status = 'processing' AND f.lease_until < now()
+               AND f.attempts < derivd_claim.max_attempts
+             ORDER BY f.lease_until
+             LIMIT lim
+               FOR UPDATE SKIP LOCKED) AS e;
+    wanted := lim - coalesce(cardinality(ids), 0);
+    IF wanted > 0 AND tenant_cap < 1 AND NOT oldest THEN
+        -- (One statement per order rather than one with its order switched by a
+        -- parameter: each is a plain ordered scan of its partial index.)
+        SELECT ids || array_agg(q.id), since || array_agg(q.available_at),
+               tiers || array_agg(1)
           INTO ids, since, tiers
-          FROM (SELECT * FROM (SELECT f.id, f.lease_until AS since, 0 AS tier
-                                 FROM archive_files AS f
-                                WHERE f.status = 'processing' AND f.lease_until < now()
-                                  AND f.attempts < derivd_commit_and_claim.max_attempts
-                                ORDER BY f.lease_until
-                                LIMIT lim
-                                  FOR UPDATE SKIP LOCKED) AS expired
-                UNION ALL
-                SELECT * FROM (SELECT f.id, f.available_at, 1
-                                 FROM archive_files AS f
-                                WHERE f.status = 'queued' AND f.available_at <= now()
-                                ORDER BY f.priority DESC, f.fair_rank, f.id
-                                LIMIT lim
-                                  FOR UPDATE SKIP LOCKED) AS ranked
-                LIMIT lim) AS c;
-    ELSIF tenant_cap < 1 THEN
-        SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier)
-          INTO ids, since, tiers
-          FROM (SELECT * FROM (SELECT f.id, f.lease_until AS since, 0 AS tier
-                                 FROM archive_files AS f
-                                WHERE f.status = 'processing' AND f.lease_until < now()
-                                  AND f.attempts < derivd_commit_and_claim.max_attempts
-                                ORDER BY f.lease_until
-                                LIMIT lim
-                                  FOR UPDATE SKIP LOCKED) AS expired
-                UNION ALL
-                SELECT * FROM (SELECT f.id, f.available_at, 1
-                                 FROM archive_files AS f
-                                WHERE f.status = 'queued' AND f.available_at <= now()
-                                ORDER BY f.available_at, f.id
-                                LIMIT lim
-                                  FOR UPDATE SKIP LOCKED) AS oldest_first
-                LIMIT lim) AS c;
-    ELSE
-        SELECT array_agg(e.id), array_agg(e.since), array_agg(0) INTO ids, since, tiers
-          FROM (SELECT f.id, f.lease_until AS since
+          FROM (SELECT f.id, f.available_at
                   FROM archive_files AS f
-                 WHERE f.status = 'processing' AND f.lease_until < now()
-                   AND f.attempts < derivd_commit_and_claim.max_attempts
-                 ORDER BY f.lease_until
-                 LIMIT lim
-                   FOR UPDATE SKIP LOCKED) AS e;
+                 WHERE f.status = 'queued' AND f.available_at <= now()
+                 ORDER BY f.priority DESC, f.fair_rank, f.id
+                 LIMIT wanted
+                   FOR UPDATE SKIP LOCKED) AS q;
+    ELSIF wanted > 0 AND tenant_cap < 1 THEN
+        SELECT ids || array_agg(q.id), since || array_agg(q.available_at),
+               tiers || array_agg(1)
+          INTO ids, since, tiers
+          FROM (SELECT f.id, f.available_at
+                  FROM archive_files AS f
+                 WHERE f.status = 'queued' AND f.available_at <= now()
+                 ORDER BY f.available_at, f.id
+                 LIMIT wanted
+                   FOR UPDATE SKIP LOCKED) AS q;
+    ELSIF wanted > 0 THEN
         IF oldest THEN
             SELECT array_agg(c.id), array_agg(c.available_at), array_agg(c.t)
               INTO cand_ids, cand_since, cand_tenants
@@ -556,29 +545,52 @@ BEGIN
     UPDATE archive_files AS f
        SET status = 'processing',
            lease_token = gen_random_uuid(),
-           lease_until = now() + make_interval(secs => derivd_commit_and_claim.lease_s),
+           lease_until = now() + make_interval(secs => derivd_claim.lease_s),
            attempts = f.attempts + 1,
            claimed_at = now(),
-           claimed_by = derivd_commit_and_claim.host,
+           claimed_by = derivd_claim.host,
            updated_at = now()
       FROM unnest(ids, since, tiers) AS c(id, since, tier)
      WHERE f.id = c.id
-    RETURNING 'claimed'::text, f.id, f.lease_token, f.attempts, f.original_key,
-              f.original_version, extract(epoch FROM now() - c.since)::float8, c.tier,
-              c.since, coalesce(f.rederive_of, f.id);
+    RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
+              extract(epoch FROM now() - c.since)::float8, c.tier, c.since,
+              coalesce(f.rederive_of, f.id);
+    -- Under a tenant cap each claim records itself, with its row's tenant (migration
+    -- 0015): the history in which a checker sees every tenant's rows in flight at every
+    -- claim (harness.invariants). The event's id is drawn here, after this claim's
+    -- tenant locks and counts, so id order is the order in which claims counted. The
+    -- default claim records nothing (its cost per job is a measured budget).
+    IF tenant_cap > 0 THEN
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token, tenant)
+        SELECT f.id, 'claimed', f.attempts, f.lease_token, f.tenant
+          FROM archive_files AS f
+         WHERE f.id = ANY (ids);
+    END IF;
 END $$;
 
--- The claim alone, with the tenant cap and the file id (its caller decides durability).
-CREATE OR REPLACE FUNCTION derivd_claim(lim integer, lease_s float8, max_attempts integer,
-                                        host text, tenant_cap integer)
-RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
-               original_version text, wait_s float8, tier integer,
+-- A worker's steady state in one round trip and one durable transaction: the fenced
+-- commit of its finished attempts (derivd_commit), then the claim of up to `lim` next
+-- rows (derivd_claim; lim = 0: commit only). The claim comes second and sees the commit:
+-- a committed row is no longer claimable, a committed tenant's row no longer counts
+-- against its cap. Rows: kind = 'committed' (id only) or 'claimed' (the claim's columns).
+-- The signature without tenant_cap and file_id (below) stays, as a wrapper, for hosts
+-- still on a release before 0014.
+CREATE OR REPLACE FUNCTION derivd_commit_and_claim(jobs jsonb, lim integer, lease_s float8,
+                                                   max_attempts integer, host text,
+                                                   tenant_cap integer)
+RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
+               original_key text, original_version text, wait_s float8, tier integer,
                claimable_since timestamptz, file_id bigint)
-LANGUAGE sql AS $$
-    SELECT c.id, c.lease_token, c.attempts, c.original_key, c.original_version, c.wait_s,
-           c.tier, c.claimable_since, c.file_id
-      FROM derivd_commit_and_claim('[]', lim, lease_s, max_attempts, host, tenant_cap) AS c
-$$;
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY
+    SELECT 'committed'::text, c.id, NULL::uuid, NULL::integer, NULL::text, NULL::text,
+           NULL::float8, NULL::integer, NULL::timestamptz, NULL::bigint
+      FROM derivd_commit(jobs) AS c(id);
+    RETURN QUERY
+    SELECT 'claimed'::text, c.*
+      FROM derivd_claim(lim, lease_s, max_attempts, host, tenant_cap) AS c;
+END $$;
 
 -- The contracts of 0008/0010, for hosts on the previous release: no cap, no file id.
 CREATE OR REPLACE FUNCTION derivd_commit_and_claim(jobs jsonb, lim integer, lease_s float8,
@@ -594,12 +606,6 @@ BEGIN
       FROM derivd_commit_and_claim(jobs, lim, lease_s, max_attempts, host, 0) AS c;
 END $$;
 
-CREATE OR REPLACE FUNCTION derivd_commit(jobs jsonb)
-RETURNS SETOF bigint
-LANGUAGE sql AS $$
-    SELECT c.id FROM derivd_commit_and_claim(jobs, 0, 0, 0, NULL, 0) AS c
-$$;
-
 CREATE OR REPLACE FUNCTION derivd_claim(lim integer, lease_s float8, max_attempts integer,
                                         host text)
 RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
@@ -608,7 +614,7 @@ RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
 LANGUAGE sql AS $$
     SELECT c.id, c.lease_token, c.attempts, c.original_key, c.original_version, c.wait_s,
            c.tier, c.claimable_since
-      FROM derivd_commit_and_claim('[]', lim, lease_s, max_attempts, host, 0) AS c
+      FROM derivd_claim(lim, lease_s, max_attempts, host, 0) AS c
 $$;
 
 -- The fenced failure. retry: back to `queued` after delay_s unless the attempts are used
@@ -661,6 +667,26 @@ BEGIN
     status := new_status;
     error_code := new_code;
     RETURN NEXT;
+END $$;
+
+-- A worker died holding this attempt (its supervisor reaped it: a crash, kill -9, the OOM
+-- killer): a `worker_died` event on the attempt, then derivd_fail's retry rule with the
+-- attempt counted: back to `queued` after delay_s while attempts remain, else `rejected`
+-- attempts_exhausted. A crashed job waits for no lease (only a dead host's do). Fenced on
+-- the token as derivd_fail is: no row when the attempt had moved on already (reclaimed,
+-- committed, deleted; derivd_fail appends `lease_lost` then). The death is recorded
+-- either way: it happened to that attempt.
+CREATE OR REPLACE FUNCTION derivd_worker_died(file_id bigint, token uuid, attempt integer,
+                                              max_attempts integer, delay_s float8)
+RETURNS TABLE (status text, error_code text)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+    VALUES (derivd_worker_died.file_id, 'worker_died', derivd_worker_died.attempt, token);
+    RETURN QUERY
+        SELECT d.status, d.error_code
+          FROM derivd_fail(derivd_worker_died.file_id, token, derivd_worker_died.attempt,
+                           true, 'attempts_exhausted', max_attempts, delay_s, NULL) AS d;
 END $$;
 
 -- Give a job back (shutdown, or too little lease left) without burning its attempt;
@@ -934,23 +960,36 @@ LANGUAGE sql STABLE SET max_parallel_workers_per_gather = 0 AS $$
      ORDER BY bit_count((f.original_dhash # h)::bit(64)), f.id
 $$;
 
-CREATE OR REPLACE FUNCTION derivd_similar(file_id bigint, max_distance integer)
+-- At most `max_rows` answers (capped at 10,000 whatever is asked): at a wide distance
+-- most of the table matches, and an unbounded answer is a whole table shipped to one app
+-- process. A top-N sort keeps the scan's memory bounded too.
+CREATE OR REPLACE FUNCTION derivd_similar(file_id bigint, max_distance integer, max_rows integer)
 RETURNS SETOF bigint
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
     h bigint;
+    cap integer := LEAST(GREATEST(coalesce(max_rows, 0), 0), 10000);
 BEGIN
     SELECT f.original_dhash INTO h FROM archive_files AS f WHERE f.id = file_id;
-    IF h IS NULL THEN
+    IF h IS NULL OR cap = 0 THEN
         RETURN;
     END IF;
     IF max_distance <= 7 AND to_regclass('archive_files_dhash_bands') IS NOT NULL THEN
-        RETURN QUERY SELECT n.id FROM derivd_similar_near(h, file_id, max_distance) AS n(id);
+        RETURN QUERY
+        SELECT n.id FROM derivd_similar_near(h, file_id, max_distance) AS n(id) LIMIT cap;
     ELSE
         RETURN QUERY
         SELECT f.id FROM archive_files AS f
          WHERE f.status = 'ready' AND f.id <> file_id
            AND bit_count((f.original_dhash # h)::bit(64)) <= max_distance
-         ORDER BY bit_count((f.original_dhash # h)::bit(64)), f.id;
+         ORDER BY bit_count((f.original_dhash # h)::bit(64)), f.id
+         LIMIT cap;
     END IF;
 END $$;
+
+-- The two-argument form of earlier releases (and of the README's SQL): the 100 nearest.
+CREATE OR REPLACE FUNCTION derivd_similar(file_id bigint, max_distance integer)
+RETURNS SETOF bigint
+LANGUAGE sql STABLE AS $$
+    SELECT derivd_similar(file_id, max_distance, 100)
+$$;

@@ -32,14 +32,13 @@ SELECT to_regclass('derivd_migrations') IS NOT NULL AS present;
 INSERT INTO derivd_migrations (name) VALUES (%(name)s);
 
 -- name: functions_missing
--- Which of the functions this derivd calls (`names`: those of sql/functions.sql) the
--- database lacks. A release may add a function without a migration; its hosts must not
--- start before `derivd migrate` has created it.
-SELECT n AS name
-  FROM unnest(%(names)s::text[]) AS n
- WHERE NOT EXISTS (SELECT 1 FROM pg_proc AS p
-                    WHERE p.proname = n AND pg_function_is_visible(p.oid))
- ORDER BY n;
+-- Which of the functions this derivd calls (`signatures`: those of sql/functions.sql, as
+-- `name(argument types)`) the database lacks. A release may add a function or an overload
+-- without a migration; its hosts must not start before `derivd migrate` has created it.
+SELECT s AS signature
+  FROM unnest(%(signatures)s::text[]) AS s
+ WHERE to_regprocedure(s) IS NULL
+ ORDER BY s;
 
 -- name: enqueue
 -- Queue confirmed originals (key and version already stored), all at one priority and
@@ -70,13 +69,33 @@ UNLISTEN {channel};
 -- a server crash just leaves the rows as they were, and each attempt's fenced commit,
 -- fail or release, all durable, flush it anyway. That halves the flushes a job waits
 -- for; the fence (the token) is untouched.
-SELECT c.*
-  FROM set_config('synchronous_commit', 'off', true) AS no_flush_wait,
-       derivd_claim(%(limit)s::integer, %(lease_s)s::float8, %(max_attempts)s::integer,
-                    %(host)s::text, %(tenant_cap)s::integer) AS c;
+-- Each claimed attempt's key prefix goes to the write-ahead registry in the same
+-- transaction (`prefix_format`: derivd.storage.base.ATTEMPT_PREFIX_FORMAT, filled with
+-- the file and the token): no round trip of its own before the PUTs. Not flushed here:
+-- the worker registers its keys itself unless a durable statement of its connection
+-- has ended since (derivd.worker, "write-ahead").
+WITH c AS MATERIALIZED (
+    SELECT c.*
+      FROM set_config('synchronous_commit', 'off', true) AS no_flush_wait,
+           derivd_claim(%(limit)s::integer, %(lease_s)s::float8, %(max_attempts)s::integer,
+                        %(host)s::text, %(tenant_cap)s::integer) AS c
+), registered AS (
+    INSERT INTO pending_objects (key, file_id, lease_token)
+    SELECT format(%(prefix_format)s::text, coalesce(c.file_id, c.id), c.lease_token),
+           c.id, c.lease_token
+      FROM c
+    ON CONFLICT (key) DO NOTHING
+)
+SELECT * FROM c;
 
 -- name: register_pending
--- Write-ahead: the keys an attempt is about to PUT, so a crash leaves a trail to sweep.
+-- Write-ahead: the keys an attempt is about to PUT, so a crash leaves a trail to sweep,
+-- durable. They replace the attempt's prefix registered by its claim (the keys name
+-- everything it will write).
+WITH prefix AS (
+    DELETE FROM pending_objects
+     WHERE lease_token = %(token)s AND right(key, 1) = '/'
+)
 INSERT INTO pending_objects (key, file_id, lease_token)
 SELECT k, %(id)s, %(token)s FROM unnest(%(keys)s::text[]) AS k
 ON CONFLICT (key) DO NOTHING;
@@ -92,10 +111,21 @@ SELECT id FROM derivd_commit(%(jobs)s::jsonb) AS id;
 -- A worker's steady state in one round trip and one durable transaction: the commit,
 -- then the claim, in one function body (derivd_commit_and_claim in sql/functions.sql;
 -- derivd_commit and derivd_claim wrap it). Rows: kind = 'committed' (id) or 'claimed'
--- (the claim's columns).
-SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, %(limit)s::integer,
-                                      %(lease_s)s::float8, %(max_attempts)s::integer,
-                                      %(host)s::text, %(tenant_cap)s::integer);
+-- (the claim's columns). Each claimed attempt's key prefix is registered write-ahead as
+-- in `claim`, here flushed with the commit.
+WITH c AS MATERIALIZED (
+    SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, %(limit)s::integer,
+                                          %(lease_s)s::float8, %(max_attempts)s::integer,
+                                          %(host)s::text, %(tenant_cap)s::integer)
+), registered AS (
+    INSERT INTO pending_objects (key, file_id, lease_token)
+    SELECT format(%(prefix_format)s::text, coalesce(c.file_id, c.id), c.lease_token),
+           c.id, c.lease_token
+      FROM c
+     WHERE c.kind = 'claimed'
+    ON CONFLICT (key) DO NOTHING
+)
+SELECT * FROM c;
 
 -- name: fail
 -- The fenced failure (derivd_fail in sql/functions.sql). retry = true: back to `queued`
@@ -106,6 +136,14 @@ SELECT status, error_code
   FROM derivd_fail(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer, %(retry)s::boolean,
                    %(code)s::text, %(max_attempts)s::integer, %(delay_s)s::float8,
                    %(extra_event)s::text);
+
+-- name: worker_died
+-- A dead worker's job, returned by its supervisor (derivd_worker_died in
+-- sql/functions.sql): `worker_died`, then back to `queued` after delay_s with the attempt
+-- counted, or `rejected` attempts_exhausted on its last one. No row: the fence failed.
+SELECT status, error_code
+  FROM derivd_worker_died(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer,
+                          %(max_attempts)s::integer, %(delay_s)s::float8);
 
 -- name: release
 -- Give a job back during shutdown without burning its attempt (derivd_release in
@@ -462,9 +500,10 @@ SELECT f.status, f.error_code,
 
 -- name: similar
 -- derivd.client.similar: the other ready files within `max` bits of this file's dhash,
--- nearest first; none when it has no dhash (or no row has this id). The function takes
--- the optional band index when it exists (no migration creates it: functions.sql, README).
-SELECT id FROM derivd_similar(%(id)s, %(max)s) AS id;
+-- nearest first, at most `limit`; none when it has no dhash (or no row has this id). The
+-- function takes the optional band index when it exists (no migration creates it:
+-- functions.sql, README).
+SELECT id FROM derivd_similar(%(id)s, %(max)s, %(limit)s) AS id;
 
 -- name: dashboard_in_flight
 -- The dashboard's jobs in flight (every host), oldest lease first, through the partial
@@ -608,7 +647,7 @@ SELECT derivd_rehome_default_events(
 -- duty was away longer than it creates ahead): `derivd status` warns.
 SELECT EXISTS (SELECT 1 FROM archive_events_default) AS present;
 
--- Webhooks (issue 29; migration 0015; DESIGN.md "Webhooks") ----------------------------
+-- Webhooks (issue 29; migration 0017; DESIGN.md "Webhooks") ----------------------------
 
 -- name: outbox_many
 -- The outbox of rows a statement just rejected or deleted, run right after it in the same

@@ -209,7 +209,10 @@ def enqueue(
         die(problem, 2)
     files = list(expand_paths(paths))
     # The database (and its schema) first: nothing is uploaded for a row that cannot exist.
-    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-enqueue") as queue:
+    with (
+        database(state.config, create=False) as dsn,
+        QueueDB.open(dsn, role="derivd-enqueue") as queue,
+    ):
         storage = open_storage(state.config)
         storage.check()
         with click.progressbar(
@@ -267,7 +270,10 @@ def backfill(state: State, apply_: bool, max_queued: int, priority: int) -> None
     if problem:
         die(problem, 2)
     configured = configured_set(config.derive_spec(), config.derive.backend)
-    with database(config) as dsn, QueueDB.open(dsn, role="derivd-backfill") as queue:
+    with (
+        database(config, create=False) as dsn,
+        QueueDB.open(dsn, role="derivd-backfill") as queue,
+    ):
         if not apply_:
             for line in scan(queue, configured).lines(configured):
                 click.echo(line)
@@ -573,7 +579,10 @@ def delete(state: State, ids: tuple[int, ...]) -> None:
     from derivd.ops import actions
     from derivd.queue.db import QueueDB
 
-    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-cli") as queue:
+    with (
+        database(state.config, create=False) as dsn,
+        QueueDB.open(dsn, role="derivd-cli") as queue,
+    ):
         result = actions.delete(queue, ids, actor=actions.cli_actor())
     if result.done:
         click.echo(f"accepted (now deleting): {_ids(result.done)}")
@@ -622,7 +631,10 @@ def retry(state: State, ids: tuple[int, ...], all_rejected: bool, code: str | No
     from derivd.queue.db import QueueDB
 
     actor = actions.cli_actor()
-    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-cli") as queue:
+    with (
+        database(state.config, create=False) as dsn,
+        QueueDB.open(dsn, role="derivd-cli") as queue,
+    ):
         if all_rejected:
             retried = actions.retry_rejected(queue, code=code, actor=actor)
             click.echo(f"queued again: {_ids(retried)}" if retried else "nothing to retry")
@@ -696,10 +708,11 @@ def files(
 @click.argument("file_id", type=click.IntRange(min=1), metavar="ID")
 @click.option("--max-distance", type=click.IntRange(0, 64), default=6, show_default=True,
               help="Most differing bits of the 64-bit dhash.")  # fmt: skip
+@click.option("--limit", type=click.IntRange(1, 10000), default=100, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @pass_state
 @friendly_errors
-def similar(state: State, file_id: int, max_distance: int, as_json: bool) -> None:
+def similar(state: State, file_id: int, max_distance: int, limit: int, as_json: bool) -> None:
     """The ready files that look like file ID (near-duplicates by dhash), nearest first."""
     import json
 
@@ -709,7 +722,7 @@ def similar(state: State, file_id: int, max_distance: int, as_json: bool) -> Non
     with database(state.config, read_only=True) as dsn, QueueDB.open(dsn, role="derivd-cli") as q:
         if q.status_of(file_id) is None:
             die(f"no file with id {file_id}")
-        ids = q.similar(file_id, max_distance)
+        ids = q.similar(file_id, max_distance, limit)
     if as_json:
         click.echo(json.dumps({"id": file_id, "max_distance": max_distance, "similar": ids}))
     else:

@@ -218,16 +218,29 @@ def result(conn: psycopg.Connection[Any], file_id: int) -> Result:
     )
 
 
-def similar(conn: psycopg.Connection[Any], file_id: int, max_distance: int = 6) -> list[int]:
+SIMILAR_LIMIT = 100  # what similar returns at most unless asked otherwise
+SIMILAR_LIMIT_MAX = 10_000  # the function's own cap (sql/functions.sql, derivd_similar)
+
+
+def similar(
+    conn: psycopg.Connection[Any],
+    file_id: int,
+    max_distance: int = 6,
+    *,
+    limit: int = SIMILAR_LIMIT,
+) -> list[int]:
     """Ids of the other `ready` files whose dhash is within `max_distance` bits (Hamming
-    distance, 0-64) of this file's, nearest first (then by id): re-uploads of the same
-    picture, resized or re-encoded. Empty when this file has no dhash (not ready yet, or
-    its handler analyses nothing). UnknownFile for an id no row has."""
+    distance, 0-64) of this file's, nearest first (then by id), at most `limit`
+    (1-10,000): re-uploads of the same picture, resized or re-encoded. Empty when this
+    file has no dhash (not ready yet, or its handler analyses nothing). UnknownFile for
+    an id no row has."""
     if not 0 <= max_distance <= 64:
         raise ValueError(f"max_distance must be within 0-64 bits, not {max_distance}")
+    if not 1 <= limit <= SIMILAR_LIMIT_MAX:
+        raise ValueError(f"limit must be within 1-{SIMILAR_LIMIT_MAX:,}, not {limit}")
     queue = QueueDB(conn)
     with _own(conn):
-        ids = queue.similar(file_id, max_distance)
+        ids = queue.similar(file_id, max_distance, limit)
         if not ids and queue.status_of(file_id) is None:
             raise UnknownFile(f"no file with id {file_id}")
     return ids

@@ -11,7 +11,12 @@ from derivd.states import ErrorCode as ErrorCode
 
 
 class Outcome(Exception):
-    """Base class of every failure a job can end an attempt with."""
+    """Base class of every failure a job can end an attempt with.
+
+    `own_words`: the message is derivd's own (a path, a reason, a status code), never
+    text a plugin or a library wrote, so the log shows it whole at any level."""
+
+    own_words = False
 
 
 class Permanent(Outcome):

@@ -14,6 +14,7 @@ import random
 import select
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, TypedDict
 
@@ -27,6 +28,7 @@ from derivd.ops.logs import event
 from derivd.queue.db import DatabaseUnavailable, Finished, Job, QueueDB, StoredVariant
 from derivd.queue.retry import record_failure
 from derivd.storage.base import ObjectMissing, Storage, derived_key, open_storage
+from derivd.storage.parallel import Put, put_all
 
 
 class ClaimTerms(TypedDict):
@@ -94,6 +96,9 @@ class _Derived:
 # short jobs share one commit round trip, and a job that ran this long is committed
 # before the next one starts (so real image jobs never wait for another's).
 FLUSH_AFTER_S = 0.05
+# Threads for a worker's storage requests: every variant of a job at once (the default
+# set has five) plus the next original's GET.
+IO_THREADS = 8
 
 
 class IdleWait:
@@ -165,6 +170,15 @@ class Worker:
         # Jobs claimed by the last commit (commit_and_claim), with when it was sent.
         self._prefetched: tuple[list[Job], float] | None = None
         self._unreported: list[JobResult] = []
+        # The threads a job's PUTs (and the pipeline's I/O) run on, made on first use, in
+        # the process that works (after any fork).
+        self._io: ThreadPoolExecutor | None = None
+
+    @property
+    def io(self) -> ThreadPoolExecutor:
+        if self._io is None:
+            self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="derivd-io")
+        return self._io
 
     @classmethod
     def create(cls, config: Config, dsn: str, *, hooks: WorkerHooks | None = None) -> Worker:
@@ -175,6 +189,8 @@ class Worker:
         return cls(config, queue=queue, storage=storage, handler=handler, hooks=hooks)
 
     def close(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
         self.queue.close()
 
     # -- one job ---------------------------------------------------------------------
@@ -224,7 +240,7 @@ class Worker:
                 "job %s attempt %s failed transiently: %s",
                 job.id,
                 job.attempt,
-                type(error).__name__,
+                error if error.own_words else type(error).__name__,
             )
             log.debug("job %s transient failure: %s", job.id, error, exc_info=True)
             return self._fail(job, retry=True, code=error.code), error.code
@@ -329,14 +345,21 @@ class Worker:
     def _store(self, job: Job, variants: Sequence[DerivedVariant]) -> list[StoredVariant]:
         # Under the file's prefix: a re-derivation's objects belong to the file it serves.
         keys = [derived_key(job.for_file, job.token, v.name, v.extension) for v in variants]
-        if keys:
-            # Write-ahead: a crash after a PUT leaves a record for the orphan sweep.
+        if keys and not self.queue.write_ahead_durable(job):
+            # Write-ahead: a crash after a PUT leaves a record for the orphan sweep. The
+            # claim registered the attempt's prefix; this is its flush when no durable
+            # statement has ended since (the first job after an idle claim).
             self.queue.register_pending(job, keys)
+        puts = [
+            Put(key, v.data, v.content_type, v.sha256)
+            for key, v in zip(keys, variants, strict=True)
+        ]
+        versions = put_all(self.storage, puts, self.io)
         return [
             StoredVariant(
                 v.name,
                 key,
-                self.storage.put(key, v.data, v.content_type, sha256=v.sha256),
+                version,
                 v.sha256,
                 v.width,
                 v.height,
@@ -344,7 +367,7 @@ class Worker:
                 v.content_type,
                 self.fingerprints.get(slot(v.name, v.format)),
             )
-            for key, v in zip(keys, variants, strict=True)
+            for key, version, v in zip(keys, versions, variants, strict=True)
         ]
 
     def _fail(self, job: Job, *, retry: bool, code: ErrorCode) -> str:

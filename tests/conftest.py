@@ -38,6 +38,8 @@ from derivd.queue.db import QueueDB
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
+    from derivd.handlers.base import Handler
+
 __all__ = ["TEST_ACCESS_KEY", "TEST_REGION", "TEST_SECRET_KEY"]
 
 TEMPLATE_DB = "derivd_template"
@@ -195,6 +197,15 @@ def queue(dsn: str) -> Iterator[QueueDB]:
     """derivd's side of the test database: a connection of its own, as a worker's."""
     with QueueDB.open(dsn) as q:
         yield q
+
+
+@pytest.fixture(scope="module")
+def both(request: pytest.FixtureRequest) -> dict[str, Handler]:
+    """Both built-in backends, made for the requesting module's `SPEC` (its variants)."""
+    from derivd.handlers.registry import create_handler
+
+    spec = request.module.SPEC
+    return {name: create_handler(name, spec) for name in ("vips", "pillow")}
 
 
 @pytest.fixture

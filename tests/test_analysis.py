@@ -16,22 +16,20 @@ import io
 
 import imagegen
 import pytest
+from fixtures.analysis import average_rgb, hamming
 from PIL import Image, ImageStat
 from test_handlers import BACKENDS, CMYK_UNPROFILED, READY_CASES, SPEC
 
-from derivd.embedded.thumbhash import average_rgb
 from derivd.handlers.analysis import (
     Small,
     analyse,
     dhash,
-    hamming,
     mean_colour,
     rgba_of,
     small_size,
     thumbhash,
 )
 from derivd.handlers.base import Analysis, Derivation, Handler
-from derivd.handlers.registry import create_handler
 
 COLOUR_LEVELS = 2
 DHASH_PARITY_BITS = 4
@@ -41,11 +39,6 @@ PLACEHOLDER_DC = 0.03
 SAME_PICTURE_BITS = 6
 UNRELATED_BITS = 16
 DC_FRACTION = 0.10
-
-
-@pytest.fixture(scope="module")
-def both() -> dict[str, Handler]:
-    return {name: create_handler(name, SPEC) for name in BACKENDS}
 
 
 def pattern(width: int, height: int, alpha: bool) -> Small:

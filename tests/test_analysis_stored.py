@@ -271,6 +271,24 @@ def test_similar_refuses_an_unknown_id_and_an_impossible_distance(
         client.similar(conn, 12345)
     with pytest.raises(ValueError, match="0-64"):
         client.similar(conn, 1, max_distance=65)
+    for limit in (0, 10_001):
+        with pytest.raises(ValueError, match="limit must be within 1-10,000"):
+            client.similar(conn, 1, limit=limit)
+
+
+def test_similar_answers_at_most_its_limit(conn: psycopg.Connection[Any], queue: QueueDB) -> None:
+    """derivd_similar had no LIMIT: at a wide distance it shipped the whole table."""
+    me = ready(queue, conn, PHOTO)
+    same = [ready(queue, conn, PHOTO) for _ in range(4)]
+    assert client.similar(conn, me, max_distance=64) == same
+    assert client.similar(conn, me, max_distance=64, limit=2) == same[:2]
+
+    def direct(sql: str) -> list[int]:
+        return [r[0] for r in conn.execute(sql, {"id": me})]  # type: ignore[call-overload]
+
+    assert direct("SELECT derivd_similar(%(id)s, 64, 3)") == same[:3]
+    assert direct("SELECT derivd_similar(%(id)s, 64, 0)") == []
+    assert direct("SELECT derivd_similar(%(id)s, 64)") == same  # the two-argument form: 100
 
 
 def test_the_readme_similar_sql_answers_as_the_client_does(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +47,6 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
     server = request.getfixturevalue("s3_server")
     bucket = request.getfixturevalue("s3_bucket")
     return {"s3": {"bucket": bucket, "endpoint_url": server.endpoint_url, "region": "us-east-1"}}
-
-
-@pytest.fixture
-def queue(dsn: str) -> Iterator[QueueDB]:
-    q = QueueDB.open(dsn)
-    yield q
-    q.close()
 
 
 def config(dsn: str, store: dict[str, Any], variants: str) -> Config:

@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from configs import write_ini
 from fixtures.cli import derivd_command
+from fixtures.readonly import read_only_dir
 from PIL import Image
 
 from derivd.config import Config
@@ -90,6 +91,39 @@ def test_status_never_creates_a_cluster(run_cli: RunCli, tmp_path: Path) -> None
     line = one_line_error(result)
     assert f"no embedded database under {tmp_path / 'var'}" in line
     assert list(tmp_path.iterdir()) == []  # no var/, no cluster, no store
+
+
+def test_enqueue_never_creates_a_cluster(run_cli: RunCli, tmp_path: Path) -> None:
+    """From another directory, without -c, `enqueue` started a new embedded cluster in
+    ./var and queued there, where no daemon would ever look; now it refuses as `status`
+    does, in one line that says what to do, and nothing is made or uploaded."""
+    image = tmp_path / "photos" / "a.png"
+    image.parent.mkdir()
+    Image.new("RGB", (8, 8)).save(image)
+    for args in (("enqueue", str(image)), ("retry", "1"), ("delete", "1"), ("backfill",)):
+        result = run_cli(*args, cwd=tmp_path)
+        line = one_line_error(result)
+        assert f"no embedded database under {tmp_path / 'var'}" in line, args
+        assert "`derivd run` or `derivd demo` makes one" in line
+        assert "-c" in line
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["photos"], args
+
+
+def test_a_read_only_store_stops_enqueue_and_run_in_one_line(
+    run_cli: RunCli, dsn: str, tmp_path: Path
+) -> None:
+    """`derivd enqueue` into a read-only store printed a 40-line traceback."""
+    image = tmp_path / "a.png"
+    Image.new("RGB", (8, 8)).save(image)
+    with read_only_dir(tmp_path / "store") as root:
+        env = fs_env(dsn, root)
+        for args in (("enqueue", str(image)), ("run", "--burst")):
+            line = one_line_error(run_cli(*args, env=env))
+            assert f"fs store {root} is not writable: " in line, line
+            assert "Read-only file system" in line or "Permission denied" in line
+            assert "[storage] root" in line
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM archive_files").fetchone() == (0,)
 
 
 def test_config_show_names_the_embedded_database(run_cli: RunCli, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import random
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ import pytest
 from botocore.config import Config as BotoConfig
 from configs import make_config
 from fixtures.faultproxy import FaultProxy
+from fixtures.readonly import read_only_dir
 from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY
 from fixtures.work import make_worker, run_job, run_one
 from helpers import sql, wait_for
@@ -188,9 +190,13 @@ class StorageWrapper:
 
 
 class DiesAfterFirstPut(StorageWrapper):
-    """The process dies right after its first PUT succeeded, before any commit."""
+    """The process dies right after its first PUT succeeded, before any commit. A job's
+    PUTs go out concurrently: the others wait for the first one, which never lets go."""
+
+    first = threading.Lock()
 
     def put(self, key: str, data: bytes, content_type: str, *, sha256: str | None = None) -> str:
+        self.first.acquire()
         self.inner.put(key, data, content_type, sha256=sha256)
         os._exit(70)
 
@@ -689,3 +695,35 @@ def test_no_row_event_or_log_line_holds_exception_text_or_credentials(
         assert TEST_SECRET_KEY not in text
     # The detail exists for whoever turns DEBUG on: the marker did flow through the code.
     assert MARKER in captured_logs["debug"].getvalue()
+
+
+# --------------------------------------------------------------------------- a read-only store
+
+
+def test_a_read_only_store_logs_the_path_and_the_reason(
+    dsn: str,
+    tmp_path: Path,
+    worker_cleanup: list[Worker],
+    captured_logs: dict[str, io.StringIO],
+) -> None:
+    """A worker whose store refused the PUT logged `failed: OSError`: neither which
+    directory nor why. Now one line names both (derivd's own words, safe to show), and
+    the attempt retries: an operator can fix the store."""
+    root = tmp_path / "store"
+    storage = FsStorage(root)
+    file_id, _ = enqueue_original(dsn, storage)
+    config = fs_config(dsn, root)
+    with read_only_dir(root / "derived"):
+        worker = make_worker(config, dsn, storage, pillow(config))
+        worker_cleanup.append(worker)
+        result = run_one(worker)
+    assert result is not None and (result.job.id, result.outcome) == (file_id, "retry")
+    lines = [
+        line
+        for line in captured_logs["info_text"].getvalue().splitlines()
+        if "failed transiently" in line
+    ]
+    assert len(lines) == 1, captured_logs["info_text"].getvalue()
+    assert f"fs store: cannot write {root / 'derived'}/" in lines[0]
+    assert ("Read-only file system" in lines[0]) or ("Permission denied" in lines[0])
+    assert "Traceback" not in captured_logs["info_text"].getvalue()

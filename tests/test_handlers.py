@@ -58,11 +58,6 @@ def handler(request: pytest.FixtureRequest) -> Handler:
     return create_handler(request.param, SPEC)
 
 
-@pytest.fixture(scope="module")
-def both() -> dict[str, Handler]:
-    return {name: create_handler(name, SPEC) for name in BACKENDS}
-
-
 # --- helpers ---------------------------------------------------------------------------------
 
 

@@ -32,12 +32,6 @@ from derivd.handlers.base import (
 )
 from derivd.handlers.registry import create_handler, missing_encoder
 
-
-@pytest.fixture(scope="module")
-def both() -> dict[str, Handler]:
-    return {name: create_handler(name, SPEC) for name in ("vips", "pillow")}
-
-
 # --- the guard -----------------------------------------------------------------------------
 
 

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pi_heif
 import pytest
+from fixtures.analysis import average_rgb, hamming
 from PIL import Image, ImageCms, ImageStat
 from test_handlers import BACKENDS, MISTAKE_MAD, PARITY_MAD, SPEC, mad, riff_chunks
 from test_handlers_decoding import RAISE_IF_DECODED, never_decoded
 
-from derivd.embedded.thumbhash import average_rgb
-from derivd.handlers.analysis import hamming
 from derivd.handlers.base import Analysis, Derivation, Handler, Permanent, target_size
 from derivd.handlers.isobmff import declared
 from derivd.handlers.registry import create_handler
@@ -64,11 +63,6 @@ def derive(handler: Handler, data: bytes) -> tuple[Derivation, Analysis]:
 @pytest.fixture(scope="module", params=BACKENDS)
 def handler(request: pytest.FixtureRequest) -> Handler:
     return create_handler(request.param, SPEC)
-
-
-@pytest.fixture(scope="module")
-def both() -> dict[str, Handler]:
-    return {name: create_handler(name, SPEC) for name in BACKENDS}
 
 
 def test_the_corpus_is_complete_and_licensed() -> None:

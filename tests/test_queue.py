@@ -98,6 +98,32 @@ def test_fail_and_release_are_fenced(queue: QueueDB) -> None:
     assert events(queue, file_id) == [("lease_lost", 1), ("lease_lost", 1)]
 
 
+def test_a_dead_workers_job_goes_back_counted_then_exhausted(queue: QueueDB) -> None:
+    """derivd_worker_died (issue 27 item 8): `worker_died` on the attempt, back to
+    `queued` after the delay with the attempt counted; on the last one, rejected
+    attempts_exhausted. Fenced: a stale token changes nothing."""
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    job = claim_one(queue, lease_s=LONG, max_attempts=2)
+    assert job is not None
+    assert queue.worker_died(job, max_attempts=2, delay_s=30) == "queued"
+    row = queue.file_row(file_id)
+    assert row is not None and row["attempts"] == 1 and row["lease_token"] is None
+    assert claim_one(queue, lease_s=LONG, max_attempts=2) is None  # delayed 30 s
+    queue.conn.execute("UPDATE archive_files SET available_at = now() WHERE id = %s", (file_id,))
+    last = claim_one(queue, lease_s=LONG, max_attempts=2)
+    assert last is not None and last.attempt == 2
+    assert queue.worker_died(job, max_attempts=2, delay_s=0) is None  # attempt 1's token
+    assert queue.file_row(file_id)["status"] == "processing"  # type: ignore[index]
+    assert queue.worker_died(last, max_attempts=2, delay_s=0) == "rejected"
+    row = queue.file_row(file_id)
+    assert row is not None and row["error_code"] == "attempts_exhausted"
+    assert events(queue, file_id) == [
+        ("worker_died", 1), ("retry", 1),
+        ("worker_died", 1), ("lease_lost", 1),
+        ("worker_died", 2), ("rejected", 2),
+    ]  # fmt: skip
+
+
 def test_permanent_failure_rejects_with_code(queue: QueueDB) -> None:
     (file_id,) = queue.enqueue([("originals/a", "1")])
     job = claim_one(queue, lease_s=LONG, max_attempts=3)
@@ -358,10 +384,13 @@ def test_query_blocks_lose_their_description_but_keep_inline_comments() -> None:
         parse_blocks("-- name: a\nSELECT 1;\n-- name: a\nSELECT 2;\n")
 
 
-def test_the_commit_and_the_claim_are_one_body_the_others_wrap(queue: QueueDB) -> None:
-    """One copy of each (migration 0010): derivd_commit_and_claim holds the commit and the
-    claim; derivd_commit and derivd_claim only call it, with no statement of their own on
-    the tables. The statements call the function that fits."""
+def test_the_commit_and_the_claim_each_have_one_body_the_others_compose_them(
+    queue: QueueDB,
+) -> None:
+    """One copy of each: derivd_commit holds the commit, derivd_claim (with the tenant
+    cap, migration 0014) the claim, the expired-lease rule written once in it;
+    derivd_commit_and_claim composes the two and the older signatures wrap them, with no
+    statement of their own on the tables. The statements call the function that fits."""
     assert "derivd_commit_and_claim(" in queries()["commit_and_claim"]
     assert "derivd_commit(" in queries()["commit"] and "derivd_claim(" in queries()["claim"]
     rows = queue.conn.execute(
@@ -369,11 +398,15 @@ def test_the_commit_and_the_claim_are_one_body_the_others_wrap(queue: QueueDB) -
         (["derivd_commit_and_claim", "derivd_commit", "derivd_claim"],),
     ).fetchall()
     body = {(str(name), int(n)): str(src) for name, n, src in rows}
-    # The body (with the tenant cap, migration 0014); the rest, older signatures
-    # included, wrap it.
-    assert "UPDATE archive_files" in body.pop(("derivd_commit_and_claim", 6))
-    for wrapper, src in body.items():
-        assert "derivd_commit_and_claim(" in src, wrapper
+    commit = body.pop(("derivd_commit", 1))
+    claim = body.pop(("derivd_claim", 5))
+    assert "UPDATE archive_files" in commit and "derivd_claim" not in commit
+    assert "UPDATE archive_files" in claim and "derivd_commit" not in claim
+    assert claim.count("lease_until < now()") == 1
+    composed = body.pop(("derivd_commit_and_claim", 6))
+    assert composed.index("derivd_commit(") < composed.index("derivd_claim(")
+    for wrapper, src in [(("derivd_commit_and_claim", 6), composed), *body.items()]:
+        assert "derivd_commit" in src or "derivd_claim(" in src, wrapper
         assert "archive_" not in src, wrapper
 
 

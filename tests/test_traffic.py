@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import subprocess
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -20,13 +20,6 @@ from derivd.traffic import CLAIM_SHARE
 pytestmark = pytest.mark.pooler
 
 LONG = 60.0
-
-
-@pytest.fixture
-def queue(dsn: str) -> Iterator[QueueDB]:
-    q = QueueDB.open(dsn)
-    yield q
-    q.close()
 
 
 def claim(queue: QueueDB, *, limit: int = 1, cap: int = 0) -> list[Job]:

@@ -52,11 +52,6 @@ SPEC = DeriveSpec(variants=EVERY_OPTION)
 FORMAT_MAD = 6.0
 
 
-@pytest.fixture(scope="module")
-def both() -> dict[str, Handler]:
-    return {name: create_handler(name, SPEC) for name in BACKENDS}
-
-
 def decode(data: bytes) -> Image.Image:
     """Premultiplied RGBA of any output format."""
     rgba = Image.open(io.BytesIO(data)).convert("RGBA")

@@ -26,7 +26,12 @@ def embedded_cluster(config: Config) -> EmbeddedCluster:
 
 @contextmanager
 def database(
-    config: Config, *, auto_migrate: bool = True, check: bool = True, read_only: bool = False
+    config: Config,
+    *,
+    auto_migrate: bool = True,
+    check: bool = True,
+    read_only: bool = False,
+    create: bool = True,
 ) -> Iterator[str]:
     """Yield a DSN. An empty `[database] dsn` starts the private cluster under state_dir
     (and stops it on exit if this process started it); derivd owns that database, so its
@@ -38,6 +43,8 @@ def database(
     migrates one: without an embedded cluster under state_dir it raises
     EmbeddedClusterError, so a command run with another state directory (another working
     directory, a misspelled setting) says so instead of reporting on an empty new database.
+    Without `create` (commands that work on files already there: `enqueue`, `delete`,
+    `retry`, `backfill`) the same: a new cluster there would hold files no daemon serves.
     """
     if config.database.dsn:
         log.debug("database %s", mask_dsn(config.database.dsn))
@@ -48,12 +55,8 @@ def database(
     from derivd.embedded.pgcluster import EmbeddedClusterError
 
     cluster = embedded_cluster(config)
-    if read_only and not cluster.exists():
-        raise EmbeddedClusterError(
-            f"no embedded database under {config.state_dir} ([database] dsn is empty and "
-            f"nothing has run with this configuration ({config.source}): `derivd run` or "
-            "`derivd demo` makes one; or set [database] dsn)"
-        )
+    if (read_only or not create) and not cluster.exists():
+        raise EmbeddedClusterError(no_cluster_message(config))
     with cluster:
         dsn = cluster.dsn()
         if auto_migrate and not read_only:
@@ -63,6 +66,16 @@ def database(
         if check:
             check_schema(dsn)
         yield dsn
+
+
+def no_cluster_message(config: Config) -> str:
+    """One line for a command that needs the embedded cluster where there is none."""
+    return (
+        f"no embedded database under {config.state_dir} ([database] dsn is empty and "
+        f"nothing has run with this configuration ({config.source})): `derivd run` or "
+        "`derivd demo` makes one; to use another one, run from its directory or name its "
+        "config with -c (or set [database] dsn)"
+    )
 
 
 def describe_database(config: Config) -> str:

@@ -24,20 +24,13 @@ def aspect_ratio(hash_bytes: bytes) -> float:
     return lx / ly
 
 
-def average_rgb(hash_bytes: bytes) -> tuple[float, float, float]:
-    """The mean colour the hash encodes (its DC terms), 0-1 per channel
-    (thumbHashToAverageRGBA, without the alpha)."""
-    r, g, b = _rgb(*_dc(hash_bytes))
-    return max(0.0, min(1.0, r)), max(0.0, min(1.0, g)), max(0.0, min(1.0, b))
-
-
-def _dc(hash_bytes: bytes) -> tuple[float, float, float]:
+def dc_terms(hash_bytes: bytes) -> tuple[float, float, float]:
     """The L, P and Q DC terms of the header."""
     h24 = hash_bytes[0] | (hash_bytes[1] << 8) | (hash_bytes[2] << 16)
     return (h24 & 63) / 63, ((h24 >> 6) & 63) / 31.5 - 1, ((h24 >> 12) & 63) / 31.5 - 1
 
 
-def _rgb(lum: float, p: float, q: float) -> tuple[float, float, float]:
+def lpq_to_rgb(lum: float, p: float, q: float) -> tuple[float, float, float]:
     """LPQ back to RGB (unclamped)."""
     b = lum - 2 / 3 * p
     r = (3 * lum - b + q) / 2
@@ -48,7 +41,7 @@ def to_rgba(hash_bytes: bytes) -> tuple[int, int, bytes]:
     """(width, height, RGBA bytes) of the placeholder, at most 32 px a side."""
     h24 = hash_bytes[0] | (hash_bytes[1] << 8) | (hash_bytes[2] << 16)
     h16 = hash_bytes[3] | (hash_bytes[4] << 8)
-    l_dc, p_dc, q_dc = _dc(hash_bytes)
+    l_dc, p_dc, q_dc = dc_terms(hash_bytes)
     l_scale = ((h24 >> 18) & 31) / 31
     has_alpha = bool(h24 >> 23)
     p_scale = ((h16 >> 3) & 63) / 63
@@ -79,7 +72,7 @@ def to_rgba(hash_bytes: bytes) -> tuple[int, int, bytes]:
             p = p_dc + _sum(p_ac, fx, fy, 3, 3)
             q = q_dc + _sum(q_ac, fx, fy, 3, 3)
             a = a_dc + (_sum(a_ac, fx, fy, 5, 5) if has_alpha else 0.0)
-            r, g, b = _rgb(lum, p, q)
+            r, g, b = lpq_to_rgb(lum, p, q)
             i = (y * w + x) * 4
             out[i : i + 4] = bytes(int(max(0.0, 255 * min(1.0, v))) for v in (r, g, b, a))
     return w, h, bytes(out)

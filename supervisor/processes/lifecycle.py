@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import signal
 from dataclasses import dataclass
 from enum import StrEnum
 
+from derivd.config import QueueSettings
 from derivd.processes.pipe import WorkerProc
 from derivd.queue.db import Job
+from derivd.queue.retry import retry_delay
 
 EXIT_OK = 0
 EXIT_CRASH = 1
@@ -94,12 +97,60 @@ def classify_exit(worker: WorkerProc, status: int, *, burst: bool) -> Exit:
 
 
 def to_release(worker: WorkerProc) -> list[Job]:
-    """What a dead worker held and did not run (unstarted, or derived but never
-    committed): it goes back without burning an attempt. The job that was running stays
-    `processing`: its lease expires and the next claim counts the attempt, so a job that
-    kills workers cannot loop."""
+    """What a worker that ended (killed past its deadline, for a lost lease, at
+    shutdown; recycled) held and did not run (unstarted, or derived but never committed):
+    it goes back without burning an attempt. The job that was running is the exit's own
+    business (failed as timed out, recorded lost, returned counted after a crash:
+    `crash_returns`)."""
     running = worker.running()
     return [j for j in worker.held.values() if running is None or j.token != running[0].token]
+
+
+@dataclass(frozen=True)
+class Returned:
+    """The attempt a dead worker was running, as its supervisor gives it back
+    (QueueDB.worker_died): counted, a `worker_died` event on it."""
+
+    job: Job
+    last_attempt: bool  # its last allowed attempt: rejected attempts_exhausted
+    delay_s: float  # else claimable again after this: the retry delay of its attempt
+
+
+@dataclass(frozen=True)
+class CrashReturns:
+    """Every job a crashed worker held, each given back at once (none waits for its
+    lease): `died`, counted; `released`, without burning an attempt."""
+
+    died: list[Returned]
+    released: list[Job]
+
+
+def crash_returns(
+    worker: WorkerProc, settings: QueueSettings, *, rng: random.Random | None = None
+) -> CrashReturns:
+    """What becomes of each job a crashed worker (Exit.CRASH) held, by its own reports on
+    its pipes: every job it said it claimed and gave no outcome for, whatever its stage.
+
+    The job it was running (its last job start) goes back fenced by its token with its
+    attempt counted: it may be what killed the worker, and a job that kills its workers
+    must not loop (on its last allowed attempt it ends `attempts_exhausted`; otherwise it
+    waits the retry delay of its attempt, as after any failure, so it does not kill the
+    replacement at once). Every other job it held (claimed and not started, waiting in
+    its pipeline, derived and not committed) did not run when it died: it goes back
+    without burning an attempt, as at a graceful stop."""
+    running = worker.running()
+    died = []
+    if running is not None:
+        job = running[0]
+        delay = retry_delay(
+            job.attempt,
+            base=settings.retry_base,
+            cap=settings.retry_max,
+            jitter=settings.retry_jitter,
+            rng=rng,
+        )
+        died.append(Returned(job, job.attempt >= settings.max_attempts, delay))
+    return CrashReturns(died, sorted(to_release(worker), key=lambda j: j.id))
 
 
 def restart_delay(failures: int) -> float:

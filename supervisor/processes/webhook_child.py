@@ -25,7 +25,8 @@ from derivd.config import Config
 from derivd.ops.logs import event
 from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.duties import DatabaseDuty
-from derivd.processes.procutil import set_pdeathsig, set_proctitle
+from derivd.processes.forked import become_child
+from derivd.processes.procutil import set_proctitle
 from derivd.queue.db import QueueDB
 
 log = logging.getLogger("derivd.webhooks")
@@ -96,9 +97,10 @@ class WebhookChild:
 
     def launch(self) -> None:
         inherited = self.inherited_fds()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
-            self._child(inherited)
+            self._child(parent, inherited)
         self.pid, self.started = pid, time.monotonic()
 
     def reap(self) -> None:
@@ -143,15 +145,10 @@ class WebhookChild:
                 os.waitpid(self.pid, 0)
             self.pid = None
 
-    def _child(self, inherited_fds: tuple[int, ...]) -> None:
+    def _child(self, parent: int, inherited_fds: tuple[int, ...]) -> None:
         code = 1
         try:
-            for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
-                signal.signal(sig, signal.SIG_DFL)
-            set_pdeathsig()
-            for fd in inherited_fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            become_child(parent, close_fds=inherited_fds)  # SIGTERM: run_deliverer's own
             set_proctitle("derivd: webhooks")
             code = run_deliverer(self.config(), self.dsn)
         except Exception:

@@ -53,7 +53,8 @@ class ClientQueries(Statements):
         """Status, error code and (for a ready row) every variant; None: unknown id."""
         return self._one("client_result", {"id": file_id})
 
-    def similar(self, file_id: int, max_distance: int) -> list[int]:
+    def similar(self, file_id: int, max_distance: int, limit: int) -> list[int]:
         """Ids of the other ready files within `max_distance` bits of this file's dhash,
-        nearest first (none for an unknown id, too)."""
-        return [int(r["id"]) for r in self._all("similar", {"id": file_id, "max": max_distance})]
+        nearest first, at most `limit` (none for an unknown id, too)."""
+        params = {"id": file_id, "max": max_distance, "limit": limit}
+        return [int(r["id"]) for r in self._all("similar", params)]

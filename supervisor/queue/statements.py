@@ -5,6 +5,8 @@ each method is one named statement of sql/queries.sql in autocommit mode."""
 from __future__ import annotations
 
 import socket
+import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Self
@@ -35,6 +37,13 @@ class Statements:
         self.application_name = "derivd"
         self.bound_s: float | None = None  # the supervisor's connections: see `connect`
         self._pooled: bool | None = None  # found when this handle opened `conn`
+        # One statement at a time: a pipelined worker's threads share this handle.
+        self._lock = threading.RLock()
+        # Tokens claimed by a claim that did not wait for its WAL flush, so their
+        # write-ahead prefix (`claim` in sql/queries.sql) may not be durable yet; emptied
+        # by the next statement that writes and waits for its flush: WAL is flushed in
+        # order, so that flush covers every claim committed before it.
+        self._unflushed: set[uuid.UUID] = set()
 
     @classmethod
     def open(cls, dsn: str, *, role: str = "derivd", bound_s: float | None = None) -> Self:
@@ -83,6 +92,10 @@ class Statements:
 
     @contextmanager
     def _cursor(self) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
+        with self._lock:
+            yield from self._locked_cursor()
+
+    def _locked_cursor(self) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
         self._reconnect_if_broken()
         try:
             with bounded(self.conn, self.bound_s), self.conn.cursor(row_factory=dict_row) as cur:

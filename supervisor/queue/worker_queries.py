@@ -13,6 +13,7 @@ from derivd.queue.records import (
     Job,
 )
 from derivd.queue.statements import Statements
+from derivd.storage.base import ATTEMPT_PREFIX_FORMAT
 
 
 def _claim_params(
@@ -25,6 +26,7 @@ def _claim_params(
         "max_attempts": max_attempts,
         "host": host,
         "tenant_cap": tenant_cap,
+        "prefix_format": ATTEMPT_PREFIX_FORMAT,
     }
 
 
@@ -79,10 +81,26 @@ class WorkerQueries(Statements):
         own token and lease, and records `host` as its holder. `tenant_cap`: at most that
         many rows in flight per tenant (0: no cap)."""
         params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
-        return _jobs(self._all("claim", params))
+        with self._lock:
+            jobs = _jobs(self._all("claim", params))
+            self._unflushed.update(j.token for j in jobs)
+        return jobs
+
+    def write_ahead_durable(self, job: Job) -> bool:
+        """Whether the claim's write-ahead prefix of `job` is flushed (see `claim` in
+        sql/queries.sql): the PUTs may go without a `register_pending` of their own."""
+        with self._lock:
+            return job.token not in self._unflushed
+
+    def _flushed(self) -> None:
+        """A statement that wrote has ended with its WAL flushed (call under the lock)."""
+        self._unflushed.clear()
 
     def register_pending(self, job: Job, keys: Sequence[str]) -> None:
-        self._all("register_pending", {"id": job.id, "token": job.token, "keys": list(keys)})
+        with self._lock:
+            self._all("register_pending", {"id": job.id, "token": job.token, "keys": list(keys)})
+            if keys:
+                self._flushed()
 
     def commit_many(self, results: Sequence[Finished]) -> set[int]:
         """Commit several attempts in one durable statement, each fenced on its own
@@ -91,7 +109,11 @@ class WorkerQueries(Statements):
         if not results:
             return set()
         jobs = json.dumps([_commit_row(f) for f in results])
-        return {int(r["id"]) for r in self._all("commit", {"jobs": jobs})}
+        with self._lock:
+            # Each row commits or records its `lease_lost`: the statement always writes.
+            committed = {int(r["id"]) for r in self._all("commit", {"jobs": jobs})}
+            self._flushed()
+        return committed
 
     def commit_and_claim(
         self,
@@ -108,7 +130,10 @@ class WorkerQueries(Statements):
         Every fence is the same as in the two separate calls."""
         params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
         params["jobs"] = json.dumps([_commit_row(f) for f in results])
-        rows = self._all("commit_and_claim", params)
+        with self._lock:
+            rows = self._all("commit_and_claim", params)
+            if results or rows:  # it wrote, and (durable) waited for its flush
+                self._flushed()
         committed = {int(r["id"]) for r in rows if r["kind"] == "committed"}
         return committed, _jobs([r for r in rows if r["kind"] == "claimed"])
 

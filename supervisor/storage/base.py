@@ -38,6 +38,14 @@ class StorageUnavailable(Transient):
     """Network, throttling or a 5xx: the request may succeed later."""
 
 
+class StoreUnwritable(StorageUnavailable):
+    """A store that refuses a write (a read-only file system, no permission, a full
+    disk), until an operator fixes it. Its message is derivd's own: the path and the
+    system's reason, shown whole in the log and on the command line."""
+
+    own_words = True
+
+
 class ObjectMissing(Permanent):
     """No object under this key and version, or a key the store refuses: retrying cannot
     bring it back, so the row is rejected at once as `missing_original`."""
@@ -86,10 +94,20 @@ def derived_prefix(file_id: int) -> str:
     return f"derived/{file_id}/"
 
 
+# Every object of one attempt lies under this prefix (file id, lease token); the claim
+# registers it write-ahead in SQL (`claim` in sql/queries.sql fills it with format()),
+# so the orphan sweep can delete what a crashed attempt wrote.
+ATTEMPT_PREFIX_FORMAT = "derived/%s/%s/"
+
+
+def attempt_prefix(file_id: int, token: uuid.UUID) -> str:
+    return ATTEMPT_PREFIX_FORMAT % (file_id, token)
+
+
 def derived_key(file_id: int, token: uuid.UUID, variant: str, extension: str = "webp") -> str:
     """Unique per attempt: the lease token is part of the key; one key per variant and
     format (`thumb.avif`, `thumb.webp`)."""
-    return validate_key(f"{derived_prefix(file_id)}{token}/{variant}.{extension}")
+    return validate_key(f"{attempt_prefix(file_id, token)}{variant}.{extension}")
 
 
 # Derived keys are never written twice (the lease token is in the key), so caches and
