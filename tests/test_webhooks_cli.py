@@ -122,3 +122,18 @@ def test_similar_prints_the_near_duplicates(
     done = run_cli("-c", str(path), "similar", str(first), "--json")
     assert json.loads(done.stdout)["similar"] == [near], done.stderr
     assert run_cli("-c", str(path), "similar", "999").returncode == 1
+
+
+def test_the_dashboard_shows_each_endpoint(dsn: str, queue: QueueDB, tmp_path: Path) -> None:
+    from derivd.config import load_config
+    from derivd.ops.dashboard import Snapshot
+    from derivd.ops.dashboard_page import render
+    from derivd.ops.status import collect
+
+    config = load_config(ini(tmp_path, dsn), env={})
+    queue.sync_webhook_endpoints([{"name": "app", "events": ["file.ready"], "tenants": None}])
+    ready(queue)
+    page = render(Snapshot.taken(config, collect(queue, config.status)))
+    assert '<tr data-endpoint="app">' in page
+    assert '<td class="num backlog" data-value="1">' in page
+    assert "hidden" not in page and SECRET[6:20] not in page

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fixtures.work import claim_one, commit_one
 from helpers import sql
+from prometheus_client import CollectorRegistry
 
+from derivd.ops.metrics import Metrics
+from derivd.ops.sweep import Sweeper
 from derivd.queue.db import QueueDB, StoredVariant
+from derivd.storage.fs import FsStorage
 
 pytestmark = pytest.mark.pooler
 
@@ -143,3 +148,40 @@ def test_sync_removes_endpoints_no_longer_configured(dsn: str, queue: QueueDB) -
     job = claim_one(queue, lease_s=30, max_attempts=3)
     assert job is not None and commit_one(queue, job, [VARIANT])
     assert [r["endpoint"] for r in deliveries(dsn)] == ["new"]
+
+
+def test_retention_drops_finished_deliveries_of_old_events_and_keeps_undelivered(
+    dsn: str, queue: QueueDB, fs_root: Path
+) -> None:
+    subscribe(queue)
+    for _ in range(4):
+        queued(queue)
+        job = claim_one(queue, lease_s=30, max_attempts=3)
+        assert job is not None and commit_one(queue, job, [VARIANT])
+    sql(dsn, "UPDATE derivd_deliveries SET created_at = now() - interval '3 days',"
+             " status = (ARRAY['delivered', 'failed', 'pending', 'delivered'])[id % 4 + 1],"
+             " finished_at = CASE WHEN id % 4 <> 2 THEN now() END")  # fmt: skip
+    queued(queue)  # one recent, delivered
+    job = claim_one(queue, lease_s=30, max_attempts=3)
+    assert job is not None and commit_one(queue, job, [VARIANT])
+    sql(dsn, "UPDATE derivd_deliveries SET status = 'delivered', finished_at = now()"
+             " WHERE created_at > now() - interval '1 day'")  # fmt: skip
+    sweeper = Sweeper(queue, FsStorage(fs_root), orphan_guard=3600, delete_guard=0,
+                      deliveries_retention_days=2)  # fmt: skip
+    report = sweeper.run_once()
+    assert report.deliveries_purged == {"delivered": 2, "failed": 1}
+    left = sql(dsn, "SELECT status FROM derivd_deliveries ORDER BY id")
+    assert sorted(r["status"] for r in left) == ["delivered", "pending"]
+
+
+def test_the_webhook_gauges_follow_the_endpoints() -> None:
+    metrics = Metrics(CollectorRegistry())
+    row = {"name": "app", "backlog": 3, "oldest_undelivered_age_s": 12.5, "delivered_recent": 7,
+           "failed_recent": 1, "failed_kept": 2, "paused": True}  # fmt: skip
+    metrics.set_webhooks([row])
+    text = metrics.render().decode()
+    assert 'derivd_webhook_backlog{endpoint="app"} 3.0' in text
+    assert 'derivd_webhook_oldest_undelivered_seconds{endpoint="app"} 12.5' in text
+    assert 'derivd_webhook_paused{endpoint="app"} 1.0' in text
+    metrics.set_webhooks([])
+    assert 'endpoint="app"' not in metrics.render().decode()

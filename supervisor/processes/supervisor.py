@@ -55,7 +55,7 @@ from derivd.processes.lifecycle import (
 from derivd.processes.pipe import WorkerProc
 from derivd.processes.procutil import SignalQueue, sd_notify, set_proctitle, watchdog_interval
 from derivd.processes.sweep_child import SweepChild
-from derivd.processes.webhook_child import WebhookChild, WebhookSync
+from derivd.processes.webhook_child import WebhookChild, WebhookStats, WebhookSync
 from derivd.queue.db import Job, QueueListener
 
 log = logging.getLogger("derivd.supervisor")
@@ -122,7 +122,7 @@ class Supervisor:
             self.duties.append(SweepChild(current, dsn, self._parent_fds, self._give_back_sweep))
         # Webhooks: the endpoints the outbox subscribes, and the child that POSTs.
         self.webhook_sync = WebhookSync(current, self.db_thread)
-        self.duties.append(self.webhook_sync)
+        self.duties += [self.webhook_sync, WebhookStats(current, self.db_thread, self.metrics)]
         self.webhooks = WebhookChild(current, dsn, self._parent_fds)
         self.status_at = 0.0
 

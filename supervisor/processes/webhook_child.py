@@ -20,9 +20,11 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 from derivd.config import Config
 from derivd.ops.logs import event
+from derivd.ops.metrics import Metrics
 from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.duties import DatabaseDuty
 from derivd.processes.forked import become_child
@@ -62,6 +64,28 @@ class WebhookSync(DatabaseDuty[tuple[list[str], list[str]]]):
     def now(self) -> None:
         """A round at the next tick (a reload)."""
         self.due_at = 0.0
+
+
+class WebhookStats(DatabaseDuty[list[dict[str, Any]]]):
+    """The webhook gauges, every [metrics] interval, while endpoints are configured."""
+
+    name = "webhook_stats"
+
+    def __init__(self, config: Callable[[], Config], thread: DatabaseThread, metrics: Metrics):
+        super().__init__(config, thread)
+        self.metrics = metrics
+
+    @property
+    def interval(self) -> float:
+        return self.config().metrics.interval
+
+    def run_once(self, db: QueueDB) -> list[dict[str, Any]]:
+        config = self.config()
+        return db.webhook_stats(window_s=config.status.window) if config.webhooks else []
+
+    def on_result(self, result: list[dict[str, Any]] | None) -> None:
+        if result is not None:
+            self.metrics.set_webhooks(result)
 
 
 class WebhookChild:
