@@ -61,9 +61,8 @@ WITH files AS (
       FROM generate_series(1, %(n)s)
     RETURNING id
 )
-INSERT INTO archive_files (status, original_key, original_version, priority, rederive_of,
-                           fair_rank)
-SELECT 'queued', 'originals/bench', 'v1', %(priority)s, id, id FROM files
+INSERT INTO derivd_rederivations (file_id, original_key, original_version, priority)
+SELECT id, 'originals/bench', 'v1', %(priority)s FROM files
 """
 SEED_TENANT = """
 INSERT INTO archive_files (status, original_key, original_version, tenant, fair_rank)
@@ -142,7 +141,7 @@ def _rate(dsn: str) -> float:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*) / greatest(extract(epoch FROM max(at) - min(at)), 0.001)"
-            " FROM archive_events WHERE kind = 'ready'"
+            " FROM archive_events WHERE kind IN ('ready', 'rederived')"
         ).fetchone()
     return float(row[0]) if row else 0.0
 

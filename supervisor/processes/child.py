@@ -20,10 +20,10 @@ from types import FrameType
 from typing import NoReturn
 
 from derivd.config import Config
+from derivd.osproc import set_proctitle
 from derivd.processes.forked import become_child
 from derivd.processes.lifecycle import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK
 from derivd.processes.pipe import Reporter
-from derivd.processes.procutil import set_proctitle
 from derivd.redact import one_line
 from derivd.worker import IdleWait, Worker
 

@@ -4,7 +4,7 @@ A child reports over its status pipe, one JSON object per line:
 
     {"t": "ready", "cpu_s": 0.12}                    booted (CPU s since fork), about to claim
     {"t": "boot_error", "msg": "..."}                could not boot; exit EXIT_BOOT_ERROR
-    {"t": "claimed", "jobs": [{id, token, attempt}]} rows it now holds (one claim)
+    {"t": "claimed", "jobs": [{id, token, attempt, file_id?}]} rows it now holds (one claim)
     {"t": "finished", "results": [[id, outcome, code, duration_s, wait_s], ...], "rss_mb": ...}
                                                      attempts that ended (one flush)
     {"t": "exiting", "reason": "stopped|drained|max_jobs|rss"}
@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from derivd.processes.procutil import rss_mb, set_proctitle
+from derivd.osproc import rss_mb, set_proctitle
 from derivd.queue.db import Job
 
 if TYPE_CHECKING:
@@ -57,8 +57,12 @@ def encode(message: dict[str, Any]) -> bytes:
 
 
 def job_to_dict(job: Job) -> dict[str, Any]:
-    """What the parent needs to fail or release the row."""
-    return {"id": job.id, "token": str(job.token), "attempt": job.attempt}
+    """What the parent needs to fail or release the row, and for a re-derivation the
+    file it serves (the heartbeat finds its commit there)."""
+    data: dict[str, Any] = {"id": job.id, "token": str(job.token), "attempt": job.attempt}
+    if job.file_id is not None and job.file_id != job.id:
+        data["file_id"] = job.file_id
+    return data
 
 
 def encode_lines(kind: str, key: str, items: Sequence[Any], **extra: Any) -> list[bytes]:
@@ -298,4 +302,5 @@ def job_from_message(data: dict[str, Any]) -> Job:
         original_key=str(data.get("original_key") or ""),
         original_version=data.get("original_version"),
         wait_s=float(data.get("wait_s") or 0.0),
+        file_id=int(data["file_id"]) if data.get("file_id") is not None else None,
     )

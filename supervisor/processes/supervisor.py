@@ -27,6 +27,7 @@ from typing import Any
 from derivd.config import Config, ConfigError
 from derivd.ops.logs import event
 from derivd.ops.metrics import Metrics
+from derivd.osproc import SignalQueue, sd_notify, set_proctitle, watchdog_interval
 from derivd.processes.bookkeeping import Bookkeeping
 from derivd.processes.child import ChildSpec, run_child
 from derivd.processes.dbthread import DatabaseThread
@@ -53,7 +54,6 @@ from derivd.processes.lifecycle import (
     to_release,
 )
 from derivd.processes.pipe import WorkerProc
-from derivd.processes.procutil import SignalQueue, sd_notify, set_proctitle, watchdog_interval
 from derivd.processes.sweep_child import SweepChild
 from derivd.processes.webhook_child import WebhookChild, WebhookStats, WebhookSync
 from derivd.queue.db import Job, QueueListener
