@@ -126,10 +126,12 @@ def test_a_rederivation_announces_file_rederived_for_the_file(dsn: str, queue: Q
     file_id = queued(queue)
     job = claim_one(queue, lease_s=30, max_attempts=3)
     assert job is not None and commit_one(queue, job, [VARIANT])
-    assert queue.backfill_queue([file_id], priority=-10) == [file_id]
+    run = queue.backfill_run("target", {"thumb.webp": "fp2"})
+    assert queue.backfill_queue([file_id], priority=-10, run=run["id"]) == [file_id]
     again = claim_one(queue, lease_s=30, max_attempts=3)
     assert again is not None and again.for_file == file_id
-    newer = StoredVariant("thumb", "derived/1/u/thumb.webp", "v2", "cd" * 32, 32, 24)
+    newer = StoredVariant("thumb", "derived/1/u/thumb.webp", "v2", "cd" * 32, 32, 24,
+                          fingerprint="fp2")  # fmt: skip
     assert commit_one(queue, again, [newer])
     rows = deliveries(dsn)
     assert [(r["event"], r["file_id"]) for r in rows] == [
@@ -159,8 +161,8 @@ def test_retention_drops_finished_deliveries_of_old_events_and_keeps_undelivered
         job = claim_one(queue, lease_s=30, max_attempts=3)
         assert job is not None and commit_one(queue, job, [VARIANT])
     sql(dsn, "UPDATE derivd_deliveries SET created_at = now() - interval '3 days',"
-             " status = (ARRAY['delivered', 'failed', 'pending', 'delivered'])[id % 4 + 1],"
-             " finished_at = CASE WHEN id % 4 <> 2 THEN now() END")  # fmt: skip
+             " status = (ARRAY['delivered', 'failed', 'pending', 'delivered'])[id %% 4 + 1],"
+             " finished_at = CASE WHEN id %% 4 <> 2 THEN now() END")  # fmt: skip
     queued(queue)  # one recent, delivered
     job = claim_one(queue, lease_s=30, max_attempts=3)
     assert job is not None and commit_one(queue, job, [VARIANT])

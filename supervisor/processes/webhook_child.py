@@ -25,10 +25,10 @@ from typing import Any
 from derivd.config import Config
 from derivd.ops.logs import event
 from derivd.ops.metrics import Metrics
+from derivd.osproc import set_proctitle
 from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.duties import DatabaseDuty
 from derivd.processes.forked import become_child
-from derivd.processes.procutil import set_proctitle
 from derivd.queue.db import QueueDB
 
 log = logging.getLogger("derivd.webhooks")
