@@ -245,7 +245,8 @@ WITH revoked AS (
        FOR UPDATE
 ), done AS (
     UPDATE archive_files AS f
-       SET status = 'deleting', lease_token = NULL, lease_until = NULL, updated_at = now()
+       SET status = 'deleting', lease_token = NULL, lease_until = NULL, updated_at = now(),
+           error_code = NULL  -- a rejected file's code stays in its events
       FROM locked AS l
      WHERE f.id = l.id
     RETURNING f.id, f.attempts

@@ -54,6 +54,7 @@ from derivd.processes.lifecycle import (
     to_release,
 )
 from derivd.processes.pipe import WorkerProc
+from derivd.processes.reasons import DeadlineAction, KillReason
 from derivd.processes.sweep_child import SweepChild
 from derivd.processes.webhook_child import WebhookChild, WebhookStats, WebhookSync
 from derivd.queue.db import Job, QueueListener
@@ -68,6 +69,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Seconds the last database work (releases, deregistering) gets after a --burst run or a
 # halt; a SIGTERM stop gives it what is left of shutdown_grace + kill_grace instead.
 DB_CLOSE_WAIT = 2.0
+
+
+# How a worker is forked: WorkerProc.spawn(slot, generation, start).
+Spawner = Callable[[int, int, Callable[[int, int, int, tuple[int, ...]], None]], WorkerProc]
 
 
 @dataclass
@@ -87,7 +92,15 @@ class Supervisor:
         burst: bool = False,
         metrics: Metrics | None = None,
         reload: Callable[[], Config],
+        db_thread: DatabaseThread | None = None,
+        spawn: Spawner = WorkerProc.spawn,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`db_thread`, `spawn` and `clock` are the seams the decisions are tested through
+        (tests/test_supervisor_fakes.py): where the database work goes, how a worker is
+        forked, what time it is (monotonic)."""
+        self.clock = clock
+        self.spawn = spawn
         self.config = config
         self.dsn = dsn
         self.burst = burst
@@ -106,7 +119,7 @@ class Supervisor:
         self.watchdog = watchdog_interval()
         self.watchdog_at = 0.0
         self.title = ""
-        self.db_thread = DatabaseThread(dsn, wake=self.signals.wake)
+        self.db_thread = db_thread or DatabaseThread(dsn, wake=self.signals.wake)
         self.db_thread.on_notify = self.on_notify
         self.books = Bookkeeping(self.db_thread, self.metrics)
         current = lambda: self.config  # noqa: E731  (duties follow a reload)
@@ -140,14 +153,14 @@ class Supervisor:
             grace = self.config.supervisor.shutdown_grace
             event(log, "stopping", signal=name, grace_s=grace, busy=self.busy_count())
             sd_notify("STOPPING=1\nSTATUS=stopping: finishing running jobs")
-            self.stop_deadline = time.monotonic() + grace
+            self.stop_deadline = self.clock() + grace
             for worker in self.workers.values():
                 worker.ask_stop()
             for duty in self.duties:
                 duty.stopping()
         else:
             event(log, "stopping now", logging.WARNING, signal=name, busy=self.busy_count())
-            self.stop_deadline = time.monotonic()
+            self.stop_deadline = self.clock()
 
     def handle_hup(self) -> None:
         if self.stop_deadline is not None:
@@ -187,7 +200,7 @@ class Supervisor:
             )
             run_child(spec)  # never returns
 
-        worker = WorkerProc.spawn(slot, self.generation, start)
+        worker = self.spawn(slot, self.generation, start)
         self.workers[worker.pid] = worker
         event(log, "worker spawned", logging.DEBUG, slot=slot, pid=worker.pid)
 
@@ -207,7 +220,7 @@ class Supervisor:
             return
         if not self.webhook_sync.settled:
             return  # the first commits must find this configuration's endpoints
-        now = time.monotonic()
+        now = self.clock()
         current = {w.slot for w in self.workers.values() if w.generation == self.generation}
         for slot_no in range(1, self.config.worker_count + 1):
             slot = self.slots.setdefault(slot_no, Slot())
@@ -267,7 +280,7 @@ class Supervisor:
         finished = worker.apply(message)
         if kind == "ready":
             self.ready_generations.add(worker.generation)
-            boot_s = time.monotonic() - worker.spawned_at
+            boot_s = self.clock() - worker.spawned_at
             event(log, "worker ready", slot=worker.slot, pid=worker.pid, boot_s=boot_s,
                   boot_cpu_s=message.get("cpu_s", "-"))  # fmt: skip
             self.on_generation_ready(worker.generation)
@@ -305,10 +318,14 @@ class Supervisor:
             except ChildProcessError:
                 done, status = pid, 0
             if done:
-                worker = self.workers.pop(pid)
-                self.read_status(worker)  # what it wrote just before dying
-                worker.close()
-                self.on_worker_exit(worker, status)
+                self.worker_exited(pid, status)
+
+    def worker_exited(self, pid: int, status: int) -> None:
+        """The child `pid` ended with wait status `status`."""
+        worker = self.workers.pop(pid)
+        self.read_status(worker)  # what it wrote just before dying
+        worker.close()
+        self.on_worker_exit(worker, status)
 
     def on_worker_exit(self, worker: WorkerProc, status: int) -> None:
         slot = self.slots.setdefault(worker.slot, Slot())
@@ -353,11 +370,11 @@ class Supervisor:
             self.previous = None
             for other in self.workers.values():
                 if other.generation == failed:
-                    other.kill("aborted", 0)
+                    other.kill(KillReason.ABORTED, 0)
             sd_notify(f"READY=1\nSTATUS={self.status_line()}")
         elif action is BootFailure.RETRY:
             log.warning("worker %s could not start: %s", worker.slot, text)
-            back_off(self.slots.setdefault(worker.slot, Slot()), time.monotonic())
+            back_off(self.slots.setdefault(worker.slot, Slot()), self.clock())
         elif self.outcome is None:
             self.halt(RunResult(1, f"worker could not start: {text}"))
 
@@ -384,7 +401,7 @@ class Supervisor:
         longer leases to us (reclaimed, deleted, rejected by an operator)."""
         self.read_all()  # a job that finished (and committed) since is not lost
         for worker in to_kill(self.workers.values(), lost):
-            worker.kill("lease_lost", self.config.supervisor.kill_grace)
+            worker.kill(KillReason.LEASE_LOST, self.config.supervisor.kill_grace)
 
     def release(self, worker: WorkerProc) -> None:
         for job in list(worker.held.values()):
@@ -416,35 +433,35 @@ class Supervisor:
         for job in returns.released:
             self.release_job(worker, job)
         self.metrics.worker_restarted("crash")
-        now = time.monotonic()
+        now = self.clock()
         back_off(slot, now, lived_s=now - worker.spawned_at)
 
     def halt(self, outcome: RunResult) -> None:
         """Stop everything now (a boot failure): kill the fleet, release its jobs."""
         self.outcome = outcome
         for worker in self.workers.values():
-            worker.kill("shutdown", 0)
+            worker.kill(KillReason.SHUTDOWN, 0)
 
     # -- deadlines ---------------------------------------------------------------------
 
     def enforce_deadlines(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         sup = self.config.supervisor
         for worker in self.workers.values():
             if worker.held:
                 worker.read_progress()
             action = deadline_action(worker, now, job_timeout=sup.job_timeout)
-            if action == "kill":
+            if action is DeadlineAction.KILL:
                 worker.signal_group(signal.SIGKILL)
-            elif action == "timeout":
-                worker.kill("timeout", sup.kill_grace)
+            elif action is DeadlineAction.TIMEOUT:
+                worker.kill(KillReason.TIMEOUT, sup.kill_grace)
         if self.stop_deadline is not None and now >= self.stop_deadline:
             for worker in self.workers.values():
                 if not worker.killed:
-                    worker.kill("shutdown", 0)
+                    worker.kill(KillReason.SHUTDOWN, 0)
 
     def next_wakeup(self) -> float:
-        now = time.monotonic()
+        now = self.clock()
         times = [now + LOOP_MAX_SLEEP]
         if self.outcome is None:  # halting: no more duties, only reaping
             times += [duty.next_round for duty in self.duties]
@@ -465,7 +482,7 @@ class Supervisor:
     def housekeeping(self) -> None:
         """What the loop does besides its workers: gauges, the watchdog, the duties that
         are due (the sweep among them), the systemd status line."""
-        now = time.monotonic()
+        now = self.clock()
         busy = self.busy_count()
         self.metrics.set_workers(alive=sum(w.ready for w in self.workers.values()), busy=busy)
         if self.watchdog and now >= self.watchdog_at:
@@ -527,7 +544,7 @@ class Supervisor:
         )
         self.db_thread.start()
         host = self.books.register(self.config)
-        now = time.monotonic()
+        now = self.clock()
         for duty in self.duties:
             duty.start(now)
         if not self.burst:
@@ -561,7 +578,7 @@ class Supervisor:
     def _close_timeout(self) -> float:
         if self.stop_deadline is None:
             return DB_CLOSE_WAIT
-        left = self.stop_deadline + self.config.supervisor.kill_grace - time.monotonic()
+        left = self.stop_deadline + self.config.supervisor.kill_grace - self.clock()
         return max(0.1, left)
 
     def _title(self) -> str:
