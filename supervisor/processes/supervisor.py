@@ -218,7 +218,7 @@ class Supervisor:
         """Fork what is missing in the current generation (respecting slot backoff)."""
         if self.stop_deadline is not None or self.outcome is not None:
             return
-        if not self.webhook_sync.settled:
+        if self.config.webhooks and not self.webhook_sync.settled:
             return  # the first commits must find this configuration's endpoints
         now = self.clock()
         current = {w.slot for w in self.workers.values() if w.generation == self.generation}

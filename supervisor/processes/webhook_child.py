@@ -7,9 +7,11 @@ forked again after a backoff; SIGHUP replaces it with one of the new configurati
 old one is asked to stop, its POSTs in flight end within their timeout; whatever it
 could not finish comes back when its leases expire). The sync puts this host's endpoints
 in the database at start, on SIGHUP and every SYNC_INTERVAL_S (a start while the
-database was away heals): they are what the outbox subscribes. The first workers start
-once the first sync has ended, so that their first commits find this configuration's
-endpoints (a fleet that starts with new sections announces its first files too).
+database was away heals): they are what the outbox subscribes. With `[webhook:NAME]`
+sections the first workers start once the first sync has ended, so that their first
+commits find this configuration's endpoints (a fleet that starts with new sections
+announces its first files too); without any, they start at once (an endpoint removed
+from the file may get a few more deliveries queued meanwhile, which nobody claims).
 """
 
 from __future__ import annotations
