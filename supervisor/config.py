@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
-from derivd.redact import mask_dsn, mask_url, parse_dsn
+from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn
 from derivd.variants import (
     SECTION_PREFIX,
     build_variants,
@@ -30,6 +30,16 @@ from derivd.variants import (
     check_size,
     is_variant_section,
 )
+from derivd.webhooks.endpoints import (
+    EVENTS,
+    Endpoint,
+    build_endpoints,
+    check_events,
+    check_tenants,
+    check_url,
+    is_webhook_section,
+)
+from derivd.webhooks.endpoints import SECTION_PREFIX as WEBHOOK_PREFIX
 
 DEFAULT_CONFIG = Path("etc/derivd.ini")
 CONFIG_ENV = "DERIVD_CONFIG"  # the config file when -c is not given
@@ -372,6 +382,44 @@ class VariantSettings:
 
 
 @dataclass(frozen=True)
+class WebhookSettings:
+    """`[webhook:NAME]`: one receiver of signed events (derivd.webhooks.endpoints checks
+    the secret and builds the Endpoint)."""
+
+    url: str = setting("", "http:// or https:// URL the events are POSTed to", check=check_url)
+    secret: str = setting(
+        "",
+        "Standard Webhooks secret, whsec_<base64>; or set secret_env or secret_file instead",
+        mask=lambda value: MASK if value else value,
+    )
+    secret_env: str = setting("", "name of an environment variable that holds the secret")
+    secret_file: str = setting("", "file that holds the secret", path=True)
+    events: str = setting(
+        ", ".join(EVENTS), "comma-separated: any of " + ", ".join(EVENTS), check=check_events
+    )
+    tenants: str = setting(
+        "", "comma-separated tenants whose files are announced; empty: all", check=check_tenants
+    )
+    timeout: float = setting(
+        10.0,
+        "seconds one POST may take in all (connect, send, response)",
+        check=positive(10 * MINUTE),
+    )
+    retry_horizon: float = setting(
+        86400.0,
+        "seconds after the event past which it is not retried: failed",
+        check=positive(30 * DAY),
+    )
+    retry_base: float = setting(
+        5.0, "first retry delay (doubles per attempt, full jitter, at most an hour)",
+        check=positive(HOUR),
+    )  # fmt: skip
+    concurrency: int = setting(
+        4, "POSTs in flight to this endpoint at once, per host", check=in_range(1, 64)
+    )
+
+
+@dataclass(frozen=True)
 class SweepSettings:
     orphan_guard: float = setting(
         3600.0,
@@ -482,6 +530,9 @@ class Config:
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     # `[variant:NAME]` sections by NAME, in file order.
     variant_sections: Mapping[str, VariantSettings] = field(default_factory=dict)
+    # `[webhook:NAME]` sections by NAME, in file order, and their endpoints (secrets read).
+    webhook_sections: Mapping[str, WebhookSettings] = field(default_factory=dict)
+    webhooks: tuple[Endpoint, ...] = ()
     source: str = DEFAULTS
     # Where each (section, key) came from when it is not `source`: "environment NAME".
     origins: Mapping[tuple[str, str], str] = field(default_factory=dict)
@@ -529,10 +580,10 @@ class Config:
 SECTIONS: dict[str, type[Any]] = {
     f.name: f.default_factory  # type: ignore[misc]
     for f in fields(Config)
-    if f.name not in ("source", "variant_sections", "origins")
+    if f.name not in ("source", "variant_sections", "webhook_sections", "webhooks", "origins")
 }
-# What `unknown section` lists: the fixed sections and the variant sections' pattern.
-KNOWN_SECTIONS = (*SECTIONS, f"{SECTION_PREFIX}NAME")
+# What `unknown section` lists: the fixed sections and the named sections' patterns.
+KNOWN_SECTIONS = (*SECTIONS, f"{SECTION_PREFIX}NAME", f"{WEBHOOK_PREFIX}NAME")
 
 
 @dataclass(frozen=True)
@@ -798,7 +849,7 @@ def load_config(
     else:
         where, base = DEFAULTS, Path.cwd()
     for name in raw:
-        if name not in SECTIONS and not is_variant_section(name):
+        if name not in SECTIONS and not is_variant_section(name) and not is_webhook_section(name):
             guess = _did_you_mean(name, KNOWN_SECTIONS, lambda s: f"[{s}]")
             problems.append(
                 Problem(
@@ -820,10 +871,26 @@ def load_config(
         for name, values in raw.items()
         if is_variant_section(name)
     }
+    webhook_sections = {
+        name.removeprefix(WEBHOOK_PREFIX): _section_values(
+            name, values, {}, where, problems, base=base, origins={}, cls=WebhookSettings
+        )
+        for name, values in raw.items()
+        if is_webhook_section(name)
+    }
     if problems:
         raise ConfigError(problems)
-    config = Config(**sections, variant_sections=variant_sections, source=where, origins=origins)
+    webhooks, webhook_problems = build_endpoints(webhook_sections, env)
+    config = Config(
+        **sections,
+        variant_sections=variant_sections,
+        webhook_sections=webhook_sections,
+        webhooks=webhooks,
+        source=where,
+        origins=origins,
+    )
     problems = _cross_checks(config)
+    problems += [config.problem(sec, key, msg) for sec, key, msg in webhook_problems]
     _, variant_problems = build_variants(config.derive.variants, variant_sections)
     problems += [config.problem(sec, key, msg) for sec, key, msg in variant_problems]
     if problems:
@@ -869,6 +936,7 @@ def render_ini(config: Config | None = None, *, mask_secrets: bool = False) -> s
                 lines.append(f"# (from the {origin}, not the file)")
             lines.append(f"{spec.name} = {value}".rstrip())
     lines += _render_variants(config)
+    lines += _render_webhooks(config, mask_secrets=mask_secrets)
     return "\n".join(lines) + "\n"
 
 
@@ -897,6 +965,23 @@ def _render_variants(config: Config) -> list[str]:
         lines += ["", f"{prefix}[{SECTION_PREFIX}{name}]"]
         for spec in fields(VariantSettings):
             value = render_value(getattr(values or VariantSettings(), spec.name))
+            lines.append(f"# {spec.metadata['doc']}")
+            lines.append(f"{prefix}{spec.name} = {value}".rstrip())
+    return lines
+
+
+def _render_webhooks(config: Config, *, mask_secrets: bool) -> list[str]:
+    """The `[webhook:NAME]` sections (secrets masked); with none, a commented example."""
+    lines: list[str] = []
+    sections: Mapping[str, WebhookSettings | None] = config.webhook_sections or {"NAME": None}
+    for name, values in sections.items():
+        prefix = "" if values is not None else "# "
+        lines += ["", f"{prefix}[{WEBHOOK_PREFIX}{name}]"]
+        for spec in fields(WebhookSettings):
+            value = render_value(getattr(values or WebhookSettings(), spec.name))
+            mask = spec.metadata.get("mask")
+            if mask_secrets and mask is not None:
+                value = mask(value)
             lines.append(f"# {spec.metadata['doc']}")
             lines.append(f"{prefix}{spec.name} = {value}".rstrip())
     return lines

@@ -33,6 +33,7 @@ import psycopg
 from derivd.config import Config, StatusSettings
 from derivd.ops.backfill import Progress
 from derivd.ops.budget import connection_budget
+from derivd.ops.webhook_view import endpoint_json, endpoint_lines
 from derivd.queue.db import (
     NO_SCHEMA,
     PARENT_LOCK_TIMEOUT_S,
@@ -100,6 +101,7 @@ class Report:
     hosts: list[dict[str, Any]] = field(default_factory=list)  # the host registry
     backfill: Progress | None = None  # the latest `derivd backfill --apply` run
     warnings: list[str] = field(default_factory=list)  # degraded, not unhealthy
+    webhooks: list[dict[str, Any]] = field(default_factory=list)  # per endpoint
 
     @property
     def counts(self) -> dict[str, int]:
@@ -153,6 +155,7 @@ def collect(queue: QueueDB, limits: StatusSettings) -> Report:
             hosts=queue.hosts(),
             backfill=_backfill(queue),
             warnings=[DEFAULT_EVENTS] if queue.default_events() else [],
+            webhooks=queue.webhook_stats(window_s=window_s),
         )
     except DatabaseUnavailable as error:
         raise StatusUnavailable(str(error)) from None
@@ -257,6 +260,7 @@ def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict
         "hosts": [host_json(h) for h in report.hosts],
         "backfill": report.backfill.as_json() if report.backfill else None,
         "warnings": report.warnings,
+        "webhooks": [endpoint_json(row) for row in report.webhooks],
     }
 
 
@@ -372,6 +376,7 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
             f"rejected by code (last {window}): " + ", ".join(f"{c} {n}" for c, n in codes)
         )
     lines += _host_lines(report.hosts)
+    lines += endpoint_lines(report.webhooks, window)
     if report.backfill is not None:
         lines += ["", report.backfill.line()]
     lines.append("")

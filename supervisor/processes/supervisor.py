@@ -56,6 +56,7 @@ from derivd.processes.lifecycle import (
 from derivd.processes.pipe import WorkerProc
 from derivd.processes.reasons import DeadlineAction, KillReason
 from derivd.processes.sweep_child import SweepChild
+from derivd.processes.webhook_child import WebhookChild, WebhookStats, WebhookSync
 from derivd.queue.db import Job, QueueListener
 
 log = logging.getLogger("derivd.supervisor")
@@ -138,6 +139,10 @@ class Supervisor:
             listener = QueueListener(config.database.listen_dsn or dsn)
             self.duties.append(Listening(current, self.db_thread, listener, self.on_listening))
             self.duties.append(SweepChild(current, dsn, self._parent_fds, self._give_back_sweep))
+        # Webhooks: the endpoints the outbox subscribes, and the child that POSTs.
+        self.webhook_sync = WebhookSync(current, self.db_thread)
+        self.duties += [self.webhook_sync, WebhookStats(current, self.db_thread, self.metrics)]
+        self.webhooks = WebhookChild(current, dsn, self._parent_fds)
         self.status_at = 0.0
 
     # -- signals -----------------------------------------------------------------------
@@ -178,6 +183,8 @@ class Supervisor:
         self.config = new
         self.generation += 1
         self.notified_ready = False
+        self.webhook_sync.now()
+        self.webhooks.reload()
         event(log, "reloading", generation=self.generation, workers=new.worker_count)
 
     # -- the fleet ---------------------------------------------------------------------
@@ -217,6 +224,8 @@ class Supervisor:
         """Fork what is missing in the current generation (respecting slot backoff)."""
         if self.stop_deadline is not None or self.outcome is not None:
             return
+        if self.config.webhooks and not self.webhook_sync.settled:
+            return  # the first commits must find this configuration's endpoints
         now = self.clock()
         current = {w.slot for w in self.workers.values() if w.generation == self.generation}
         for slot_no in range(1, self.config.worker_count + 1):
@@ -489,6 +498,10 @@ class Supervisor:
             return
         for duty in self.duties:
             duty.tick(now)
+        if self.burst or self.stop_deadline is not None:
+            self.webhooks.reap()
+        else:
+            self.webhooks.tick(now)
         if now >= self.status_at:
             self.status_at = now + self.config.metrics.interval
             sd_notify(f"STATUS={self.status_line()}")
@@ -542,6 +555,8 @@ class Supervisor:
         now = self.clock()
         for duty in self.duties:
             duty.start(now)
+        if not self.burst:
+            self.webhooks.start(now)
         try:
             while True:
                 self.handle_signals()
@@ -560,6 +575,7 @@ class Supervisor:
             self.signals.restore()
             for duty in self.duties:
                 duty.stop()
+            self.webhooks.stop()
             if self.outcome is None:  # a clean stop: leave the registry
                 self.books.deregister(host)
             # Both lanes finish their queues at once, within the one close timeout.

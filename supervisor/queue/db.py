@@ -50,6 +50,7 @@ from derivd.queue.session import (
     is_pooled,
     open_connection,
 )
+from derivd.queue.webhook_queries import WebhookQueries
 from derivd.queue.worker_queries import WorkerQueries
 
 __all__ = [
@@ -94,6 +95,7 @@ class QueueDB(
     BackfillQueries,
     DashboardQueries,
     ClientQueries,
+    WebhookQueries,
 ):
     """One worker's (or one command's) handle on the queue tables: every query API of
     derivd.queue on one connection (statements.Statements runs them)."""
