@@ -101,7 +101,7 @@ class PipelinedRun:
             if nxt is not None:
                 self._derive(nxt, should_stop)
             elif self._held():
-                self._wait_for_a_place(should_stop)
+                self._wait_for_a_place(should_stop, claimed=claimed)
             elif not claimed:
                 # Nothing held and nothing claimable: rows whose worker died on their last
                 # attempt are the ExhaustedRejection duty's (derivd.processes.duties).
@@ -193,15 +193,20 @@ class PipelinedRun:
             entry.stage = Stage.STORING
             entry.store = self.lanes.submit(self._store_and_commit, entry, derivation)
 
-    def _wait_for_a_place(self, should_stop: Callable[[], bool]) -> None:
-        """Every held job is being stored: wait until one ends (or a stop comes)."""
+    def _wait_for_a_place(self, should_stop: Callable[[], bool], *, claimed: bool) -> None:
+        """Every held job is being stored: wait until one ends, a stop comes, or (when
+        the last claim found nothing, with room left) the poll interval passes, for
+        the next claim to look again."""
+        poll = self.worker.config.queue.poll_interval
+        until = time.monotonic() + (poll if not claimed else float("inf"))
         with self.cond:
             before = len(self.jobs)
-            while len(self.jobs) == before and before and not self.stopping:
-                if self.cond.wait(STOP_POLL_S):
-                    break
-                if should_stop():
-                    break
+            while len(self.jobs) == before and not self.stopping:
+                left = until - time.monotonic()
+                if left <= 0 or should_stop():
+                    return
+                if self.cond.wait(min(STOP_POLL_S, left)):
+                    return
 
     def _stop(self) -> None:
         with self.cond:
