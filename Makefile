@@ -55,10 +55,10 @@ run: install-run
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check supervisor handlers sql tests bench
+	$(BIN)/ruff format --check supervisor handlers sql tests bench harness
 
 typecheck: install
-	MYPYPATH="$$(echo build/__editable__.derivd-*)" $(BIN)/mypy -p derivd
+	MYPYPATH="$$(echo build/__editable__.derivd-*)" $(BIN)/mypy -p derivd -p harness
 
 pytest: install
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) tests

@@ -17,7 +17,9 @@ behind a fault-injecting proxy, and the real `derivd run` (several prefork worke
 
 Then the faults stop, the queue drains, the supervisor is stopped with SIGTERM, one
 `derivd sweep --orphan-guard 0` runs (safe then: no attempt is live), and the
-invariants are checked and printed as a table. The exit status is 1 when any fails.
+invariants are checked and printed as a table: this run's own expectations, then every
+invariant of the state machine over the history it left (harness.invariants: events,
+tables and the bucket's listing). The exit status is 1 when any fails.
 The same --seed gives the same inputs and the same schedule of faults (what the
 processes make of it still depends on timing).
 """
@@ -61,17 +63,21 @@ from fixtures.s3 import (
     aws_test_env,
 )
 
+from derivd.config import load_config
 from derivd.embedded.pgcluster import EmbeddedCluster
 from derivd.processes.procutil import children_of
 from derivd.queue.db import QueueDB, migrate
 from derivd.storage.base import new_original_key
+from harness.history import load as load_history
+from harness.invariants import Rules
+from harness.invariants import check as check_history
+from harness.listing import s3_objects
 
 DERIVD = Path(sys.executable).parent / "derivd"
 LEASE_S = 8.0
 JOB_TIMEOUT_S = 4.0
 MAX_ATTEMPTS = 8
 CONTENT_CODES = {"corrupt_content", "unsupported_content", "resource_limit"}
-FINAL = ("ready", "rejected")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,28 +567,16 @@ class Check:
 def check_all(
     world: World, expected: dict[int, tuple[str, str]], tally: Tally, exit_code: int | None
 ) -> list[Check]:
+    """The run's own expectations (each input's outcome, the freeze fenced, a clean
+    stop, the bytes of every ready variant) and then the history checker's invariants
+    (harness.invariants), which know nothing of this run but its configuration."""
     checks: list[Check] = []
     rows = {
         r[0]: r
-        for r in world.query(
-            "SELECT id, status, error_code, attempts, original_key, original_version, "
-            "derived_key, derived_version, sha256 FROM archive_files"
-        )
+        for r in world.query("SELECT id, status, error_code, derived_key FROM archive_files")
     }
-    variants = world.query(
-        "SELECT file_id, name, key, version, sha256, lease_token::text FROM archive_variants"
-    )
     events = world.query("SELECT file_id, kind, lease_token::text FROM archive_events")
     kinds = Counter(kind for _, kind, _ in events)
-
-    not_final = [i for i, r in rows.items() if r[1] not in FINAL]
-    checks.append(
-        Check(
-            "every row final (ready/rejected)",
-            not not_final and len(rows) == len(expected),
-            f"{len(rows)} rows, {len(expected)} queued; not final: {not_final[:10]}",
-        )
-    )
 
     wrong: list[str] = []
     for file_id, (case, want) in expected.items():
@@ -594,8 +588,9 @@ def check_all(
     checks.append(
         Check(
             "valid -> ready, hostile -> its content code",
-            not wrong,
-            f"{n_valid} valid, {len(expected) - n_valid} hostile; wrong: {wrong[:6]}",
+            not wrong and len(rows) == len(expected),
+            f"{len(rows)} rows, {n_valid} valid, {len(expected) - n_valid} hostile; "
+            f"wrong: {wrong[:6]}",
         )
     )
     bad_codes = [
@@ -608,43 +603,7 @@ def check_all(
     checks.append(
         Check("hostile rejected with a content code", not bad_codes, f"others: {bad_codes[:6]}")
     )
-
-    over = [f"{i}:{r[3]}" for i, r in rows.items() if r[3] > MAX_ATTEMPTS]
-    most = max((r[3] for r in rows.values()), default=0)
-    checks.append(
-        Check(
-            f"attempts <= max_attempts ({MAX_ATTEMPTS})", not over, f"max seen {most}; {over[:6]}"
-        )
-    )
-
-    ready_events = Counter(fid for fid, kind, _ in events if kind == "ready")
-    twice = [fid for fid, n in ready_events.items() if n > 1]
-    not_ready = [fid for fid in ready_events if rows[fid][1] != "ready"]
-    checks.append(
-        Check(
-            "no row committed twice ('ready' events <= 1)",
-            not twice and not not_ready,
-            f"{sum(ready_events.values())} ready events; twice: {twice[:6]}; "
-            f"ready event on a non-ready row: {not_ready[:6]}",
-        )
-    )
-
-    committing = {fid: tok for fid, kind, tok in events if kind == "ready"}
-    foreign = [
-        f"{fid}/{name}"
-        for fid, name, key, _, _, tok in variants
-        if tok != committing.get(fid) or f"/{tok}/" not in key
-    ]
-    checks.append(
-        Check(
-            "variants carry the committing token",
-            not foreign,
-            f"{len(variants)} variants; foreign: {foreign[:6]}",
-        )
-    )
-
-    checks.append(_check_objects(world, rows, variants))
-    checks += _check_unreferenced(world, rows, variants)
+    checks.append(_check_variant_bytes(world))
 
     lost = {tok for _, kind, tok in events if kind == "lease_lost"}
     unfenced = [t for t in tally.stunt_tokens if t not in lost]
@@ -662,74 +621,45 @@ def check_all(
             f"exit code {exit_code}",
         )
     )
+    checks += history_checks(world, tally)
     tally.notes.append("events: " + ", ".join(f"{k}={n}" for k, n in sorted(kinds.items())))
     return checks
 
 
-def _check_objects(
-    world: World, rows: dict[int, tuple[Any, ...]], variants: list[tuple[Any, ...]]
-) -> Check:
+def history_checks(world: World, tally: Tally) -> list[Check]:
+    """Every invariant of the state machine over what the run left (events, tables, the
+    bucket's listing), under the rules of the run's own configuration. The violations
+    of a failing one go to the notes in full."""
+    rules = Rules.from_config(load_config(world.ini))
+    history = load_history(world.dsn, s3_objects(world.s3(), world.bucket))
+    verdicts = check_history(history, rules)
+    for verdict in verdicts:
+        tally.notes += [f"{verdict.name}: {v}" for v in verdict.violations[:40]]
+    return [Check(f"history: {v.name}", v.ok, v.summary()) for v in verdicts]
+
+
+def _check_variant_bytes(world: World) -> Check:
+    """Each ready variant's object, read by its version, has the sha256 recorded."""
     client = world.s3()
-    problems: list[str] = []
-    by_file: dict[int, list[tuple[Any, ...]]] = {}
-    for v in variants:
-        by_file.setdefault(v[0], []).append(v)
-    ready = [r for r in rows.values() if r[1] == "ready"]
-    for row in ready:
-        file_id, derived_key, derived_version, sha = row[0], row[6], row[7], row[8]
-        mine = by_file.get(file_id, [])
-        if len(mine) != 2:
-            problems.append(f"{file_id}: {len(mine)} variants")
-        if not any((v[2], v[3], v[4]) == (derived_key, derived_version, sha) for v in mine):
-            problems.append(f"{file_id}: derived_* is not one of its variants")
-        for _, name, key, version, digest, _ in mine:
-            try:
-                body = client.get_object(Bucket=world.bucket, Key=key, VersionId=version)
-                data = body["Body"].read()
-            except Exception as error:
-                problems.append(f"{file_id}/{name}: GET failed ({type(error).__name__})")
-                continue
-            if hashlib.sha256(data).hexdigest() != digest:
-                problems.append(f"{file_id}/{name}: sha256 differs")
-    return Check(
-        "ready objects exist, by version, with their sha256",
-        not problems,
-        f"{len(ready)} ready rows checked; {problems[:6]}",
+    variants = world.query(
+        "SELECT v.file_id, v.name, v.key, v.version, v.sha256 FROM archive_variants AS v"
+        " JOIN archive_files AS f ON f.id = v.file_id WHERE f.status = 'ready'"
     )
-
-
-def _check_unreferenced(
-    world: World, rows: dict[int, tuple[Any, ...]], variants: list[tuple[Any, ...]]
-) -> list[Check]:
-    client = world.s3()
-    referenced = {(r[4], r[5]) for r in rows.values()} | {(v[2], v[3]) for v in variants}
-    referenced_keys = {k for k, _ in referenced}
-    stray_keys: set[str] = set()
-    stray_versions: list[str] = []
-    total = 0
-    for page in client.get_paginator("list_object_versions").paginate(Bucket=world.bucket):
-        for item in page.get("Versions", []) + page.get("DeleteMarkers", []):
-            total += 1
-            if (item["Key"], item["VersionId"]) in referenced:
-                continue
-            if item["Key"] in referenced_keys:
-                stray_versions.append(item["Key"])
-            else:
-                stray_keys.add(item["Key"])
-    pending = world.query("SELECT count(*) FROM pending_objects")[0][0]
-    return [
-        Check(
-            "no unreferenced object after the sweep",
-            not stray_keys,
-            f"{total} object versions; stray keys: {sorted(stray_keys)[:4]}; "
-            f"pending_objects left: {pending}",
-        ),
-        Check(
-            "no stray version of a referenced key",
-            not stray_versions,
-            f"{len(stray_versions)} stray: {stray_versions[:4]}",
-        ),
-    ]
+    problems: list[str] = []
+    for file_id, name, key, version, digest in variants:
+        try:
+            body = client.get_object(Bucket=world.bucket, Key=key, VersionId=version)
+            data = body["Body"].read()
+        except Exception as error:
+            problems.append(f"{file_id}/{name}: GET failed ({type(error).__name__})")
+            continue
+        if hashlib.sha256(data).hexdigest() != digest:
+            problems.append(f"{file_id}/{name}: sha256 differs")
+    return Check(
+        "ready variants' bytes, by version, match their sha256",
+        not problems,
+        f"{len(variants)} variants read; {problems[:6]}",
+    )
 
 
 # --------------------------------------------------------------------------- main

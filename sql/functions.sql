@@ -468,6 +468,17 @@ BEGIN
     RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
               extract(epoch FROM now() - c.since)::float8, c.tier, c.since,
               coalesce(f.rederive_of, f.id);
+    -- Under a tenant cap each claim records itself, with its row's tenant (migration
+    -- 0015): the history in which a checker sees every tenant's rows in flight at every
+    -- claim (harness.invariants). The event's id is drawn here, after this claim's
+    -- tenant locks and counts, so id order is the order in which claims counted. The
+    -- default claim records nothing (its cost per job is a measured budget).
+    IF tenant_cap > 0 THEN
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token, tenant)
+        SELECT f.id, 'claimed', f.attempts, f.lease_token, f.tenant
+          FROM archive_files AS f
+         WHERE f.id = ANY (ids);
+    END IF;
 END $$;
 
 -- A worker's steady state in one round trip and one durable transaction: the fenced
@@ -566,6 +577,26 @@ BEGIN
     status := new_status;
     error_code := new_code;
     RETURN NEXT;
+END $$;
+
+-- A worker died holding this attempt (its supervisor reaped it: a crash, kill -9, the OOM
+-- killer): a `worker_died` event on the attempt, then derivd_fail's retry rule with the
+-- attempt counted: back to `queued` after delay_s while attempts remain, else `rejected`
+-- attempts_exhausted. A crashed job waits for no lease (only a dead host's do). Fenced on
+-- the token as derivd_fail is: no row when the attempt had moved on already (reclaimed,
+-- committed, deleted; derivd_fail appends `lease_lost` then). The death is recorded
+-- either way: it happened to that attempt.
+CREATE OR REPLACE FUNCTION derivd_worker_died(file_id bigint, token uuid, attempt integer,
+                                              max_attempts integer, delay_s float8)
+RETURNS TABLE (status text, error_code text)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+    VALUES (derivd_worker_died.file_id, 'worker_died', derivd_worker_died.attempt, token);
+    RETURN QUERY
+        SELECT d.status, d.error_code
+          FROM derivd_fail(derivd_worker_died.file_id, token, derivd_worker_died.attempt,
+                           true, 'attempts_exhausted', max_attempts, delay_s, NULL) AS d;
 END $$;
 
 -- Give a job back (shutdown, or too little lease left) without burning its attempt;

@@ -32,14 +32,13 @@ SELECT to_regclass('derivd_migrations') IS NOT NULL AS present;
 INSERT INTO derivd_migrations (name) VALUES (%(name)s);
 
 -- name: functions_missing
--- Which of the functions this derivd calls (`names`: those of sql/functions.sql) the
--- database lacks. A release may add a function without a migration; its hosts must not
--- start before `derivd migrate` has created it.
-SELECT n AS name
-  FROM unnest(%(names)s::text[]) AS n
- WHERE NOT EXISTS (SELECT 1 FROM pg_proc AS p
-                    WHERE p.proname = n AND pg_function_is_visible(p.oid))
- ORDER BY n;
+-- Which of the functions this derivd calls (`signatures`: those of sql/functions.sql, as
+-- `name(argument types)`) the database lacks. A release may add a function or an overload
+-- without a migration; its hosts must not start before `derivd migrate` has created it.
+SELECT s AS signature
+  FROM unnest(%(signatures)s::text[]) AS s
+ WHERE to_regprocedure(s) IS NULL
+ ORDER BY s;
 
 -- name: enqueue
 -- Queue confirmed originals (key and version already stored), all at one priority and
@@ -137,6 +136,14 @@ SELECT status, error_code
   FROM derivd_fail(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer, %(retry)s::boolean,
                    %(code)s::text, %(max_attempts)s::integer, %(delay_s)s::float8,
                    %(extra_event)s::text);
+
+-- name: worker_died
+-- A dead worker's job, returned by its supervisor (derivd_worker_died in
+-- sql/functions.sql): `worker_died`, then back to `queued` after delay_s with the attempt
+-- counted, or `rejected` attempts_exhausted on its last one. No row: the fence failed.
+SELECT status, error_code
+  FROM derivd_worker_died(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer,
+                          %(max_attempts)s::integer, %(delay_s)s::float8);
 
 -- name: release
 -- Give a job back during shutdown without burning its attempt (derivd_release in

@@ -25,7 +25,7 @@ CREATE DOMAIN derivd_error_code AS text CONSTRAINT derivd_error_code_check CHECK
     'attempts_exhausted', 'processing_failed'));
 CREATE DOMAIN derivd_event_kind AS text CONSTRAINT derivd_event_kind_check CHECK (VALUE IN (
     'ready', 'retry', 'rejected', 'lease_lost', 'timeout', 'released', 'exhausted',
-    'delete_requested', 'deleted', 'operator_retry', 'rederived'));
+    'delete_requested', 'deleted', 'operator_retry', 'rederived', 'claimed', 'worker_died'));
 -- A file's priority (higher runs first) and tenant: limits as domains too (migration 0014).
 CREATE DOMAIN derivd_priority AS smallint
     CONSTRAINT derivd_priority_check CHECK (VALUE BETWEEN -100 AND 100);
@@ -250,6 +250,8 @@ CREATE TABLE archive_events (
     lease_token uuid,
     error_code  text,
     actor       text,
+    -- On `claimed` events (a capped claim, migration 0015): the claimed row's tenant.
+    tenant      text,
     CONSTRAINT archive_events_kind_check CHECK (kind::derivd_event_kind IS NOT NULL),
     CONSTRAINT archive_events_error_code_check
         CHECK (error_code IS NULL OR error_code::derivd_error_code IS NOT NULL)

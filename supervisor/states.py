@@ -1,11 +1,11 @@
 """The queue's vocabulary: row statuses, event kinds and error codes, once in Python.
 
 The database is the authority: the domains of sql/schema.sql (derivd_status,
-derivd_error_code, derivd_event_kind; migration 0014 added `rederived`), to which the
-tables' CHECK constraints cast their columns. These literals are their one Python copy;
-every other module imports from here, and tests/test_states.py reads the domains'
-constraints back from a migrated database (pg_get_constraintdef) and fails when the two
-disagree.
+derivd_error_code, derivd_event_kind; migration 0014 added `rederived`, 0015
+`claimed`, 0016 `worker_died`), to which the tables' CHECK constraints cast their
+columns. These literals are their one Python copy; every other module imports from
+here, and tests/test_states.py reads the domains' constraints back from a migrated
+database (pg_get_constraintdef) and fails when the two disagree.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ EventKind = Literal[
     "deleted",
     "operator_retry",
     "rederived",
+    "claimed",
+    "worker_died",
 ]
 ErrorCode = Literal[
     "unsupported_content",

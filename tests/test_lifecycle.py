@@ -10,15 +10,18 @@ import uuid
 
 import pytest
 
+from derivd.config import QueueSettings
 from derivd.processes.lifecycle import (
     EXIT_BOOT_ERROR,
     HEALTHY_AFTER,
     RESTART_MAX,
     BootFailure,
+    CrashReturns,
     Exit,
     Slot,
     back_off,
     classify_exit,
+    crash_returns,
     deadline_action,
     next_deadline,
     on_boot_failure,
@@ -90,6 +93,41 @@ def test_the_running_job_is_not_released_the_rest_is() -> None:
     assert sorted(j.id for j in to_release(proc)) == [2, 3]
     proc.last_start = None  # killed before its first job started: everything goes back
     assert sorted(j.id for j in to_release(proc)) == [1, 2, 3]
+
+
+def held_by(*jobs: Job, running: Job | None = None) -> WorkerProc:
+    proc = worker(held={j.id: j for j in jobs})
+    if running is not None:
+        proc.last_start = (running.token, 5.0)
+    return proc
+
+
+def test_a_crashed_workers_jobs_all_go_back_the_running_one_counted() -> None:
+    """Issue 27 item 8: every job a dead worker reported claimed goes back at once; the
+    one it was running is counted (worker_died), the rest burn no attempt."""
+    settings = QueueSettings(max_attempts=3, retry_base=2.0, retry_max=60.0, retry_jitter=False)
+    running, unstarted, derived = job(1), job(2), job(3)
+    returns = crash_returns(held_by(derived, unstarted, running, running=running), settings)
+    assert [r.job for r in returns.died] == [running]
+    assert [j.id for j in returns.released] == [2, 3]
+    (died,) = returns.died
+    assert not died.last_attempt
+    assert died.delay_s == 2.0  # the retry delay of attempt 1, as after any failure
+
+    # Killed before its first job started: none ran, all go back unburned.
+    assert crash_returns(held_by(running, unstarted), settings) == CrashReturns(
+        [], [running, unstarted]
+    )
+    assert crash_returns(held_by(), settings) == CrashReturns([], [])
+
+
+@pytest.mark.parametrize(("attempt", "last"), [(1, False), (2, False), (3, True), (4, True)])
+def test_a_crash_on_the_last_allowed_attempt_is_final(attempt: int, last: bool) -> None:
+    settings = QueueSettings(max_attempts=3, retry_base=1.0, retry_max=3.0, retry_jitter=False)
+    running = Job(7, uuid.uuid4(), attempt, "k", "v", 0.0)
+    (died,) = crash_returns(held_by(running, running=running), settings).died
+    assert died.last_attempt is last
+    assert died.delay_s == min(3.0, 2.0 ** (attempt - 1))
 
 
 def test_restart_backoff_doubles_to_its_cap() -> None:

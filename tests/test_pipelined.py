@@ -285,10 +285,15 @@ def test_a_lease_lost_while_waiting_in_the_pipeline_is_never_committed(
     runner.start()
     try:
         assert arrived.wait(60)
-        with QueueDB.open(dsn, role="thief") as other:
-            expire = "UPDATE archive_files SET lease_until = now() - interval '1 s' WHERE id = %s"
-            sql(dsn, expire, (first,))
-            thief += other.claim_many(limit=1, lease_s=60.0, max_attempts=3)
+        # Another claimant takes the expired lease over (a reclaim: a new token, the
+        # attempt counted), in one statement, so this worker cannot reclaim it first.
+        steal = (
+            "UPDATE archive_files SET lease_token = gen_random_uuid(), attempts = attempts + 1,"
+            " lease_until = now() + interval '60 s' WHERE id = %s"
+            " RETURNING lease_token, attempts"
+        )
+        stolen = sql(dsn, steal, (first,))[0]
+        thief.append(Job(first, stolen["lease_token"], stolen["attempts"], "k", "v", 0.0))
         go_on.set()
         runner.join(60)
     finally:

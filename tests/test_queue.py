@@ -98,6 +98,32 @@ def test_fail_and_release_are_fenced(queue: QueueDB) -> None:
     assert events(queue, file_id) == [("lease_lost", 1), ("lease_lost", 1)]
 
 
+def test_a_dead_workers_job_goes_back_counted_then_exhausted(queue: QueueDB) -> None:
+    """derivd_worker_died (issue 27 item 8): `worker_died` on the attempt, back to
+    `queued` after the delay with the attempt counted; on the last one, rejected
+    attempts_exhausted. Fenced: a stale token changes nothing."""
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    job = claim_one(queue, lease_s=LONG, max_attempts=2)
+    assert job is not None
+    assert queue.worker_died(job, max_attempts=2, delay_s=30) == "queued"
+    row = queue.file_row(file_id)
+    assert row is not None and row["attempts"] == 1 and row["lease_token"] is None
+    assert claim_one(queue, lease_s=LONG, max_attempts=2) is None  # delayed 30 s
+    queue.conn.execute("UPDATE archive_files SET available_at = now() WHERE id = %s", (file_id,))
+    last = claim_one(queue, lease_s=LONG, max_attempts=2)
+    assert last is not None and last.attempt == 2
+    assert queue.worker_died(job, max_attempts=2, delay_s=0) is None  # attempt 1's token
+    assert queue.file_row(file_id)["status"] == "processing"  # type: ignore[index]
+    assert queue.worker_died(last, max_attempts=2, delay_s=0) == "rejected"
+    row = queue.file_row(file_id)
+    assert row is not None and row["error_code"] == "attempts_exhausted"
+    assert events(queue, file_id) == [
+        ("worker_died", 1), ("retry", 1),
+        ("worker_died", 1), ("lease_lost", 1),
+        ("worker_died", 2), ("rejected", 2),
+    ]  # fmt: skip
+
+
 def test_permanent_failure_rejects_with_code(queue: QueueDB) -> None:
     (file_id,) = queue.enqueue([("originals/a", "1")])
     job = claim_one(queue, lease_s=LONG, max_attempts=3)

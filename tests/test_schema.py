@@ -31,7 +31,7 @@ from helpers import sql, wait_for
 
 from derivd.embedded.pgcluster import EmbeddedCluster
 from derivd.queue.db import SchemaMismatch, check_schema, migrate
-from derivd.queue.sqlfiles import functions, migrations, queries
+from derivd.queue.sqlfiles import function_signatures, functions, migrations, queries
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
 NO_SCHEMA = "derivd: the database has no derivd schema; run `derivd migrate`"
@@ -342,8 +342,28 @@ def test_a_function_added_without_a_migration_is_refused_until_migrate(dsn: str)
     with pytest.raises(SchemaMismatch) as refused:
         check_schema(dsn)
     assert str(refused.value) == (
-        "the database schema is behind this derivd (missing: derivd_host_stale()); "
-        "run `derivd migrate`"
+        "the database schema is behind this derivd (missing: "
+        "derivd_host_stale(timestamptz, float8)); run `derivd migrate`"
     )
     assert migrate(dsn) == []
     check_schema(dsn)
+
+
+def test_a_missing_overload_is_refused_though_its_name_exists(dsn: str) -> None:
+    """The check is by full signature: a release that adds an overload of a function the
+    database already has (same name, new arguments) is refused as well, not at first call."""
+    sql(dsn, "DROP FUNCTION derivd_similar(bigint, integer, integer)")
+    overload = r"missing: derivd_similar\(bigint, integer, integer\)"
+    with pytest.raises(SchemaMismatch, match=overload):
+        check_schema(dsn)
+    assert migrate(dsn) == []
+    check_schema(dsn)
+
+
+def test_signatures_read_input_types_only() -> None:
+    text = (
+        "CREATE OR REPLACE FUNCTION f(a integer, OUT b text, c numeric(4, 2) DEFAULT 0,\n"
+        "    VARIADIC d text[]) RETURNS void\n"
+        "CREATE OR REPLACE FUNCTION g() RETURNS trigger\n"
+    )
+    assert function_signatures(text) == ["f(integer, numeric(4, 2), text[])", "g()"]

@@ -22,7 +22,7 @@ from derivd.storage.base import (
     new_original_key,
     validate_key,
 )
-from derivd.storage.fs import FsStorage
+from derivd.storage.fs import FsStorage, fsync_dir, make_dirs
 from derivd.storage.s3 import S3Storage
 
 ESCAPES = [
@@ -147,6 +147,53 @@ def test_fs_prefix_delete_removes_all_attempts(fs_root: Path) -> None:
     store.put(derived_key(10, uuid.uuid4(), "thumb"), b"w", "image/webp")
     assert store.delete_all_versions(derived_prefix(9)) == 2
     assert [k.split("/")[1] for k in store.list_keys("derived/")] == ["10"]
+
+
+class SyncLog:
+    """FsStorage's directory fsync, observed: each directory it syncs (the real fsync
+    still runs) and what that directory held at that moment."""
+
+    def __init__(self) -> None:
+        self.synced: list[Path] = []
+        self.entries: list[set[str]] = []
+
+    def __call__(self, path: Path) -> None:
+        self.entries.append({p.name for p in path.iterdir()})
+        self.synced.append(path)
+        fsync_dir(path)
+
+
+def test_fs_put_syncs_the_rename_and_every_new_directory(fs_root: Path) -> None:
+    """A PUT's version id is recorded by the commit: the object's directory entries must
+    be durable when put returns (issue 27, item 5). Without these fsyncs a power loss can
+    leave a `ready` row naming a file that never reached the disk."""
+    log = SyncLog()
+    store = FsStorage(fs_root, sync_dir=log)
+    key = "derived/7/tok/preview.webp"
+    folder = fs_root / (key + ".versions")
+    version = store.put(key, b"one", "image/webp")
+    # Every directory the PUT made is in its parent's entries: each parent is synced,
+    # then the versions folder, after the rename (the final name is there, no temp).
+    assert log.synced == [fs_root, fs_root / "derived", fs_root / "derived/7",
+                          fs_root / "derived/7/tok", folder]  # fmt: skip
+    assert log.entries[-1] == {version + ".webp"}
+    assert log.entries[0] == {"derived"}
+
+    log.synced.clear()
+    second = store.put(key, b"two", "image/webp")
+    assert log.synced == [folder]  # nothing new above it: one fsync
+    assert version + ".webp" in log.entries[-1] and second + ".webp" in log.entries[-1]
+
+    log.synced.clear()
+    store.put("derived/7/tok/thumb.webp", b"three", "image/webp")
+    assert log.synced == [fs_root / "derived/7/tok", fs_root / "derived/7/tok/thumb.webp.versions"]
+
+
+def test_fs_make_dirs_reports_the_parents_it_changed(fs_root: Path) -> None:
+    made = make_dirs(fs_root / "a" / "b")
+    assert made == [fs_root, fs_root / "a"]
+    assert (fs_root / "a" / "b").is_dir()
+    assert make_dirs(fs_root / "a" / "b") == []
 
 
 def s3_store(endpoint: str, bucket: str, prefix: str = "") -> S3Storage:

@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from fixtures.cli import derivd_command
+from fixtures.cli import derivd_command, run_cli
 from helpers import alive, proc_title, wait_for
 
 from derivd.config import ConfigError, load_config
@@ -191,8 +191,33 @@ def test_jobs_run_and_sigterm_stops_cleanly(supervisor: Callable[..., Supervisor
     assert not any(alive(p) for p in workers)
 
 
+# A lease no wait of these tests comes near: a job that is back before it ended was
+# returned by its supervisor, not reclaimed after its lease.
+LONG_LEASE = {"lease": "600"}
+
+
+def died_events(dsn: str, file_id: int) -> list[tuple[int, Any]]:
+    """(attempt, lease token) of each `worker_died` event of the file."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT attempt, lease_token FROM archive_events"
+            " WHERE file_id = %s AND kind = 'worker_died' ORDER BY id",
+            (file_id,),
+        ).fetchall()
+    return [(r[0], r[1]) for r in rows]
+
+
+def claim_token(dsn: str, file_id: int) -> Any:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT lease_token FROM archive_files WHERE id = %s", (file_id,))
+        return row.fetchone()[0]  # type: ignore[index]
+
+
 def test_sigkill_worker_mid_job(supervisor: Callable[..., Supervisor], tmp_path: Path) -> None:
-    sup = supervisor().start()
+    """Issue 27 item 8: the supervisor returns a dead worker's job at once, fenced by its
+    token, the attempt counted, with one `worker_died` event; the lease (600 s) is never
+    waited for."""
+    sup = supervisor(queue=LONG_LEASE).start()
     marker = tmp_path / "marker"
     [file_id] = sup.enqueue(f"hang-once {marker}")
     victim = wait_for(lambda: sup.worker_on_job(file_id), "a worker on the job")
@@ -200,6 +225,7 @@ def test_sigkill_worker_mid_job(supervisor: Callable[..., Supervisor], tmp_path:
     # there, attempt 1 never made the marker and attempt 2 would hang (and time out)
     # in its place. Kill once the handler is really hanging.
     wait_for(marker.exists, "the handler to hang")
+    token = claim_token(sup.dsn, file_id)
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     replacement = wait_for(
@@ -209,12 +235,32 @@ def test_sigkill_worker_mid_job(supervisor: Callable[..., Supervisor], tmp_path:
     print(f"restart latency (SIGKILL -> replacement ready): {latency * 1000:.0f} ms")
     (tmp_path / "restart_latency_ms").write_text(f"{latency * 1000:.0f}\n")
     assert replacement != victim
-    # The lease (6 s) has to expire before the job is claimed again.
+    died = wait_for(lambda: died_events(sup.dsn, file_id), "the worker_died event", detail=sup.log)
+    assert died == [(1, token)]
     row = wait_for(lambda: sup.status_is(file_id, "ready"), "the job to end ready")
-    assert row["attempts"] == 2
+    assert row["attempts"] == 2  # the dead worker's attempt counted
     kinds = [kind for kind, _, _ in sup.events(file_id)]
-    assert "timeout" not in kinds  # the kill, not the deadline, ended attempt 1
+    assert kinds == ["worker_died", "retry", "ready"]  # returned, not timed out nor lost
+    assert died_events(sup.dsn, file_id) == [(1, token)]
     assert "worker died" in sup.log()
+    shown = run_cli("-c", str(sup.ini), "show", str(file_id))
+    assert shown.returncode == 0 and "worker_died" in shown.stdout, shown.stdout + shown.stderr
+
+
+def test_sigkill_on_the_last_attempt_rejects_at_once(
+    supervisor: Callable[..., Supervisor], tmp_path: Path
+) -> None:
+    sup = supervisor(queue={**LONG_LEASE, "max_attempts": "1"}).start()
+    marker = tmp_path / "marker"
+    [file_id] = sup.enqueue(f"hang-once {marker}")
+    victim = wait_for(lambda: sup.worker_on_job(file_id), "a worker on the job")
+    wait_for(marker.exists, "the handler to hang")
+    os.kill(victim, signal.SIGKILL)
+    row = wait_for(lambda: sup.status_is(file_id, "rejected"), "the row rejected", detail=sup.log)
+    assert row["error_code"] == "attempts_exhausted"
+    assert row["attempts"] == 1
+    assert [(k, a) for k, a, _ in sup.events(file_id)] == [("worker_died", 1), ("rejected", 1)]
+    assert processing_rows(sup.dsn) == 0
 
 
 def test_hanging_job_times_out_then_rejected(supervisor: Callable[..., Supervisor]) -> None:
@@ -245,16 +291,17 @@ def test_hanging_job_times_out_then_rejected(supervisor: Callable[..., Superviso
 
 
 def test_job_that_kills_its_worker_ends_exhausted(supervisor: Callable[..., Supervisor]) -> None:
-    # Each attempt crashes the worker; the parent respawns (with slot backoff) and its
-    # ExhaustedRejection duty rejects the row once the last attempt's lease has expired.
+    # Each attempt crashes the worker; the parent respawns (with slot backoff) and gives
+    # the job back counted each time: the second death rejects it, no lease expiring.
     sup = supervisor(
-        queue={"lease": "3", "max_attempts": "2"},
+        queue={**LONG_LEASE, "max_attempts": "2"},
         supervisor={"job_timeout": "1.4", "kill_grace": "1"},
     ).start()
     [file_id] = sup.enqueue("kill")
     row = wait_for(lambda: sup.status_is(file_id, "rejected"), "the row to be rejected")
     assert row["error_code"] == "attempts_exhausted"
     assert row["attempts"] == 2
+    assert [a for a, _ in died_events(sup.dsn, file_id)] == [1, 2]
     assert sup.log().count("worker died") == 2
     assert sup.proc.poll() is None  # type: ignore[union-attr]
     wait_for(lambda: sup.ready_workers(1), "a worker after the crashes")
@@ -307,8 +354,9 @@ def test_sigkill_supervisor_takes_children_along(
     sup = supervisor(supervisor={"workers": "2"}).start()
     workers = wait_for(lambda: sup.ready_workers(2), "two ready workers")
     sup.proc.kill()  # type: ignore[union-attr]
-    sup.wait_exit()
+    assert sup.wait_exit() == -signal.SIGKILL
     wait_for(lambda: not any(alive(p) for p in workers), "every worker to die", timeout=10)
+    assert [p for p in workers if alive(p)] == []
 
 
 def test_unreachable_database_stops_run_in_one_line(
@@ -352,6 +400,7 @@ def test_memory_recycle(supervisor: Callable[..., Supervisor]) -> None:
     wait_for(
         lambda: "worker recycled" in sup.log() and "reason=rss" in sup.log(),
         "the recycle to be logged with its reason",
+        detail=sup.log,
     )
     [small] = sup.enqueue("ok")
     wait_for(lambda: sup.status_is(small, "ready"), "the fresh worker to work")
@@ -365,6 +414,8 @@ def test_max_jobs_recycles_worker(supervisor: Callable[..., Supervisor]) -> None
         wait_for(lambda f=file_id: sup.status_is(f, "ready"), f"file {file_id} ready")
     wait_for(lambda: not alive(first), "the first worker to be recycled")
     wait_for(lambda: sup.log().count("reason=max_jobs") >= 2, "two recycles to be logged")
+    assert [sup.row(i)["attempts"] for i in ids] == [1, 1, 1]  # a recycle burns no attempt
+    assert first not in (sup.ready_workers(1) or [])
 
 
 def test_burst_exits_when_drained(supervisor: Callable[..., Supervisor]) -> None:
@@ -500,10 +551,11 @@ def test_batch_sigkill_worker_releases_unstarted_and_reclaims_running(
     os.kill(victim, signal.SIGKILL)
     for file_id in (first, *rest):
         wait_for(lambda f=file_id: sup.status_is(f, "ready"), f"file {file_id} ready")
-    # The job that was running when the worker died burned its attempt (reclaimed after
-    # its lease); the ones it held but had not started went back at once, unburned.
+    # The job that was running when the worker died burned its attempt (returned by the
+    # supervisor, worker_died); the ones it held but had not started went back at once,
+    # unburned.
     assert sup.row(first)["attempts"] == 2
-    assert "released" not in kinds(sup, first)
+    assert kinds(sup, first) == ["worker_died", "retry", "ready"]
     for file_id in rest:
         assert sup.row(file_id)["attempts"] == 1
         assert kinds(sup, file_id) == ["released", "ready"]

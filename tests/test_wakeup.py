@@ -168,6 +168,7 @@ def test_lost_listen_connection_is_replaced(
         LIVENESS_S,
         detail=idle.log,
     )
+    assert old not in _listen_pids(producer)
     idle.wait_ready(producer, idle.queue_original(producer))
 
 

@@ -1,6 +1,7 @@
 """The supervisor's one-off writes, through its database thread (derivd.processes.dbthread):
-the attempts it ends itself (timed out, released, lease lost), the leases of sweep passes
-it killed, and its host registry row. Its periodic work is derivd.processes.duties."""
+the attempts it ends itself (timed out, released, lease lost, its worker died), the
+leases of sweep passes it killed, and its host registry row. Its periodic work is
+derivd.processes.duties."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from derivd.ops.logs import event
 from derivd.ops.metrics import Metrics
 from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.duties import host_info
+from derivd.processes.lifecycle import Returned
 from derivd.queue.db import HostInfo, Job, QueueDB
 from derivd.queue.retry import record_failure
 
@@ -46,6 +48,20 @@ class Bookkeeping:
             warn("job timed out", job, slot=slot, timeout_s=timeout, status=status)
 
         self.thread.submit("fail", fail, logged)
+
+    def worker_died(self, returned: Returned, config: Config, slot: int) -> None:
+        """A dead worker's job back to `queued` (or rejected on its last attempt), fenced,
+        with a `worker_died` event; the decision is lifecycle.returned_jobs."""
+        job, max_attempts = returned.job, config.queue.max_attempts
+
+        def give_back(db: QueueDB) -> str | None:
+            return db.worker_died(job, max_attempts=max_attempts, delay_s=returned.delay_s)
+
+        def logged(status: str | None) -> None:
+            status = status or "lease_lost or database unavailable"
+            warn("crashed job returned", job, slot=slot, status=status)
+
+        self.thread.submit("worker_died", give_back, logged)
 
     def release(self, job: Job) -> None:
         """Fenced: a row that moved on since (committed, reclaimed) just gets `lease_lost`."""

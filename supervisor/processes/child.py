@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import random
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -21,23 +20,14 @@ from types import FrameType
 from typing import NoReturn
 
 from derivd.config import Config
+from derivd.processes.forked import become_child
 from derivd.processes.lifecycle import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK
 from derivd.processes.pipe import Reporter
-from derivd.processes.procutil import set_pdeathsig, set_proctitle
+from derivd.processes.procutil import set_proctitle
 from derivd.redact import one_line
 from derivd.worker import IdleWait, Worker
 
 log = logging.getLogger("derivd.worker")
-
-_RESET_SIGNALS = (
-    signal.SIGTERM,
-    signal.SIGINT,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGCHLD,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-)
 
 
 @dataclass(frozen=True)
@@ -88,22 +78,10 @@ def run_child(spec: ChildSpec) -> NoReturn:
 
 
 def _after_fork(spec: ChildSpec, stop: ChildStop) -> None:
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)  # own group: the parent kills us and our helpers as one
-    for sig in _RESET_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, stop.handle)
-    signal.signal(signal.SIGINT, stop.handle)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # reloads are the parent's business
-    set_pdeathsig(signal.SIGKILL)
-    if os.getppid() != spec.parent_pid:  # the parent died before prctl took effect
-        os._exit(EXIT_OK)
     # The list was taken before fork while the parent's database thread may have closed
     # a connection and the number gone to one of our own pipes: never close those.
     own = {spec.status_w, spec.progress_w, spec.cmd_r}
-    for fd in set(spec.inherited_fds) - own:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    become_child(spec.parent_pid, close_fds=set(spec.inherited_fds) - own, on_stop=stop.handle)
 
 
 def _boot_error_text(error: BaseException) -> str:

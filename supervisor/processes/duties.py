@@ -90,6 +90,10 @@ class Duty(ABC, Generic[T]):
     def stop(self) -> None:
         self.active = False
 
+    def stopping(self) -> None:
+        """The supervisor began a graceful stop; it keeps ticking until the end. Most
+        duties go on (the heartbeat protects the jobs still running)."""
+
     def tick(self, now: float) -> None:
         """Launch a round when one is due. Never waits."""
         if now < self.next_round:
@@ -101,13 +105,13 @@ class Duty(ABC, Generic[T]):
     def launch(self) -> None:
         """Start one round without waiting for it."""
 
-    @abstractmethod
-    def run_once(self, db: QueueDB) -> T:
-        """One round, here and now."""
-
 
 class DatabaseDuty(Duty[T]):
     """A duty whose rounds run on the database thread, one at a time."""
+
+    @abstractmethod
+    def run_once(self, db: QueueDB) -> T:
+        """One round, here and now (the database thread's, or a test's)."""
 
     def __init__(self, config: Callable[[], Config], thread: DatabaseThread | None = None) -> None:
         super().__init__(config)

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import signal
 from dataclasses import dataclass
 from enum import StrEnum
 
+from derivd.config import QueueSettings
 from derivd.processes.pipe import WorkerProc
 from derivd.queue.db import Job
+from derivd.queue.retry import retry_delay
 
 EXIT_OK = 0
 EXIT_CRASH = 1
@@ -108,6 +111,52 @@ def to_release(worker: WorkerProc, kind: Exit | None = None) -> list[Job]:
         return list(worker.held.values())
     flying = {job.token for job, _ in worker.in_flight()}
     return [j for j in worker.held.values() if j.token not in flying]
+
+
+@dataclass(frozen=True)
+class Returned:
+    """The attempt a dead worker was running, as its supervisor gives it back
+    (QueueDB.worker_died): counted, a `worker_died` event on it."""
+
+    job: Job
+    last_attempt: bool  # its last allowed attempt: rejected attempts_exhausted
+    delay_s: float  # else claimable again after this: the retry delay of its attempt
+
+
+@dataclass(frozen=True)
+class CrashReturns:
+    """Every job a crashed worker held, each given back at once (none waits for its
+    lease): `died`, counted; `released`, without burning an attempt."""
+
+    died: list[Returned]
+    released: list[Job]
+
+
+def crash_returns(
+    worker: WorkerProc, settings: QueueSettings, *, rng: random.Random | None = None
+) -> CrashReturns:
+    """What becomes of each job a crashed worker (Exit.CRASH) held, by its own reports on
+    its pipes: every job it said it claimed and gave no outcome for, whatever its stage.
+
+    The jobs it was running (its last job start; a pipelined worker's every job in
+    flight, whatever its stage, since any of them may be the one) go back fenced by their
+    tokens with their attempts counted: one may be what killed the worker, and a job that
+    kills its workers must not loop (on its last allowed attempt it ends
+    `attempts_exhausted`; otherwise it waits the retry delay of its attempt, as after any
+    failure, so it does not kill the replacement at once). Every other job it held
+    (claimed and not started, derived and not committed by a batch) did not run when it
+    died: it goes back without burning an attempt, as at a graceful stop."""
+    died = []
+    for job, _ in worker.in_flight():
+        delay = retry_delay(
+            job.attempt,
+            base=settings.retry_base,
+            cap=settings.retry_max,
+            jitter=settings.retry_jitter,
+            rng=rng,
+        )
+        died.append(Returned(job, job.attempt >= settings.max_attempts, delay))
+    return CrashReturns(died, sorted(to_release(worker), key=lambda j: j.id))
 
 
 def restart_delay(failures: int) -> float:

@@ -45,6 +45,7 @@ from derivd.processes.lifecycle import (
     Slot,
     back_off,
     classify_exit,
+    crash_returns,
     deadline_action,
     exit_text,
     next_deadline,
@@ -118,7 +119,7 @@ class Supervisor:
         if not burst:  # one LISTEN connection for the fleet (--burst: no worker idles)
             listener = QueueListener(config.database.listen_dsn or dsn)
             self.duties.append(Listening(current, self.db_thread, listener, self.on_listening))
-        self.sweep = SweepChild(current, dsn, self._parent_fds)
+            self.duties.append(SweepChild(current, dsn, self._parent_fds, self._give_back_sweep))
         self.status_at = 0.0
 
     # -- signals -----------------------------------------------------------------------
@@ -138,6 +139,8 @@ class Supervisor:
             self.stop_deadline = time.monotonic() + grace
             for worker in self.workers.values():
                 worker.ask_stop()
+            for duty in self.duties:
+                duty.stopping()
         else:
             event(log, "stopping now", logging.WARNING, signal=name, busy=self.busy_count())
             self.stop_deadline = time.monotonic()
@@ -388,8 +391,11 @@ class Supervisor:
         self.books.release(job)
 
     def on_crash(self, worker: WorkerProc, slot: Slot, how: str) -> None:
-        # The row stays `processing`; its lease expires and the next claim counts the
-        # attempt (or the ExhaustedRejection duty ends it): a job that kills workers cannot loop.
+        """Every job the worker held goes back now (crash_returns): the one it was
+        running counted, with a `worker_died` event, the others released. None waits for
+        its lease, and a job that kills workers still ends after max_attempts. Should the
+        database not take one, its lease expires as before."""
+        returns = crash_returns(worker, self.config.queue)
         event(
             log,
             "worker died",
@@ -397,8 +403,14 @@ class Supervisor:
             slot=worker.slot,
             pid=worker.pid,
             status=how,
-            file_id=running[0].id if (running := worker.running()) else "-",
+            file_id=",".join(str(r.job.id) for r in returns.died) or "-",
+            released=len(returns.released),
         )
+        for died in returns.died:
+            worker.held.pop(died.job.id, None)
+            self.books.worker_died(died, self.config, worker.slot)
+        for job in returns.released:
+            self.release_job(worker, job)
         self.metrics.worker_restarted("crash")
         now = time.monotonic()
         back_off(slot, now, lived_s=now - worker.spawned_at)
@@ -450,7 +462,7 @@ class Supervisor:
 
     def housekeeping(self) -> None:
         """What the loop does besides its workers: gauges, the watchdog, the duties that
-        are due, the sweep, the systemd status line."""
+        are due (the sweep among them), the systemd status line."""
         now = time.monotonic()
         busy = self.busy_count()
         self.metrics.set_workers(alive=sum(w.ready for w in self.workers.values()), busy=busy)
@@ -461,19 +473,12 @@ class Supervisor:
             return
         for duty in self.duties:
             duty.tick(now)
-        self.run_sweep(now)
         if now >= self.status_at:
             self.status_at = now + self.config.metrics.interval
             sd_notify(f"STATUS={self.status_line()}")
 
-    def run_sweep(self, now: float) -> None:
-        """Every [sweep] interval, one sweep pass in a short-lived child (not in --burst,
-        and no new one while stopping)."""
-        if self.burst or self.stop_deadline is not None:
-            self.sweep.reap()
-        else:
-            self.sweep.tick(now)
-        self.books.give_back_leases(self.sweep.abandoned, "sweep")
+    def _give_back_sweep(self, abandoned: list[uuid.UUID]) -> None:
+        self.books.give_back_leases(abandoned, "sweep")
 
     def status_line(self) -> str:
         alive = sum(w.ready for w in self.workers.values())
@@ -519,8 +524,6 @@ class Supervisor:
         now = time.monotonic()
         for duty in self.duties:
             duty.start(now)
-        if not self.burst:
-            self.sweep.start(now)
         try:
             while True:
                 self.handle_signals()
@@ -539,8 +542,6 @@ class Supervisor:
             self.signals.restore()
             for duty in self.duties:
                 duty.stop()
-            self.sweep.stop()
-            self.books.give_back_leases(self.sweep.abandoned, "sweep")
             if self.outcome is None:  # a clean stop: leave the registry
                 self.books.deregister(host)
             self.db_thread.close(self._close_timeout())

@@ -2,37 +2,37 @@
 
 A pass (derivd.ops.sweep.Sweeper) opens a storage client (boto3 for s3), and the parent
 must never hold one: the next fork would hand it to a worker. So each round is a
-short-lived child that runs `run_once` and exits; one pass at a time. A pass may outrun
+short-lived child that runs one pass (derivd.ops.sweep.sweep_once, the same entry as
+`derivd sweep`) and exits; one pass at a time; none in `--burst` (the supervisor does not
+list this duty then) and no new one once a graceful stop has begun. A pass may outrun
 its interval (the next one just waits for it); one still running after two intervals is
 taken to hang and is killed. The pass's lease id is chosen here, before the fork: a pass
-killed with its lease taken has it given back by the supervisor (`abandoned`), so the
-next pass need not wait for the lease to expire.
+killed with its lease taken has it given back at once (`give_back`, through the
+supervisor's database thread), so the next pass need not wait for the lease to expire.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from derivd.config import Config
 from derivd.ops.logs import event
 from derivd.processes.duties import Duty
-from derivd.processes.procutil import set_pdeathsig, set_proctitle
-from derivd.queue.db import QueueDB
-
-if TYPE_CHECKING:  # the parent never imports the sweep's storage clients
-    from derivd.ops.sweep import SweepReport
+from derivd.processes.forked import become_child
+from derivd.processes.procutil import set_proctitle
 
 log = logging.getLogger("derivd.sweep")
 
 
-class SweepChild(Duty["SweepReport"]):
+class SweepChild(Duty[None]):
+    """Its rounds run in a child of their own (the parent never imports the sweep's
+    storage clients), so it has no `run_once` here: the child calls sweep_once."""
+
     name = "sweep"
 
     def __init__(
@@ -40,10 +40,12 @@ class SweepChild(Duty["SweepReport"]):
         config: Callable[[], Config],
         dsn: str,
         inherited_fds: Callable[[], tuple[int, ...]] = tuple,
+        give_back: Callable[[list[uuid.UUID]], None] = lambda abandoned: None,
     ) -> None:
         super().__init__(config)
         self.dsn = dsn
         self.inherited_fds = inherited_fds  # the parent's descriptors, closed in the child
+        self.give_back = give_back  # drops the leases of killed passes (`abandoned`)
         self.pid: int | None = None
         self.started = 0.0
         self.holder: uuid.UUID | None = None  # the running pass's lease id
@@ -59,25 +61,24 @@ class SweepChild(Duty["SweepReport"]):
         self.due_at = now + self.interval
 
     def tick(self, now: float) -> None:
+        """Collect a finished pass, then launch one when due (none once stopping)."""
         self.reap()
         if self.pid is None:
             super().tick(now)
+        self.give_back(self.abandoned)
+
+    def stopping(self) -> None:
+        """A graceful stop began: no new pass; a running one may finish."""
+        self.active = False
 
     def launch(self) -> None:
         self.holder = uuid.uuid4()
         inherited = self.inherited_fds()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
-            self._child(inherited)
+            self._child(parent, inherited)
         self.pid, self.started = pid, time.monotonic()
-
-    def run_once(self, db: QueueDB) -> SweepReport:
-        """One pass here, with a storage client of this process's own."""
-        from derivd.ops.sweep import Sweeper
-        from derivd.storage.base import open_storage
-
-        config = self.config()
-        return Sweeper.from_config(config, db, open_storage(config), holder=self.holder).run_once()
 
     def reap(self) -> None:
         """Collect a finished pass; kill one that outlived two intervals."""
@@ -107,16 +108,12 @@ class SweepChild(Duty["SweepReport"]):
         self.pid = None
         if self.holder is not None:
             self.abandoned.append(self.holder)
+        self.give_back(self.abandoned)
 
-    def _child(self, inherited_fds: tuple[int, ...]) -> None:
+    def _child(self, parent: int, inherited_fds: tuple[int, ...]) -> None:
         code = 1
         try:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
-                signal.signal(sig, signal.SIG_DFL)
-            set_pdeathsig()
-            for fd in inherited_fds:  # the parent's pipes are not ours to hold open
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            become_child(parent, close_fds=inherited_fds)  # the parent's pipes are not ours
             set_proctitle("derivd: sweeper")
             from derivd.ops.sweep import sweep_once
 

@@ -59,3 +59,17 @@ class HostQueries(Statements):
         is this attempt's after all)."""
         params = {"id": job.id, "token": job.token, "attempt": job.attempt}
         return bool(self._all("record_lease_lost", params))
+
+    def worker_died(self, job: Job, *, max_attempts: int, delay_s: float) -> str | None:
+        """A dead worker's job, fenced: `worker_died` recorded, the attempt counted, back
+        to `queued` after `delay_s` (`rejected` attempts_exhausted on its last attempt).
+        Returns the row's new status, or None when the lease was lost already."""
+        params = {
+            "id": job.id,
+            "token": job.token,
+            "attempt": job.attempt,
+            "max_attempts": max_attempts,
+            "delay_s": delay_s,
+        }
+        row = self._one("worker_died", params)
+        return None if row is None else str(row["status"])

@@ -10,7 +10,7 @@ import psycopg
 
 from derivd import __version__
 from derivd.queue.session import PARENT_STATEMENT_TIMEOUT_S, DatabaseUnavailable, bounded, connect
-from derivd.queue.sqlfiles import function_names, functions, migrations, query
+from derivd.queue.sqlfiles import function_signatures, functions, migrations, query
 from derivd.redact import one_line
 
 
@@ -81,8 +81,8 @@ def check_schema_on(conn: psycopg.Connection[Any], *, bound_s: float | None = No
             row = conn.execute(query("migrations_exists")).fetchone()
             if row and row[0]:
                 applied = {r[0] for r in conn.execute(query("migrations_applied"))}
-                names = {"names": function_names()}
-                absent = [r[0] for r in conn.execute(query("functions_missing"), names)]
+                signatures = {"signatures": function_signatures()}
+                absent = [r[0] for r in conn.execute(query("functions_missing"), signatures)]
     except psycopg.OperationalError as error:
         raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
     except psycopg.Error as error:
@@ -102,7 +102,7 @@ def schema_problem(
     newer = newer_schema(applied, packaged)
     if newer:
         return newer
-    missing = sorted(packaged - applied) or [f"{name}()" for name in absent_functions]
+    missing = sorted(packaged - applied) or list(absent_functions)
     if missing:
         return (
             f"the database schema is behind this derivd (missing: {', '.join(missing)}); "

@@ -10,6 +10,7 @@ from importlib.resources import files
 from typing import LiteralString
 
 _NAME = re.compile(r"^--\s*name:\s*([a-z0-9_]+)\s*$", re.MULTILINE)
+_DEFAULT = re.compile(r"\s+(?:DEFAULT|=)\s+", re.IGNORECASE)
 _FUNCTION = re.compile(r"^CREATE OR REPLACE FUNCTION\s+([a-z0-9_]+)\s*\(", re.MULTILINE)
 
 
@@ -59,9 +60,57 @@ def functions() -> str:
     return files("derivd.sql").joinpath("functions.sql").read_text(encoding="utf-8")
 
 
-def function_names() -> list[str]:
-    """The name of every function sql/functions.sql defines, sorted."""
-    return sorted(set(_FUNCTION.findall(functions())))
+def function_signatures(text: str | None = None) -> list[str]:
+    """Every function sql/functions.sql (or `text`) defines, as `name(type, ...)` with its
+    input argument types (what to_regprocedure reads: OUT arguments are not part of a
+    function's identity), sorted. An overload is a signature of its own, so a release
+    that adds one is refused until `derivd migrate` has created it."""
+    text = functions() if text is None else text
+    found: set[str] = set()
+    for match in _FUNCTION.finditer(text):
+        found.add(f"{match.group(1)}({', '.join(_input_types(_arguments(text, match.end())))})")
+    return sorted(found)
+
+
+def _arguments(text: str, start: int) -> str:
+    """The argument list that opens just before `start` (balanced parentheses)."""
+    depth = 1
+    for end in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        if depth == 0:
+            return text[start:end]
+    raise ValueError("sql/functions.sql: unbalanced argument list")
+
+
+def _input_types(arguments: str) -> list[str]:
+    """`a integer, OUT b text, c float8 DEFAULT 0` -> ["integer", "float8"]."""
+    types: list[str] = []
+    for argument in _split_top_level(arguments):
+        words = _DEFAULT.split(argument.strip(), maxsplit=1)[0].split()
+        if not words:
+            continue
+        mode = words[0].upper()
+        if mode == "OUT":
+            continue
+        if mode in ("IN", "INOUT", "VARIADIC"):
+            words = words[1:]
+        types.append(" ".join(words[1:]) if len(words) > 1 else words[0])
+    return types
+
+
+def _split_top_level(arguments: str) -> list[str]:
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
+    for char in arguments:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    parts.append("".join(current))
+    return parts
 
 
 def query(name: str) -> LiteralString:

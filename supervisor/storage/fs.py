@@ -6,6 +6,12 @@ its key's extension, so a person browsing the store opens it as what it is (a We
 image viewer). A version id sorts by creation time; each PUT writes a temporary file and
 renames it into place, so a reader never sees half an object. Keys are validated and
 resolved paths are checked to stay inside the root.
+
+Durable before it answers: a PUT returns a version id the commit then records, so the
+object must survive a power loss from that moment. The file's bytes are fsynced before
+the rename, and the rename lives in its directory, which is fsynced after it; so is the
+parent of every directory the PUT created (a new directory's entry is its parent's data).
+`sync_dir` is that fsync, a seam tests observe.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 
 from derivd.storage.base import (
@@ -29,6 +35,32 @@ from derivd.storage.base import (
     refused_is_missing,
     validate_key,
 )
+
+
+def fsync_dir(path: Path) -> None:
+    """Make `path`'s entries (a rename into it, a directory made in it) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(folder: Path) -> list[Path]:
+    """`folder` and its missing parents, made one by one; returns the directories whose
+    entries changed (the parent of each one made), outermost first. Another writer making
+    one of them at the same time is fine: its entry is then that writer's to sync, and
+    syncing it here as well costs one fsync."""
+    missing: list[Path] = []
+    probe = folder
+    while not probe.is_dir():
+        missing.append(probe)
+        probe = probe.parent
+    changed = []
+    for path in reversed(missing):
+        path.mkdir(exist_ok=True)
+        changed.append(path.parent)
+    return changed
 
 
 def _reason(error: OSError) -> str:
@@ -49,8 +81,9 @@ def _writing(where: Path) -> Iterator[None]:
 class FsStorage:
     name = "fs"
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, sync_dir: Callable[[Path], None] = fsync_dir) -> None:
         self.root = root.resolve()
+        self.sync_dir = sync_dir
 
     def check(self) -> None:
         """The root exists and takes a file (written and removed): a read-only or foreign
@@ -76,13 +109,15 @@ class FsStorage:
         folder = self._versions_dir(key)
         version = f"{time.time_ns():020d}{secrets.token_hex(4)}"
         with _writing(folder):
-            folder.mkdir(parents=True, exist_ok=True)
+            made = make_dirs(folder)
             temp = folder / f".tmp-{version}"
             with temp.open("wb") as handle:
                 handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(temp, folder / (version + PurePosixPath(key).suffix))
+            for changed in (*made, folder):
+                self.sync_dir(changed)
         return version
 
     def get(self, key: str, version: str, *, max_bytes: int | None = None) -> bytes:
