@@ -65,7 +65,7 @@ from fixtures.s3 import (
 
 from derivd.config import load_config
 from derivd.embedded.pgcluster import EmbeddedCluster
-from derivd.processes.procutil import children_of
+from derivd.osproc import children_of
 from derivd.queue.db import QueueDB, migrate
 from derivd.storage.base import new_original_key
 from harness.history import load as load_history

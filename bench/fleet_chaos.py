@@ -45,7 +45,7 @@ import chaos
 from chaos import Check, Tally, World, say
 from common import table
 
-from derivd.processes.procutil import children_of
+from derivd.osproc import children_of
 
 HOSTS = ("h1", "h2", "h3")
 POLL_S = 0.5

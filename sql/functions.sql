@@ -223,27 +223,21 @@ END $$;
 -- original_width, original_height, original_format, original_frames, original_has_alpha,
 -- original_colour, original_placeholder, original_dhash}; the analysis keys absent, as
 -- from a handler that analyses nothing or a host of a release before 0013: NULLs). Each
--- row passes or fails its own fence. Its fenced UPDATE and its event (`ready`, or
--- `lease_lost` when the fence fails) are one statement; for a row that passes, its
--- variants are recorded and, when it stored some, its attempt's write-ahead entries
--- cleared (an attempt registers pending objects exactly for the variants it PUTs).
--- Returns the ids that committed. Durable: its caller leaves synchronous_commit alone.
---
--- Commit of a re-derivation (rederive_of set): under the file's row lock, while the file
--- is still `ready`, its variants are replaced by the new ones (the old objects go to
--- derivd_retired_objects), its derived_* updated and a `rederived` event appended to it;
--- the job row is then deleted (its attempt's `ready` event stays). A file no longer ready
--- (deleted meanwhile) keeps what it has: the job row is deleted with a `lease_lost`
--- event and its objects are left to the orphan sweep. Either way the job row's fence
--- (id + token) is checked first.
-CREATE OR REPLACE FUNCTION derivd_commit(jobs jsonb)
-RETURNS SETOF bigint
+-- row passes or fails its own fence. A file's fenced UPDATE and its `ready` event are one
+-- statement; for a row that passes, its variants are recorded and, when it stored some,
+-- its attempt's write-ahead entries cleared (an attempt registers pending objects
+-- exactly for the variants it PUTs). An id no file holds under its token goes to
+-- derivd_commit_rederivation (a re-derivation's swap, which takes exactly its run's
+-- configured set or rejects the job; else `lease_lost`). Returns each id with its
+-- outcome: 'committed', 'rejected' (a re-derivation whose set was refused) or 'lost'.
+-- Durable: its caller leaves synchronous_commit alone.
+CREATE OR REPLACE FUNCTION derivd_commit_outcomes(jobs jsonb)
+RETURNS TABLE (id bigint, outcome text)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
 DECLARE
     j record;
-    committed boolean;
-    target bigint;
+    n integer;
 BEGIN
     FOR j IN
         SELECT *
@@ -255,8 +249,7 @@ BEGIN
                     original_has_alpha boolean, original_colour text,
                     original_placeholder text, original_dhash bigint)
     LOOP
-        -- The fence and the attempt's event (`ready`, or `lease_lost` when the fence
-        -- fails) in one statement, which also says whether the row re-derives a file.
+        -- The fence and the attempt's `ready` event in one statement.
         WITH done AS (
             UPDATE archive_files AS f
                SET status = 'ready',
@@ -279,44 +272,24 @@ BEGIN
                    finished_at = now(),
                    updated_at = now()
              WHERE f.id = j.id AND f.lease_token = j.token  -- the fence (see the top)
-            RETURNING f.attempts, f.rederive_of)
+            RETURNING f.attempts)
         INSERT INTO archive_events AS e (file_id, kind, attempt, lease_token)
-        SELECT j.id, CASE WHEN d.attempts IS NULL THEN 'lease_lost' ELSE 'ready' END,
-               coalesce(d.attempts, j.attempt), j.token
-          FROM (SELECT) AS one LEFT JOIN done AS d ON true
-        RETURNING e.kind = 'ready', (SELECT d.rederive_of FROM done AS d)
-             INTO committed, target;
-        CONTINUE WHEN NOT committed;
-        IF target IS NOT NULL THEN
-            -- A re-derivation: its job row is done with either way.
-            DELETE FROM archive_files AS f WHERE f.id = j.id;
-            PERFORM 1 FROM archive_files AS t
-             WHERE t.id = target AND t.status = 'ready' FOR UPDATE;
-            IF NOT FOUND THEN
-                INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-                VALUES (j.id, 'lease_lost', j.attempt, j.token);
-                CONTINUE;
-            END IF;
-            INSERT INTO derivd_retired_objects (key, file_id)
-            SELECT a.key, a.file_id FROM archive_variants AS a WHERE a.file_id = target
-            ON CONFLICT (key) DO NOTHING;
-            DELETE FROM archive_variants AS a WHERE a.file_id = target;
-            UPDATE archive_files AS f
-               SET derived_key = j.derived_key,
-                   derived_version = j.derived_version,
-                   sha256 = j.sha256,
-                   width = j.width,
-                   height = j.height,
-                   updated_at = now()
-             WHERE f.id = target;
-            INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-            VALUES (target, 'rederived', j.attempt, j.token);
+        SELECT j.id, 'ready', d.attempts, j.token FROM done AS d
+        RETURNING e.attempt INTO n;
+        IF n IS NULL THEN
+            -- No file holds this lease: a re-derivation's (one id space), or lost (the
+            -- `lease_lost` event is written there). A file pays for this only on a
+            -- failed fence.
+            id := j.id;
+            outcome := derivd_commit_rederivation(to_jsonb(j));
+            RETURN NEXT;
+            CONTINUE;
         END IF;
         IF jsonb_array_length(coalesce(j.variants, '[]')) > 0 THEN
             INSERT INTO archive_variants AS a (file_id, name, format, content_type, key,
                                                version, sha256, width, height, lease_token,
                                                fingerprint)
-            SELECT coalesce(target, j.id), v.name, v.format, v.content_type, v.key,
+            SELECT j.id, v.name, v.format, v.content_type, v.key,
                    v.version, v.sha256, v.width, v.height, j.token, v.fingerprint
               FROM jsonb_to_recordset(j.variants)
                    AS v(name text, format text, content_type text, key text,
@@ -330,23 +303,113 @@ BEGIN
                    created_at = now();
             DELETE FROM pending_objects WHERE lease_token = j.token;
         END IF;
-        RETURN NEXT j.id;
+        id := j.id;
+        outcome := 'committed';
+        RETURN NEXT;
     END LOOP;
 END $$;
+
+-- The claim's queued rows under [queue] max_in_flight_per_tenant = tenant_cap: up to
+-- `wanted` due rows in claim order (by priority DESC, fair_rank, id; `oldest`: by
+-- available_at, id), none of a tenant that has tenant_cap rows in flight counting this
+-- call's own. Rows without a tenant are never capped. Each row comes back locked.
+--
+-- It finds a claimable row whenever one exists below the cap: the tenants at their cap
+-- are read first from the `processing` rows (as many as the fleet holds in flight) and
+-- the ordered scan skips exactly their rows, however many there are; a tenant met on the
+-- way is then counted again under its lock, and one found at its cap joins them. How
+-- far it looks: to the first due row of a tenant below the cap (past the queued rows of
+-- tenants at the cap ahead of it, and no further). docs/traffic.md says why.
+--
+-- Each tenant's count is taken under a transaction-scoped advisory lock (held to the end
+-- of the claim's transaction, so two claims of one tenant count each other's rows; it
+-- holds through a transaction pooler). The lock is tried, never waited for: two claims
+-- meeting two tenants in different orders (a ranked claim and an oldest-first turn)
+-- would otherwise deadlock, rolling back the commit that shares their transaction. A
+-- tenant whose lock another claim holds is that claim's to count: skipped here.
+CREATE OR REPLACE FUNCTION derivd_pick_capped(wanted integer, tenant_cap integer,
+                                              oldest boolean)
+RETURNS TABLE (id bigint, since timestamptz, attempts integer)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+DECLARE
+    capped text[];
+    tried bigint[] := '{}';
+    chosen text[] := '{}';
+    c record;
+    busy integer;
+BEGIN
+    SELECT coalesce(array_agg(b.tenant), '{}') INTO capped
+      FROM (SELECT p.tenant
+              FROM archive_files AS p
+             WHERE p.status = 'processing' AND p.tenant IS NOT NULL
+             GROUP BY p.tenant
+            HAVING count(*) >= tenant_cap) AS b;
+    -- Each turn excludes one more row or one more tenant: the loop ends.
+    WHILE cardinality(chosen) < wanted LOOP
+        IF oldest THEN
+            SELECT f.id, f.available_at, f.attempts, f.tenant INTO c
+              FROM archive_files AS f
+             WHERE f.status = 'queued' AND f.available_at <= now()
+               AND (f.tenant IS NULL OR f.tenant <> ALL (capped)) AND f.id <> ALL (tried)
+             ORDER BY f.available_at, f.id
+             LIMIT 1;
+        ELSE
+            SELECT f.id, f.available_at, f.attempts, f.tenant INTO c
+              FROM archive_files AS f
+             WHERE f.status = 'queued' AND f.available_at <= now()
+               AND (f.tenant IS NULL OR f.tenant <> ALL (capped)) AND f.id <> ALL (tried)
+             ORDER BY f.priority DESC, f.fair_rank, f.id
+             LIMIT 1;
+        END IF;
+        EXIT WHEN NOT FOUND;
+        tried := tried || c.id;
+        IF c.tenant IS NOT NULL THEN
+            IF NOT pg_try_advisory_xact_lock(hashtextextended('derivd.tenant:' || c.tenant, 0))
+            THEN
+                capped := capped || c.tenant;
+                CONTINUE;
+            END IF;
+            -- In flight: committed claims (after the lock: each statement sees what
+            -- the claims that held it before committed), plus this call's own.
+            SELECT count(*) INTO busy
+              FROM archive_files AS p
+             WHERE p.status = 'processing' AND p.tenant = c.tenant;
+            IF busy + cardinality(array_positions(chosen, c.tenant)) >= tenant_cap THEN
+                capped := capped || c.tenant;
+                CONTINUE;
+            END IF;
+        END IF;
+        PERFORM 1 FROM archive_files AS q
+         WHERE q.id = c.id AND q.status = 'queued'
+           FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;  -- another claim has it
+        chosen := chosen || c.tenant;
+        id := c.id;
+        since := c.available_at;
+        attempts := c.attempts;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+
+-- The ids that committed (derivd_commit_outcomes without the other outcomes).
+CREATE OR REPLACE FUNCTION derivd_commit(jobs jsonb)
+RETURNS SETOF bigint
+LANGUAGE sql AS $$
+    SELECT c.id FROM derivd_commit_outcomes(jobs) AS c WHERE c.outcome = 'committed'
+$$;
 
 -- The claim of up to `lim` rows (none when lim < 1), each with its own fresh token and
 -- lease, and the file whose variants it makes (`file_id`: its own id, or rederive_of,
 -- under whose prefix the worker stores them). Its caller decides durability (`claim` in
 -- sql/queries.sql waits for no WAL flush; after a commit it is durable anyway).
--- `tenant_cap`: [queue] max_in_flight_per_tenant (0: none).
+-- `tenant_cap`: [queue] max_in_flight_per_tenant (0: none; derivd_pick_capped).
 --
 -- Claim order: expired leases under the attempt cap (the one statement that knows the
 -- rule); then due queued rows by priority DESC, fair_rank, id; every 20th call
--- (derivd_claim_turns) by available_at, id instead. tenant_cap > 0: the candidates are
--- walked in that order (at most 4 x lim + 16), each tenant checked under a
--- transaction-scoped advisory lock (held to the end of the claim's transaction, so two
--- claims of one tenant count each other's rows; works through a transaction pooler), and
--- a tenant with tenant_cap rows `processing` skipped.
+-- (derivd_claim_turns) by available_at, id instead. A queued row whose attempts are used
+-- up (max_attempts lowered since it was queued) is rejected `attempts_exhausted` when the
+-- claim reaches it, as its expired lease would be: no claim takes a row past the cap.
 CREATE OR REPLACE FUNCTION derivd_claim(lim integer, lease_s float8, max_attempts integer,
                                         host text, tenant_cap integer)
 RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
@@ -360,18 +423,31 @@ DECLARE
     ids bigint[];
     since timestamptz[];
     tiers integer[];
-    cand_ids bigint[];
-    cand_since timestamptz[];
-    cand_tenants text[];
-    full_tenants text[] := '{}';
-    locked_tenants text[] := '{}';
-    chosen_tenants text[] := '{}';
-    busy integer;
+    got_ids bigint[];
+    got_since timestamptz[];
+    got_attempts integer[];
+    turn bigint;
+    got integer;
 BEGIN
     IF lim < 1 THEN
         RETURN;
     END IF;
-    oldest := nextval('derivd_claim_turns') % 20 = 0;
+    turn := nextval('derivd_claim_turns');
+    oldest := turn % 20 = 0;
+    IF turn % 40 = 0 THEN
+        -- Every other oldest-first turn serves the re-derivations first: they come after
+        -- every due file otherwise, and a backfill under a steady load of uploads still
+        -- gets 1 claim in 40 (derivd_claim_rederivations).
+        RETURN QUERY
+        SELECT r.id, r.lease_token, r.attempts, r.original_key, r.original_version,
+               r.wait_s, r.tier, r.claimable_since, r.file_id
+          FROM derivd_claim_rederivations(lim, lease_s, max_attempts, host) AS r;
+        GET DIAGNOSTICS got = ROW_COUNT;
+        lim := lim - got;
+        IF lim < 1 THEN
+            RETURN;
+        END IF;
+    END IF;
     -- Expired leases first, whatever the turn or the cap (their tenants' rows are
     -- `processing` already: reclaiming one adds nothing to its tenant's count).
     SELECT array_agg(e.id), array_agg(e.lease_until), array_agg(0) INTO ids, since, tiers
@@ -382,97 +458,88 @@ BEGIN
              ORDER BY f.lease_until
              LIMIT lim
                FOR UPDATE SKIP LOCKED) AS e;
-    wanted := lim - coalesce(cardinality(ids), 0);
-    IF wanted > 0 AND tenant_cap < 1 AND NOT oldest THEN
+    LOOP
+        wanted := lim - coalesce(cardinality(ids), 0);
+        EXIT WHEN wanted < 1;
         -- (One statement per order rather than one with its order switched by a
         -- parameter: each is a plain ordered scan of its partial index.)
-        SELECT ids || array_agg(q.id), since || array_agg(q.available_at),
-               tiers || array_agg(1)
-          INTO ids, since, tiers
-          FROM (SELECT f.id, f.available_at
-                  FROM archive_files AS f
-                 WHERE f.status = 'queued' AND f.available_at <= now()
-                 ORDER BY f.priority DESC, f.fair_rank, f.id
-                 LIMIT wanted
-                   FOR UPDATE SKIP LOCKED) AS q;
-    ELSIF wanted > 0 AND tenant_cap < 1 THEN
-        SELECT ids || array_agg(q.id), since || array_agg(q.available_at),
-               tiers || array_agg(1)
-          INTO ids, since, tiers
-          FROM (SELECT f.id, f.available_at
-                  FROM archive_files AS f
-                 WHERE f.status = 'queued' AND f.available_at <= now()
-                 ORDER BY f.available_at, f.id
-                 LIMIT wanted
-                   FOR UPDATE SKIP LOCKED) AS q;
-    ELSIF wanted > 0 THEN
-        IF oldest THEN
-            SELECT array_agg(c.id), array_agg(c.available_at), array_agg(c.t)
-              INTO cand_ids, cand_since, cand_tenants
-              FROM (SELECT f.id, f.available_at, coalesce(f.tenant, '') AS t
+        IF tenant_cap > 0 THEN
+            SELECT array_agg(p.id), array_agg(p.since), array_agg(p.attempts)
+              INTO got_ids, got_since, got_attempts
+              FROM derivd_pick_capped(wanted, tenant_cap, oldest) AS p;
+        ELSIF oldest THEN
+            SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
+              INTO got_ids, got_since, got_attempts
+              FROM (SELECT f.id, f.available_at, f.attempts
                       FROM archive_files AS f
                      WHERE f.status = 'queued' AND f.available_at <= now()
                      ORDER BY f.available_at, f.id
-                     LIMIT 4 * lim + 16) AS c;
+                     LIMIT wanted
+                       FOR UPDATE SKIP LOCKED) AS q;
         ELSE
-            SELECT array_agg(c.id), array_agg(c.available_at), array_agg(c.t)
-              INTO cand_ids, cand_since, cand_tenants
-              FROM (SELECT f.id, f.available_at, coalesce(f.tenant, '') AS t
+            SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
+              INTO got_ids, got_since, got_attempts
+              FROM (SELECT f.id, f.available_at, f.attempts
                       FROM archive_files AS f
                      WHERE f.status = 'queued' AND f.available_at <= now()
                      ORDER BY f.priority DESC, f.fair_rank, f.id
-                     LIMIT 4 * lim + 16) AS c;
+                     LIMIT wanted
+                       FOR UPDATE SKIP LOCKED) AS q;
         END IF;
-        FOR i IN 1 .. coalesce(array_length(cand_ids, 1), 0) LOOP
-            EXIT WHEN coalesce(array_length(ids, 1), 0) >= lim;
-            CONTINUE WHEN cand_tenants[i] = ANY (full_tenants);
-            IF NOT cand_tenants[i] = ANY (locked_tenants) THEN
-                PERFORM pg_advisory_xact_lock(
-                    hashtextextended('derivd.tenant:' || cand_tenants[i], 0));
-                locked_tenants := locked_tenants || cand_tenants[i];
-            END IF;
-            -- In flight: committed claims (after the lock: each statement sees what
-            -- the claims that held it before committed), plus this call's own.
-            SELECT count(*) INTO busy
-              FROM archive_files AS p
-             WHERE p.status = 'processing' AND coalesce(p.tenant, '') = cand_tenants[i];
-            busy := busy + cardinality(array_positions(chosen_tenants, cand_tenants[i]));
-            IF busy >= tenant_cap THEN
-                full_tenants := full_tenants || cand_tenants[i];
-                CONTINUE;
-            END IF;
-            PERFORM 1 FROM archive_files AS q
-             WHERE q.id = cand_ids[i] AND q.status = 'queued'
-               FOR UPDATE SKIP LOCKED;
-            CONTINUE WHEN NOT FOUND;
-            chosen_tenants := chosen_tenants || cand_tenants[i];
-            ids := ids || cand_ids[i];
-            since := since || cand_since[i];
-            tiers := tiers || 1;
-        END LOOP;
+        EXIT WHEN got_ids IS NULL;
+        IF derivd_claim.max_attempts > ALL (got_attempts) THEN  -- the usual case
+            ids := ids || got_ids;
+            since := since || got_since;
+            tiers := tiers || array_fill(1, ARRAY[cardinality(got_ids)]);
+            EXIT;  -- all it asked for, or all there was
+        END IF;
+        WITH used_up AS (
+            UPDATE archive_files AS f
+               SET status = 'rejected',
+                   error_code = 'attempts_exhausted',
+                   finished_at = now(),
+                   updated_at = now()
+              FROM unnest(got_ids, got_attempts) AS g(id, n)
+             WHERE f.id = g.id AND g.n >= derivd_claim.max_attempts
+            RETURNING f.id, f.attempts)
+        INSERT INTO archive_events (file_id, kind, attempt, error_code)
+        SELECT u.id, 'exhausted', u.attempts, 'attempts_exhausted' FROM used_up AS u;
+        SELECT ids || array_agg(g.got_id), since || array_agg(g.got_since),
+               tiers || array_agg(1)
+          INTO ids, since, tiers
+          FROM unnest(got_ids, got_since, got_attempts) AS g(got_id, got_since, n)
+         WHERE g.n < derivd_claim.max_attempts;
+    END LOOP;
+    IF ids IS NOT NULL THEN
+        RETURN QUERY
+        UPDATE archive_files AS f
+           SET status = 'processing',
+               lease_token = gen_random_uuid(),
+               lease_until = now() + make_interval(secs => derivd_claim.lease_s),
+               attempts = f.attempts + 1,
+               claimed_at = now(),
+               claimed_by = derivd_claim.host,
+               updated_at = now()
+          FROM unnest(ids, since, tiers) AS c(id, since, tier)
+         WHERE f.id = c.id
+        RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
+                  extract(epoch FROM now() - c.since)::float8, c.tier, c.since, f.id;
     END IF;
-    IF ids IS NULL THEN
-        RETURN;
+    -- What the files leave of the limit goes to re-derivations. (A claim that found its
+    -- rows, the steady state, stops at this comparison.)
+    IF coalesce(cardinality(ids), 0) < lim THEN
+        RETURN QUERY
+        SELECT r.id, r.lease_token, r.attempts, r.original_key, r.original_version,
+               r.wait_s, r.tier, r.claimable_since, r.file_id
+          FROM derivd_claim_rederivations(lim - coalesce(cardinality(ids), 0), lease_s,
+                                          max_attempts, host) AS r;
     END IF;
-    RETURN QUERY
-    UPDATE archive_files AS f
-       SET status = 'processing',
-           lease_token = gen_random_uuid(),
-           lease_until = now() + make_interval(secs => derivd_claim.lease_s),
-           attempts = f.attempts + 1,
-           claimed_at = now(),
-           claimed_by = derivd_claim.host,
-           updated_at = now()
-      FROM unnest(ids, since, tiers) AS c(id, since, tier)
-     WHERE f.id = c.id
-    RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
-              extract(epoch FROM now() - c.since)::float8, c.tier, c.since,
-              coalesce(f.rederive_of, f.id);
     -- Under a tenant cap each claim records itself, with its row's tenant (migration
     -- 0015): the history in which a checker sees every tenant's rows in flight at every
     -- claim (harness.invariants). The event's id is drawn here, after this claim's
     -- tenant locks and counts, so id order is the order in which claims counted. The
-    -- default claim records nothing (its cost per job is a measured budget).
+    -- default claim records nothing (its cost per job is a measured budget). A
+    -- re-derivation is outside the cap (docs/traffic.md): it records nothing either.
     IF tenant_cap > 0 THEN
         INSERT INTO archive_events (file_id, kind, attempt, lease_token, tenant)
         SELECT f.id, 'claimed', f.attempts, f.lease_token, f.tenant
@@ -485,7 +552,8 @@ END $$;
 -- commit of its finished attempts (derivd_commit), then the claim of up to `lim` next
 -- rows (derivd_claim; lim = 0: commit only). The claim comes second and sees the commit:
 -- a committed row is no longer claimable, a committed tenant's row no longer counts
--- against its cap. Rows: kind = 'committed' (id only) or 'claimed' (the claim's columns).
+-- against its cap. Rows: kind = 'committed' or 'rejected' (id only: derivd_commit_outcomes)
+-- or 'claimed' (the claim's columns).
 -- The signature without tenant_cap and file_id (below) stays, as a wrapper, for hosts
 -- still on a release before 0014.
 CREATE OR REPLACE FUNCTION derivd_commit_and_claim(jobs jsonb, lim integer, lease_s float8,
@@ -497,9 +565,10 @@ RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
 LANGUAGE plpgsql AS $$
 BEGIN
     RETURN QUERY
-    SELECT 'committed'::text, c.id, NULL::uuid, NULL::integer, NULL::text, NULL::text,
+    SELECT c.outcome, c.id, NULL::uuid, NULL::integer, NULL::text, NULL::text,
            NULL::float8, NULL::integer, NULL::timestamptz, NULL::bigint
-      FROM derivd_commit(jobs) AS c(id);
+      FROM derivd_commit_outcomes(jobs) AS c
+     WHERE c.outcome <> 'lost';
     RETURN QUERY
     SELECT 'claimed'::text, c.*
       FROM derivd_claim(lim, lease_s, max_attempts, host, tenant_cap) AS c;
@@ -534,6 +603,8 @@ $$;
 -- up; not retry (content errors): `rejected` at once. `code` is the final error code if
 -- the row is rejected now; `extra_event` (e.g. 'timeout') is appended too. Returns the
 -- new status, or no row when the fence failed (a `lease_lost` event is appended instead).
+-- An id no file holds under that token may be a re-derivation's (one id space):
+-- derivd_fail_rederivation; a file pays nothing for that but on a failed fence.
 CREATE OR REPLACE FUNCTION derivd_fail(file_id bigint, token uuid, attempt integer,
                                        retry boolean, code text, max_attempts integer,
                                        delay_s float8, extra_event text)
@@ -562,8 +633,10 @@ BEGIN
      WHERE f.id = derivd_fail.file_id AND f.lease_token = token  -- the fence
     RETURNING f.attempts, f.status, f.error_code INTO n, new_status, new_code;
     IF NOT FOUND THEN
-        INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-        VALUES (derivd_fail.file_id, 'lease_lost', derivd_fail.attempt, token);
+        RETURN QUERY SELECT * FROM derivd_fail_rederivation(derivd_fail.file_id, token,
+                                                            derivd_fail.attempt, retry, code,
+                                                            derivd_fail.max_attempts,
+                                                            delay_s, extra_event);
         RETURN;
     END IF;
     again := new_status = 'queued';
@@ -573,6 +646,62 @@ BEGIN
     IF extra_event IS NOT NULL THEN
         INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
         VALUES (derivd_fail.file_id, extra_event, n, token, code);
+    END IF;
+    status := new_status;
+    error_code := new_code;
+    RETURN NEXT;
+END $$;
+
+-- derivd_fail of a re-derivation (derivd_rederivations), the same fence and rules. A
+-- rejection is the job's, never its file's: the file keeps its set and gets a
+-- `rederive_rejected` event (not `rejected`: the rejected share counts files); the
+-- attempt's other events carry the job's id. `ended_token` records that this attempt
+-- ended the lease itself (the heartbeat's proof: derivd_heartbeat).
+CREATE OR REPLACE FUNCTION derivd_fail_rederivation(job_id bigint, token uuid,
+                                                    attempt integer, retry boolean,
+                                                    code text, max_attempts integer,
+                                                    delay_s float8, extra_event text)
+RETURNS TABLE (status text, error_code text)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+DECLARE
+    n integer;
+    target bigint;
+    new_status text;
+    new_code text;
+BEGIN
+    UPDATE derivd_rederivations AS q
+       SET status = CASE WHEN retry AND q.attempts < derivd_fail_rederivation.max_attempts
+                         THEN 'queued' ELSE 'rejected' END,
+           error_code = CASE WHEN retry AND q.attempts < derivd_fail_rederivation.max_attempts
+                             THEN NULL ELSE code END,
+           available_at = CASE WHEN retry AND q.attempts < derivd_fail_rederivation.max_attempts
+                               THEN now() + make_interval(secs => delay_s)
+                               ELSE q.available_at END,
+           finished_at = CASE WHEN retry AND q.attempts < derivd_fail_rederivation.max_attempts
+                              THEN NULL ELSE now() END,
+           lease_token = NULL,
+           lease_until = NULL,
+           ended_token = token,
+           updated_at = now()
+     WHERE q.id = job_id AND q.lease_token = token  -- the fence
+    RETURNING q.attempts, q.status, q.error_code, q.file_id
+         INTO n, new_status, new_code, target;
+    IF NOT FOUND THEN
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+        VALUES (job_id, 'lease_lost', derivd_fail_rederivation.attempt, token);
+        RETURN;
+    END IF;
+    IF new_status = 'queued' THEN
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+        VALUES (job_id, 'retry', n, token, code);
+    ELSE
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+        VALUES (target, 'rederive_rejected', n, token, new_code);
+    END IF;
+    IF extra_event IS NOT NULL THEN
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+        VALUES (job_id, extra_event, n, token, code);
     END IF;
     status := new_status;
     error_code := new_code;
@@ -600,7 +729,8 @@ BEGIN
 END $$;
 
 -- Give a job back (shutdown, or too little lease left) without burning its attempt;
--- fenced, a failed fence appends `lease_lost`. Returns whether it was released.
+-- fenced, a failed fence appends `lease_lost`. Returns whether it was released. A
+-- re-derivation's the same way (its own table; after the files' fence failed).
 CREATE OR REPLACE FUNCTION derivd_release(file_id bigint, token uuid, attempt integer)
 RETURNS boolean
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
@@ -618,6 +748,18 @@ BEGIN
      WHERE f.id = derivd_release.file_id AND f.lease_token = token  -- the fence
     RETURNING f.attempts INTO n;
     IF NOT FOUND THEN
+        UPDATE derivd_rederivations AS q
+           SET status = 'queued',
+               attempts = greatest(q.attempts - 1, 0),
+               available_at = now(),
+               lease_token = NULL,
+               lease_until = NULL,
+               ended_token = token,
+               updated_at = now()
+         WHERE q.id = derivd_release.file_id AND q.lease_token = token  -- the fence
+        RETURNING q.attempts INTO n;
+    END IF;
+    IF n IS NULL THEN
         INSERT INTO archive_events (file_id, kind, attempt, lease_token)
         VALUES (derivd_release.file_id, 'lease_lost', derivd_release.attempt, token);
         RETURN false;
@@ -625,6 +767,143 @@ BEGIN
     INSERT INTO archive_events (file_id, kind, attempt, lease_token)
     VALUES (derivd_release.file_id, 'released', n + 1, token);
     RETURN true;
+END $$;
+
+-- == Re-derivations (backfill; docs/traffic.md) =========================================
+
+-- Claim up to `lim` re-derivations: expired leases under the attempt cap first, then
+-- due ones by priority and id. The claim calls it for what the files leave of its limit
+-- (re-derivations come after every due file, whatever its priority: a file without
+-- variants waits less than a file whose old ones are readable) and, on its share of the
+-- oldest-first turns, before them (the starvation bound).
+CREATE OR REPLACE FUNCTION derivd_claim_rederivations(lim integer, lease_s float8,
+                                                      max_attempts integer, host text)
+RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
+               original_key text, original_version text, wait_s float8, tier integer,
+               claimable_since timestamptz, file_id bigint)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH picked AS (
+        SELECT * FROM (SELECT q.id, q.lease_until AS since, 0 AS tier
+                         FROM derivd_rederivations AS q
+                        WHERE q.status = 'processing' AND q.lease_until < now()
+                          AND q.attempts < derivd_claim_rederivations.max_attempts
+                        ORDER BY q.lease_until
+                        LIMIT lim
+                          FOR UPDATE SKIP LOCKED) AS expired
+        UNION ALL
+        SELECT * FROM (SELECT q.id, q.available_at, 2
+                         FROM derivd_rederivations AS q
+                        WHERE q.status = 'queued' AND q.available_at <= now()
+                        ORDER BY q.priority DESC, q.id
+                        LIMIT lim
+                          FOR UPDATE SKIP LOCKED) AS due
+        LIMIT lim)
+    UPDATE derivd_rederivations AS q
+       SET status = 'processing',
+           lease_token = gen_random_uuid(),
+           lease_until = now() + make_interval(secs => lease_s),
+           attempts = q.attempts + 1,
+           ended_token = NULL,
+           claimed_at = now(),
+           claimed_by = host,
+           updated_at = now()
+      FROM picked AS c
+     WHERE q.id = c.id
+    RETURNING 'claimed'::text, q.id, q.lease_token, q.attempts, q.original_key,
+              q.original_version, extract(epoch FROM now() - c.since)::float8, c.tier,
+              c.since, q.file_id;
+END $$;
+
+-- The fenced commit of a re-derivation (`job`: one element of the commit's `jobs`), for
+-- an id the files' fence did not find. The job row (fenced: id + token) and then the
+-- file are locked (`derivd delete` locks in the same order). Returns:
+-- - 'committed': the file, still `ready`, had exactly its run's configured set swapped
+--   in (the old objects to derivd_retired_objects for the sweep after delete_guard), its
+--   derived_* updated, a `rederived` event appended; the job row is gone.
+-- - 'rejected': the set is not the run's configured one (slot -> fingerprint; a set
+--   of none is never one): the job is rejected `processing_failed` (a backend fault:
+--   noop, a plugin that returns fewer variants, a worker on another configuration), the
+--   file keeps its set and gets `rederive_rejected`; the objects go to the orphan sweep.
+-- - 'lost': the lease is gone, or the file is no longer ready (deleted meanwhile; the
+--   job row goes): a `lease_lost` event on the job, the objects to the orphan sweep.
+CREATE OR REPLACE FUNCTION derivd_commit_rederivation(job jsonb)
+RETURNS text
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+DECLARE
+    j record;
+    target bigint;
+    n integer;
+    run bigint;
+    wanted jsonb;
+    made jsonb;
+    slots integer;
+BEGIN
+    SELECT * INTO j
+      FROM jsonb_to_record(job)
+           AS x(id bigint, token uuid, attempt integer, derived_key text,
+                derived_version text, sha256 text, width integer, height integer,
+                variants jsonb);
+    SELECT q.file_id, q.attempts, q.backfill INTO target, n, run
+      FROM derivd_rederivations AS q
+     WHERE q.id = j.id AND q.lease_token = j.token  -- the fence
+       FOR UPDATE;
+    IF NOT FOUND THEN
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+        VALUES (j.id, 'lease_lost', j.attempt, j.token);
+        RETURN 'lost';
+    END IF;
+    PERFORM 1 FROM archive_files AS t WHERE t.id = target AND t.status = 'ready' FOR UPDATE;
+    IF NOT FOUND THEN
+        DELETE FROM derivd_rederivations AS q WHERE q.id = j.id;
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+        VALUES (j.id, 'lease_lost', n, j.token);
+        RETURN 'lost';
+    END IF;
+    SELECT coalesce(jsonb_object_agg(v.name || '.' || v.format, v.fingerprint), '{}'),
+           count(*)
+      INTO made, slots
+      FROM jsonb_to_recordset(coalesce(j.variants, '[]'))
+           AS v(name text, format text, fingerprint text);
+    SELECT b.configured INTO wanted FROM derivd_backfills AS b WHERE b.id = run;
+    IF slots = 0 OR slots <> (SELECT count(*) FROM jsonb_object_keys(made))
+       OR (wanted IS NOT NULL AND made <> wanted) THEN
+        UPDATE derivd_rederivations AS q
+           SET status = 'rejected', error_code = 'processing_failed', lease_token = NULL,
+               lease_until = NULL, ended_token = j.token, finished_at = now(),
+               updated_at = now()
+         WHERE q.id = j.id;
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+        VALUES (target, 'rederive_rejected', n, j.token, 'processing_failed');
+        RETURN 'rejected';
+    END IF;
+    DELETE FROM derivd_rederivations AS q WHERE q.id = j.id;
+    INSERT INTO derivd_retired_objects (key, file_id)
+    SELECT a.key, a.file_id FROM archive_variants AS a WHERE a.file_id = target
+    ON CONFLICT (key) DO NOTHING;
+    DELETE FROM archive_variants AS a WHERE a.file_id = target;
+    INSERT INTO archive_variants (file_id, name, format, content_type, key, version, sha256,
+                                  width, height, lease_token, fingerprint)
+    SELECT target, v.name, v.format, v.content_type, v.key, v.version, v.sha256, v.width,
+           v.height, j.token, v.fingerprint
+      FROM jsonb_to_recordset(j.variants)
+           AS v(name text, format text, content_type text, key text, version text,
+                sha256 text, width integer, height integer, fingerprint text);
+    UPDATE archive_files AS f
+       SET derived_key = j.derived_key,
+           derived_version = j.derived_version,
+           sha256 = j.sha256,
+           width = j.width,
+           height = j.height,
+           updated_at = now()
+     WHERE f.id = target;
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+    VALUES (target, 'rederived', n, j.token);
+    DELETE FROM pending_objects AS p WHERE p.lease_token = j.token;
+    RETURN 'committed';
 END $$;
 
 -- == The fleet ==========================================================================
@@ -641,6 +920,112 @@ RETURNS boolean
 LANGUAGE sql STABLE AS $$
     SELECT last_heartbeat < now() - make_interval(secs => 3 * heartbeat_s)
 $$;
+
+-- The heartbeat: one call per host every [queue] heartbeat (derivd.queue.db). `jobs`: a
+-- JSON array of {id, token, file} for every job this host holds (running and
+-- claimed-unstarted; `file`: the file a re-derivation serves, absent for a file's own
+-- job). Returns the ids whose lease still holds, fenced by id + token (with `renew`,
+-- exactly those leases are extended to now() + lease_s), and the ids whose attempt has
+-- just ended itself; every other id sent is lost. The host's registry row is refreshed
+-- (created if pruned); with `starting` (a supervisor starts, holding no jobs) it is
+-- started now, replacing a row its previous run left behind. Database time throughout.
+--
+-- "Ended itself": a worker's fenced commit (or failure, or release) can land between
+-- the supervisor's last reading of its reports and this call; killing the worker for it
+-- would kill a healthy worker. That check is a statement of its own, after the lease
+-- statements, so that it sees a commit they waited for: a renewal that finds the row
+-- locked by the job's own commit waits for it, then finds the token gone (the
+-- renewal's snapshot was taken before the commit, which one statement could never see).
+-- The proof of an attempt's own end is, for a file, its event at the row's last change
+-- (same transaction time: updated_at = at = now(), carrying the attempt's token; a row
+-- moved on since has none); for a re-derivation whose row is still there, its
+-- ended_token; for one that committed (its row is gone), the `rederived` event on its
+-- file at the file's last change.
+CREATE OR REPLACE FUNCTION derivd_heartbeat(jobs jsonb, renew boolean, lease_s float8,
+                                            host text, pid integer, version text,
+                                            backend text, workers integer, busy integer,
+                                            heartbeat_s float8, starting boolean)
+RETURNS SETOF bigint
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+DECLARE
+    ids bigint[] := ARRAY(SELECT (e ->> 'id')::bigint FROM jsonb_array_elements(jobs) AS e);
+    alive bigint[];
+    more bigint[];
+BEGIN
+    INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
+    VALUES (derivd_heartbeat.host, derivd_heartbeat.pid, derivd_heartbeat.version,
+            derivd_heartbeat.backend, derivd_heartbeat.workers, derivd_heartbeat.busy,
+            derivd_heartbeat.heartbeat_s)
+    ON CONFLICT (host) DO UPDATE
+       SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
+           workers = EXCLUDED.workers, busy = EXCLUDED.busy,
+           heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now(),
+           started_at = CASE WHEN starting THEN now() ELSE r.started_at END;
+    IF cardinality(ids) = 0 THEN
+        RETURN;
+    END IF;
+    IF renew THEN
+        WITH held AS (SELECT * FROM jsonb_to_recordset(jobs) AS j(id bigint, token uuid)),
+             renewed AS (
+                 UPDATE archive_files AS f
+                    SET lease_until = now() + make_interval(secs => lease_s)
+                   FROM held AS h
+                  WHERE f.id = h.id AND f.lease_token = h.token
+                    AND f.id = ANY(ids)  -- by primary key (the JSON hides the row count)
+                 RETURNING f.id)
+        SELECT array_agg(r.id) INTO alive FROM renewed AS r;
+        WITH held AS (SELECT * FROM jsonb_to_recordset(jobs) AS j(id bigint, token uuid)),
+             renewed AS (
+                 UPDATE derivd_rederivations AS q
+                    SET lease_until = now() + make_interval(secs => lease_s)
+                   FROM held AS h
+                  WHERE q.id = h.id AND q.lease_token = h.token AND q.id = ANY(ids)
+                 RETURNING q.id)
+        SELECT array_agg(r.id) INTO more FROM renewed AS r;
+    ELSE
+        SELECT array_agg(f.id) INTO alive
+          FROM archive_files AS f
+          JOIN jsonb_to_recordset(jobs) AS h(id bigint, token uuid)
+            ON f.id = h.id AND f.lease_token = h.token
+         WHERE f.id = ANY(ids);
+        SELECT array_agg(q.id) INTO more
+          FROM derivd_rederivations AS q
+          JOIN jsonb_to_recordset(jobs) AS h(id bigint, token uuid)
+            ON q.id = h.id AND q.lease_token = h.token
+         WHERE q.id = ANY(ids);
+    END IF;
+    alive := coalesce(alive, '{}') || coalesce(more, '{}');
+    RETURN QUERY SELECT unnest(alive);
+    IF cardinality(alive) = cardinality(ids) THEN
+        RETURN;  -- every lease holds: the usual heartbeat ends here
+    END IF;
+    -- Evaluated only for held ids whose lease did not hold, i.e. almost never; `at =`
+    -- prunes the event partitions to one, OFFSET 0 keeps each a lookup per row.
+    RETURN QUERY
+    SELECT h.id
+      FROM jsonb_to_recordset(jobs) AS h(id bigint, token uuid, file bigint)
+     WHERE NOT h.id = ANY(alive)
+       AND (EXISTS (SELECT 1 FROM archive_files AS f
+                     WHERE f.id = h.id AND f.status IN ('ready', 'queued', 'rejected')
+                       AND EXISTS (SELECT 1 FROM archive_events AS e
+                                    WHERE e.at = f.updated_at AND e.file_id = f.id
+                                      AND e.lease_token = h.token
+                                      AND e.kind IN ('ready', 'retry', 'rejected',
+                                                     'released')
+                                   OFFSET 0))
+            OR EXISTS (SELECT 1 FROM derivd_rederivations AS q
+                        WHERE q.id = h.id AND q.ended_token = h.token)
+            OR EXISTS (SELECT 1 FROM archive_files AS t
+                        WHERE t.id = h.file
+                          AND NOT EXISTS (SELECT 1 FROM derivd_rederivations AS q
+                                           WHERE q.id = h.id)
+                          AND EXISTS (SELECT 1 FROM archive_events AS e
+                                       WHERE e.at = t.updated_at AND e.file_id = t.id
+                                         AND e.lease_token = h.token
+                                         AND e.kind = 'rederived'
+                                      OFFSET 0)));
+END $$;
 
 -- == Queue health and the dashboard =====================================================
 

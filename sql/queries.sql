@@ -103,9 +103,11 @@ ON CONFLICT (key) DO NOTHING;
 -- name: commit
 -- The fenced commit of one or more finished attempts (`jobs`: a JSON array of
 -- {id, token, attempt, derived_key, derived_version, sha256, width, height, variants}),
--- durable; each row passes or fails its own fence (derivd_commit in sql/functions.sql).
--- Returns the ids that committed.
-SELECT id FROM derivd_commit(%(jobs)s::jsonb) AS id;
+-- durable; each row passes or fails its own fence (derivd_commit_outcomes in
+-- sql/functions.sql). Returns the ids that committed, and the re-derivations refused.
+SELECT c.outcome AS kind, c.id
+  FROM derivd_commit_outcomes(%(jobs)s::jsonb) AS c
+ WHERE c.outcome <> 'lost';
 
 -- name: commit_and_claim
 -- A worker's steady state in one round trip and one durable transaction: the commit,
@@ -175,8 +177,35 @@ WITH expired AS (
     INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
     SELECT id, 'exhausted', attempts, lease_token, 'attempts_exhausted' FROM done
     RETURNING 1
+), jobs_expired AS (
+    -- Re-derivations the same way; the job is rejected, never its file (which keeps its
+    -- set and gets `rederive_rejected`, not counted as a file's rejection).
+    SELECT id, lease_token
+      FROM derivd_rederivations
+     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
+     ORDER BY lease_until
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), jobs_done AS (
+    UPDATE derivd_rederivations AS q
+       SET status = 'rejected',
+           error_code = 'attempts_exhausted',
+           lease_token = NULL,
+           lease_until = NULL,
+           finished_at = now(),
+           updated_at = now()
+      FROM jobs_expired AS e
+     WHERE q.id = e.id
+    RETURNING q.id, q.file_id, q.attempts, e.lease_token
+), jobs_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+    SELECT file_id, 'rederive_rejected', attempts, lease_token, 'attempts_exhausted'
+      FROM jobs_done
+    RETURNING 1
 )
-SELECT id FROM done;
+SELECT id FROM done
+UNION ALL
+SELECT id FROM jobs_done;
 
 -- name: orphans_due
 -- Objects written by attempts that never committed, older than the guard, and whose
@@ -188,6 +217,8 @@ SELECT p.key
  WHERE p.created_at < now() - make_interval(secs => %(guard_s)s)
    AND NOT EXISTS (SELECT 1 FROM archive_files AS f
                     WHERE f.lease_token = p.lease_token AND f.status = 'processing')
+   AND NOT EXISTS (SELECT 1 FROM derivd_rederivations AS q
+                    WHERE q.lease_token = p.lease_token AND q.status = 'processing')
  ORDER BY p.created_at
  LIMIT %(limit)s;
 
@@ -196,29 +227,35 @@ DELETE FROM pending_objects WHERE key = ANY(%(keys)s::text[]);
 
 -- name: request_delete
 -- Deletion revokes the lease: a running attempt can no longer commit or fail the row.
--- The files' live re-derivations (rederive_of) go too, locked first: a re-derivation's
--- commit locks its job row, then the file, so this order cannot deadlock with it. Only
--- the ids asked for are returned.
-WITH locked AS (
-    SELECT id, rederive_of
+-- The files' re-derivations go too, live or rejected (their attempts' commits then fail
+-- their fence; objects to the orphan sweep): deleted first, so their rows are locked
+-- before the files' (the CTE `locked` waits for `revoked`: a re-derivation's commit locks
+-- its job row, then the file, so this order cannot deadlock with it). Only the ids
+-- asked for are returned.
+WITH revoked AS (
+    DELETE FROM derivd_rederivations
+     WHERE file_id = ANY(%(ids)s::bigint[])
+    RETURNING id
+), locked AS (
+    SELECT id
       FROM archive_files
-     WHERE (id = ANY(%(ids)s::bigint[]) AND status NOT IN ('deleting', 'deleted'))
-        OR (rederive_of = ANY(%(ids)s::bigint[]) AND rederive_of IS NOT NULL
-            AND status IN ('queued', 'processing'))
-     ORDER BY rederive_of IS NULL, id
+     WHERE id = ANY(%(ids)s::bigint[]) AND status NOT IN ('deleting', 'deleted')
+       AND (SELECT count(*) FROM revoked) >= 0  -- after `revoked`
+     ORDER BY id
        FOR UPDATE
 ), done AS (
     UPDATE archive_files AS f
-       SET status = 'deleting', lease_token = NULL, lease_until = NULL, updated_at = now()
+       SET status = 'deleting', lease_token = NULL, lease_until = NULL, updated_at = now(),
+           error_code = NULL  -- a rejected file's code stays in its events
       FROM locked AS l
      WHERE f.id = l.id
-    RETURNING f.id, f.attempts, f.rederive_of
+    RETURNING f.id, f.attempts
 ), requested_event AS (
     INSERT INTO archive_events (file_id, kind, attempt, actor)
     SELECT id, 'delete_requested', attempts, %(actor)s FROM done
     RETURNING 1
 )
-SELECT id FROM done WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id;
+SELECT id FROM done ORDER BY id;
 
 -- name: deletions_due
 -- Rows in `deleting` for longer than the guard, with the keys the cleaner must remove.
@@ -267,6 +304,24 @@ WITH done AS (
     RETURNING 1
 )
 SELECT id FROM done ORDER BY id;
+
+-- name: rederive_retry
+-- Operator's retry of rejected re-derivations (all, optionally of one code): back to
+-- `queued` with their attempts reset, the event on the job (its file is ready all the
+-- while). Returns the files whose re-derivation was queued again.
+WITH done AS (
+    UPDATE derivd_rederivations
+       SET status = 'queued', attempts = 0, error_code = NULL, available_at = now(),
+           finished_at = NULL, ended_token = NULL, updated_at = now()
+     WHERE status = 'rejected'
+       AND (%(code)s::text IS NULL OR error_code = %(code)s::text)
+    RETURNING id, file_id
+), retry_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, actor)
+    SELECT id, 'operator_retry', 0, %(actor)s FROM done
+    RETURNING 1
+)
+SELECT file_id AS id FROM done ORDER BY file_id;
 
 -- name: file_statuses
 -- The current status of each given id that exists (operators' commands report the rest
@@ -384,23 +439,27 @@ SELECT f.id,
 SELECT coalesce(max(id), 0) AS last_id FROM archive_files;
 
 -- name: backfill_queue
--- Queue re-derivations of these ready files at `priority`: one job row each, with the
--- file's original and tenant. A file that already has a live one is skipped. Returns the
--- files queued.
-INSERT INTO archive_files (status, original_key, original_version, priority, tenant,
-                           rederive_of)
-SELECT 'queued', f.original_key, f.original_version, %(priority)s, f.tenant, f.id
+-- Queue re-derivations of these ready files at `priority` for backfill run `run`: one
+-- job row each, with the file's original and tenant. A file whose re-derivation is live
+-- is skipped; one whose last re-derivation was rejected gets that row queued again (one
+-- row per file, however often a backfill finds it). Returns the files queued.
+INSERT INTO derivd_rederivations AS q (file_id, backfill, original_key, original_version,
+                                       priority, tenant)
+SELECT f.id, %(run)s, f.original_key, f.original_version, %(priority)s, f.tenant
   FROM archive_files AS f
- WHERE f.id = ANY(%(ids)s::bigint[]) AND f.status = 'ready' AND f.rederive_of IS NULL
+ WHERE f.id = ANY(%(ids)s::bigint[]) AND f.status = 'ready'
  ORDER BY f.id
-ON CONFLICT (rederive_of) WHERE rederive_of IS NOT NULL AND status IN ('queued', 'processing')
-DO NOTHING
-RETURNING rederive_of AS id;
+ON CONFLICT (file_id) DO UPDATE
+   SET status = 'queued', backfill = EXCLUDED.backfill, attempts = 0, error_code = NULL,
+       available_at = now(), original_key = EXCLUDED.original_key,
+       original_version = EXCLUDED.original_version, priority = EXCLUDED.priority,
+       tenant = EXCLUDED.tenant, ended_token = NULL, finished_at = NULL, updated_at = now()
+ WHERE q.status = 'rejected'
+RETURNING file_id AS id;
 
 -- name: backfill_claimable
 -- Re-derivations waiting to be claimed (--max-queued bounds them).
-SELECT count(*)::int AS n
-  FROM archive_files WHERE rederive_of IS NOT NULL AND status = 'queued';
+SELECT count(*)::int AS n FROM derivd_rederivations WHERE status = 'queued';
 
 -- name: backfill_resume
 -- The unfinished run toward this target, if any (its cursor is where to resume).
@@ -417,8 +476,8 @@ WITH closed AS (
      WHERE finished_at IS NULL
     RETURNING 1
 )
-INSERT INTO derivd_backfills (target, last_id)
-VALUES (%(target)s, %(last_id)s)
+INSERT INTO derivd_backfills (target, last_id, configured)
+VALUES (%(target)s, %(last_id)s, %(configured)s::jsonb)
 RETURNING id, cursor, last_id, scanned, queued;
 
 -- name: backfill_advance
@@ -429,12 +488,14 @@ UPDATE derivd_backfills
  WHERE id = %(id)s;
 
 -- name: backfill_progress
--- The latest run and the re-derivations still in the queue (derivd status, dashboard).
+-- The latest run, the re-derivations still in the queue and those rejected (derivd
+-- status, dashboard).
 SELECT b.id, b.cursor, b.last_id, b.scanned, b.queued, b.started_at, b.updated_at,
        b.finished_at,
-       (SELECT count(*) FROM archive_files AS f
-         WHERE f.rederive_of IS NOT NULL
-           AND f.status IN ('queued', 'processing'))::int AS in_queue
+       (SELECT count(*) FROM derivd_rederivations AS q
+         WHERE q.status IN ('queued', 'processing'))::int AS in_queue,
+       (SELECT count(*) FROM derivd_rederivations AS q
+         WHERE q.status = 'rejected')::int AS rejected
   FROM derivd_backfills AS b
  ORDER BY b.id DESC
  LIMIT 1;
@@ -506,13 +567,19 @@ SELECT f.status, f.error_code,
 SELECT id FROM derivd_similar(%(id)s, %(max)s, %(limit)s) AS id;
 
 -- name: dashboard_in_flight
--- The dashboard's jobs in flight (every host), oldest lease first, through the partial
--- index on processing rows: bounded by `limit` whatever the table's size.
+-- The dashboard's jobs in flight (every host; files and re-derivations), oldest lease
+-- first, through the partial indexes on processing rows: bounded by `limit` whatever the
+-- tables' size.
 SELECT id, attempts, claimed_by,
        extract(epoch FROM now() - claimed_at)::float8 AS age_s,
        extract(epoch FROM lease_until - now())::float8 AS lease_left_s
-  FROM archive_files
- WHERE status = 'processing'
+  FROM (SELECT * FROM (SELECT id, attempts, claimed_by, claimed_at, lease_until
+                         FROM archive_files WHERE status = 'processing'
+                        ORDER BY lease_until LIMIT %(limit)s) AS files
+        UNION ALL
+        SELECT * FROM (SELECT id, attempts, claimed_by, claimed_at, lease_until
+                         FROM derivd_rederivations WHERE status = 'processing'
+                        ORDER BY lease_until LIMIT %(limit)s) AS rederivations) AS p
  ORDER BY lease_until
  LIMIT %(limit)s;
 
@@ -528,65 +595,18 @@ SELECT minutes_ago, finished, median_s
 -- Host registry and heartbeat (the derivd_hosts table) --------------------------------
 
 -- name: heartbeat
--- One statement per host every [queue] heartbeat: which of the jobs this host holds
--- (`jobs`: a JSON array of {id, token}, running and claimed-unstarted) still hold their
--- lease, fenced by id + token; with `renew`, exactly those leases are extended to
--- now() + lease_s. The host's registry row is refreshed (created if pruned); with
--- `starting` (a supervisor starts, holding no jobs: QueueDB.register_host) it is
--- started now, replacing a row its previous run left behind: the registry's one upsert.
--- Returns the ids whose lease still holds, and the ids whose attempt has just ended
--- itself (committed, failed or released by that very token: see `finished`); every
--- other id sent is lost. Database time throughout: no host clock enters a lease decision.
-WITH held AS (
-    SELECT * FROM jsonb_to_recordset(%(jobs)s::jsonb) AS j(id bigint, token uuid)
-), checked AS (
-    SELECT f.id
-      FROM archive_files AS f
-      JOIN held AS h ON f.id = h.id AND f.lease_token = h.token
-     WHERE NOT %(renew)s
-       AND f.id = ANY(%(ids)s::bigint[])  -- by primary key (the JSON hides the row count)
-), renewed AS (
-    UPDATE archive_files AS f
-       SET lease_until = now() + make_interval(secs => %(lease_s)s)
-      FROM held AS h
-     WHERE %(renew)s AND f.id = h.id AND f.lease_token = h.token
-       AND f.id = ANY(%(ids)s::bigint[])
-    RETURNING f.id
-), host AS (
-    INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
-    VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, %(busy)s,
-            %(heartbeat_s)s)
-    ON CONFLICT (host) DO UPDATE
-       SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
-           workers = EXCLUDED.workers, busy = EXCLUDED.busy,
-           heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now(),
-           started_at = CASE WHEN %(starting)s THEN now() ELSE r.started_at END
-    RETURNING 1
-), finished AS (
-    -- Not lost: ended by its own attempt. A worker's fenced commit (or failure, or
-    -- release) can land between the supervisor's last reading of its reports and this
-    -- statement; the report is on its way, and killing the worker for it would kill a
-    -- healthy worker. The row's last change is then that outcome: its event carries the
-    -- attempt's token and the same transaction time (updated_at = at = now()). A row
-    -- moved on since (reclaimed, deleted, rejected as exhausted or by hand) has no such
-    -- event at its updated_at. Evaluated only for held ids whose row left `processing`,
-    -- i.e. almost never; `at =` prunes the event partitions to one.
-    SELECT f.id
-      FROM archive_files AS f
-      JOIN held AS h ON f.id = h.id
-     WHERE f.status IN ('ready', 'queued', 'rejected')
-       AND f.id = ANY(%(ids)s::bigint[])
-       AND EXISTS (SELECT 1 FROM archive_events AS e
-                    WHERE e.at = f.updated_at AND e.file_id = f.id
-                      AND e.lease_token = h.token
-                      AND e.kind IN ('ready', 'retry', 'rejected', 'released')
-                   OFFSET 0)  -- keeps it a lookup per row, never a join over all events
-)
-SELECT id FROM checked
-UNION ALL
-SELECT id FROM renewed
-UNION ALL
-SELECT id FROM finished;
+-- One call per host every [queue] heartbeat (derivd_heartbeat in sql/functions.sql):
+-- which of the jobs this host holds (`jobs`: a JSON array of {id, token, file}, running
+-- and claimed-unstarted) still hold their lease, fenced by id + token; with `renew`,
+-- exactly those leases are extended to now() + lease_s. The host's registry row is
+-- refreshed (created if pruned); with `starting` it is started now: the registry's one
+-- upsert. Returns the ids whose lease still holds, and the ids whose attempt has just
+-- ended itself (committed, failed or released by that very token); every other id sent
+-- is lost.
+SELECT id FROM derivd_heartbeat(%(jobs)s::jsonb, %(renew)s::boolean, %(lease_s)s::float8,
+                                %(host)s::text, %(pid)s::integer, %(version)s::text,
+                                %(backend)s::text, %(workers)s::integer, %(busy)s::integer,
+                                %(heartbeat_s)s::float8, %(starting)s::boolean) AS id;
 
 -- name: deregister_host
 -- A clean stop. Fenced on the pid: a newer supervisor under the same name keeps its row.
@@ -603,12 +623,14 @@ RETURNING host;
 -- name: hosts
 -- The registry for `derivd status` and the metrics: alive = not stale (derivd_host_stale:
 -- a heartbeat within three of its intervals); in_flight = rows it holds in `processing`
--- (via the partial index).
+-- (via the partial indexes), re-derivations included.
 SELECT h.host, h.pid, h.version, h.backend, h.workers, h.busy, h.started_at,
        extract(epoch FROM now() - h.last_heartbeat)::float8 AS heartbeat_age_s,
        NOT derivd_host_stale(h.last_heartbeat, h.heartbeat_s) AS alive,
-       (SELECT count(*) FROM archive_files AS f
-         WHERE f.status = 'processing' AND f.claimed_by = h.host)::int AS in_flight
+       ((SELECT count(*) FROM archive_files AS f
+          WHERE f.status = 'processing' AND f.claimed_by = h.host)
+        + (SELECT count(*) FROM derivd_rederivations AS q
+            WHERE q.status = 'processing' AND q.claimed_by = h.host))::int AS in_flight
   FROM derivd_hosts AS h
  ORDER BY h.host;
 
@@ -618,6 +640,8 @@ SELECT h.host, h.pid, h.version, h.backend, h.workers, h.busy, h.started_at,
 INSERT INTO archive_events (file_id, kind, attempt, lease_token)
 SELECT %(id)s, 'lease_lost', %(attempt)s, %(token)s
  WHERE NOT EXISTS (SELECT 1 FROM archive_files
+                    WHERE id = %(id)s AND lease_token = %(token)s)
+   AND NOT EXISTS (SELECT 1 FROM derivd_rederivations
                     WHERE id = %(id)s AND lease_token = %(token)s)
 RETURNING 1;
 

@@ -25,7 +25,8 @@ CREATE DOMAIN derivd_error_code AS text CONSTRAINT derivd_error_code_check CHECK
     'attempts_exhausted', 'processing_failed'));
 CREATE DOMAIN derivd_event_kind AS text CONSTRAINT derivd_event_kind_check CHECK (VALUE IN (
     'ready', 'retry', 'rejected', 'lease_lost', 'timeout', 'released', 'exhausted',
-    'delete_requested', 'deleted', 'operator_retry', 'rederived', 'claimed', 'worker_died'));
+    'delete_requested', 'deleted', 'operator_retry', 'rederived', 'claimed', 'worker_died',
+    'rederive_rejected'));
 -- A file's priority (higher runs first) and tenant: limits as domains too (migration 0014).
 CREATE DOMAIN derivd_priority AS smallint
     CONSTRAINT derivd_priority_check CHECK (VALUE BETWEEN -100 AND 100);
@@ -86,8 +87,9 @@ CREATE TABLE archive_files (
     -- Claim order within a priority, given as the row enters `queued`
     -- (archive_files_fair_rank in functions.sql).
     fair_rank        bigint,
-    -- A re-derivation (backfill) of that ready file: a job row of its own, so the file
-    -- stays `ready` until the job's fenced commit swaps in the new variant set.
+    -- Unused since migration 0017 (re-derivations have their own table,
+    -- derivd_rederivations); kept, with its index, for hosts of the release before
+    -- during a rolling upgrade. Always NULL.
     rederive_of      bigint,
     CONSTRAINT archive_files_status_check CHECK (status::derivd_status IS NOT NULL),
     CONSTRAINT archive_files_error_code_check
@@ -142,10 +144,8 @@ CREATE INDEX archive_files_claim_order ON archive_files (priority DESC, fair_ran
 CREATE INDEX archive_files_tenant_rank
     ON archive_files (priority, (coalesce(tenant, '')), fair_rank)
     WHERE status = 'queued';
--- At most one live re-derivation per file; `derivd delete` finds them here (a finished
--- one has nothing to revoke).
--- (`rederive_of IS NOT NULL` first: no other row enters it, so a claim or an
--- enqueue costs it nothing.)
+-- Of the release before 0017 (see rederive_of); empty, so no claim or enqueue pays
+-- for it (`rederive_of IS NOT NULL` first).
 CREATE UNIQUE INDEX archive_files_rederive_live ON archive_files (rederive_of)
     WHERE rederive_of IS NOT NULL AND status IN ('queued', 'processing');
 
@@ -226,8 +226,62 @@ CREATE TABLE derivd_backfills (
     queued      bigint      NOT NULL DEFAULT 0,
     started_at  timestamptz NOT NULL DEFAULT now(),
     updated_at  timestamptz NOT NULL DEFAULT now(),
-    finished_at timestamptz
+    finished_at timestamptz,
+    -- The set it aims at (slot -> fingerprint): the only one its re-derivations swap in.
+    configured  jsonb
 );
+
+-- Re-derivations (backfill; migration 0017, docs/traffic.md): never rows of
+-- archive_files, so no count, share or app query takes one for a file. One row per file
+-- at most: its live re-derivation, or the one that was rejected (a new
+-- backfill queues that row again). A swapped-in one is deleted by its commit. Ids come
+-- from archive_files' sequence: a job id is never a file id, so a worker, its
+-- supervisor and the events name either without saying which. No foreign key to the
+-- file: it would add a trigger check to every UPDATE of archive_files (claims and
+-- commits); `derivd delete` removes a file's job row itself (request_delete).
+CREATE TABLE derivd_rederivations (
+    id               bigint      PRIMARY KEY DEFAULT nextval('archive_files_id_seq'),
+    file_id          bigint      NOT NULL,
+    -- The run that queued it: its configured set is the only one the swap takes.
+    backfill         bigint      REFERENCES derivd_backfills (id) ON DELETE SET NULL,
+    status           text        NOT NULL DEFAULT 'queued',
+    attempts         integer     NOT NULL DEFAULT 0,
+    available_at     timestamptz NOT NULL DEFAULT now(),
+    lease_token      uuid,
+    lease_until      timestamptz,
+    original_key     text        NOT NULL,
+    original_version text,
+    priority         smallint    NOT NULL DEFAULT 0,
+    tenant           text,
+    error_code       text,
+    -- The token of the attempt whose own failure or release ended the last lease: the
+    -- heartbeat's proof that a job which left `processing` was not lost.
+    ended_token      uuid,
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    updated_at       timestamptz NOT NULL DEFAULT now(),
+    claimed_at       timestamptz,
+    claimed_by       text,
+    finished_at      timestamptz,
+    CONSTRAINT derivd_rederivations_status_check
+        CHECK (status IN ('queued', 'processing', 'rejected')),
+    CONSTRAINT derivd_rederivations_error_code_check
+        CHECK (error_code IS NULL OR error_code::derivd_error_code IS NOT NULL),
+    CONSTRAINT derivd_rederivations_lease_check CHECK (
+        (status = 'processing') = (lease_token IS NOT NULL AND lease_until IS NOT NULL)),
+    CONSTRAINT derivd_rederivations_rejected_has_code CHECK (
+        (status = 'rejected') = (error_code IS NOT NULL)),
+    CONSTRAINT derivd_rederivations_attempts_check CHECK (attempts >= 0),
+    CONSTRAINT derivd_rederivations_traffic_check CHECK (
+        priority::derivd_priority IS NOT NULL
+        AND (tenant IS NULL OR tenant::derivd_tenant IS NOT NULL))
+);
+CREATE UNIQUE INDEX derivd_rederivations_file ON derivd_rederivations (file_id);
+CREATE INDEX derivd_rederivations_claim_order ON derivd_rederivations (priority DESC, id)
+    WHERE status = 'queued';
+CREATE INDEX derivd_rederivations_claimable ON derivd_rederivations (available_at, id)
+    WHERE status = 'queued';
+CREATE INDEX derivd_rederivations_leased ON derivd_rederivations (lease_until)
+    WHERE status = 'processing';
 
 -- == Events ===========================================================================-- Append-only history with safe fields only: no exception text, paths or credentials.
 -- UPDATE, DELETE and TRUNCATE are refused on every partition, and `[sweep]

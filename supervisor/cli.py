@@ -477,7 +477,7 @@ def demo(state: State, count: int, backend: str | None, into: str | None) -> Non
     throughput, where the derived files are, and a gallery page to open.
     """
     from derivd.config import check_dsn
-    from derivd.embedded.demo import demo_config, run_demo
+    from derivd.demo import demo_config, run_demo
 
     if into is not None and (problem := check_dsn(into) if into else "give a DSN"):
         die(f"--into: {problem}", 2)
@@ -618,7 +618,8 @@ def retry(state: State, ids: tuple[int, ...], all_rejected: bool, code: str | No
       derivd retry --rejected                             every rejected file
 
     Only `rejected` files change; the others are listed and left alone (exit 1 when
-    an id is unknown). Content errors (corrupt_content, unsupported_content,
+    an id is unknown). --rejected also queues again the rejected re-derivations of
+    ready files (backfill), listed by file. Content errors (corrupt_content, unsupported_content,
     resource_limit) come back unless the limits or the backend changed. You
     (user@host) are recorded in each file's events.
     """
@@ -637,7 +638,12 @@ def retry(state: State, ids: tuple[int, ...], all_rejected: bool, code: str | No
     ):
         if all_rejected:
             retried = actions.retry_rejected(queue, code=code, actor=actor)
-            click.echo(f"queued again: {_ids(retried)}" if retried else "nothing to retry")
+            if retried.files:
+                click.echo(f"queued again: {_ids(retried.files)}")
+            if retried.rederivations:
+                click.echo(f"re-derivations queued again: {_ids(retried.rederivations)}")
+            if not (retried.files or retried.rederivations):
+                click.echo("nothing to retry")
             return
         result = actions.retry_ids(queue, ids, actor=actor)
     if result.done:

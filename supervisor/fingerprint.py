@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
 from derivd.handlers.outputs import quality_of
@@ -60,3 +60,25 @@ def target_digest(configured: Mapping[str, str]) -> str:
     """One digest of a whole configured set: a backfill resumes only toward the same."""
     text = json.dumps(sorted(configured.items()), separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def set_problem(
+    produced: Iterable[str], configured: Mapping[str, str], *, rederive: bool
+) -> str | None:
+    """Why a derived set of slots (`name.format`, one per stored variant) may not be
+    committed, or None. It must be exactly the configured set; a first derivation may
+    also be empty (a backend that derives nothing by design: noop, an analysis-only
+    plugin), a re-derivation never (it exists to swap the configured set in)."""
+    slots = list(produced)
+    if not slots:
+        return "derived no variant" if rederive else None
+    twice = sorted({s for s in slots if slots.count(s) > 1})
+    if twice:
+        return f"twice: {', '.join(twice)}"
+    missing = [s for s in configured if s not in slots]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    extra = [s for s in slots if s not in configured]
+    if extra:
+        return f"not configured: {', '.join(extra)}"
+    return None

@@ -2,10 +2,10 @@
 
 The database is the authority: the domains of sql/schema.sql (derivd_status,
 derivd_error_code, derivd_event_kind; migration 0014 added `rederived`, 0015
-`claimed`, 0016 `worker_died`), to which the tables' CHECK constraints cast their
-columns. These literals are their one Python copy; every other module imports from
-here, and tests/test_states.py reads the domains' constraints back from a migrated
-database (pg_get_constraintdef) and fails when the two disagree.
+`claimed`, 0016 `worker_died`, 0017 `rederive_rejected`), to which the tables' CHECK
+constraints cast their columns. These literals are their one Python copy; every other
+module imports from here, and tests/test_states.py reads the domains' constraints back
+from a migrated database (pg_get_constraintdef) and fails when the two disagree.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ EventKind = Literal[
     "rederived",
     "claimed",
     "worker_died",
+    "rederive_rejected",
 ]
 ErrorCode = Literal[
     "unsupported_content",

@@ -22,14 +22,25 @@ from typing import Protocol, TypedDict
 from derivd import analysis
 from derivd.config import Config
 from derivd.errors import ErrorCode, Permanent, Transient
-from derivd.fingerprint import configured_set, slot
+from derivd.fingerprint import configured_set, set_problem, slot
 from derivd.handlers.base import Analysis, Derivation, DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
 from derivd.ops.logs import event
-from derivd.queue.db import DatabaseUnavailable, Finished, Job, QueueDB, StoredVariant
+from derivd.queue.db import (
+    Committed,
+    DatabaseUnavailable,
+    Finished,
+    Job,
+    QueueDB,
+    StoredVariant,
+)
 from derivd.queue.retry import record_failure
 from derivd.storage.base import ObjectMissing, Storage, derived_key, open_storage
 from derivd.storage.parallel import Put, put_all
+
+# How a re-derivation's ending outcomes are reported (the others, retry, lease_lost, ...,
+# are an attempt's whatever it derives).
+REDERIVATION_OUTCOMES = {"ready": "rederived", "rejected": "rederive_rejected"}
 
 
 class ClaimTerms(TypedDict):
@@ -221,6 +232,7 @@ class Worker:
         self.hooks.job_started(job)
         try:
             derivation = self._derive(job)
+            self._check_set(job, derivation)
             original = _storable(derivation.original)
             stored = self._store(job, derivation)
         except Exception as error:  # classified in _failed
@@ -258,9 +270,13 @@ class Worker:
     def outcome(
         self, job: Job, outcome: str, code: ErrorCode | None, duration_s: float
     ) -> JobResult:
-        """Count and log one attempt's outcome; the report is the caller's."""
+        """Count and log one attempt's outcome; the report is the caller's. A
+        re-derivation's end is not a file's: `rederived` / `rederive_rejected` (the
+        metrics' ready and rejected counts are files')."""
         with self._count_lock:
             self.jobs_done += 1
+        if job.for_file != job.id:
+            outcome = REDERIVATION_OUTCOMES.get(outcome, outcome)
         event(
             log,
             "job finished",
@@ -300,20 +316,36 @@ class Worker:
             committed, jobs = self.queue.commit_and_claim(
                 [d.finished for d in pending], limit=limit, **self._claim_terms()
             )
-        except DatabaseUnavailable:
-            for d in pending:
-                self._finish(d.job, "unknown", None, d.duration_s)
-            raise
+        except DatabaseUnavailable as error:
+            self._commit_again(pending, error)
+            return
         self._record_commits(pending, committed)
         self.flush()  # outcomes first: the supervisor then learns of the rows now held
         if jobs:
             self.hooks.jobs_claimed(jobs)
         self._prefetched = (jobs, sent)
 
-    def _record_commits(self, pending: Sequence[_Derived], committed: set[int]) -> None:
+    def _commit_again(self, pending: list[_Derived], error: DatabaseUnavailable) -> None:
+        """A commit-and-claim that failed (a deadlock, a dropped connection, a restart)
+        took its commits with it, or committed without an answer. The fenced commit
+        alone is safe to send again (a row commits once, under its token), so it is sent
+        once more before any attempt is called unknown: a success is not left to wait out
+        its lease, derived again, or rejected `attempts_exhausted` after its last attempt.
+        The claim waits for the next batch. Raises DatabaseUnavailable (the attempts
+        then unknown) if the database is still away."""
+        log.warning("commit and claim failed (%s); committing again", error)
+        self._pending = [*pending, *self._pending]
+        self._commit_pending()
+
+    def _record_commits(self, pending: Sequence[_Derived], committed: Committed) -> None:
         for d in pending:
             if d.job.id in committed:
                 self._finish(d.job, "ready", None, d.duration_s)
+            elif d.job.id in committed.rejected:
+                # A re-derivation whose set is not its run's configured one (this worker
+                # runs another configuration than the backfill's): the file keeps its set.
+                log.error("job %s: its variant set is not the backfill's target", d.job.id)
+                self._finish(d.job, "rejected", "processing_failed", d.duration_s)
             else:
                 event(log, "lease lost", logging.WARNING, file_id=d.job.id, attempt=d.job.attempt)
                 self._finish(d.job, "lease_lost", None, d.duration_s)
@@ -360,8 +392,20 @@ class Worker:
     def store(self, job: Job, derivation: Derivation) -> Finished:
         """Write-ahead, PUT every variant, and what the fenced commit records. Raises
         Permanent for a malformed analysis before any PUT."""
+        self._check_set(job, derivation)
         original = _storable(derivation.original)
         return Finished(job, self._store(job, derivation), original)
+
+    def _check_set(self, job: Job, variants: Sequence[DerivedVariant]) -> None:
+        """A backend fault (final) unless the handler returned exactly the configured set
+        (or, deriving for the first time, nothing: noop): checked before any PUT. A file
+        is never `ready` with part of its set, and a re-derivation never swaps in one."""
+        rederive = job.for_file != job.id
+        problem = set_problem(
+            (slot(v.name, v.format) for v in variants), self.fingerprints, rederive=rederive
+        )
+        if problem:
+            raise Permanent("processing_failed", f"{self.handler.name}: {problem}")
 
     def _store(self, job: Job, variants: Sequence[DerivedVariant]) -> list[StoredVariant]:
         # Under the file's prefix: a re-derivation's objects belong to the file it serves.

@@ -82,3 +82,13 @@ class Stamped(Script):
             for v in spec.variants
             for fmt in v.formats
         ]
+
+
+class Partial(Stamped):
+    """`Stamped` with the first configured variant and format only: a backend that
+    returns fewer variants than the configuration asks for."""
+
+    name = "partial"
+
+    def derive(self, original: bytes, spec: DeriveSpec) -> list[DerivedVariant]:
+        return super().derive(original, spec)[:1]

@@ -110,9 +110,7 @@ def unreferenced(queue: QueueDB, storage: Storage) -> set[str]:
 
 
 def job_rows(dsn: str) -> list[dict[str, Any]]:
-    return sql(
-        dsn, "SELECT id, status, rederive_of FROM archive_files WHERE rederive_of IS NOT NULL"
-    )
+    return sql(dsn, "SELECT id, status, file_id FROM derivd_rederivations ORDER BY file_id")
 
 
 # -- the planner (pure) -----------------------------------------------------------------
@@ -158,7 +156,7 @@ def test_backfill_swaps_in_the_configured_set_and_then_has_nothing_to_do(
     assert apply(queue, new_cfg).queued == 3
     # Queued, not yet run: every file still ready with its old set, readable.
     assert {f: readable_set(dsn, storage, f) for f in files} == old
-    assert sorted(r["rederive_of"] for r in job_rows(dsn)) == files
+    assert sorted(r["file_id"] for r in job_rows(dsn)) == files
     drain(new_cfg)
     for f in files:
         assert readable_set(dsn, storage, f) == configured(new_cfg)
@@ -202,13 +200,13 @@ def test_a_lost_lease_leaves_the_old_set(dsn: str, store: dict[str, Any], queue:
     [job] = worker.claim_many(1)
     assert job.for_file == f and job.id != f
     queue.conn.execute(
-        "UPDATE archive_files SET lease_until = now() - interval '1 second' WHERE id = %s",
+        "UPDATE derivd_rederivations SET lease_until = now() - interval '1 second' WHERE id = %s",
         (job.id,),
     )
     [again] = worker.claim_many(1)  # the expired lease is reclaimed: a new token
     assert run_job(worker, job).outcome == "lease_lost"
     assert readable_set(dsn, storage, f) == old
-    assert run_job(worker, again).outcome == "ready"
+    assert run_job(worker, again).outcome == "rederived"
     assert readable_set(dsn, storage, f) == configured(new_cfg)
     worker.close()
     sweep(queue, storage)
@@ -226,15 +224,15 @@ def test_a_content_failure_rejects_the_job_not_the_file(
     # The re-derivation reads a version of the original that is now broken.
     key = new_original_key()
     version = storage.put(key, b"corrupt", "text/plain")
-    sql(dsn, "UPDATE archive_files SET original_key = %s, original_version = %s"
-        " WHERE rederive_of = %s", (key, version, f))  # fmt: skip
+    sql(dsn, "UPDATE derivd_rederivations SET original_key = %s, original_version = %s"
+        " WHERE file_id = %s", (key, version, f))  # fmt: skip
     drain(new_cfg)
     [job] = job_rows(dsn)
     assert job["status"] == "rejected"
-    events = sql(
-        dsn, "SELECT kind, error_code FROM archive_events WHERE file_id = %s", (job["id"],)
-    )
-    assert {"kind": "rejected", "error_code": "corrupt_content"} in events
+    # On the file, and not as a file's rejection (the rejected share counts files).
+    events = sql(dsn, "SELECT kind, error_code FROM archive_events WHERE file_id = %s", (f,))
+    assert {"kind": "rederive_rejected", "error_code": "corrupt_content"} in events
+    assert queue.statuses([f]) == {f: "ready"}
     assert readable_set(dsn, storage, f) == old
     sweep(queue, storage)
     assert unreferenced(queue, storage) == set()
@@ -252,9 +250,9 @@ def test_deleting_the_file_mid_rederivation_removes_everything(
     assert queue.request_delete([f], actor="test") == [f]
     assert run_job(worker, job).outcome == "lease_lost"
     worker.close()
-    assert queue.statuses([f, job.id]) == {f: "deleting", job.id: "deleting"}
+    assert queue.statuses([f]) == {f: "deleting"} and job_rows(dsn) == []
     sweep(queue, storage)
-    assert queue.statuses([f, job.id]) == {f: "deleted", job.id: "deleted"}
+    assert queue.statuses([f]) == {f: "deleted"}
     assert set(storage.list_keys("derived/")) == set()
     assert unreferenced(queue, storage) == set()
 
@@ -320,7 +318,7 @@ def test_an_interrupted_run_resumes_after_its_last_page(
     assert len(job_rows(dsn)) == 4
     resumed = apply(queue, new_cfg, page=2)
     assert (resumed.scanned, resumed.queued) == (1, 1)  # only the page after the cursor
-    assert sorted(r["rederive_of"] for r in job_rows(dsn)) == files
+    assert sorted(r["file_id"] for r in job_rows(dsn)) == files
 
 
 def test_a_second_apply_is_refused_while_one_runs(dsn: str, tmp_path: Path, queue: QueueDB) -> None:
@@ -413,7 +411,7 @@ def test_status_and_the_dashboard_show_backfill_progress(
     report = collect(queue, limits)
     assert as_json(report, [], limits)["backfill"] == {
         "run": 1, "state": "re-deriving", "planned": 1.0, "scanned": 3, "queued": 3,
-        "in_queue": 3,
+        "in_queue": 3, "rejected": 0,
     }  # fmt: skip
     assert "backfill #1: re-deriving, 100% scanned (3 files), 3 queued, 3 in the queue" in (
         render_table(report, [], limits)

@@ -74,7 +74,7 @@ def test_sigkill_of_the_worker_and_of_the_supervisor_mid_rederivation(
     sup.wait_exit()
     wait_for(lambda: not any(alive(p) for p in workers), "workers gone with their parent")
     (hanging,) = job_rows(dsn)
-    second = hanging["rederive_of"]
+    second = hanging["file_id"]
     (first,) = set(files) - {second}
     assert readable_set(dsn, storage, second) == old[second]
     assert readable_set(dsn, storage, first) == configured(new_cfg) != old[first]
@@ -83,7 +83,7 @@ def test_sigkill_of_the_worker_and_of_the_supervisor_mid_rederivation(
     wait_for(
         lambda: sql(
             dsn,
-            "SELECT 1 FROM archive_files WHERE rederive_of = %s AND lease_until < now()",
+            "SELECT 1 FROM derivd_rederivations WHERE file_id = %s AND lease_until < now()",
             (second,),
         ),
         "the dead supervisor's lease to expire",

@@ -17,7 +17,7 @@ from fixtures.readonly import read_only_dir
 from PIL import Image
 
 from derivd.config import Config
-from derivd.embedded.demo import demo_config
+from derivd.demo import demo_config
 from derivd.embedded.pgcluster import discard
 
 RunCli = Callable[..., CompletedProcess[str]]

@@ -311,7 +311,7 @@ def config_problems(tmp_path: Path, sections: dict[str, dict[str, str]]) -> list
             "of [queue] lease (24s), or set [queue] renew = yes",
         ),
         ({"queue": {"renew": "maybe"}}, "[queue] renew: 'maybe' is not yes/no"),
-        ({"queue": {"heartbeat": "-1"}}, "[queue] heartbeat: must be between 0 and"),
+        ({"queue": {"heartbeat": "-1"}}, "[queue] heartbeat: must be between 0 and 86,400"),
         ({"supervisor": {"host_id": "web\x01"}}, "[supervisor] host_id: must not contain control"),
         ({"supervisor": {"host_id": "é" * 101}}, "[supervisor] host_id: must be at most 200 bytes"),
     ],

@@ -20,7 +20,7 @@ from fixtures.cli import derivd_command, run_cli
 from helpers import alive, proc_title, wait_for
 
 from derivd.config import ConfigError, load_config
-from derivd.processes.procutil import Pidfile, children_of, sd_notify, watchdog_interval
+from derivd.osproc import Pidfile, children_of, sd_notify, watchdog_interval
 from derivd.queue.db import QueueDB
 from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
@@ -497,7 +497,7 @@ def test_sd_notify_without_socket_is_a_no_op() -> None:
 
 
 def test_pidfile_refuses_a_live_owner(tmp_path: Path) -> None:
-    from derivd.processes.procutil import PidfileError
+    from derivd.osproc import PidfileError
 
     path = tmp_path / "x.pid"
     path.write_text(f"{os.getppid()}\n")  # a live process that is not us

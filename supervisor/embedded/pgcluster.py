@@ -39,7 +39,7 @@ from psycopg.conninfo import make_conninfo
 from derivd.embedded import pghome
 from derivd.embedded.pgbin import find_server_bindir
 from derivd.embedded.pghome import EmbeddedClusterError, RunAs
-from derivd.processes.procutil import pid_alive
+from derivd.osproc import pid_alive
 from derivd.queue.db import ClusterAdmin
 
 __all__ = ["EmbeddedCluster", "EmbeddedClusterError", "discard"]

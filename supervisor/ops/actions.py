@@ -55,6 +55,19 @@ def retry_ids(queue: QueueDB, ids: Sequence[int], *, actor: str) -> Sorted:
     return _sort(queue, ids, queue.operator_retry(ids=sorted(set(ids)), code=None, actor=actor))
 
 
-def retry_rejected(queue: QueueDB, *, code: str | None, actor: str) -> list[int]:
-    """Queue every rejected row again (only those of `code` when given)."""
-    return queue.operator_retry(ids=None, code=code, actor=actor)
+@dataclass(frozen=True)
+class Retried:
+    """What `derivd retry --rejected` queued again: rejected files, and the files whose
+    rejected re-derivation (backfill) was queued again (the file itself stays ready)."""
+
+    files: list[int]
+    rederivations: list[int]
+
+
+def retry_rejected(queue: QueueDB, *, code: str | None, actor: str) -> Retried:
+    """Queue every rejected row again (only those of `code` when given): files, and
+    re-derivations (one row per file at most, so none can collide with a live one)."""
+    return Retried(
+        files=queue.operator_retry(ids=None, code=code, actor=actor),
+        rederivations=queue.rederive_retry(code=code, actor=actor),
+    )

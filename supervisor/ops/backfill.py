@@ -125,7 +125,7 @@ class Apply:
 
     def _run(self) -> Plan:
         # A run resumes only toward the same configured set.
-        run = self.queue.backfill_run(target_digest(self.configured))
+        run = self.queue.backfill_run(target_digest(self.configured), self.configured)
         plan = Plan()
         cursor, last = int(run["cursor"]), int(run["last_id"])
         self.progress(cursor, last)
@@ -137,7 +137,7 @@ class Apply:
                 plan.add(diff)
                 if diff:
                     todo.append(file_id)
-            queued = self._queue_within_bound(todo)
+            queued = self._queue_within_bound(todo, run=int(run["id"]))
             plan.queued += queued
             self.queue.backfill_advance(
                 run["id"], cursor=rows[-1][0], scanned=len(rows), queued=queued, done=False
@@ -148,7 +148,7 @@ class Apply:
         self.progress(last, last)
         return plan
 
-    def _queue_within_bound(self, ids: list[int]) -> int:
+    def _queue_within_bound(self, ids: list[int], *, run: int) -> int:
         queued = 0
         while ids:
             room = self.max_queued - self.queue.backfill_claimable()
@@ -156,7 +156,8 @@ class Apply:
                 self.sleep(WAIT_S)
                 self._renew()
                 continue
-            queued += len(self.queue.backfill_queue(ids[:room], priority=self.priority))
+            batch = self.queue.backfill_queue(ids[:room], priority=self.priority, run=run)
+            queued += len(batch)
             ids = ids[room:]
         return queued
 
@@ -168,8 +169,9 @@ class Apply:
 @dataclass(frozen=True)
 class Progress:
     """The latest run as `derivd status` and the dashboard show it: how far its scan is
-    (file ids planned through `cursor` of `last_id`), what it queued, and how many of
-    those are still in the queue (the rest are done: swapped in, or failed)."""
+    (file ids planned through `cursor` of `last_id`), what it queued, how many of those
+    are still in the queue (the rest are done: swapped in, or failed) and how many
+    re-derivations are rejected (not files: `derivd retry --rejected` queues them again)."""
 
     run: int
     cursor: int
@@ -178,6 +180,7 @@ class Progress:
     queued: int
     in_queue: int
     finished: bool
+    rejected: int = 0  # re-derivations rejected (their files keep their sets)
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Progress:
@@ -188,6 +191,7 @@ class Progress:
             scanned=int(row["scanned"]),
             queued=int(row["queued"]),
             in_queue=int(row["in_queue"]),
+            rejected=int(row.get("rejected") or 0),
             finished=row["finished_at"] is not None,
         )
 
@@ -212,10 +216,12 @@ class Progress:
             "scanned": self.scanned,
             "queued": self.queued,
             "in_queue": self.in_queue,
+            "rejected": self.rejected,
         }
 
     def line(self) -> str:
         return (
             f"backfill #{self.run}: {self.state}, {self.planned * 100:.0f}% scanned "
             f"({self.scanned:,} files), {self.queued:,} queued, {self.in_queue:,} in the queue"
+            + (f", {self.rejected:,} rejected" if self.rejected else "")
         )

@@ -144,7 +144,8 @@ class Metrics:
     def job_finished(
         self, *, outcome: str, code: str | None, duration_s: float, wait_s: float, backend: str
     ) -> None:
-        """One attempt ended: outcome is ready|retry|rejected|lease_lost|released|unknown."""
+        """One attempt ended: outcome is ready|retry|rejected|lease_lost|released|unknown,
+        or for a re-derivation (backfill) rederived|rederive_rejected."""
         self.jobs.labels(outcome, code or "none", backend).inc()
         self.duration.labels(backend, outcome).observe(max(0.0, duration_s))
         self.wait.observe(max(0.0, wait_s))

@@ -17,8 +17,8 @@ from derivd.config import DEFAULTS, Config, load_config
 from derivd.embedded.runtime import database
 from derivd.ops.dashboard import Dashboard
 from derivd.ops.metrics import Metrics, listening_line
+from derivd.osproc import Pidfile, PidfileError
 from derivd.processes.duties import listen_problem
-from derivd.processes.procutil import Pidfile, PidfileError
 from derivd.processes.supervisor import RunResult, Supervisor
 from derivd.redact import redact
 

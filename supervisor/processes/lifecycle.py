@@ -18,6 +18,7 @@ from enum import StrEnum
 
 from derivd.config import QueueSettings
 from derivd.processes.pipe import WorkerProc
+from derivd.processes.reasons import DeadlineAction, KillReason, StopReason
 from derivd.queue.db import Job
 from derivd.queue.retry import retry_delay
 
@@ -36,13 +37,14 @@ def overdue(worker: WorkerProc, now: float, *, job_timeout: float) -> list[Job]:
     return [job for job, started in worker.in_flight() if now - started >= job_timeout]
 
 
-def deadline_action(worker: WorkerProc, now: float, *, job_timeout: float) -> str | None:
-    """ "kill": a TERM sent earlier has had its grace, SIGKILL now; "timeout": a job in
-    flight passed `job_timeout`, start killing (`overdue` names it); None: nothing due."""
+def deadline_action(worker: WorkerProc, now: float, *, job_timeout: float) -> DeadlineAction | None:
+    """What the worker's deadlines call for now (None: nothing due): KILL, a TERM sent
+    earlier has had its grace; TIMEOUT, a job in flight passed `job_timeout` (`overdue`
+    names it)."""
     if worker.kill_at is not None and now >= worker.kill_at and not worker.killed:
-        return "kill"
+        return DeadlineAction.KILL
     if worker.kill_reason is None and overdue(worker, now, job_timeout=job_timeout):
-        return "timeout"
+        return DeadlineAction.TIMEOUT
     return None
 
 
@@ -84,15 +86,15 @@ def classify_exit(worker: WorkerProc, status: int, *, burst: bool) -> Exit:
     code = os.waitstatus_to_exitcode(status)
     if worker.boot_error is not None or (code == EXIT_BOOT_ERROR and not worker.ready):
         return Exit.BOOT_ERROR
-    if worker.kill_reason == "timeout":
+    if worker.kill_reason is KillReason.TIMEOUT:
         return Exit.TIMEOUT
-    if worker.kill_reason == "lease_lost":
+    if worker.kill_reason is KillReason.LEASE_LOST:
         return Exit.LEASE_LOST
-    if worker.kill_reason in ("shutdown", "aborted"):
+    if worker.kill_reason in (KillReason.SHUTDOWN, KillReason.ABORTED):
         return Exit.RELEASE
-    if code == EXIT_OK and worker.exit_reason in ("max_jobs", "rss"):
+    if code == EXIT_OK and worker.exit_reason in (StopReason.MAX_JOBS, StopReason.RSS):
         return Exit.RECYCLED
-    if code == EXIT_OK and worker.exit_reason == "drained" and burst:
+    if code == EXIT_OK and worker.exit_reason is StopReason.DRAINED and burst:
         return Exit.DRAINED
     if code == EXIT_OK and worker.stop_sent:
         return Exit.STOPPED

@@ -4,7 +4,7 @@ A child reports over its status pipe, one JSON object per line:
 
     {"t": "ready", "cpu_s": 0.12}                    booted (CPU s since fork), about to claim
     {"t": "boot_error", "msg": "..."}                could not boot; exit EXIT_BOOT_ERROR
-    {"t": "claimed", "jobs": [{id, token, attempt}]} rows it now holds (one claim)
+    {"t": "claimed", "jobs": [{id, token, attempt, file_id?}]} rows it now holds (one claim)
     {"t": "finished", "results": [[id, outcome, code, duration_s, wait_s], ...], "rss_mb": ...}
                                                      attempts that ended (one flush)
     {"t": "exiting", "reason": "stopped|drained|max_jobs|rss"}
@@ -36,7 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from derivd.processes.procutil import rss_mb, set_proctitle
+from derivd.osproc import rss_mb, set_proctitle
+from derivd.processes.reasons import KillReason, StopReason
 from derivd.queue.db import Job
 
 if TYPE_CHECKING:
@@ -57,8 +58,12 @@ def encode(message: dict[str, Any]) -> bytes:
 
 
 def job_to_dict(job: Job) -> dict[str, Any]:
-    """What the parent needs to fail or release the row."""
-    return {"id": job.id, "token": str(job.token), "attempt": job.attempt}
+    """What the parent needs to fail or release the row, and for a re-derivation the
+    file it serves (the heartbeat finds its commit there)."""
+    data: dict[str, Any] = {"id": job.id, "token": str(job.token), "attempt": job.attempt}
+    if job.file_id is not None and job.file_id != job.id:
+        data["file_id"] = job.file_id
+    return data
 
 
 def encode_lines(kind: str, key: str, items: Sequence[Any], **extra: Any) -> list[bytes]:
@@ -148,10 +153,10 @@ class WorkerProc:
     lost: set[uuid.UUID] = field(default_factory=set)  # why kill_reason = lease_lost
     progress_buffer: bytes = b""
     stop_sent: bool = False
-    kill_reason: str | None = None  # timeout | lease_lost | shutdown | aborted
+    kill_reason: KillReason | None = None
     kill_at: float | None = None  # when SIGTERM escalates to SIGKILL
     killed: bool = False
-    exit_reason: str | None = None  # from the child's "exiting" message
+    exit_reason: StopReason | None = None  # from the child's "exiting" message
     boot_error: str | None = None
     eof: bool = False
     buffer: bytes = b""
@@ -195,7 +200,7 @@ class WorkerProc:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGTERM)
 
-    def kill(self, reason: str, grace: float) -> None:
+    def kill(self, reason: KillReason, grace: float) -> None:
         """TERM the child's process group now, KILL it after `grace` (0: KILL at once).
         The first reason given is the one its exit is judged by."""
         if self.kill_reason is None:
@@ -303,7 +308,7 @@ class WorkerProc:
                 self.held.pop(int(row[0]), None)
             return rows
         elif kind == "exiting":
-            self.exit_reason = str(message.get("reason"))
+            self.exit_reason = StopReason.parse(message.get("reason"))
         elif kind == "boot_error":
             self.boot_error = str(message.get("msg") or "unknown error")
         return []
@@ -322,4 +327,5 @@ def job_from_message(data: dict[str, Any]) -> Job:
         original_key=str(data.get("original_key") or ""),
         original_version=data.get("original_version"),
         wait_s=float(data.get("wait_s") or 0.0),
+        file_id=int(data["file_id"]) if data.get("file_id") is not None else None,
     )

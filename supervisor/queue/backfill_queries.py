@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from derivd.queue.statements import Statements
@@ -22,22 +23,29 @@ class BackfillQueries(Statements):
         row = self._one("backfill_last_id")
         return int(row["last_id"]) if row else 0
 
-    def backfill_queue(self, ids: Sequence[int], *, priority: int) -> list[int]:
-        """Queue re-derivations of these ready files; the files actually queued."""
+    def backfill_queue(self, ids: Sequence[int], *, priority: int, run: int) -> list[int]:
+        """Queue re-derivations of these ready files for backfill `run`; the files
+        actually queued."""
         if not ids:
             return []
-        rows = self._all("backfill_queue", {"ids": list(ids), "priority": priority})
+        params = {"ids": list(ids), "priority": priority, "run": run}
+        rows = self._all("backfill_queue", params)
         return [int(r["id"]) for r in rows]
 
     def backfill_claimable(self) -> int:
         row = self._one("backfill_claimable")
         return int(row["n"]) if row else 0
 
-    def backfill_run(self, target: str) -> dict[str, Any]:
-        """The unfinished run toward `target` (resumed), else a new one."""
+    def backfill_run(self, target: str, configured: Mapping[str, str]) -> dict[str, Any]:
+        """The unfinished run toward `target` (resumed), else a new one that aims at
+        `configured` (its digest is `target`): the only set its re-derivations swap in."""
         row = self._one("backfill_resume", {"target": target})
         if row is None:
-            params = {"target": target, "last_id": self.backfill_last_id()}
+            params = {
+                "target": target,
+                "last_id": self.backfill_last_id(),
+                "configured": json.dumps(dict(configured)),
+            }
             row = self._one("backfill_start", params)
         assert row is not None  # INSERT … RETURNING always returns its row
         return row

@@ -20,6 +20,7 @@ from derivd.queue.listener import FINISHED_CHANNEL, QUEUED_CHANNEL, QueueListene
 from derivd.queue.maintenance_queries import MaintenanceQueries
 from derivd.queue.operator_queries import OperatorQueries
 from derivd.queue.records import (
+    Committed,
     EventWindow,
     Finished,
     HostInfo,
@@ -59,6 +60,7 @@ __all__ = [
     "PARENT_STATEMENT_TIMEOUT_S",
     "QUEUED_CHANNEL",
     "ClusterAdmin",
+    "Committed",
     "DatabaseUnavailable",
     "EventWindow",
     "Finished",

@@ -14,6 +14,15 @@ from derivd.queue.records import (
 from derivd.queue.statements import Statements
 
 
+def _held(job: Job) -> dict[str, Any]:
+    """A held job as the heartbeat reads it: id and token, and the file a re-derivation
+    serves (the proof of its commit is on the file: derivd_heartbeat)."""
+    held: dict[str, Any] = {"id": job.id, "token": str(job.token)}
+    if job.for_file != job.id:
+        held["file"] = job.for_file
+    return held
+
+
 class HostQueries(Statements):
     """The supervisor's heartbeat and the host registry."""
 
@@ -21,7 +30,7 @@ class HostQueries(Statements):
         self, host: HostInfo, jobs: Sequence[Job], *, renew: bool, lease_s: float
     ) -> set[int]:
         """Check (and with `renew`, extend) the leases of `jobs` and refresh the host's
-        registry row, in one statement. Returns the ids that are not lost: whose lease
+        registry row, in one call (derivd_heartbeat). Returns the ids that are not lost: whose lease
         still holds, or whose attempt has just ended itself (committed, failed or
         released with its own token) before its worker could report it."""
         return self._host_seen(host, jobs, renew=renew, lease_s=lease_s, starting=False)
@@ -36,8 +45,7 @@ class HostQueries(Statements):
     ) -> set[int]:
         params = {
             **host.__dict__,
-            "jobs": json.dumps([{"id": j.id, "token": str(j.token)} for j in jobs]),
-            "ids": [j.id for j in jobs],
+            "jobs": json.dumps([_held(j) for j in jobs]),
             "renew": renew,
             "lease_s": lease_s,
             "starting": starting,

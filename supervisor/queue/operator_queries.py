@@ -53,6 +53,12 @@ class OperatorQueries(Statements):
         params = {"ids": list(ids) if ids is not None else None, "code": code, "actor": actor}
         return [r["id"] for r in self._all("operator_retry", params)]
 
+    def rederive_retry(self, *, code: str | None, actor: str) -> list[int]:
+        """Queue rejected re-derivations again (of `code` only, when given); the files
+        they serve."""
+        rows = self._all("rederive_retry", {"code": code, "actor": actor})
+        return [int(r["id"]) for r in rows]
+
     def queue_stats(self, *, max_age_s: float = 0.0) -> QueueStats:
         """Queue health; a result another host computed less than `max_age_s` ago is
         reused (0: compute now)."""

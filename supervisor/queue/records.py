@@ -4,7 +4,7 @@ host reports, statistics (plain frozen records; no SQL here)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from derivd.handlers.base import Analysis
@@ -26,6 +26,19 @@ class Job:
     def for_file(self) -> int:
         """The file id under whose prefix this job's objects are stored."""
         return self.id if self.file_id is None else self.file_id
+
+
+class Committed(frozenset[int]):
+    """The ids a fenced commit made official (a set, as callers test membership), and
+    `rejected`: the re-derivations it refused instead, their set not the configured one
+    (derivd_commit_rederivation). Every other id sent lost its lease."""
+
+    rejected: frozenset[int]
+
+    def __new__(cls, committed: Iterable[int] = (), rejected: Iterable[int] = ()) -> Committed:
+        self = super().__new__(cls, committed)
+        self.rejected = frozenset(rejected)
+        return self
 
 
 @dataclass(frozen=True)

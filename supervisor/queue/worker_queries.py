@@ -9,6 +9,7 @@ from typing import Any
 
 from derivd.errors import ErrorCode
 from derivd.queue.records import (
+    Committed,
     Finished,
     Job,
 )
@@ -46,6 +47,14 @@ def _commit_row(finished: Finished) -> dict[str, Any]:
         # Absent keys are NULLs to the commit (derivd_commit_and_claim, sql/functions.sql).
         **({f"original_{k}": v for k, v in asdict(original).items()} if original else {}),
     }
+
+
+def _committed(rows: list[dict[str, Any]]) -> Committed:
+    """The commit's rows (`kind`: committed, rejected; others ignored) as Committed."""
+    return Committed(
+        (int(r["id"]) for r in rows if r["kind"] == "committed"),
+        (int(r["id"]) for r in rows if r["kind"] == "rejected"),
+    )
 
 
 def _jobs(rows: list[dict[str, Any]]) -> list[Job]:
@@ -102,16 +111,17 @@ class WorkerQueries(Statements):
             if keys:
                 self._flushed()
 
-    def commit_many(self, results: Sequence[Finished]) -> set[int]:
+    def commit_many(self, results: Sequence[Finished]) -> Committed:
         """Commit several attempts in one durable statement, each fenced on its own
-        token, with its variants and analysis. Returns the ids that committed; every other
-        one lost its lease (and got a `lease_lost` event)."""
+        token, with its variants and analysis. Returns the ids that committed (and the
+        re-derivations refused: `Committed.rejected`); every other one lost its lease
+        (and got a `lease_lost` event)."""
         if not results:
-            return set()
+            return Committed()
         jobs = json.dumps([_commit_row(f) for f in results])
         with self._lock:
-            # Each row commits or records its `lease_lost`: the statement always writes.
-            committed = {int(r["id"]) for r in self._all("commit", {"jobs": jobs})}
+            # Each row commits or records its outcome: the statement always writes.
+            committed = _committed(self._all("commit", {"jobs": jobs}))
             self._flushed()
         return committed
 
@@ -124,7 +134,7 @@ class WorkerQueries(Statements):
         max_attempts: int,
         host: str | None = None,
         tenant_cap: int = 0,
-    ) -> tuple[set[int], list[Job]]:
+    ) -> tuple[Committed, list[Job]]:
         """`commit_many` and `claim_many` in one durable statement (one round trip, one
         transaction): the ids that committed, and the newly claimed jobs in claim order.
         Every fence is the same as in the two separate calls."""
@@ -134,8 +144,7 @@ class WorkerQueries(Statements):
             rows = self._all("commit_and_claim", params)
             if results or rows:  # it wrote, and (durable) waited for its flush
                 self._flushed()
-        committed = {int(r["id"]) for r in rows if r["kind"] == "committed"}
-        return committed, _jobs([r for r in rows if r["kind"] == "claimed"])
+        return _committed(rows), _jobs([r for r in rows if r["kind"] == "claimed"])
 
     def fail(
         self,

@@ -17,9 +17,9 @@ from PIL import Image, ImageDraw
 
 from derivd import client
 from derivd.config import Config, DatabaseSettings, StorageSettings
-from derivd.embedded.gallery import Sample, write_gallery
 from derivd.embedded.runtime import database
 from derivd.ops.enqueue import upload_and_queue
+from derivd.ops.gallery import Sample, write_gallery
 from derivd.processes.daemon import run_daemon
 from derivd.queue.db import QueueDB
 from derivd.storage.base import open_storage
