@@ -47,8 +47,12 @@ class OnStop(StrEnum):
     DRAIN = "drain"  # let it finish (its derive cannot be interrupted; its PUTs are out)
 
 
-def on_stop(stage: Stage) -> OnStop:
-    """What a graceful stop does to a job at `stage`: a job not yet being derived goes back
-    at once; one being derived or stored finishes within shutdown_grace (past it the
-    supervisor kills the worker and releases what is left, fenced)."""
-    return OnStop.RELEASE if stage is Stage.FETCHING else OnStop.DRAIN
+def on_stop(stage: Stage, *, prefetched: bool) -> OnStop:
+    """What a graceful stop does to a job at `stage`. `prefetched`: it was claimed while
+    another job was in the pipeline (a one-job worker would not hold it yet). Such a job
+    goes back at once unless its derive has begun; every other job finishes within
+    shutdown_grace, as a one-job worker's job does (past it the supervisor kills the
+    worker and releases what is left, fenced)."""
+    if stage is Stage.FETCHING and prefetched:
+        return OnStop.RELEASE
+    return OnStop.DRAIN

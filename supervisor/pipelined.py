@@ -53,6 +53,7 @@ class InFlight:
     job: Job
     started: float  # monotonic, when its claim was sent: its deadline counts from here
     original: Future[bytes]
+    prefetched: bool = False  # claimed while other jobs were in the pipeline
     stage: Stage = Stage.FETCHING
     store: Future[None] | None = field(default=None, repr=False)
 
@@ -88,7 +89,9 @@ class PipelinedRun:
     def _loop(self, should_stop: Callable[[], bool], idle: IdleWait, *, burst: bool) -> str:
         while True:
             if should_stop():
-                return "stopped"
+                self._stop()  # no more claims; what is not derived yet is `_derive`'s
+            if self.stopping and self._next_to_derive() is None:
+                return "stopped"  # the stores drain on the way out (`run`)
             if self.max_jobs and self.worker.jobs_done >= self.max_jobs and not self._held():
                 return "max_jobs"
             try:
@@ -150,7 +153,9 @@ class PipelinedRun:
                 self.worker.hooks.job_started(job)
         entries = [InFlight(j, sent, self.worker.io.submit(self.worker.fetch, j)) for j in jobs]
         with self.cond:
-            self.jobs.extend(entries)
+            for entry in entries:
+                entry.prefetched = bool(self.jobs)
+                self.jobs.append(entry)
             self.claiming -= reserved
             self.cond.notify_all()
 
@@ -169,7 +174,7 @@ class PipelinedRun:
         if should_stop():
             self._stop()
         with self.cond:
-            if self.stopping and on_stop(entry.stage) is OnStop.RELEASE:
+            if self.stopping and self._on_stop(entry) is OnStop.RELEASE:
                 release = True
             else:
                 release = False
@@ -208,15 +213,20 @@ class PipelinedRun:
                 if self.cond.wait(min(STOP_POLL_S, left)):
                     return
 
+    @staticmethod
+    def _on_stop(entry: InFlight) -> OnStop:
+        return on_stop(entry.stage, prefetched=entry.prefetched)
+
     def _stop(self) -> None:
         with self.cond:
             self.stopping = True
 
     def _drain(self) -> None:
-        """On the way out: release what waits for a derive, let the stores end."""
+        """On the way out (the loop derived what a stop drains): release what waits for
+        a derive still, let the stores end."""
         while True:
             with self.cond:
-                waiting = [j for j in self.jobs if on_stop(j.stage) is OnStop.RELEASE]
+                waiting = [j for j in self.jobs if j.stage is Stage.FETCHING]
                 storing = [j for j in self.jobs if j.store is not None]
             if not waiting and not storing:
                 return

@@ -44,9 +44,12 @@ def test_depth_one_claims_only_when_empty() -> None:
         assert claim_room([stage], depth=1, claiming=0, stopping=False) == 0
 
 
-def test_a_stop_releases_what_waits_and_drains_what_runs() -> None:
-    assert on_stop(F) is OnStop.RELEASE
-    assert on_stop(D) is OnStop.DRAIN and on_stop(S) is OnStop.DRAIN
+def test_a_stop_releases_what_was_claimed_ahead_and_drains_what_runs() -> None:
+    assert on_stop(F, prefetched=True) is OnStop.RELEASE
+    assert on_stop(F, prefetched=False) is OnStop.DRAIN  # a one-job worker's own job
+    for stage in (D, S):
+        for prefetched in (True, False):
+            assert on_stop(stage, prefetched=prefetched) is OnStop.DRAIN
 
 
 def job(file_id: int) -> Job:
