@@ -144,7 +144,7 @@ def test_status_lists_live_and_stale_hosts_and_a_clean_stop_deregisters(fleet: F
     assert hosts["host-a"]["pid"] == a.pid and hosts["host-b"]["pid"] == b.pid
     assert all(h["alive"] and h["workers"] == 1 for h in hosts.values())
     assert set(hosts["host-a"]) >= {"host", "pid", "alive", "workers", "busy", "heartbeat_age_s"}
-    assert hosts["host-a"]["connections"] == 4  # 1 worker + supervisor + sweep + listen
+    assert hosts["host-a"]["connections"] == 5  # 1 worker + supervisor (2) + sweep + listen
     b.proc.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
     stale = wait_for(b_stale, "host-b stale (3 heartbeats missed)")
     assert float(stale["heartbeat_age_s"]) >= 1.5  # type: ignore[arg-type]

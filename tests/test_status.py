@@ -227,10 +227,10 @@ def test_each_host_shows_its_connection_budget() -> None:
         "backend": "vips",
         "started_at": datetime(2026, 12, 1, tzinfo=UTC),
     }
-    assert host_json(row)["connections"] == 11  # 8 workers + supervisor + sweep + listen
+    assert host_json(row)["connections"] == 12  # 8 workers + supervisor (2) + sweep + listen
     table = "\n".join(_host_lines([row]))
     assert "conns" in table
-    assert table.splitlines()[2].split()[-1] == "11"
+    assert table.splitlines()[2].split()[-1] == "12"
 
 
 @pytest.mark.pooler

@@ -60,6 +60,7 @@ def render(snapshot: Snapshot) -> str:
             _status_rows(report),
             _rejections(report),
             _backfill(report),
+            _webhooks(report),
             "</div>",
             _problems(snapshot),
         ]
@@ -234,6 +235,32 @@ def _backfill(report: Report) -> str:
     return (
         f'<section id="backfill" data-state="{esc(b.state)}"><h2>Backfill</h2>'
         f"<p>{esc(b.line())}</p></section>"
+    )
+
+
+def _webhooks(report: Report) -> str:
+    """Per endpoint: backlog, oldest undelivered, delivered / failed in the window, failed
+    rows kept, the circuit and the last error (none of it secret)."""
+    if not report.webhooks:
+        return ""
+    rows = "".join(
+        f'<tr data-endpoint="{esc(w["name"])}"><td>{esc(w["name"])}</td>'
+        f'<td class="num backlog" data-value="{w["backlog"]}">{w["backlog"]}</td>'
+        f'<td class="num oldest">{esc(duration(w["oldest_undelivered_age_s"]))}</td>'
+        f'<td class="num delivered" data-value="{w["delivered_recent"]}">'
+        f"{w['delivered_recent']}</td>"
+        f'<td class="num failed" data-value="{w["failed_recent"]}">{w["failed_recent"]}</td>'
+        f'<td class="num kept" data-value="{w["failed_kept"]}">{w["failed_kept"]}</td>'
+        f'<td class="state {"bad" if w["paused"] else "ok"}">'
+        f"{'paused' if w['paused'] else 'closed'}</td>"
+        f'<td class="last-error">{esc(w["last_error"] or "-")}</td></tr>'
+        for w in report.webhooks
+    )
+    return (
+        f'<section id="webhooks"><h2>Webhooks (last {esc(duration(report.window_s))})</h2>'
+        "<table><tr><th>endpoint</th><th>backlog</th><th>oldest</th><th>delivered</th>"
+        "<th>failed</th><th>kept</th><th>circuit</th><th>last error</th></tr>"
+        f"{rows}</table></section>"
     )
 
 

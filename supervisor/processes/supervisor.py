@@ -3,9 +3,9 @@
 The parent never imports pyvips and never holds a storage client: children build their
 own after fork (`derivd.processes.child`). Its background duties (heartbeat, exhausted
 rows, stats, event partitions, LISTEN, the sweep) are `derivd.processes.duties` and
-`derivd.processes.sweep_child`, and its database work runs on `derivd.processes.dbthread`;
-what a worker's exit means is `derivd.processes.lifecycle`; the pipes are
-`derivd.processes.pipe`.
+`derivd.processes.sweep_child`, and its database work runs on `derivd.processes.dbthread`
+(two lanes: leases, maintenance); what a worker's exit means is
+`derivd.processes.lifecycle`; the pipes are `derivd.processes.pipe`.
 
 Signal handlers only queue the signal and write to a wake-up pipe; the main loop
 (`run`) dispatches: SIGTERM/SIGINT stop gracefully (a second one escalates), SIGHUP
@@ -57,6 +57,7 @@ from derivd.processes.lifecycle import (
 from derivd.processes.pipe import WorkerProc
 from derivd.processes.reasons import DeadlineAction, KillReason
 from derivd.processes.sweep_child import SweepChild
+from derivd.processes.webhook_child import WebhookChild, WebhookStats, WebhookSync
 from derivd.queue.db import Job, QueueListener
 
 log = logging.getLogger("derivd.supervisor")
@@ -69,6 +70,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Seconds the last database work (releases, deregistering) gets after a --burst run or a
 # halt; a SIGTERM stop gives it what is left of shutdown_grace + kill_grace instead.
 DB_CLOSE_WAIT = 2.0
+
+
+# How a worker is forked: WorkerProc.spawn(slot, generation, start).
+Spawner = Callable[[int, int, Callable[[int, int, int, tuple[int, ...]], None]], WorkerProc]
 
 
 @dataclass
@@ -88,7 +93,15 @@ class Supervisor:
         burst: bool = False,
         metrics: Metrics | None = None,
         reload: Callable[[], Config],
+        db_thread: DatabaseThread | None = None,
+        spawn: Spawner = WorkerProc.spawn,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`db_thread`, `spawn` and `clock` are the seams the decisions are tested through
+        (tests/test_supervisor_fakes.py): where the database work goes, how a worker is
+        forked, what time it is (monotonic)."""
+        self.clock = clock
+        self.spawn = spawn
         self.config = config
         self.dsn = dsn
         self.burst = burst
@@ -107,12 +120,18 @@ class Supervisor:
         self.watchdog = watchdog_interval()
         self.watchdog_at = 0.0
         self.title = ""
-        self.db_thread = DatabaseThread(dsn, wake=self.signals.wake)
+        # Two database lanes: the leases (heartbeat, renewal, attempts the supervisor
+        # ends) never queue behind a slow maintenance round (stats, partitions, rejections).
+        # An injected thread (the fakes' tests) serves both.
+        wake = self.signals.wake
+        self.lease_thread = db_thread or DatabaseThread(dsn, wake=wake, lane="lease")
+        self.db_thread = db_thread or DatabaseThread(dsn, wake=wake, lane="maintenance")
+        self.lanes = list(dict.fromkeys((self.lease_thread, self.db_thread)))
         self.db_thread.on_notify = self.on_notify
-        self.books = Bookkeeping(self.db_thread, self.metrics)
+        self.books = Bookkeeping(self.lease_thread, self.metrics)
         current = lambda: self.config  # noqa: E731  (duties follow a reload)
         self.duties: list[Duty[Any]] = [
-            Heartbeat(current, self.db_thread, self.metrics, self.workers.values, self.on_lost),
+            Heartbeat(current, self.lease_thread, self.metrics, self.workers.values, self.on_lost),
             ExhaustedRejection(current, self.db_thread),
             FleetStats(current, self.db_thread, self.metrics),
             EventPartitions(current, self.db_thread),
@@ -121,6 +140,10 @@ class Supervisor:
             listener = QueueListener(config.database.listen_dsn or dsn)
             self.duties.append(Listening(current, self.db_thread, listener, self.on_listening))
             self.duties.append(SweepChild(current, dsn, self._parent_fds, self._give_back_sweep))
+        # Webhooks: the endpoints the outbox subscribes, and the child that POSTs.
+        self.webhook_sync = WebhookSync(current, self.db_thread)
+        self.duties += [self.webhook_sync, WebhookStats(current, self.db_thread, self.metrics)]
+        self.webhooks = WebhookChild(current, dsn, self._parent_fds)
         self.status_at = 0.0
 
     # -- signals -----------------------------------------------------------------------
@@ -137,14 +160,14 @@ class Supervisor:
             grace = self.config.supervisor.shutdown_grace
             event(log, "stopping", signal=name, grace_s=grace, busy=self.busy_count())
             sd_notify("STOPPING=1\nSTATUS=stopping: finishing running jobs")
-            self.stop_deadline = time.monotonic() + grace
+            self.stop_deadline = self.clock() + grace
             for worker in self.workers.values():
                 worker.ask_stop()
             for duty in self.duties:
                 duty.stopping()
         else:
             event(log, "stopping now", logging.WARNING, signal=name, busy=self.busy_count())
-            self.stop_deadline = time.monotonic()
+            self.stop_deadline = self.clock()
 
     def handle_hup(self) -> None:
         if self.stop_deadline is not None:
@@ -161,6 +184,8 @@ class Supervisor:
         self.config = new
         self.generation += 1
         self.notified_ready = False
+        self.webhook_sync.now()
+        self.webhooks.reload()
         event(log, "reloading", generation=self.generation, workers=new.worker_count)
 
     # -- the fleet ---------------------------------------------------------------------
@@ -182,7 +207,7 @@ class Supervisor:
             )
             run_child(spec)  # never returns
 
-        worker = WorkerProc.spawn(slot, self.generation, start)
+        worker = self.spawn(slot, self.generation, start)
         worker.depth = self.config.pipeline_depth
         self.workers[worker.pid] = worker
         event(log, "worker spawned", logging.DEBUG, slot=slot, pid=worker.pid)
@@ -191,7 +216,7 @@ class Supervisor:
         """Descriptors a forked child must close: the other children's pipes, the wake-up
         pipe, the LISTEN connection and the metrics socket are the parent's alone."""
         fds = [fd for w in self.workers.values() for fd in w.fds()]
-        fds += [*self.signals.fds(), *self.db_thread.fds()]
+        fds += [*self.signals.fds(), *(fd for lane in self.lanes for fd in lane.fds())]
         metrics_fd = self.metrics.fileno()
         if metrics_fd is not None:
             fds.append(metrics_fd)
@@ -201,7 +226,9 @@ class Supervisor:
         """Fork what is missing in the current generation (respecting slot backoff)."""
         if self.stop_deadline is not None or self.outcome is not None:
             return
-        now = time.monotonic()
+        if self.config.webhooks and not self.webhook_sync.settled:
+            return  # the first commits must find this configuration's endpoints
+        now = self.clock()
         current = {w.slot for w in self.workers.values() if w.generation == self.generation}
         for slot_no in range(1, self.config.worker_count + 1):
             slot = self.slots.setdefault(slot_no, Slot())
@@ -261,7 +288,7 @@ class Supervisor:
         finished = worker.apply(message)
         if kind == "ready":
             self.ready_generations.add(worker.generation)
-            boot_s = time.monotonic() - worker.spawned_at
+            boot_s = self.clock() - worker.spawned_at
             event(log, "worker ready", slot=worker.slot, pid=worker.pid, boot_s=boot_s,
                   boot_cpu_s=message.get("cpu_s", "-"))  # fmt: skip
             self.on_generation_ready(worker.generation)
@@ -299,10 +326,14 @@ class Supervisor:
             except ChildProcessError:
                 done, status = pid, 0
             if done:
-                worker = self.workers.pop(pid)
-                self.read_status(worker)  # what it wrote just before dying
-                worker.close()
-                self.on_worker_exit(worker, status)
+                self.worker_exited(pid, status)
+
+    def worker_exited(self, pid: int, status: int) -> None:
+        """The child `pid` ended with wait status `status`."""
+        worker = self.workers.pop(pid)
+        self.read_status(worker)  # what it wrote just before dying
+        worker.close()
+        self.on_worker_exit(worker, status)
 
     def on_worker_exit(self, worker: WorkerProc, status: int) -> None:
         slot = self.slots.setdefault(worker.slot, Slot())
@@ -351,7 +382,7 @@ class Supervisor:
             sd_notify(f"READY=1\nSTATUS={self.status_line()}")
         elif action is BootFailure.RETRY:
             log.warning("worker %s could not start: %s", worker.slot, text)
-            back_off(self.slots.setdefault(worker.slot, Slot()), time.monotonic())
+            back_off(self.slots.setdefault(worker.slot, Slot()), self.clock())
         elif self.outcome is None:
             self.halt(RunResult(1, f"worker could not start: {text}"))
 
@@ -413,7 +444,7 @@ class Supervisor:
         for job in returns.released:
             self.release_job(worker, job)
         self.metrics.worker_restarted("crash")
-        now = time.monotonic()
+        now = self.clock()
         back_off(slot, now, lived_s=now - worker.spawned_at)
 
     def halt(self, outcome: RunResult) -> None:
@@ -425,7 +456,7 @@ class Supervisor:
     # -- deadlines ---------------------------------------------------------------------
 
     def enforce_deadlines(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         sup = self.config.supervisor
         for worker in self.workers.values():
             if worker.held:
@@ -443,7 +474,7 @@ class Supervisor:
                     worker.kill(KillReason.SHUTDOWN, 0)
 
     def next_wakeup(self) -> float:
-        now = time.monotonic()
+        now = self.clock()
         times = [now + LOOP_MAX_SLEEP]
         if self.outcome is None:  # halting: no more duties, only reaping
             times += [duty.next_round for duty in self.duties]
@@ -464,7 +495,7 @@ class Supervisor:
     def housekeeping(self) -> None:
         """What the loop does besides its workers: gauges, the watchdog, the duties that
         are due (the sweep among them), the systemd status line."""
-        now = time.monotonic()
+        now = self.clock()
         busy = self.busy_count()
         self.metrics.set_workers(alive=sum(w.ready for w in self.workers.values()), busy=busy)
         if self.watchdog and now >= self.watchdog_at:
@@ -474,6 +505,10 @@ class Supervisor:
             return
         for duty in self.duties:
             duty.tick(now)
+        if self.burst or self.stop_deadline is not None:
+            self.webhooks.reap()
+        else:
+            self.webhooks.tick(now)
         if now >= self.status_at:
             self.status_at = now + self.config.metrics.interval
             sd_notify(f"STATUS={self.status_line()}")
@@ -499,7 +534,8 @@ class Supervisor:
                 self.signals.drain()
             else:
                 self.read_status(by_fd[fd])
-        self.db_thread.poll()  # last: the workers' own news is read first
+        for lane in self.lanes:  # last: the workers' own news is read first
+            lane.poll()
 
     def finished(self) -> bool:
         if self.workers:
@@ -520,11 +556,14 @@ class Supervisor:
             backend=self.config.derive.backend,
             burst=self.burst,
         )
-        self.db_thread.start()
+        for lane in self.lanes:
+            lane.start()
         host = self.books.register(self.config)
-        now = time.monotonic()
+        now = self.clock()
         for duty in self.duties:
             duty.start(now)
+        if not self.burst:
+            self.webhooks.start(now)
         try:
             while True:
                 self.handle_signals()
@@ -543,9 +582,15 @@ class Supervisor:
             self.signals.restore()
             for duty in self.duties:
                 duty.stop()
+            self.webhooks.stop()
             if self.outcome is None:  # a clean stop: leave the registry
                 self.books.deregister(host)
-            self.db_thread.close(self._close_timeout())
+            # Both lanes finish their queues at once, within the one close timeout.
+            ends_at = self.clock() + self._close_timeout()
+            for lane in self.lanes:
+                lane.stop_soon()
+            for lane in self.lanes:
+                lane.close(max(0.0, ends_at - self.clock()))
         outcome = self.outcome or RunResult(0)
         event(log, "supervisor stopped", code=outcome.code)
         return outcome
@@ -553,7 +598,7 @@ class Supervisor:
     def _close_timeout(self) -> float:
         if self.stop_deadline is None:
             return DB_CLOSE_WAIT
-        left = self.stop_deadline + self.config.supervisor.kill_grace - time.monotonic()
+        left = self.stop_deadline + self.config.supervisor.kill_grace - self.clock()
         return max(0.1, left)
 
     def _title(self) -> str:
