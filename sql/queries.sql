@@ -42,12 +42,26 @@ SELECT s AS signature
 
 -- name: enqueue
 -- Queue confirmed originals (key and version already stored), all at one priority and
--- tenant (NULL: none). Returns the new ids in order.
+-- tenant (NULL: none). Returns the new ids in order. Their write-ahead entries (what
+-- `derivd enqueue` registered before the PUTs: enqueue_write_ahead) go in the same
+-- statement: an original is either queued or still in the orphan registry, never neither.
+WITH confirmed AS (
+    DELETE FROM pending_objects WHERE key = ANY(%(keys)s::text[])
+)
 INSERT INTO archive_files (status, original_key, original_version, priority, tenant)
 SELECT 'queued', k, v, %(priority)s, %(tenant)s
   FROM unnest(%(keys)s::text[], %(versions)s::text[]) WITH ORDINALITY AS t(k, v, n)
  ORDER BY n
 RETURNING id;
+
+-- name: enqueue_write_ahead
+-- Originals about to be uploaded (`derivd enqueue`), registered before their PUTs as a
+-- worker registers its variants: an upload interrupted before its rows are inserted
+-- leaves them to the orphan sweep (after [sweep] orphan_guard; `token` is no lease, so
+-- nothing keeps them). file_id 0: no file yet. `enqueue` clears them.
+INSERT INTO pending_objects (key, file_id, lease_token)
+SELECT k, 0, %(token)s FROM unnest(%(keys)s::text[]) AS k
+ON CONFLICT (key) DO NOTHING;
 
 -- name: listen
 -- Listen on `{channel}`: derivd.queue.db's QUEUED_CHANNEL (the supervisor's wake-up: the

@@ -237,6 +237,13 @@ class SupervisorSettings:
         "seconds running jobs get to finish on SIGTERM before they are released",
         check=non_negative(DAY),
     )
+    pipeline: int = setting(
+        2,
+        "jobs a worker holds at once, each at its own stage: the next original is fetched "
+        "and derived while the previous job's variants are stored and committed; 1: one job "
+        "at a time (also what a worker does with [queue] claim_batch above 1)",
+        check=in_range(1, 4),
+    )
     max_jobs_per_worker: int = setting(
         1000,
         "recycle a worker after this many jobs (with jitter); 0: never",
@@ -554,6 +561,13 @@ class Config:
     @property
     def worker_count(self) -> int:
         return self.supervisor.workers or os.cpu_count() or 1
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Jobs one worker holds at once: `[supervisor] pipeline`, or 1 with claim_batch
+        above 1 (a batch of short jobs already shares its round trips; a pipeline would
+        only hold its rows longer)."""
+        return 1 if self.queue.claim_batch > 1 else self.supervisor.pipeline
 
     def derive_spec(self) -> DeriveSpec:
         """`[derive]` with every listed variant, sections included (validated at load)."""

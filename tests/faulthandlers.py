@@ -6,6 +6,7 @@ The original's bytes are the script, so one supervisor runs jobs with different 
     sleep 2.5            sleep, then succeed
     hang                 never return (only the supervisor's deadline ends it)
     hang-once PATH       hang if PATH does not exist yet (creating it); else succeed
+    gate PATH            create PATH.started, wait until PATH exists, then succeed
     exit 7               end the worker process with status 7
     kill                 SIGKILL the worker process itself
     alloc 200            keep 200 MiB resident (touched, so RSS counts it), then succeed
@@ -56,6 +57,10 @@ class Script:
             if not marker.exists():
                 marker.touch()
                 threading.Event().wait()
+        elif verb == "gate":
+            Path(arg + ".started").touch()
+            while not Path(arg).exists():  # the test opens the gate with a file
+                time.sleep(0.01)
         elif verb == "exit":
             os._exit(int(arg))
         elif verb == "kill":

@@ -401,6 +401,7 @@ def test_memory_recycle(supervisor: Callable[..., Supervisor]) -> None:
     wait_for(
         lambda: "worker recycled" in sup.log() and "reason=rss" in sup.log(),
         "the recycle to be logged with its reason",
+        detail=sup.log,
     )
     [small] = sup.enqueue("ok")
     wait_for(lambda: sup.status_is(small, "ready"), "the fresh worker to work")

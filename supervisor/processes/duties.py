@@ -155,13 +155,16 @@ def lost_tokens(sent: Iterable[Job], valid: set[int]) -> set[uuid.UUID]:
 
 
 def to_kill(workers: Iterable[WorkerProc], lost: set[uuid.UUID]) -> list[WorkerProc]:
-    """Workers whose running job lost its lease and that are not being killed already.
-    A lost job that has not started yet is left alone: the worker would start it and
-    fail its commit, and the next heartbeat finds it running."""
+    """Workers with a job in flight whose lease is lost and that are not being killed
+    already. A lost job that has not started yet is left alone: the worker would start
+    it and fail its commit, and the next heartbeat finds it running. A pipelined worker
+    is killed for any of its jobs in flight (a derive cannot be interrupted otherwise);
+    the supervisor releases the others it held, fenced, without burning their attempts
+    (derivd.processes.lifecycle.to_release)."""
     found = []
     for worker in workers:
-        running = worker.running()
-        if running is not None and running[0].token in lost and worker.kill_reason is None:
+        flying = {job.token for job, _ in worker.in_flight()}
+        if flying & lost and worker.kill_reason is None:
             found.append(worker)
     return found
 

@@ -52,6 +52,7 @@ from derivd.processes.lifecycle import (
     exit_text,
     next_deadline,
     on_boot_failure,
+    overdue,
     to_release,
 )
 from derivd.processes.pipe import WorkerProc
@@ -216,6 +217,7 @@ class Supervisor:
             run_child(spec)  # never returns
 
         worker = self.spawn(slot, self.generation, start)
+        worker.depth = self.config.pipeline_depth
         self.workers[worker.pid] = worker
         event(log, "worker spawned", logging.DEBUG, slot=slot, pid=worker.pid)
 
@@ -366,7 +368,7 @@ class Supervisor:
                 self.metrics.worker_restarted("reload")
         else:
             self.on_crash(worker, slot, how)
-        for job in to_release(worker):
+        for job in to_release(worker, kind):
             self.release_job(worker, job)
 
     def on_boot_error(self, worker: WorkerProc, text: str) -> None:
@@ -394,28 +396,31 @@ class Supervisor:
             self.halt(RunResult(1, f"worker could not start: {text}"))
 
     def on_timeout(self, worker: WorkerProc) -> None:
-        running = worker.running()
+        """Fail each job whose deadline killed the worker (to_release has the rest)."""
         self.metrics.worker_restarted("timeout")
-        if running is None:
-            return  # it finished within the grace after all (to_release has the rest)
-        worker.held.pop(running[0].id, None)
-        self.metrics.job_timed_out()
-        self.books.fail_timed_out(running[0], self.config, worker.slot)
+        for job in self._still_held(worker, worker.timed_out):  # none: done within the grace
+            worker.held.pop(job.id, None)
+            self.metrics.job_timed_out()
+            self.books.fail_timed_out(job, self.config, worker.slot)
 
     def on_lease_lost(self, worker: WorkerProc) -> None:
-        """The heartbeat found the running job's lease gone (reclaimed, deleted,
+        """The heartbeat found the lease of a job in flight gone (reclaimed, deleted,
         rejected): it was killed; record that. No backoff: the worker did nothing wrong."""
         self.metrics.worker_restarted("lease_lost")
-        running = worker.running()
-        if running is not None:  # else it finished (and reported) within the grace
-            worker.held.pop(running[0].id, None)
-            self.books.lease_lost(running[0], worker.slot)
+        for job in self._still_held(worker, worker.lost):  # none: reported within the grace
+            worker.held.pop(job.id, None)
+            self.books.lease_lost(job, worker.slot)
+
+    @staticmethod
+    def _still_held(worker: WorkerProc, tokens: set[uuid.UUID]) -> list[Job]:
+        return [job for job in worker.held.values() if job.token in tokens]
 
     def on_lost(self, lost: set[uuid.UUID]) -> None:
-        """The heartbeat's answer: kill every worker whose running job the database no
-        longer leases to us (reclaimed, deleted, rejected by an operator)."""
+        """The heartbeat's answer: kill every worker with a job in flight that the
+        database no longer leases to us (reclaimed, deleted, rejected by an operator)."""
         self.read_all()  # a job that finished (and committed) since is not lost
         for worker in to_kill(self.workers.values(), lost):
+            worker.lost = {job.token for job, _ in worker.in_flight()} & lost
             worker.kill(KillReason.LEASE_LOST, self.config.supervisor.kill_grace)
 
     def release(self, worker: WorkerProc) -> None:
@@ -469,6 +474,8 @@ class Supervisor:
             if action is DeadlineAction.KILL:
                 worker.signal_group(signal.SIGKILL)
             elif action is DeadlineAction.TIMEOUT:
+                late = overdue(worker, now, job_timeout=sup.job_timeout)
+                worker.timed_out = {job.token for job in late}
                 worker.kill(KillReason.TIMEOUT, sup.kill_grace)
         if self.stop_deadline is not None and now >= self.stop_deadline:
             for worker in self.workers.values():

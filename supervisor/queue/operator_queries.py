@@ -3,6 +3,7 @@ row, variants and events."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,12 @@ class OperatorQueries(Statements):
             "tenant": tenant,
         }
         return [r["id"] for r in self._all("enqueue", params)]
+
+    def enqueue_write_ahead(self, keys: Sequence[str], token: uuid.UUID) -> None:
+        """Register originals about to be uploaded (under `token`, never a lease) for the
+        orphan sweep; `enqueue` of those keys clears them."""
+        params = {"keys": [validate_key(key) for key in keys], "token": token}
+        self._all("enqueue_write_ahead", params)
 
     def request_delete(self, ids: Sequence[int], *, actor: str) -> list[int]:
         return [r["id"] for r in self._all("request_delete", {"ids": list(ids), "actor": actor})]
