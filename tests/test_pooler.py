@@ -148,7 +148,11 @@ def test_two_supervisors_through_the_pooler_finish_every_row_once(
             {
                 "database": {"dsn": pooled, "listen_dsn": dsn},
                 "storage": {"backend": "fs", "root": tmp_path / "objects"},
-                "supervisor": {"workers": 2, "state_dir": tmp_path / f"state{n}"},
+                "supervisor": {
+                    "workers": 2,
+                    "state_dir": tmp_path / f"state{n}",
+                    "host_id": f"pooled-{n}",
+                },  # one live run per name
                 "derive": {"backend": "noop"},
             },
         )
