@@ -9,6 +9,7 @@ machine-readable outputs (bench/out/*.json), and the charts section of RESULTS.m
     sharp.json       (bench/sharp.py)        -> chart-sharp.png: derivd whole vs sharp
     similar.json     (bench/similar.py)      -> chart-similar.png: client.similar vs rows
     traffic.json     (bench/traffic.py)      -> chart-traffic.png: priorities, tenants
+    bounds.json      (bench/bounds.py)       -> chart-bounds.png: bounds' and fsyncs' cost
 
 A chart whose input is absent is skipped (and said so); the others are still drawn.
 matplotlib comes with the `bench` extra (`pip install -e '.[bench]'`), never with
@@ -228,6 +229,26 @@ def traffic(data: Data) -> tuple[Figure, str]:
     return fig, "Priorities, tenants and the claim at scale (bench/traffic.py)"
 
 
+def bounds(data: Data) -> tuple[Figure, str]:
+    """Issue 27's hot-path costs: a statement's client-side bound by mechanism, and an
+    fs PUT with and without the directory fsyncs."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2))
+    arms = list(data["claims"])
+    cpu = [data["claims"][a]["bound_cpu_us"] for a in arms]
+    left.bar(arms, cpu, color="#4a7bd0")
+    left.set_ylabel("client CPU us per statement")
+    left.set_title("the bound alone")
+    kinds = list(data["puts"])
+    right.bar(kinds, [data["puts"][k]["ms"] for k in kinds], color="#d9822b")
+    right.set_ylabel("ms per 4 KiB PUT")
+    right.set_title("fs store PUT")
+    for ax, values in ((left, cpu), (right, [data["puts"][k]["ms"] for k in kinds])):
+        ax.grid(axis="y", alpha=0.3)
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
+    return fig, "Client-side bounds and fs directory fsyncs (bench/bounds.py)"
+
+
 CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "throughput": throughput,
     "latency": latency,
@@ -237,6 +258,7 @@ CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "sharp": sharp,
     "similar": similar,
     "traffic": traffic,
+    "bounds": bounds,
 }
 
 
