@@ -309,6 +309,89 @@ BEGIN
     END LOOP;
 END $$;
 
+-- The claim's queued rows under [queue] max_in_flight_per_tenant = tenant_cap: up to
+-- `wanted` due rows in claim order (by priority DESC, fair_rank, id; `oldest`: by
+-- available_at, id), none of a tenant that has tenant_cap rows in flight counting this
+-- call's own. Rows without a tenant are never capped. Each row comes back locked.
+--
+-- It finds a claimable row whenever one exists below the cap: the tenants at their cap
+-- are read first from the `processing` rows (as many as the fleet holds in flight) and
+-- the ordered scan skips exactly their rows, however many there are; a tenant met on the
+-- way is then counted again under its lock, and one found at its cap joins them. How
+-- far it looks: to the first due row of a tenant below the cap (past the queued rows of
+-- tenants at the cap ahead of it, and no further). docs/traffic.md says why.
+--
+-- Each tenant's count is taken under a transaction-scoped advisory lock (held to the end
+-- of the claim's transaction, so two claims of one tenant count each other's rows; it
+-- holds through a transaction pooler). The lock is tried, never waited for: two claims
+-- meeting two tenants in different orders (a ranked claim and an oldest-first turn)
+-- would otherwise deadlock, rolling back the commit that shares their transaction. A
+-- tenant whose lock another claim holds is that claim's to count: skipped here.
+CREATE OR REPLACE FUNCTION derivd_pick_capped(wanted integer, tenant_cap integer,
+                                              oldest boolean)
+RETURNS TABLE (id bigint, since timestamptz, attempts integer)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+DECLARE
+    capped text[];
+    tried bigint[] := '{}';
+    chosen text[] := '{}';
+    c record;
+    busy integer;
+BEGIN
+    SELECT coalesce(array_agg(b.tenant), '{}') INTO capped
+      FROM (SELECT p.tenant
+              FROM archive_files AS p
+             WHERE p.status = 'processing' AND p.tenant IS NOT NULL
+             GROUP BY p.tenant
+            HAVING count(*) >= tenant_cap) AS b;
+    -- Each turn excludes one more row or one more tenant: the loop ends.
+    WHILE cardinality(chosen) < wanted LOOP
+        IF oldest THEN
+            SELECT f.id, f.available_at, f.attempts, f.tenant INTO c
+              FROM archive_files AS f
+             WHERE f.status = 'queued' AND f.available_at <= now()
+               AND (f.tenant IS NULL OR f.tenant <> ALL (capped)) AND f.id <> ALL (tried)
+             ORDER BY f.available_at, f.id
+             LIMIT 1;
+        ELSE
+            SELECT f.id, f.available_at, f.attempts, f.tenant INTO c
+              FROM archive_files AS f
+             WHERE f.status = 'queued' AND f.available_at <= now()
+               AND (f.tenant IS NULL OR f.tenant <> ALL (capped)) AND f.id <> ALL (tried)
+             ORDER BY f.priority DESC, f.fair_rank, f.id
+             LIMIT 1;
+        END IF;
+        EXIT WHEN NOT FOUND;
+        tried := tried || c.id;
+        IF c.tenant IS NOT NULL THEN
+            IF NOT pg_try_advisory_xact_lock(hashtextextended('derivd.tenant:' || c.tenant, 0))
+            THEN
+                capped := capped || c.tenant;
+                CONTINUE;
+            END IF;
+            -- In flight: committed claims (after the lock: each statement sees what
+            -- the claims that held it before committed), plus this call's own.
+            SELECT count(*) INTO busy
+              FROM archive_files AS p
+             WHERE p.status = 'processing' AND p.tenant = c.tenant;
+            IF busy + cardinality(array_positions(chosen, c.tenant)) >= tenant_cap THEN
+                capped := capped || c.tenant;
+                CONTINUE;
+            END IF;
+        END IF;
+        PERFORM 1 FROM archive_files AS q
+         WHERE q.id = c.id AND q.status = 'queued'
+           FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;  -- another claim has it
+        chosen := chosen || c.tenant;
+        id := c.id;
+        since := c.available_at;
+        attempts := c.attempts;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+
 -- The ids that committed (derivd_commit_outcomes without the other outcomes).
 CREATE OR REPLACE FUNCTION derivd_commit(jobs jsonb)
 RETURNS SETOF bigint
@@ -320,15 +403,13 @@ $$;
 -- lease, and the file whose variants it makes (`file_id`: its own id, or rederive_of,
 -- under whose prefix the worker stores them). Its caller decides durability (`claim` in
 -- sql/queries.sql waits for no WAL flush; after a commit it is durable anyway).
--- `tenant_cap`: [queue] max_in_flight_per_tenant (0: none).
+-- `tenant_cap`: [queue] max_in_flight_per_tenant (0: none; derivd_pick_capped).
 --
 -- Claim order: expired leases under the attempt cap (the one statement that knows the
 -- rule); then due queued rows by priority DESC, fair_rank, id; every 20th call
--- (derivd_claim_turns) by available_at, id instead. tenant_cap > 0: the candidates are
--- walked in that order (at most 4 x lim + 16), each tenant checked under a
--- transaction-scoped advisory lock (held to the end of the claim's transaction, so two
--- claims of one tenant count each other's rows; works through a transaction pooler), and
--- a tenant with tenant_cap rows `processing` skipped.
+-- (derivd_claim_turns) by available_at, id instead. A queued row whose attempts are used
+-- up (max_attempts lowered since it was queued) is rejected `attempts_exhausted` when the
+-- claim reaches it, as its expired lease would be: no claim takes a row past the cap.
 CREATE OR REPLACE FUNCTION derivd_claim(lim integer, lease_s float8, max_attempts integer,
                                         host text, tenant_cap integer)
 RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
@@ -342,13 +423,9 @@ DECLARE
     ids bigint[];
     since timestamptz[];
     tiers integer[];
-    cand_ids bigint[];
-    cand_since timestamptz[];
-    cand_tenants text[];
-    full_tenants text[] := '{}';
-    locked_tenants text[] := '{}';
-    chosen_tenants text[] := '{}';
-    busy integer;
+    got_ids bigint[];
+    got_since timestamptz[];
+    got_attempts integer[];
     turn bigint;
     got integer;
 BEGIN
@@ -381,75 +458,58 @@ BEGIN
              ORDER BY f.lease_until
              LIMIT lim
                FOR UPDATE SKIP LOCKED) AS e;
-    wanted := lim - coalesce(cardinality(ids), 0);
-    IF wanted > 0 AND tenant_cap < 1 AND NOT oldest THEN
+    LOOP
+        wanted := lim - coalesce(cardinality(ids), 0);
+        EXIT WHEN wanted < 1;
         -- (One statement per order rather than one with its order switched by a
         -- parameter: each is a plain ordered scan of its partial index.)
-        SELECT ids || array_agg(q.id), since || array_agg(q.available_at),
-               tiers || array_agg(1)
-          INTO ids, since, tiers
-          FROM (SELECT f.id, f.available_at
-                  FROM archive_files AS f
-                 WHERE f.status = 'queued' AND f.available_at <= now()
-                 ORDER BY f.priority DESC, f.fair_rank, f.id
-                 LIMIT wanted
-                   FOR UPDATE SKIP LOCKED) AS q;
-    ELSIF wanted > 0 AND tenant_cap < 1 THEN
-        SELECT ids || array_agg(q.id), since || array_agg(q.available_at),
-               tiers || array_agg(1)
-          INTO ids, since, tiers
-          FROM (SELECT f.id, f.available_at
-                  FROM archive_files AS f
-                 WHERE f.status = 'queued' AND f.available_at <= now()
-                 ORDER BY f.available_at, f.id
-                 LIMIT wanted
-                   FOR UPDATE SKIP LOCKED) AS q;
-    ELSIF wanted > 0 THEN
-        IF oldest THEN
-            SELECT array_agg(c.id), array_agg(c.available_at), array_agg(c.t)
-              INTO cand_ids, cand_since, cand_tenants
-              FROM (SELECT f.id, f.available_at, coalesce(f.tenant, '') AS t
+        IF tenant_cap > 0 THEN
+            SELECT array_agg(p.id), array_agg(p.since), array_agg(p.attempts)
+              INTO got_ids, got_since, got_attempts
+              FROM derivd_pick_capped(wanted, tenant_cap, oldest) AS p;
+        ELSIF oldest THEN
+            SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
+              INTO got_ids, got_since, got_attempts
+              FROM (SELECT f.id, f.available_at, f.attempts
                       FROM archive_files AS f
                      WHERE f.status = 'queued' AND f.available_at <= now()
                      ORDER BY f.available_at, f.id
-                     LIMIT 4 * lim + 16) AS c;
+                     LIMIT wanted
+                       FOR UPDATE SKIP LOCKED) AS q;
         ELSE
-            SELECT array_agg(c.id), array_agg(c.available_at), array_agg(c.t)
-              INTO cand_ids, cand_since, cand_tenants
-              FROM (SELECT f.id, f.available_at, coalesce(f.tenant, '') AS t
+            SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
+              INTO got_ids, got_since, got_attempts
+              FROM (SELECT f.id, f.available_at, f.attempts
                       FROM archive_files AS f
                      WHERE f.status = 'queued' AND f.available_at <= now()
                      ORDER BY f.priority DESC, f.fair_rank, f.id
-                     LIMIT 4 * lim + 16) AS c;
+                     LIMIT wanted
+                       FOR UPDATE SKIP LOCKED) AS q;
         END IF;
-        FOR i IN 1 .. coalesce(array_length(cand_ids, 1), 0) LOOP
-            EXIT WHEN coalesce(array_length(ids, 1), 0) >= lim;
-            CONTINUE WHEN cand_tenants[i] = ANY (full_tenants);
-            IF NOT cand_tenants[i] = ANY (locked_tenants) THEN
-                PERFORM pg_advisory_xact_lock(
-                    hashtextextended('derivd.tenant:' || cand_tenants[i], 0));
-                locked_tenants := locked_tenants || cand_tenants[i];
-            END IF;
-            -- In flight: committed claims (after the lock: each statement sees what
-            -- the claims that held it before committed), plus this call's own.
-            SELECT count(*) INTO busy
-              FROM archive_files AS p
-             WHERE p.status = 'processing' AND coalesce(p.tenant, '') = cand_tenants[i];
-            busy := busy + cardinality(array_positions(chosen_tenants, cand_tenants[i]));
-            IF busy >= tenant_cap THEN
-                full_tenants := full_tenants || cand_tenants[i];
-                CONTINUE;
-            END IF;
-            PERFORM 1 FROM archive_files AS q
-             WHERE q.id = cand_ids[i] AND q.status = 'queued'
-               FOR UPDATE SKIP LOCKED;
-            CONTINUE WHEN NOT FOUND;
-            chosen_tenants := chosen_tenants || cand_tenants[i];
-            ids := ids || cand_ids[i];
-            since := since || cand_since[i];
-            tiers := tiers || 1;
-        END LOOP;
-    END IF;
+        EXIT WHEN got_ids IS NULL;
+        IF derivd_claim.max_attempts > ALL (got_attempts) THEN  -- the usual case
+            ids := ids || got_ids;
+            since := since || got_since;
+            tiers := tiers || array_fill(1, ARRAY[cardinality(got_ids)]);
+            EXIT;  -- all it asked for, or all there was
+        END IF;
+        WITH used_up AS (
+            UPDATE archive_files AS f
+               SET status = 'rejected',
+                   error_code = 'attempts_exhausted',
+                   finished_at = now(),
+                   updated_at = now()
+              FROM unnest(got_ids, got_attempts) AS g(id, n)
+             WHERE f.id = g.id AND g.n >= derivd_claim.max_attempts
+            RETURNING f.id, f.attempts)
+        INSERT INTO archive_events (file_id, kind, attempt, error_code)
+        SELECT u.id, 'exhausted', u.attempts, 'attempts_exhausted' FROM used_up AS u;
+        SELECT ids || array_agg(g.got_id), since || array_agg(g.got_since),
+               tiers || array_agg(1)
+          INTO ids, since, tiers
+          FROM unnest(got_ids, got_since, got_attempts) AS g(got_id, got_since, n)
+         WHERE g.n < derivd_claim.max_attempts;
+    END LOOP;
     IF ids IS NOT NULL THEN
         RETURN QUERY
         UPDATE archive_files AS f

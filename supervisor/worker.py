@@ -307,15 +307,26 @@ class Worker:
             committed, jobs = self.queue.commit_and_claim(
                 [d.finished for d in pending], limit=limit, **self._claim_terms()
             )
-        except DatabaseUnavailable:
-            for d in pending:
-                self._finish(d.job, "unknown", None, d.duration_s)
-            raise
+        except DatabaseUnavailable as error:
+            self._commit_again(pending, error)
+            return
         self._record_commits(pending, committed)
         self.flush()  # outcomes first: the supervisor then learns of the rows now held
         if jobs:
             self.hooks.jobs_claimed(jobs)
         self._prefetched = (jobs, sent)
+
+    def _commit_again(self, pending: list[_Derived], error: DatabaseUnavailable) -> None:
+        """A commit-and-claim that failed (a deadlock, a dropped connection, a restart)
+        took its commits with it, or committed without an answer. The fenced commit
+        alone is safe to send again (a row commits once, under its token), so it is sent
+        once more before any attempt is called unknown: a success is not left to wait out
+        its lease, derived again, or rejected `attempts_exhausted` after its last attempt.
+        The claim waits for the next batch. Raises DatabaseUnavailable (the attempts
+        then unknown) if the database is still away."""
+        log.warning("commit and claim failed (%s); committing again", error)
+        self._pending = [*pending, *self._pending]
+        self._commit_pending()
 
     def _record_commits(self, pending: Sequence[_Derived], committed: Committed) -> None:
         for d in pending:

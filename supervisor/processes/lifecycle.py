@@ -18,6 +18,7 @@ from enum import StrEnum
 
 from derivd.config import QueueSettings
 from derivd.processes.pipe import WorkerProc
+from derivd.processes.reasons import DeadlineAction, KillReason, StopReason
 from derivd.queue.db import Job
 from derivd.queue.retry import retry_delay
 
@@ -30,14 +31,13 @@ RESTART_MAX = 30.0
 HEALTHY_AFTER = 30.0  # a worker that lived this long resets its slot's backoff
 
 
-def deadline_action(worker: WorkerProc, now: float, *, job_timeout: float) -> str | None:
-    """ "kill": a TERM sent earlier has had its grace, SIGKILL now; "timeout": the
-    running job passed `job_timeout`, start killing; None: nothing due."""
+def deadline_action(worker: WorkerProc, now: float, *, job_timeout: float) -> DeadlineAction | None:
+    """What the worker's deadlines call for now (None: nothing due)."""
     if worker.kill_at is not None and now >= worker.kill_at and not worker.killed:
-        return "kill"
+        return DeadlineAction.KILL
     running = worker.running()
     if running is not None and worker.kill_reason is None and now - running[1] >= job_timeout:
-        return "timeout"
+        return DeadlineAction.TIMEOUT
     return None
 
 
@@ -81,15 +81,15 @@ def classify_exit(worker: WorkerProc, status: int, *, burst: bool) -> Exit:
     code = os.waitstatus_to_exitcode(status)
     if worker.boot_error is not None or (code == EXIT_BOOT_ERROR and not worker.ready):
         return Exit.BOOT_ERROR
-    if worker.kill_reason == "timeout":
+    if worker.kill_reason is KillReason.TIMEOUT:
         return Exit.TIMEOUT
-    if worker.kill_reason == "lease_lost":
+    if worker.kill_reason is KillReason.LEASE_LOST:
         return Exit.LEASE_LOST
-    if worker.kill_reason in ("shutdown", "aborted"):
+    if worker.kill_reason in (KillReason.SHUTDOWN, KillReason.ABORTED):
         return Exit.RELEASE
-    if code == EXIT_OK and worker.exit_reason in ("max_jobs", "rss"):
+    if code == EXIT_OK and worker.exit_reason in (StopReason.MAX_JOBS, StopReason.RSS):
         return Exit.RECYCLED
-    if code == EXIT_OK and worker.exit_reason == "drained" and burst:
+    if code == EXIT_OK and worker.exit_reason is StopReason.DRAINED and burst:
         return Exit.DRAINED
     if code == EXIT_OK and worker.stop_sent:
         return Exit.STOPPED

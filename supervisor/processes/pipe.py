@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from derivd.osproc import rss_mb, set_proctitle
+from derivd.processes.reasons import KillReason, StopReason
 from derivd.queue.db import Job
 
 if TYPE_CHECKING:
@@ -147,10 +148,10 @@ class WorkerProc:
     last_start: tuple[uuid.UUID, float] | None = None  # token, monotonic start
     progress_buffer: bytes = b""
     stop_sent: bool = False
-    kill_reason: str | None = None  # timeout | lease_lost | shutdown | aborted
+    kill_reason: KillReason | None = None
     kill_at: float | None = None  # when SIGTERM escalates to SIGKILL
     killed: bool = False
-    exit_reason: str | None = None  # from the child's "exiting" message
+    exit_reason: StopReason | None = None  # from the child's "exiting" message
     boot_error: str | None = None
     eof: bool = False
     buffer: bytes = b""
@@ -194,7 +195,7 @@ class WorkerProc:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGTERM)
 
-    def kill(self, reason: str, grace: float) -> None:
+    def kill(self, reason: KillReason, grace: float) -> None:
         """TERM the child's process group now, KILL it after `grace` (0: KILL at once).
         The first reason given is the one its exit is judged by."""
         if self.kill_reason is None:
@@ -283,7 +284,7 @@ class WorkerProc:
                 self.held.pop(int(row[0]), None)
             return rows
         elif kind == "exiting":
-            self.exit_reason = str(message.get("reason"))
+            self.exit_reason = StopReason.parse(message.get("reason"))
         elif kind == "boot_error":
             self.boot_error = str(message.get("msg") or "unknown error")
         return []

@@ -54,6 +54,7 @@ from derivd.processes.lifecycle import (
     to_release,
 )
 from derivd.processes.pipe import WorkerProc
+from derivd.processes.reasons import DeadlineAction, KillReason
 from derivd.processes.sweep_child import SweepChild
 from derivd.queue.db import Job, QueueListener
 
@@ -344,7 +345,7 @@ class Supervisor:
             self.previous = None
             for other in self.workers.values():
                 if other.generation == failed:
-                    other.kill("aborted", 0)
+                    other.kill(KillReason.ABORTED, 0)
             sd_notify(f"READY=1\nSTATUS={self.status_line()}")
         elif action is BootFailure.RETRY:
             log.warning("worker %s could not start: %s", worker.slot, text)
@@ -375,7 +376,7 @@ class Supervisor:
         longer leases to us (reclaimed, deleted, rejected by an operator)."""
         self.read_all()  # a job that finished (and committed) since is not lost
         for worker in to_kill(self.workers.values(), lost):
-            worker.kill("lease_lost", self.config.supervisor.kill_grace)
+            worker.kill(KillReason.LEASE_LOST, self.config.supervisor.kill_grace)
 
     def release(self, worker: WorkerProc) -> None:
         for job in list(worker.held.values()):
@@ -414,7 +415,7 @@ class Supervisor:
         """Stop everything now (a boot failure): kill the fleet, release its jobs."""
         self.outcome = outcome
         for worker in self.workers.values():
-            worker.kill("shutdown", 0)
+            worker.kill(KillReason.SHUTDOWN, 0)
 
     # -- deadlines ---------------------------------------------------------------------
 
@@ -425,14 +426,14 @@ class Supervisor:
             if worker.held:
                 worker.read_progress()
             action = deadline_action(worker, now, job_timeout=sup.job_timeout)
-            if action == "kill":
+            if action is DeadlineAction.KILL:
                 worker.signal_group(signal.SIGKILL)
-            elif action == "timeout":
-                worker.kill("timeout", sup.kill_grace)
+            elif action is DeadlineAction.TIMEOUT:
+                worker.kill(KillReason.TIMEOUT, sup.kill_grace)
         if self.stop_deadline is not None and now >= self.stop_deadline:
             for worker in self.workers.values():
                 if not worker.killed:
-                    worker.kill("shutdown", 0)
+                    worker.kill(KillReason.SHUTDOWN, 0)
 
     def next_wakeup(self) -> float:
         now = time.monotonic()
