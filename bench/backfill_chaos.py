@@ -44,7 +44,7 @@ import chaos
 from chaos import Check, Tally, World, say
 from common import table
 
-from derivd.processes.procutil import pid_alive
+from derivd.osproc import pid_alive
 from derivd.queue.db import QueueDB
 from derivd.storage.base import new_original_key
 
