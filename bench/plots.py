@@ -11,6 +11,7 @@ machine-readable outputs (bench/out/*.json), and the charts section of RESULTS.m
     traffic.json     (bench/traffic.py)      -> chart-traffic.png: priorities, tenants
     claim_events.json (bench/claim_events.py) -> chart-claim_events.png: the claimed event
     store_latency.json (bench/store_latency.py) -> chart-store_latency.png: far vs near store
+    webhooks.json    (bench/webhooks.py)     -> chart-webhooks.png: outbox cost, delivery
 
 A chart whose input is absent is skipped (and said so); the others are still drawn.
 matplotlib comes with the `bench` extra (`pip install -e '.[bench]'`), never with
@@ -277,6 +278,35 @@ def store_latency(data: Data) -> tuple[Figure, str]:
     return fig, "A far store against a near one, pipeline 1 and 2 (bench/store_latency.py)"
 
 
+def webhooks(data: Data) -> tuple[Figure, str]:
+    """Issue 29: the commit's server CPU per build, commit-to-delivery latency, and the
+    deliveries of a backlog per second."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    cpu = data["commit_cpu_ms"]
+    names = list(cpu)
+    axes[0].bar(range(len(names)), [cpu[n]["median"] for n in names], color="#4a7bd0")
+    for i, n in enumerate(names):
+        axes[0].text(i, cpu[n]["median"], f"{cpu[n]['median']:.3f}", ha="center",
+                     va="bottom", fontsize=7)  # fmt: skip
+    axes[0].set_xticks(range(len(names)), names, fontsize=8)
+    axes[0].set_title("server CPU per job, commit + claim, ms", fontsize=9)
+    lat = data["latency"]
+    axes[1].bar([0, 1], [lat["p50_ms"], lat["p99_ms"]], color="#d9822b")
+    axes[1].axhline(50, color="#c44", linestyle="--", linewidth=1, label="p50 target 50 ms")
+    axes[1].set_xticks([0, 1], ["p50", "p99"])
+    axes[1].set_title("commit to delivery, ms", fontsize=9)
+    axes[1].legend(fontsize=7)
+    rates = data["throughput"]
+    axes[2].bar(range(len(rates)), [r["deliveries_per_s"] for r in rates.values()],
+                color="#7a9a3a")  # fmt: skip
+    axes[2].set_xticks(range(len(rates)), [f"concurrency {c}" for c in rates], fontsize=8)
+    axes[2].set_title("a backlog's deliveries/s", fontsize=9)
+    for ax in axes:
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"Webhooks (load {data['load'][0]})")
+    return fig, "Webhooks: the commit's cost, delivery latency and rate (bench/webhooks.py)"
+
+
 CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "throughput": throughput,
     "latency": latency,
@@ -288,6 +318,7 @@ CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "traffic": traffic,
     "claim_events": claim_events,
     "store_latency": store_latency,
+    "webhooks": webhooks,
 }
 
 
