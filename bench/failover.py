@@ -36,7 +36,7 @@ from pathlib import Path
 from common import ROOT, cluster, fresh_db, machine, table
 
 from derivd.config import Config
-from derivd.processes.procutil import children_of
+from derivd.osproc import children_of
 from derivd.queue.db import Finished, HostInfo, QueueDB
 from derivd.queue.sqlfiles import queries
 from derivd.storage.base import new_original_key

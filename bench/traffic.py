@@ -8,11 +8,19 @@
    `[queue] max_in_flight_per_tenant`, and what the rank trigger costs an enqueue;
 4. server CPU per job at defaults (commit + next claim in one statement, one client,
    prepared) on this build vs the baseline (`--baseline`, default main: its migrations
-   and functions.sql, built from git), interleaved, median of `--repeat`.
+   and functions.sql, built from git), interleaved, median of `--repeat`;
+5. (`--only drain`) whole daemons: `--drain-jobs` noop rows queued, then `derivd run
+   --burst` with `--workers` workers at defaults (claim_batch 1); the CPU of every
+   PostgreSQL process between the drain's first claim and its last commit, per job,
+   with jobs/s and WAL per job. Each `--drain-refs` ref runs as its own build (its
+   tree from git, its own venv under bench/.builds, its own `derivd migrate`), beside
+   this build without tenants and with `--drain-tenants` tenants under a cap of
+   `--drain-cap`; rounds interleaved, median of `--repeat`.
 
 Scenarios 1 and 2 run the real daemon (`derivd run`, noop backend, `--workers`).
 
     .venv/bin/python bench/traffic.py [--backfill 100000] [--queued 1000000]
+    .venv/bin/python bench/traffic.py --only drain [--drain-refs 48206ad^] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -20,9 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,7 +51,7 @@ from common import (
     save_results,
     table,
 )
-from fleet import _times, load_average, server_cpu_s
+from fleet import _times, load_average, server_cpu_s, wal_lsn
 
 from derivd.embedded.pgcluster import EmbeddedCluster
 
@@ -372,6 +382,185 @@ def cpu_per_job(pg: EmbeddedCluster, label: str, baseline: str, jobs: int) -> tu
     return (server2 - server) * 1000 / jobs, (user2 - user + system2 - system) * tick_ms / jobs
 
 
+# -- 5: the drain, whole daemons: server CPU per job -------------------------------------
+
+BUILDS = ROOT / "bench" / ".builds"
+DRAIN_SEED = """
+INSERT INTO archive_files (status, original_key, original_version)
+SELECT 'queued', 'originals/bench', 'v1' FROM generate_series(1, %(n)s)
+"""
+# One row per INSERT would be slow; the rank trigger runs per row either way.
+DRAIN_SEED_TENANTS = """
+INSERT INTO archive_files (status, original_key, original_version, tenant)
+SELECT 'queued', 'originals/bench', 'v1', 't' || (g %% %(tenants)s)
+  FROM generate_series(1, %(n)s) AS g
+"""
+
+
+def built(ref: str) -> Path:
+    """The `derivd` of `ref`: its tree from git (bench/.builds/<commit>), with a venv of
+    its own, made on first use."""
+    commit = _git("rev-parse", "--verify", f"{ref}^{{commit}}").strip()
+    tree = BUILDS / commit[:12]
+    derivd = tree / ".venv" / "bin" / "derivd"
+    if derivd.exists():
+        return derivd
+    _step(f"building {ref} ({commit[:12]}) in {tree}")
+    tree.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(tree / ".venv")], check=True)
+    subprocess.run(
+        [str(tree / ".venv" / "bin" / "pip"), "install", "-q", str(tree)], check=True, cwd=tree
+    )
+    return derivd
+
+
+class CpuSampler:
+    """The server's CPU seconds (every PostgreSQL process) sampled every 20 ms with the
+    wall clock, from /proc: no query, so sampling costs the server nothing."""
+
+    def __init__(self, pg: EmbeddedCluster) -> None:
+        self.pg = pg
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), server_cpu_s(self.pg)))
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, when: float) -> float:
+        """CPU seconds at `when` (linear between the samples around it)."""
+        for (t0, c0), (t1, c1) in zip(self.samples, self.samples[1:], strict=False):
+            if t0 <= when <= t1:
+                return c0 + (c1 - c0) * (when - t0) / max(t1 - t0, 1e-9)
+        raise ValueError("outside the sampled window")
+
+
+def drain_once(
+    pg: EmbeddedCluster, work: Path, derivd: Path, jobs: int, workers: int, tenants: int, cap: int
+) -> dict[str, float]:
+    """One `derivd run --burst` over `jobs` queued noop rows on a fresh database that
+    `derivd` migrated itself."""
+    dsn = fresh_db(pg, "traffic_drain", derivd_schema=False)
+    ini = work / "drain.ini"
+    ini.write_text(
+        f"[database]\ndsn = {dsn}\n[storage]\nbackend = fs\nroot = {work / 'objects'}\n"
+        f"[supervisor]\nworkers = {workers}\nstate_dir = {work / 'state'}\n"
+        "[derive]\nbackend = noop\n[logging]\nlevel = warning\n"
+        + (f"[queue]\nmax_in_flight_per_tenant = {cap}\n" if cap else ""),
+        encoding="utf-8",
+    )
+    log = (work / "drain.log").open("a")
+    subprocess.run([str(derivd), "-c", str(ini), "migrate"], check=True, stdout=log, stderr=log)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if tenants:
+            conn.execute(DRAIN_SEED_TENANTS, {"n": jobs, "tenants": tenants})
+        else:
+            conn.execute(DRAIN_SEED, {"n": jobs})
+        conn.execute("VACUUM (ANALYZE) archive_files")
+        conn.execute("CHECKPOINT")
+    lsn = wal_lsn(dsn)
+    with CpuSampler(pg) as cpu:
+        subprocess.run([str(derivd), "-c", str(ini), "run", "--burst"], check=True,
+                       stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
+    wal = wal_lsn(dsn) - lsn
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FILTER (WHERE status = 'ready'),"
+            " extract(epoch FROM min(claimed_at))::float8,"
+            " extract(epoch FROM max(finished_at))::float8 FROM archive_files"
+        ).fetchone()
+    assert row is not None
+    ready, first, last = int(row[0]), float(row[1]), float(row[2])
+    if ready != jobs:
+        raise SystemExit(f"{derivd}: {jobs - ready} of {jobs} rows not ready")
+    return {
+        "server_ms": (cpu.at(last) - cpu.at(first)) * 1000 / jobs,
+        "jobs_per_s": jobs / (last - first),
+        "wal_b": wal / jobs,
+    }
+
+
+def drain(args: argparse.Namespace) -> None:
+    """Scenario 5 alone: its table, and bench/out/traffic-drain.json."""
+    builds: list[tuple[str, Path, int, int]] = [
+        (f"{ref} ({_git('rev-parse', '--short', ref).strip()})", built(ref), 0, 0)
+        for ref in args.drain_refs
+    ]
+    builds += [
+        ("this build, no tenants, no cap", DERIVD, 0, 0),
+        (f"this build, {args.drain_tenants} tenants, cap {args.drain_cap}", DERIVD,
+         args.drain_tenants, args.drain_cap),
+    ]  # fmt: skip
+    load = [load_average()]
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label, *_ in builds}
+    with cluster() as pg, tempfile.TemporaryDirectory(prefix="derivd-drain-") as tmp:
+        work = Path(tmp)
+        os.chmod(work, 0o755)
+        for n in range(args.repeat):
+            # Each round in another order: no build always runs right after another.
+            for label, derivd, tenants, cap in (
+                builds[n % len(builds) :] + builds[: n % len(builds)]
+            ):
+                _step(f"drain, {label}, run {n + 1}")
+                runs[label].append(
+                    drain_once(pg, work, derivd, args.drain_jobs, args.workers, tenants, cap)
+                )
+        lines = machine(pg.dsn())
+    load.append(load_average())
+    result = {
+        label: {key: statistics.median(r[key] for r in measured) for key in measured[0]}
+        | {"server_ms_runs": [r["server_ms"] for r in measured]}
+        for label, measured in runs.items()
+    }
+    base = result[builds[0][0]]["server_ms"]
+    print("## traffic: the drain (bench/traffic.py --only drain)")
+    print("\n".join(lines))
+    print(f"load average before / after: {load[0]} / {load[1]}")
+    print(
+        f"{args.drain_jobs:,} noop jobs queued, then `derivd run --burst`, {args.workers} "
+        f"workers, claim_batch 1, defaults otherwise; CPU of every PostgreSQL process "
+        f"from the first claim to the last commit; median of {args.repeat} interleaved rounds"
+    )
+    print(
+        table(
+            [
+                "build",
+                "server CPU ms/job",
+                f"vs {builds[0][0]}",
+                "runs (ms/job)",
+                "jobs/s",
+                "WAL B/job",
+            ],
+            [
+                [
+                    label,
+                    r["server_ms"],
+                    f"{(r['server_ms'] / base - 1) * 100:+.1f} %",
+                    " ".join(f"{x:.3f}" for x in r["server_ms_runs"]),
+                    r["jobs_per_s"],
+                    r["wal_b"],
+                ]
+                for label, r in result.items()
+            ],
+        )
+    )
+    save_results("traffic-drain", {"machine": lines, "load": load, "drain": result})
+
+
 # -- the run ----------------------------------------------------------------------------------
 
 
@@ -391,7 +580,15 @@ def main() -> None:
     parser.add_argument(
         "--baseline", default="7f664ba^2", help="git ref of today's build (main before issue 20)"
     )
+    parser.add_argument("--only", choices=["drain"], help="run this scenario alone")
+    parser.add_argument("--drain-jobs", type=int, default=5000)
+    parser.add_argument("--drain-refs", nargs="*", default=["48206ad^"])
+    parser.add_argument("--drain-tenants", type=int, default=10)
+    parser.add_argument("--drain-cap", type=int, default=2)
     args = parser.parse_args()
+    if args.only == "drain":
+        drain(args)
+        return
     uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
     load = [load_average()]
     result: dict[str, Any] = {}

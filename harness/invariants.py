@@ -194,13 +194,19 @@ def final_states_stay_final(history: History, rules: Rules) -> Verdict:
                 )
             phase = after
         row = history.rows.get(file_id)
-        if row is None:
-            continue  # a re-derivation's job row, gone with its commit
+        if row is None or row.rederive_of is not None:
+            # A re-derivation's job (gone with its commit, or rejected): its outcome is
+            # its file's event (`rederived`, `rederive_rejected`), checked there.
+            continue
         now = "live" if row.status in ("pending", "queued", "processing") else row.status
         if now != phase:
             verdict.violations.append(f"file {file_id}: row is {row.status}, events say {phase}")
     for row in history.rows.values():
-        if row.status in ("ready", "rejected", "deleting", "deleted") and row.id not in events:
+        if (
+            row.status in ("ready", "rejected", "deleting", "deleted")
+            and row.rederive_of is None
+            and row.id not in events
+        ):
             verdict.violations.append(f"file {row.id}: {row.status} without any event")
     return verdict
 
@@ -264,23 +270,30 @@ def tenants_within_cap(history: History, rules: Rules) -> Verdict:
     if rules.tenant_cap < 1:
         verdict.unit = "claims (no cap configured: nothing to check)"
         return verdict
-    holder: dict[int, str] = {}  # file id -> its tenant, while processing
+    # file id -> (its tenant, the token it is processing under)
+    holder: dict[int, tuple[str, str | None]] = {}
     claims = 0
     for event in history.events:
         if event.kind == "claimed":
             claims += 1
-            if event.tenant is None or event.file_id in holder:
-                continue  # no tenant, or an expired lease reclaimed: nothing more in flight
+            if event.tenant is None:
+                continue  # no tenant: not capped
+            if event.file_id in holder:  # an expired lease reclaimed: no more in flight
+                holder[event.file_id] = (event.tenant, event.lease_token)
+                continue
             verdict.checked += 1
-            busy = sorted(f for f, t in holder.items() if t == event.tenant)
+            busy = sorted(f for f, (t, _) in holder.items() if t == event.tenant)
             if len(busy) >= rules.tenant_cap:
                 verdict.violations.append(
                     f"tenant {event.tenant!r}: file {event.file_id} claimed (event {event.id})"
                     f" with {len(busy)} in flight already: files {busy[:6]}"
                 )
-            holder[event.file_id] = event.tenant
-        elif event.kind in (*ENDS_ATTEMPT, "delete_requested"):
-            holder.pop(event.file_id, None)
+            holder[event.file_id] = (event.tenant, event.lease_token)
+        elif event.kind == "delete_requested" or (
+            event.kind in ENDS_ATTEMPT
+            and holder.get(event.file_id, ("", None))[1] == event.lease_token
+        ):
+            holder.pop(event.file_id, None)  # its own attempt ended (a death may not)
     if claims == 0 and any(r.tenant for r in history.rows.values()):
         verdict.violations.append("a cap is configured but the history records no claims")
     return verdict

@@ -216,6 +216,85 @@ BEGIN
     END LOOP;
 END $$;
 
+-- == The webhook outbox ==================================================================
+
+-- The outbox (DESIGN.md "Webhooks"): one delivery per endpoint subscribed to `event` (and
+-- to the file's tenant, when it names tenants) for this file, in the caller's
+-- transaction, with the body as it will be POSTed and signed: {"type", "timestamp" (the
+-- event's), "data": the file's id, tenant, status, error code and attempts, and for
+-- file.ready / file.rederived every variant and the analysis}. A re-derivation's job row
+-- is no file of its own: it announces nothing (its commit announces file.rederived for
+-- the file). Wakes the delivering processes (`derivd_deliveries`, constant payload: one
+-- notification per transaction). Returns the deliveries inserted.
+--
+-- Every caller checks derivd_webhooks_on() first (derivd_outbox_many does), once per
+-- call, so that without any endpoint a commit pays one probe of an empty table and no
+-- function call per row.
+CREATE OR REPLACE FUNCTION derivd_webhooks_on() RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM derivd_webhook_endpoints)
+$$;
+
+CREATE OR REPLACE FUNCTION derivd_outbox(file_id bigint, event text)
+RETURNS integer
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+DECLARE
+    n integer;
+BEGIN
+    INSERT INTO derivd_deliveries (endpoint, event, file_id, body)
+    SELECT e.name, derivd_outbox.event, f.id,
+           jsonb_build_object(
+               'type', derivd_outbox.event,
+               'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
+               'data', jsonb_build_object(
+                   'file_id', f.id, 'tenant', f.tenant, 'status', f.status,
+                   'error_code', f.error_code, 'attempts', f.attempts,
+                   'variants', CASE WHEN derivd_outbox.event IN ('file.ready', 'file.rederived')
+                       THEN coalesce((SELECT jsonb_agg(jsonb_build_object(
+                                'name', v.name, 'format', v.format, 'key', v.key,
+                                'version', v.version, 'content_type', v.content_type,
+                                'width', v.width, 'height', v.height, 'sha256', v.sha256)
+                              ORDER BY v.name, v.format)
+                              FROM archive_variants AS v WHERE v.file_id = f.id), '[]') END,
+                   'original', CASE WHEN derivd_outbox.event IN ('file.ready', 'file.rederived')
+                                     AND f.original_width IS NOT NULL
+                       THEN jsonb_build_object(
+                           'width', f.original_width, 'height', f.original_height,
+                           'format', f.original_format, 'frames', f.original_frames,
+                           'has_alpha', f.original_has_alpha, 'colour', f.original_colour,
+                           'placeholder', f.original_placeholder,
+                           'dhash', f.original_dhash) END))::text
+      FROM archive_files AS f
+      JOIN derivd_webhook_endpoints AS e
+        ON derivd_outbox.event = ANY (e.events)
+       AND (e.tenants IS NULL OR f.tenant = ANY (e.tenants))
+     WHERE f.id = derivd_outbox.file_id AND f.rederive_of IS NULL;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n > 0 THEN
+        PERFORM pg_notify('derivd_deliveries', '');
+    END IF;
+    RETURN n;
+END $$;
+
+-- The outbox for several files at once (the statements of sql/queries.sql that reject
+-- or delete rows call it in their own transaction, right after: QueueDB).
+CREATE OR REPLACE FUNCTION derivd_outbox_many(ids bigint[], event text)
+RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    n integer := 0;
+    i bigint;
+BEGIN
+    IF NOT derivd_webhooks_on() THEN
+        RETURN 0;
+    END IF;
+    FOREACH i IN ARRAY coalesce(ids, '{}') LOOP
+        n := n + derivd_outbox(i, event);
+    END LOOP;
+    RETURN n;
+END $$;
+
 -- == The lease protocol =================================================================
 
 -- The fenced commit of one or more finished attempts (`jobs`: a JSON array of {id,
@@ -238,6 +317,7 @@ LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     j record;
     n integer;
+    hooks boolean;  -- any webhook endpoint: asked once, after the first commit passes
 BEGIN
     FOR j IN
         SELECT *
@@ -303,8 +383,97 @@ BEGIN
                    created_at = now();
             DELETE FROM pending_objects WHERE lease_token = j.token;
         END IF;
+        IF hooks IS NULL THEN
+            hooks := derivd_webhooks_on();
+        END IF;
+        IF hooks THEN
+            PERFORM derivd_outbox(j.id, 'file.ready');
+        END IF;
         id := j.id;
         outcome := 'committed';
+        RETURN NEXT;
+    END LOOP;
+END $$;
+
+-- The claim's queued rows under [queue] max_in_flight_per_tenant = tenant_cap: up to
+-- `wanted` due rows in claim order (by priority DESC, fair_rank, id; `oldest`: by
+-- available_at, id), none of a tenant that has tenant_cap rows in flight counting this
+-- call's own. Rows without a tenant are never capped. Each row comes back locked.
+--
+-- It finds a claimable row whenever one exists below the cap: the tenants at their cap
+-- are read first from the `processing` rows (as many as the fleet holds in flight) and
+-- the ordered scan skips exactly their rows, however many there are; a tenant met on the
+-- way is then counted again under its lock, and one found at its cap joins them. How
+-- far it looks: to the first due row of a tenant below the cap (past the queued rows of
+-- tenants at the cap ahead of it, and no further). docs/traffic.md says why.
+--
+-- Each tenant's count is taken under a transaction-scoped advisory lock (held to the end
+-- of the claim's transaction, so two claims of one tenant count each other's rows; it
+-- holds through a transaction pooler). The lock is tried, never waited for: two claims
+-- meeting two tenants in different orders (a ranked claim and an oldest-first turn)
+-- would otherwise deadlock, rolling back the commit that shares their transaction. A
+-- tenant whose lock another claim holds is that claim's to count: skipped here.
+CREATE OR REPLACE FUNCTION derivd_pick_capped(wanted integer, tenant_cap integer,
+                                              oldest boolean)
+RETURNS TABLE (id bigint, since timestamptz, attempts integer)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+DECLARE
+    capped text[];
+    tried bigint[] := '{}';
+    chosen text[] := '{}';
+    c record;
+    busy integer;
+BEGIN
+    SELECT coalesce(array_agg(b.tenant), '{}') INTO capped
+      FROM (SELECT p.tenant
+              FROM archive_files AS p
+             WHERE p.status = 'processing' AND p.tenant IS NOT NULL
+             GROUP BY p.tenant
+            HAVING count(*) >= tenant_cap) AS b;
+    -- Each turn excludes one more row or one more tenant: the loop ends.
+    WHILE cardinality(chosen) < wanted LOOP
+        IF oldest THEN
+            SELECT f.id, f.available_at, f.attempts, f.tenant INTO c
+              FROM archive_files AS f
+             WHERE f.status = 'queued' AND f.available_at <= now()
+               AND (f.tenant IS NULL OR f.tenant <> ALL (capped)) AND f.id <> ALL (tried)
+             ORDER BY f.available_at, f.id
+             LIMIT 1;
+        ELSE
+            SELECT f.id, f.available_at, f.attempts, f.tenant INTO c
+              FROM archive_files AS f
+             WHERE f.status = 'queued' AND f.available_at <= now()
+               AND (f.tenant IS NULL OR f.tenant <> ALL (capped)) AND f.id <> ALL (tried)
+             ORDER BY f.priority DESC, f.fair_rank, f.id
+             LIMIT 1;
+        END IF;
+        EXIT WHEN NOT FOUND;
+        tried := tried || c.id;
+        IF c.tenant IS NOT NULL THEN
+            IF NOT pg_try_advisory_xact_lock(hashtextextended('derivd.tenant:' || c.tenant, 0))
+            THEN
+                capped := capped || c.tenant;
+                CONTINUE;
+            END IF;
+            -- In flight: committed claims (after the lock: each statement sees what
+            -- the claims that held it before committed), plus this call's own.
+            SELECT count(*) INTO busy
+              FROM archive_files AS p
+             WHERE p.status = 'processing' AND p.tenant = c.tenant;
+            IF busy + cardinality(array_positions(chosen, c.tenant)) >= tenant_cap THEN
+                capped := capped || c.tenant;
+                CONTINUE;
+            END IF;
+        END IF;
+        PERFORM 1 FROM archive_files AS q
+         WHERE q.id = c.id AND q.status = 'queued'
+           FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;  -- another claim has it
+        chosen := chosen || c.tenant;
+        id := c.id;
+        since := c.available_at;
+        attempts := c.attempts;
         RETURN NEXT;
     END LOOP;
 END $$;
@@ -320,15 +489,13 @@ $$;
 -- lease, and the file whose variants it makes (`file_id`: its own id, or rederive_of,
 -- under whose prefix the worker stores them). Its caller decides durability (`claim` in
 -- sql/queries.sql waits for no WAL flush; after a commit it is durable anyway).
--- `tenant_cap`: [queue] max_in_flight_per_tenant (0: none).
+-- `tenant_cap`: [queue] max_in_flight_per_tenant (0: none; derivd_pick_capped).
 --
 -- Claim order: expired leases under the attempt cap (the one statement that knows the
 -- rule); then due queued rows by priority DESC, fair_rank, id; every 20th call
--- (derivd_claim_turns) by available_at, id instead. tenant_cap > 0: the candidates are
--- walked in that order (at most 4 x lim + 16), each tenant checked under a
--- transaction-scoped advisory lock (held to the end of the claim's transaction, so two
--- claims of one tenant count each other's rows; works through a transaction pooler), and
--- a tenant with tenant_cap rows `processing` skipped.
+-- (derivd_claim_turns) by available_at, id instead. A queued row whose attempts are used
+-- up (max_attempts lowered since it was queued) is rejected `attempts_exhausted` when the
+-- claim reaches it, as its expired lease would be: no claim takes a row past the cap.
 CREATE OR REPLACE FUNCTION derivd_claim(lim integer, lease_s float8, max_attempts integer,
                                         host text, tenant_cap integer)
 RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
@@ -342,13 +509,9 @@ DECLARE
     ids bigint[];
     since timestamptz[];
     tiers integer[];
-    cand_ids bigint[];
-    cand_since timestamptz[];
-    cand_tenants text[];
-    full_tenants text[] := '{}';
-    locked_tenants text[] := '{}';
-    chosen_tenants text[] := '{}';
-    busy integer;
+    got_ids bigint[];
+    got_since timestamptz[];
+    got_attempts integer[];
     turn bigint;
     got integer;
 BEGIN
@@ -381,75 +544,58 @@ BEGIN
              ORDER BY f.lease_until
              LIMIT lim
                FOR UPDATE SKIP LOCKED) AS e;
-    wanted := lim - coalesce(cardinality(ids), 0);
-    IF wanted > 0 AND tenant_cap < 1 AND NOT oldest THEN
+    LOOP
+        wanted := lim - coalesce(cardinality(ids), 0);
+        EXIT WHEN wanted < 1;
         -- (One statement per order rather than one with its order switched by a
         -- parameter: each is a plain ordered scan of its partial index.)
-        SELECT ids || array_agg(q.id), since || array_agg(q.available_at),
-               tiers || array_agg(1)
-          INTO ids, since, tiers
-          FROM (SELECT f.id, f.available_at
-                  FROM archive_files AS f
-                 WHERE f.status = 'queued' AND f.available_at <= now()
-                 ORDER BY f.priority DESC, f.fair_rank, f.id
-                 LIMIT wanted
-                   FOR UPDATE SKIP LOCKED) AS q;
-    ELSIF wanted > 0 AND tenant_cap < 1 THEN
-        SELECT ids || array_agg(q.id), since || array_agg(q.available_at),
-               tiers || array_agg(1)
-          INTO ids, since, tiers
-          FROM (SELECT f.id, f.available_at
-                  FROM archive_files AS f
-                 WHERE f.status = 'queued' AND f.available_at <= now()
-                 ORDER BY f.available_at, f.id
-                 LIMIT wanted
-                   FOR UPDATE SKIP LOCKED) AS q;
-    ELSIF wanted > 0 THEN
-        IF oldest THEN
-            SELECT array_agg(c.id), array_agg(c.available_at), array_agg(c.t)
-              INTO cand_ids, cand_since, cand_tenants
-              FROM (SELECT f.id, f.available_at, coalesce(f.tenant, '') AS t
+        IF tenant_cap > 0 THEN
+            SELECT array_agg(p.id), array_agg(p.since), array_agg(p.attempts)
+              INTO got_ids, got_since, got_attempts
+              FROM derivd_pick_capped(wanted, tenant_cap, oldest) AS p;
+        ELSIF oldest THEN
+            SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
+              INTO got_ids, got_since, got_attempts
+              FROM (SELECT f.id, f.available_at, f.attempts
                       FROM archive_files AS f
                      WHERE f.status = 'queued' AND f.available_at <= now()
                      ORDER BY f.available_at, f.id
-                     LIMIT 4 * lim + 16) AS c;
+                     LIMIT wanted
+                       FOR UPDATE SKIP LOCKED) AS q;
         ELSE
-            SELECT array_agg(c.id), array_agg(c.available_at), array_agg(c.t)
-              INTO cand_ids, cand_since, cand_tenants
-              FROM (SELECT f.id, f.available_at, coalesce(f.tenant, '') AS t
+            SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
+              INTO got_ids, got_since, got_attempts
+              FROM (SELECT f.id, f.available_at, f.attempts
                       FROM archive_files AS f
                      WHERE f.status = 'queued' AND f.available_at <= now()
                      ORDER BY f.priority DESC, f.fair_rank, f.id
-                     LIMIT 4 * lim + 16) AS c;
+                     LIMIT wanted
+                       FOR UPDATE SKIP LOCKED) AS q;
         END IF;
-        FOR i IN 1 .. coalesce(array_length(cand_ids, 1), 0) LOOP
-            EXIT WHEN coalesce(array_length(ids, 1), 0) >= lim;
-            CONTINUE WHEN cand_tenants[i] = ANY (full_tenants);
-            IF NOT cand_tenants[i] = ANY (locked_tenants) THEN
-                PERFORM pg_advisory_xact_lock(
-                    hashtextextended('derivd.tenant:' || cand_tenants[i], 0));
-                locked_tenants := locked_tenants || cand_tenants[i];
-            END IF;
-            -- In flight: committed claims (after the lock: each statement sees what
-            -- the claims that held it before committed), plus this call's own.
-            SELECT count(*) INTO busy
-              FROM archive_files AS p
-             WHERE p.status = 'processing' AND coalesce(p.tenant, '') = cand_tenants[i];
-            busy := busy + cardinality(array_positions(chosen_tenants, cand_tenants[i]));
-            IF busy >= tenant_cap THEN
-                full_tenants := full_tenants || cand_tenants[i];
-                CONTINUE;
-            END IF;
-            PERFORM 1 FROM archive_files AS q
-             WHERE q.id = cand_ids[i] AND q.status = 'queued'
-               FOR UPDATE SKIP LOCKED;
-            CONTINUE WHEN NOT FOUND;
-            chosen_tenants := chosen_tenants || cand_tenants[i];
-            ids := ids || cand_ids[i];
-            since := since || cand_since[i];
-            tiers := tiers || 1;
-        END LOOP;
-    END IF;
+        EXIT WHEN got_ids IS NULL;
+        IF derivd_claim.max_attempts > ALL (got_attempts) THEN  -- the usual case
+            ids := ids || got_ids;
+            since := since || got_since;
+            tiers := tiers || array_fill(1, ARRAY[cardinality(got_ids)]);
+            EXIT;  -- all it asked for, or all there was
+        END IF;
+        WITH used_up AS (
+            UPDATE archive_files AS f
+               SET status = 'rejected',
+                   error_code = 'attempts_exhausted',
+                   finished_at = now(),
+                   updated_at = now()
+              FROM unnest(got_ids, got_attempts) AS g(id, n)
+             WHERE f.id = g.id AND g.n >= derivd_claim.max_attempts
+            RETURNING f.id, f.attempts)
+        INSERT INTO archive_events (file_id, kind, attempt, error_code)
+        SELECT u.id, 'exhausted', u.attempts, 'attempts_exhausted' FROM used_up AS u;
+        SELECT ids || array_agg(g.got_id), since || array_agg(g.got_since),
+               tiers || array_agg(1)
+          INTO ids, since, tiers
+          FROM unnest(got_ids, got_since, got_attempts) AS g(got_id, got_since, n)
+         WHERE g.n < derivd_claim.max_attempts;
+    END LOOP;
     IF ids IS NOT NULL THEN
         RETURN QUERY
         UPDATE archive_files AS f
@@ -586,6 +732,9 @@ BEGIN
     IF extra_event IS NOT NULL THEN
         INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
         VALUES (derivd_fail.file_id, extra_event, n, token, code);
+    END IF;
+    IF NOT again THEN
+        PERFORM derivd_outbox_many(ARRAY[derivd_fail.file_id], 'file.rejected');
     END IF;
     status := new_status;
     error_code := new_code;
@@ -843,6 +992,7 @@ BEGIN
     INSERT INTO archive_events (file_id, kind, attempt, lease_token)
     VALUES (target, 'rederived', n, j.token);
     DELETE FROM pending_objects AS p WHERE p.lease_token = j.token;
+    PERFORM derivd_outbox_many(ARRAY[target], 'file.rederived');
     RETURN 'committed';
 END $$;
 
@@ -867,8 +1017,9 @@ $$;
 -- job). Returns the ids whose lease still holds, fenced by id + token (with `renew`,
 -- exactly those leases are extended to now() + lease_s), and the ids whose attempt has
 -- just ended itself; every other id sent is lost. The host's registry row is refreshed
--- (created if pruned); with `starting` (a supervisor starts, holding no jobs) it is
--- started now, replacing a row its previous run left behind. Database time throughout.
+-- (created if pruned), fenced on the run that owns it: with `started_at` (from
+-- register_host, which starts a run's row) only the row of this pid and start.
+-- Database time throughout.
 --
 -- "Ended itself": a worker's fenced commit (or failure, or release) can land between
 -- the supervisor's last reading of its reports and this call; killing the worker for it
@@ -884,7 +1035,7 @@ $$;
 CREATE OR REPLACE FUNCTION derivd_heartbeat(jobs jsonb, renew boolean, lease_s float8,
                                             host text, pid integer, version text,
                                             backend text, workers integer, busy integer,
-                                            heartbeat_s float8, starting boolean)
+                                            heartbeat_s float8, started_at timestamptz)
 RETURNS SETOF bigint
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
@@ -893,15 +1044,20 @@ DECLARE
     alive bigint[];
     more bigint[];
 BEGIN
-    INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
+    -- Fenced on the run that owns the row (pid + start, from register_host): a run
+    -- whose row another run took over (it went stale meanwhile) never writes it again.
+    -- Without a start (tests, benchmarks) the row is this call's.
+    INSERT INTO derivd_hosts AS r
+           (host, pid, version, backend, workers, busy, heartbeat_s, started_at)
     VALUES (derivd_heartbeat.host, derivd_heartbeat.pid, derivd_heartbeat.version,
             derivd_heartbeat.backend, derivd_heartbeat.workers, derivd_heartbeat.busy,
-            derivd_heartbeat.heartbeat_s)
+            derivd_heartbeat.heartbeat_s, coalesce(derivd_heartbeat.started_at, now()))
     ON CONFLICT (host) DO UPDATE
        SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
            workers = EXCLUDED.workers, busy = EXCLUDED.busy,
-           heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now(),
-           started_at = CASE WHEN starting THEN now() ELSE r.started_at END;
+           heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now()
+     WHERE derivd_heartbeat.started_at IS NULL
+        OR (r.pid = EXCLUDED.pid AND r.started_at = derivd_heartbeat.started_at);
     IF cardinality(ids) = 0 THEN
         RETURN;
     END IF;
@@ -977,6 +1133,8 @@ END $$;
 -- exact while the table is small (under 50,000 rows by the planner's statistics) and
 -- planner estimates beyond (`estimated` lists which counts are). max_age_s = 0: compute
 -- now.
+-- Every answer carries `age_s`: how long ago the reading was computed (0: now), so that
+-- whoever shows a shared reading can say how old it is.
 CREATE OR REPLACE FUNCTION derivd_queue_stats(max_age_s float8)
 RETURNS jsonb
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
@@ -985,13 +1143,15 @@ DECLARE
     total float8;
     counts jsonb;
 BEGIN
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = 'queue' AND s.computed_at > now() - make_interval(secs => max_age_s);
     IF FOUND THEN
         RETURN result;
     END IF;
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = 'queue'
        AND s.computed_at > now() - make_interval(secs => max_age_s)
@@ -1045,7 +1205,7 @@ BEGIN
     UPDATE derivd_stats_cache AS s
        SET computed_at = now(), payload = result
      WHERE s.name = 'queue';
-    RETURN result;
+    RETURN result || '{"age_s": 0}';
 END $$;
 
 -- The recent-events counts behind `derivd status`, the dashboard and the metrics (events
@@ -1063,7 +1223,8 @@ DECLARE
     key text := 'events ' || window_s::text;
     result jsonb;
 BEGIN
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = key AND s.computed_at > now() - make_interval(secs => max_age_s);
     IF FOUND THEN
@@ -1072,7 +1233,8 @@ BEGIN
     INSERT INTO derivd_stats_cache (name, computed_at, payload)
     VALUES (key, '-infinity', '{}')
     ON CONFLICT (name) DO NOTHING;
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = key AND s.computed_at > now() - make_interval(secs => max_age_s)
        FOR UPDATE;
@@ -1100,7 +1262,7 @@ BEGIN
     UPDATE derivd_stats_cache AS s
        SET computed_at = now(), payload = result
      WHERE s.name = key;
-    RETURN result;
+    RETURN result || '{"age_s": 0}';
 END $$;
 
 -- The dashboard's chart, at a cost that does not grow with the table: jobs finished per

@@ -32,7 +32,7 @@ from fixtures.s3 import (
 )
 
 from derivd.embedded.pgcluster import EmbeddedCluster, discard
-from derivd.processes.procutil import pid_alive
+from derivd.osproc import pid_alive
 from derivd.queue.db import QueueDB
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 
-from derivd.processes.procutil import children_of
+from derivd.osproc import children_of
 
 T = TypeVar("T")
 

@@ -1,5 +1,5 @@
 """The demo gallery paints each original's placeholder and colour (issue 19): the ThumbHash
-decoder (derivd.embedded.thumbhash), the page it feeds, and the page in a real browser."""
+decoder (derivd.ops.thumbhash), the page it feeds, and the page in a real browser."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from PIL import Image
 from test_dashboard_browser import browser, screenshot
 
 from derivd.client import Original
-from derivd.embedded import thumbhash
-from derivd.embedded.gallery import Sample, write_gallery
+from derivd.ops import thumbhash
+from derivd.ops.gallery import Sample, write_gallery
 from derivd.storage.fs import FsStorage
 
 TEAL = (32, 160, 150)

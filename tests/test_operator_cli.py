@@ -221,3 +221,25 @@ def test_help_teaches_the_failure_commands(cli: Callable[..., CompletedProcess[s
     assert "orphan_guard" in cli("sweep", "--help").stdout
     assert "delete_guard" in cli("delete", "--help").stdout
     assert "--code attempts_exhausted" in cli("retry", "--help").stdout
+
+
+def test_a_rejected_file_can_be_deleted(
+    cli: Callable[..., CompletedProcess[str]], queue: QueueDB, fs_root: Path
+) -> None:
+    """Found by bench/backfill_chaos.py: `derivd delete` of a rejected file broke the
+    row's own CHECK (a rejected row has an error code, any other none), exit 1 with the
+    failing row printed. The code stays in the file's events."""
+    storage = FsStorage(fs_root)
+    file_id = rejected_file(queue, storage, "corrupt_content")
+    result = cli("delete", str(file_id))
+    assert (result.returncode, lines(result)) == (0, [f"accepted (now deleting): {file_id}"])
+    swept = cli("sweep", "--delete-guard", "0")
+    assert f"deleted: {file_id}" in lines(swept)
+    assert queue.file_row(file_id)["status"] == "deleted"  # type: ignore[index]
+    assert list(storage.list_keys()) == []
+    codes = sql(
+        queue.dsn or "",
+        "SELECT error_code FROM archive_events WHERE file_id = %s AND kind = 'rejected'",
+        (file_id,),
+    )
+    assert codes == [{"error_code": "corrupt_content"}]

@@ -20,7 +20,7 @@ from fixtures.s3 import TEST_ACCESS_KEY, TEST_REGION, TEST_SECRET_KEY, MotoServe
 from helpers import proc_title, role_dsn, stop_process
 from PIL import Image
 
-from derivd.processes.procutil import children_of
+from derivd.osproc import children_of
 from derivd.storage.base import InvalidKey, ObjectMissing
 from derivd.storage.fs import FsStorage
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Final
 
 from derivd.embedded import EmbeddedError
-from derivd.processes.procutil import pid_alive
+from derivd.osproc import pid_alive
 
 log = logging.getLogger("derivd")
 

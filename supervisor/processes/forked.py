@@ -10,8 +10,8 @@ import signal
 from collections.abc import Callable, Iterable
 from types import FrameType
 
+from derivd.osproc import set_pdeathsig
 from derivd.processes.lifecycle import EXIT_OK
-from derivd.processes.procutil import set_pdeathsig
 
 StopHandler = Callable[[int, FrameType | None], None]
 

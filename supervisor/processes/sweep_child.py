@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 from derivd.config import Config
 from derivd.ops.logs import event
+from derivd.osproc import set_proctitle
 from derivd.processes.duties import Duty
 from derivd.processes.forked import become_child
-from derivd.processes.procutil import set_proctitle
 
 log = logging.getLogger("derivd.sweep")
 
