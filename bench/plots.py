@@ -9,6 +9,7 @@ machine-readable outputs (bench/out/*.json), and the charts section of RESULTS.m
     sharp.json       (bench/sharp.py)        -> chart-sharp.png: derivd whole vs sharp
     similar.json     (bench/similar.py)      -> chart-similar.png: client.similar vs rows
     traffic.json     (bench/traffic.py)      -> chart-traffic.png: priorities, tenants
+    claim_events.json (bench/claim_events.py) -> chart-claim_events.png: the claimed event
     store_latency.json (bench/store_latency.py) -> chart-store_latency.png: far vs near store
     webhooks.json    (bench/webhooks.py)     -> chart-webhooks.png: outbox cost, delivery
 
@@ -230,6 +231,26 @@ def traffic(data: Data) -> tuple[Figure, str]:
     return fig, "Priorities, tenants and the claim at scale (bench/traffic.py)"
 
 
+def claim_events(data: Data) -> tuple[Figure, str]:
+    """Server CPU, WAL and wall time per job, with and without the capped claim's event."""
+    rows = data["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    labels = [f"{r['build']}\ncap {r['cap'] or 'none'}" for r in rows]
+    for ax, (key, title) in zip(
+        axes, [("server_ms", "server CPU ms/job"), ("wal_b", "WAL B/job"),
+               ("wall_ms", "wall ms/job")], strict=True
+    ):  # fmt: skip
+        values = [r[key] for r in rows]
+        ax.bar(range(len(rows)), values, color=["#4a7bd0", "#999"] * (len(rows) // 2 + 1))
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("The capped claim's `claimed` event (medians of interleaved rounds)")
+    return fig, "The capped claim's event for the history checker (bench/claim_events.py)"
+
+
 def store_latency(data: Data) -> tuple[Figure, str]:
     """images/s per store, grouped by workers and pipeline, each bar with its ratio to
     the file store's."""
@@ -295,6 +316,7 @@ CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "sharp": sharp,
     "similar": similar,
     "traffic": traffic,
+    "claim_events": claim_events,
     "store_latency": store_latency,
     "webhooks": webhooks,
 }
