@@ -1017,8 +1017,9 @@ $$;
 -- job). Returns the ids whose lease still holds, fenced by id + token (with `renew`,
 -- exactly those leases are extended to now() + lease_s), and the ids whose attempt has
 -- just ended itself; every other id sent is lost. The host's registry row is refreshed
--- (created if pruned); with `starting` (a supervisor starts, holding no jobs) it is
--- started now, replacing a row its previous run left behind. Database time throughout.
+-- (created if pruned), fenced on the run that owns it: with `started_at` (from
+-- register_host, which starts a run's row) only the row of this pid and start.
+-- Database time throughout.
 --
 -- "Ended itself": a worker's fenced commit (or failure, or release) can land between
 -- the supervisor's last reading of its reports and this call; killing the worker for it
@@ -1034,7 +1035,7 @@ $$;
 CREATE OR REPLACE FUNCTION derivd_heartbeat(jobs jsonb, renew boolean, lease_s float8,
                                             host text, pid integer, version text,
                                             backend text, workers integer, busy integer,
-                                            heartbeat_s float8, starting boolean)
+                                            heartbeat_s float8, started_at timestamptz)
 RETURNS SETOF bigint
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
@@ -1043,15 +1044,20 @@ DECLARE
     alive bigint[];
     more bigint[];
 BEGIN
-    INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
+    -- Fenced on the run that owns the row (pid + start, from register_host): a run
+    -- whose row another run took over (it went stale meanwhile) never writes it again.
+    -- Without a start (tests, benchmarks) the row is this call's.
+    INSERT INTO derivd_hosts AS r
+           (host, pid, version, backend, workers, busy, heartbeat_s, started_at)
     VALUES (derivd_heartbeat.host, derivd_heartbeat.pid, derivd_heartbeat.version,
             derivd_heartbeat.backend, derivd_heartbeat.workers, derivd_heartbeat.busy,
-            derivd_heartbeat.heartbeat_s)
+            derivd_heartbeat.heartbeat_s, coalesce(derivd_heartbeat.started_at, now()))
     ON CONFLICT (host) DO UPDATE
        SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
            workers = EXCLUDED.workers, busy = EXCLUDED.busy,
-           heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now(),
-           started_at = CASE WHEN starting THEN now() ELSE r.started_at END;
+           heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now()
+     WHERE derivd_heartbeat.started_at IS NULL
+        OR (r.pid = EXCLUDED.pid AND r.started_at = derivd_heartbeat.started_at);
     IF cardinality(ids) = 0 THEN
         RETURN;
     END IF;
@@ -1127,6 +1133,8 @@ END $$;
 -- exact while the table is small (under 50,000 rows by the planner's statistics) and
 -- planner estimates beyond (`estimated` lists which counts are). max_age_s = 0: compute
 -- now.
+-- Every answer carries `age_s`: how long ago the reading was computed (0: now), so that
+-- whoever shows a shared reading can say how old it is.
 CREATE OR REPLACE FUNCTION derivd_queue_stats(max_age_s float8)
 RETURNS jsonb
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
@@ -1135,13 +1143,15 @@ DECLARE
     total float8;
     counts jsonb;
 BEGIN
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = 'queue' AND s.computed_at > now() - make_interval(secs => max_age_s);
     IF FOUND THEN
         RETURN result;
     END IF;
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = 'queue'
        AND s.computed_at > now() - make_interval(secs => max_age_s)
@@ -1195,7 +1205,7 @@ BEGIN
     UPDATE derivd_stats_cache AS s
        SET computed_at = now(), payload = result
      WHERE s.name = 'queue';
-    RETURN result;
+    RETURN result || '{"age_s": 0}';
 END $$;
 
 -- The recent-events counts behind `derivd status`, the dashboard and the metrics (events
@@ -1213,7 +1223,8 @@ DECLARE
     key text := 'events ' || window_s::text;
     result jsonb;
 BEGIN
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = key AND s.computed_at > now() - make_interval(secs => max_age_s);
     IF FOUND THEN
@@ -1222,7 +1233,8 @@ BEGIN
     INSERT INTO derivd_stats_cache (name, computed_at, payload)
     VALUES (key, '-infinity', '{}')
     ON CONFLICT (name) DO NOTHING;
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = key AND s.computed_at > now() - make_interval(secs => max_age_s)
        FOR UPDATE;
@@ -1250,7 +1262,7 @@ BEGIN
     UPDATE derivd_stats_cache AS s
        SET computed_at = now(), payload = result
      WHERE s.name = key;
-    RETURN result;
+    RETURN result || '{"age_s": 0}';
 END $$;
 
 -- The dashboard's chart, at a cost that does not grow with the table: jobs finished per

@@ -108,6 +108,9 @@ class _Derived:
 # short jobs share one commit round trip, and a job that ran this long is committed
 # before the next one starts (so real image jobs never wait for another's).
 FLUSH_AFTER_S = 0.05
+# `run --burst` waits for retries due within this many seconds instead of exiting; it
+# says what it leaves behind otherwise (derivd.processes.daemon).
+BURST_RETRY_WAIT_S = 10.0
 # Threads for a worker's storage requests: every variant of a job at once (the default
 # set has five) plus the next original's GET.
 IO_THREADS = 8
@@ -554,6 +557,18 @@ class Worker:
         finally:
             self.release_prefetched()
 
+    def _burst_wait(self) -> float | None:
+        """With --burst and nothing claimable: how long to wait for a retry due within
+        BURST_RETRY_WAIT_S (at most a poll interval at a time), or None: drained. A burst
+        that left a retry due a second later would leave work nobody picks up."""
+        try:
+            _waiting, due_s = self.queue.not_yet_due()
+        except DatabaseUnavailable:
+            return self.config.queue.poll_interval
+        if due_s is None or due_s > BURST_RETRY_WAIT_S:
+            return None
+        return min(max(due_s, 0.01), self.config.queue.poll_interval)
+
     def _loop(
         self, should_stop: Callable[[], bool], idle: IdleWait, *, burst: bool, max_jobs: int
     ) -> str:
@@ -569,7 +584,8 @@ class Worker:
             if not claimed:
                 # Rows whose worker died on their last attempt are not claimable: the
                 # supervisor's ExhaustedRejection duty ends them (derivd.processes.duties).
-                if burst:
+                due_in = self._burst_wait() if burst else None
+                if burst and due_in is None:
                     return "drained"
-                idle.wait(self.config.queue.poll_interval)
+                idle.wait(due_in if due_in is not None else self.config.queue.poll_interval)
         return "stopped"

@@ -13,6 +13,8 @@ The original's bytes are the script, so one supervisor runs jobs with different 
     analysis {JSON}      succeed with this analysis of the original (derivd.handlers.base
                          Analysis fields), whatever it holds: malformed ones included
     corrupt              a content error (corrupt_content: rejected at once)
+    fail-once PATH       a transient error if PATH does not exist yet (creating it), so
+                         the row is retried after [queue] retry_base; else succeed
 
 `Script` derives nothing; `Stamped` runs the same script, then returns one small object
 per configured variant and format (bytes naming the variant and its size), so variant
@@ -30,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from derivd.errors import Transient
 from derivd.handlers.base import Analysis, CorruptContent, Derivation, DerivedVariant, DeriveSpec
 
 _HELD: list[bytes] = []  # memory an `alloc` job keeps alive until the worker exits
@@ -66,6 +69,11 @@ class Script:
             _HELD.append(b"x" * (int(arg) * 1024 * 1024))
         elif verb == "corrupt":
             raise CorruptContent("the script says so")
+        elif verb == "fail-once":
+            marker = Path(arg)
+            if not marker.exists():
+                marker.touch()
+                raise Transient("the script says: not now")
         elif verb != "ok":
             raise ValueError(f"unknown fault script {verb!r}")
         return Derivation([])

@@ -31,7 +31,8 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any, ClassVar, Generic, TypeVar
 
 from derivd import __version__
@@ -184,6 +185,8 @@ class Heartbeat(DatabaseDuty[set[int]]):
         self.fleet = fleet
         self.on_lost = on_lost  # the supervisor kills the workers running these leases
         self.last_ok: float | None = None  # monotonic time of the last answered heartbeat
+        # This run's start in the registry: the heartbeat refreshes that row only.
+        self.started_at: datetime | None = None
 
     @property
     def interval(self) -> float:
@@ -208,7 +211,7 @@ class Heartbeat(DatabaseDuty[set[int]]):
     def run_once(self, db: QueueDB, jobs: Sequence[Job] = (), busy: int = 0) -> set[int]:
         """The ids of `jobs` whose lease still holds (renewed with [queue] renew)."""
         config = self.config()
-        info = host_info(config, busy=busy)
+        info = replace(host_info(config, busy=busy), started_at=self.started_at)
         return db.heartbeat(info, jobs, renew=config.queue.renew, lease_s=config.queue.lease)
 
     def on_heartbeat(self, sent: list[Job], valid: set[int] | None) -> None:

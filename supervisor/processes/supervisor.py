@@ -38,6 +38,7 @@ from derivd.processes.duties import (
     FleetStats,
     Heartbeat,
     Listening,
+    host_info,
     to_kill,
 )
 from derivd.processes.lifecycle import (
@@ -58,7 +59,7 @@ from derivd.processes.pipe import WorkerProc
 from derivd.processes.reasons import DeadlineAction, KillReason
 from derivd.processes.sweep_child import SweepChild
 from derivd.processes.webhook_child import WebhookChild, WebhookStats, WebhookSync
-from derivd.queue.db import Job, QueueListener
+from derivd.queue.db import HostInfo, Job, QueueListener
 
 log = logging.getLogger("derivd.supervisor")
 
@@ -93,6 +94,7 @@ class Supervisor:
         burst: bool = False,
         metrics: Metrics | None = None,
         reload: Callable[[], Config],
+        host: HostInfo | None = None,
         db_thread: DatabaseThread | None = None,
         spawn: Spawner = WorkerProc.spawn,
         clock: Callable[[], float] = time.monotonic,
@@ -103,6 +105,9 @@ class Supervisor:
         self.clock = clock
         self.spawn = spawn
         self.config = config
+        # Registered before the first fork (derivd.processes.hostclaim): its start fences
+        # its row. None (the fakes' tests): an unfenced row, as the first heartbeat makes it.
+        self.host = host or host_info(config, busy=0)
         self.dsn = dsn
         self.burst = burst
         self.metrics = metrics or Metrics()
@@ -130,8 +135,12 @@ class Supervisor:
         self.db_thread.on_notify = self.on_notify
         self.books = Bookkeeping(self.lease_thread, self.metrics)
         current = lambda: self.config  # noqa: E731  (duties follow a reload)
+        heartbeat = Heartbeat(
+            current, self.lease_thread, self.metrics, self.workers.values, self.on_lost
+        )
+        heartbeat.started_at = self.host.started_at
         self.duties: list[Duty[Any]] = [
-            Heartbeat(current, self.lease_thread, self.metrics, self.workers.values, self.on_lost),
+            heartbeat,
             ExhaustedRejection(current, self.db_thread),
             FleetStats(current, self.db_thread, self.metrics),
             EventPartitions(current, self.db_thread),
@@ -558,7 +567,6 @@ class Supervisor:
         )
         for lane in self.lanes:
             lane.start()
-        host = self.books.register(self.config)
         now = self.clock()
         for duty in self.duties:
             duty.start(now)
@@ -584,7 +592,7 @@ class Supervisor:
                 duty.stop()
             self.webhooks.stop()
             if self.outcome is None:  # a clean stop: leave the registry
-                self.books.deregister(host)
+                self.books.deregister(self.host)
             # Both lanes finish their queues at once, within the one close timeout.
             ends_at = self.clock() + self._close_timeout()
             for lane in self.lanes:
