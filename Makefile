@@ -81,6 +81,7 @@ test-fast: lint typecheck
 chaos: install
 	$(BIN)/python bench/chaos.py --full
 	$(BIN)/python bench/fleet_chaos.py --full
+	$(BIN)/python bench/backfill_chaos.py
 
 # Charts need matplotlib: setup.cfg's `bench` extra, installed here only (not a runtime
 # dependency). bench/plots.py draws from bench/out/*.json, skipping what is absent.
