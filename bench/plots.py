@@ -147,8 +147,9 @@ def fleet(data: Data) -> tuple[Figure, str]:
 
 def sharp(data: Data) -> tuple[Figure, str]:
     """Per set of images: images/s and CPU per image of each side (sharp's two ways to use
-    the cores, derivd's backends): the median over the rounds, whiskers from the lowest to
-    the highest round, the rounds' median load under each bar."""
+    the cores, derivd's backends, their plain-library floors and a `--baseline`, in grey):
+    the median over the rounds, whiskers from the lowest to the highest round, the rounds'
+    median load under each bar."""
     runs = data["runs"]
     sets = list(dict.fromkeys(r["set"] for r in runs))
     fig, axes = plt.subplots(2, len(sets), figsize=(4.6 * len(sets), 6.2), squeeze=False)
@@ -159,7 +160,9 @@ def sharp(data: Data) -> tuple[Figure, str]:
         rounds = max(len(these) for these in by_side.values())
         labels = [f"{side}\nload {statistics.median(r['load_1min'] for r in these):.1f}"
                   for side, these in by_side.items()]  # fmt: skip
-        colours = ["#d9822b" if side.startswith("sharp") else "#4a7bd0" for side in sides]
+        colours = ["#d9822b" if side.startswith("sharp") else "#999999"
+                   if side.startswith("floor") or "@" in side else "#4a7bd0"
+                   for side in sides]  # fmt: skip
         for row, (key, unit) in enumerate((("images_per_s", "images/s"),
                                            ("cpu_ms_per_image", "CPU ms per image"))):  # fmt: skip
             ax = axes[row][col]
@@ -274,7 +277,8 @@ def store_latency(data: Data) -> tuple[Figure, str]:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     delay = data.get("delay_ms_each_way", 20)
-    ax.set_title(f"Store latency: {data.get('images', '?')} phone JPEGs, S3 +{2 * delay:g} ms")
+    title = f"Store latency: {data.get('images', '?')} phone JPEGs, S3 +{2 * delay:g} ms"
+    ax.set_title(data.get("note") or title, fontsize=9 if data.get("note") else None)
     return fig, "A far store against a near one, pipeline 1 and 2 (bench/store_latency.py)"
 
 
