@@ -334,8 +334,9 @@ def baseline_db(pg: EmbeddedCluster, name: str, ref: str) -> str:
         for path in names:
             if path.endswith(".sql"):
                 conn.execute(_git("show", f"{ref}:{path}"))  # type: ignore[arg-type]
-        functions = _git("show", f"{ref}:sql/functions.sql")
-        conn.execute(functions)  # type: ignore[arg-type]
+        # Before functions.sql (issue 22) the migrations held every body.
+        if "sql/functions.sql" in _git("ls-tree", "--name-only", ref, "sql/").split():
+            conn.execute(_git("show", f"{ref}:sql/functions.sql"))  # type: ignore[arg-type]
     return dsn
 
 
