@@ -13,7 +13,9 @@ behind a fault-injecting proxy, and the real `derivd run` (several prefork worke
 - freezes a worker in the middle of a job (SIGSTOP, with the supervisor frozen too, so
   nothing kills it) until its lease expired and another worker took the job over, then
   thaws it: its late commit or failure must be fenced out (a `lease_lost` event);
-- restarts PostgreSQL once.
+- restarts PostgreSQL once;
+- SIGKILLs the supervisor's webhook deliverer twice and restarts the webhook receiver
+  (a process verifying with `standardwebhooks`) once (bench/chaos_webhooks.py).
 
 Then the faults stop, the queue drains, the supervisor is stopped with SIGTERM, one
 `derivd sweep --orphan-guard 0` runs (safe then: no attempt is live), and the
@@ -47,6 +49,8 @@ from typing import Any
 
 import boto3
 import psycopg
+from chaos_webhooks import Hooks, wait_delivered
+from chaos_webhooks import checks as webhook_checks
 from common import ROOT, table
 
 sys.path.insert(0, str(ROOT / "tests"))
@@ -177,6 +181,7 @@ class World:
         self.supervisor: subprocess.Popen[bytes] | None = None
         self.log_path = root / "derivd.log"
         self.ini = root / "derivd.ini"
+        self.hooks = Hooks(root)
         self.env = dict(os.environ)
         for name in AWS_ENV_UNSET:
             self.env.pop(name, None)
@@ -218,6 +223,7 @@ class World:
             Bucket=self.bucket, VersioningConfiguration={"Status": "Enabled"}
         )
         self.proxy = FaultProxy(("127.0.0.1", self.moto.port), seed=self.seed).start()
+        self.hooks.start()
         self.write_ini()
 
     def write_ini(self) -> None:
@@ -253,6 +259,7 @@ class World:
             "derive": {"backend": self.backend, "variants": "preview:320, thumb:64"},
             "sweep": {"orphan_guard": LEASE_S + 1},
             "logging": {"level": "info"},
+            "webhook:chaos": self.hooks.section(),
         }
         self.ini.write_text(
             "".join(
@@ -329,6 +336,7 @@ class World:
             self.supervisor.wait()
         if self.proxy is not None:
             self.proxy.stop()
+        self.hooks.stop()
         self.moto.stop()
         if self.bouncer is not None:
             self.bouncer.stop()
@@ -501,6 +509,8 @@ def run_chaos(
     schedule += [(t, "faults") for t in _ticks(rng, span, 2.0)]
     schedule += [(rng.uniform(0.1, 0.9) * span, "kill") for _ in range(plan.kills)]
     schedule += [(0.4 * span, "pg_restart")]
+    schedule += [(rng.uniform(0.1, 0.9) * span, "kill_deliverer") for _ in range(2)]
+    schedule += [(rng.uniform(0.2, 0.8) * span, "receiver_restart")]
     schedule += [
         ((0.55 + 0.3 * n / max(1, plan.stunts)) * span, "freeze") for n in range(plan.stunts)
     ]
@@ -521,6 +531,12 @@ def run_chaos(
             chaos.kill_worker()
         elif action == "pg_restart":
             chaos.restart_postgres()
+        elif action == "kill_deliverer":
+            if world.hooks.kill_deliverer(world.sup_pid, title):
+                say("SIGKILL webhook deliverer")
+        elif action == "receiver_restart":
+            say("restarting the webhook receiver")
+            world.hooks.restart(down_s=rng.uniform(0.5, 2.0))
         elif action == "freeze":
             chaos.freeze_past_lease(feed_reserve)
     while reserve:
@@ -622,6 +638,7 @@ def check_all(
         )
     )
     checks += history_checks(world, tally)
+    checks += [Check(*c) for c in webhook_checks(world.query, world.hooks)]
     tally.notes.append("events: " + ", ".join(f"{k}={n}" for k, n in sorted(kinds.items())))
     return checks
 
@@ -701,6 +718,8 @@ def main(argv: list[str] | None = None) -> int:
         drained = drain(world, plan.drain_s)
         if not drained:
             tally.notes.append(f"not drained within {plan.drain_s:g}s")
+        if not wait_delivered(world.query, plan.drain_s):
+            tally.notes.append(f"webhooks not delivered within {plan.drain_s:g}s")
         exit_code: int | None = None
         if world.supervisor_alive():
             world.supervisor.send_signal(signal.SIGTERM)  # type: ignore[union-attr]

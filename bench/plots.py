@@ -9,6 +9,7 @@ machine-readable outputs (bench/out/*.json), and the charts section of RESULTS.m
     sharp.json       (bench/sharp.py)        -> chart-sharp.png: derivd whole vs sharp
     similar.json     (bench/similar.py)      -> chart-similar.png: client.similar vs rows
     traffic.json     (bench/traffic.py)      -> chart-traffic.png: priorities, tenants
+    store_latency.json (bench/store_latency.py) -> chart-store_latency.png: far vs near store
 
 A chart whose input is absent is skipped (and said so); the others are still drawn.
 matplotlib comes with the `bench` extra (`pip install -e '.[bench]'`), never with
@@ -228,6 +229,33 @@ def traffic(data: Data) -> tuple[Figure, str]:
     return fig, "Priorities, tenants and the claim at scale (bench/traffic.py)"
 
 
+def store_latency(data: Data) -> tuple[Figure, str]:
+    """images/s per store, grouped by workers and pipeline, each bar with its ratio to
+    the file store's."""
+    rows = data["results"]
+    stores = list(dict.fromkeys(r["store"] for r in rows))
+    groups = list(dict.fromkeys((r["workers"], r["pipeline"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    width = 0.8 / len(stores)
+    for n, store in enumerate(stores):
+        by_group = {(r["workers"], r["pipeline"]): r for r in rows if r["store"] == store}
+        xs = [g + (n - (len(stores) - 1) / 2) * width for g in range(len(groups))]
+        ys = [by_group[g]["images_per_s"] if g in by_group else 0.0 for g in groups]
+        ax.bar(xs, ys, width, label=store)
+        for x, g in zip(xs, groups, strict=True):
+            ratio = by_group.get(g, {}).get("vs_fs")
+            if ratio is not None and store != "fs":
+                ax.text(x, by_group[g]["images_per_s"], f"{ratio:.2f}x", ha="center",
+                        va="bottom", fontsize=7)  # fmt: skip
+    ax.set_xticks(range(len(groups)), [f"{w} workers\npipeline {p}" for w, p in groups])
+    ax.set_ylabel("images/s")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    delay = data.get("delay_ms_each_way", 20)
+    ax.set_title(f"Store latency: {data.get('images', '?')} phone JPEGs, S3 +{2 * delay:g} ms")
+    return fig, "A far store against a near one, pipeline 1 and 2 (bench/store_latency.py)"
+
+
 CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "throughput": throughput,
     "latency": latency,
@@ -237,6 +265,7 @@ CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "sharp": sharp,
     "similar": similar,
     "traffic": traffic,
+    "store_latency": store_latency,
 }
 
 

@@ -188,6 +188,22 @@ def run_sharp(mode: str, inputs: list[Path], workers: int, out: Path) -> Measure
     return measured(argv, out.with_suffix(".log"), env)
 
 
+# --- the floor ----------------------------------------------------------------------------
+
+
+def run_floor(backend: str, inputs: list[Path], workers: int, out: Path) -> Measured:
+    """The plain-library floor at derivd's decode scale (bench/steps.py `--floor`:
+    libjpeg-turbo at M/8, the backend's lanczos3 at the exact scale, the centre cut, the
+    same JPEG save; nothing else), one process per core over the same inputs, timed as
+    a whole process as the other sides are: the most any program doing derivd's pixel
+    work with these libraries reaches here, in the same minutes as derivd's run."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    argv = [sys.executable, str(ROOT / "bench" / "steps.py"), "--floor", backend, "--lanes",
+            str(workers), "--out", str(out), *map(str, inputs)]  # fmt: skip
+    return measured(argv, out.with_suffix(".log"))
+
+
 # --- derivd -------------------------------------------------------------------------------
 
 
@@ -268,6 +284,10 @@ def one_set(pg: Any, name: str, distinct: list[Path], args: argparse.Namespace, 
                 runs.append(Run(name, f"derivd:{backend}", len(inputs), burst.wall_s,
                                 burst.cpu_s, burst.peak_rss_mb, os.getloadavg()[0],
                                 round=rnd))  # fmt: skip
+                print(f"{name}: floor {backend} ...", file=sys.stderr, flush=True)
+                wall, cpu, rss = run_floor(backend, inputs, args.workers, work / "floor")
+                runs.append(Run(name, f"floor:{backend}", len(inputs), wall, cpu, rss,
+                                os.getloadavg()[0], round=rnd))  # fmt: skip
     # Fidelity once per distinct input (the copies are the same bytes).
     firsts = {distinct.index(path): n for n, path in reversed(list(enumerate(inputs)))}
     for run in runs:
@@ -292,6 +312,15 @@ def best_sharp(runs: list[Run], name: str, rnd: int) -> Run | None:
 def ratio_to_sharp(runs: list[Run], run: Run) -> float | None:
     sharp = best_sharp(runs, run.set, run.round)
     return run.images_per_s / sharp.images_per_s if sharp else None
+
+
+def ratio_to_floor(runs: list[Run], run: Run) -> float | None:
+    """A derivd run's images/s over the same round's floor of its backend."""
+    if not run.side.startswith("derivd:"):
+        return None
+    floor = run.side.replace("derivd:", "floor:")
+    same = [r for r in runs if (r.set, r.round, r.side) == (run.set, run.round, floor)]
+    return run.images_per_s / same[0].images_per_s if same else None
 
 
 def main() -> None:
@@ -330,29 +359,35 @@ def main() -> None:
     print("\n".join(lines))
     rows = []
     for r in runs:
-        ratio = ratio_to_sharp(runs, r)
+        ratio, to_floor = ratio_to_sharp(runs, r), ratio_to_floor(runs, r)
         rows.append([r.set, r.round + 1, r.side, r.images_per_s,
-                     "-" if ratio is None else f"{ratio:.2f}x", r.cpu_ms_per_image, r.peak_rss_mb,
+                     "-" if ratio is None else f"{ratio:.2f}x",
+                     "-" if to_floor is None else f"{to_floor:.2f}x", r.cpu_ms_per_image,
+                     r.peak_rss_mb,
                      "-" if r.ssim_vs_sharp_min is None else f"{r.ssim_vs_sharp_min:.3f}",
                      "-" if r.ssim_vs_full_min is None else f"{r.ssim_vs_full_min:.3f}",
                      r.load_1min])  # fmt: skip
-    print(table(["set", "round", "side", "images/s", "vs sharp's best", "CPU ms/image",
+    print(table(["set", "round", "side", "images/s", "vs sharp's best", "vs floor", "CPU ms/image",
                  "peak RSS MiB", "SSIM vs sharp (min)", "SSIM vs full decode (min)", "load"],
                 rows))  # fmt: skip
     for name in sets:
         for side in sorted({r.side for r in runs if r.set == name}):
             mine = [r for r in runs if r.set == name and r.side == side]
             ratios = [x for r in mine if (x := ratio_to_sharp(runs, r)) is not None]
+            floors = [x for r in mine if (x := ratio_to_floor(runs, r)) is not None]
             cpu = statistics.median(r.cpu_ms_per_image for r in mine)
             vs = f"{statistics.median(ratios):.2f}x sharp's best" if ratios else "-"
+            of_floor = f", {statistics.median(floors):.2f}x its floor" if floors else ""
             print(f"{name} {side}: median of {len(mine)} rounds: {vs} "
-                  f"({min(ratios, default=0):.2f}-{max(ratios, default=0):.2f}), "
+                  f"({min(ratios, default=0):.2f}-{max(ratios, default=0):.2f}){of_floor}, "
                   f"{cpu:.1f} CPU ms/image")  # fmt: skip
     path = save_results(f"sharp-{args.label}" if args.label else "sharp", {
         "machine": lines, "sharp_version": SHARP_VERSION if with_sharp else None,
         "label": args.label,
         "runs": [asdict(r) | {"images_per_s": r.images_per_s,
-                              "cpu_ms_per_image": r.cpu_ms_per_image} for r in runs],
+                              "cpu_ms_per_image": r.cpu_ms_per_image,
+                              "vs_sharp": ratio_to_sharp(runs, r),
+                              "vs_floor": ratio_to_floor(runs, r)} for r in runs],
     })  # fmt: skip
     print(f"wrote {path}")
 

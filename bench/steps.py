@@ -1,6 +1,7 @@
 """Where one image's CPU goes in derivd, step by step, for bench/sharp.py's task.
 
     .venv/bin/python bench/steps.py [--label after] [--repeat 15] [--jobs 240]
+    .venv/bin/python bench/steps.py --floor vips|pillow [--lanes N] --out DIR INPUT...
 
 The 720x588 cover JPEG q80 variant of bench/sharp.py, on sharp's fixture and on one 12 MP
 phone photo, both backends, one thread (as a worker). Each step is called through the
@@ -15,7 +16,9 @@ functions had other names):
 - store: the variant written to the fs store (a temporary file, fsync, rename);
 - handler: the handler's whole `derive` (the analysis included); floor: sharp's own
   pipeline in the plain library (`vips_floor`, `pillow_floor`): what any program doing
-  this task with that library pays, so handler minus floor is what derivd adds;
+  this task with that library pays; floor_scaled: the same at derivd's decode scale
+  (libjpeg-turbo at M/8, `vips_floor_scaled`, `pillow_floor_scaled`), so handler minus
+  floor_scaled is what derivd adds;
 - queue: the CPU per job of `derivd run --burst` with the `noop` backend over `--jobs`
   rows (claim, fenced commit, supervisor; PostgreSQL's own CPU is not counted);
 - boot: `derivd run --burst` (vips) on an empty queue with one worker, as a whole (the
@@ -23,6 +26,8 @@ functions had other names):
 
 Median CPU (process_time) over `--repeat` runs after a warm-up; each step in isolation, so
 the sum is a little above the streamed pipeline. Writes bench/out/steps-<label>.json.
+`--floor` only runs the scaled floor over INPUTS in `--lanes` processes at once (one per
+core, outputs in DIR): bench/sharp.py's `floor:` sides, timed as a whole process.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import hashlib
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +51,7 @@ from common import ROOT, burst_drain, cluster, fresh_db, save_results, table
 os.environ.setdefault("VIPS_CONCURRENCY", "1")
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
-from derivd.handlers.geometry import base_size, jpeg_shrink
+from derivd.handlers.geometry import base_size, jpeg_eighths, jpeg_shrink
 from derivd.handlers.registry import create_handler
 from derivd.storage.fs import FsStorage
 
@@ -132,9 +138,101 @@ def pillow_floor(data: bytes) -> bytes:
     return out.getvalue()
 
 
+def _turbo(data: bytes, colour: str, turn: int
+           ) -> tuple[Any, tuple[int, int], tuple[float, float]]:  # fmt: skip
+    """libjpeg-turbo's decode (simplejpeg) at the M/8 scale derivd picks for the task
+    (`geometry.jpeg_eighths`, `fast`, for the upright size: EXIF orientation `turn`), as
+    `colour` (RGB, or RGBX for Pillow): the pixels, the base as stored (not yet upright),
+    and the part of the pixels the image spans (jpegscale.Scaled.extent)."""
+    import simplejpeg
+
+    height, width = simplejpeg.decode_jpeg_header(data)[:2]
+    sideways = turn in (5, 6, 7, 8)
+    upright = (height, width) if sideways else (width, height)
+    base = base_size(*upright, SPEC.variants)
+    eighths = jpeg_eighths(upright, base, "fast")
+    least = (-(-width * eighths // 8), -(-height * eighths // 8)) if eighths < 8 else (0, 0)
+    pixels = simplejpeg.decode_jpeg(data, colorspace=colour, min_width=least[0],
+                                    min_height=least[1])  # fmt: skip
+    stored_way = (base[1], base[0]) if sideways else base
+    return pixels, stored_way, (width * eighths / 8, height * eighths / 8)
+
+
+def vips_floor_scaled(data: bytes) -> bytes:
+    """`vips_floor` at derivd's scale: libjpeg-turbo at M/8 (3/8 for sharp's fixture,
+    where sharp decodes at 1/2), then libvips' lanczos3 at the exact scale, turned
+    upright, the centre cut, the same JPEG save. What derivd's vips handler does to the
+    pixels, and nothing else (no sniffing, limits, colour management or analysis)."""
+    import pyvips
+
+    head = pyvips.Image.new_from_buffer(data, "", access="sequential")
+    turn = head.get("orientation") if head.get_typeof("orientation") else 1
+    pixels, base, extent = _turbo(data, "RGB", turn)
+    image = pyvips.Image.new_from_memory(pixels.data, pixels.shape[1], pixels.shape[0], 3,
+                                         "uchar")  # fmt: skip
+    whole = (min(image.width, round(extent[0])), min(image.height, round(extent[1])))
+    image = image.crop(0, 0, *whole).resize(base[0] / extent[0], vscale=base[1] / extent[1])
+    image = image.crop(0, 0, *base).copy()
+    image.set_type(pyvips.GValue.gint_type, "orientation", turn)
+    image = image.autorot()
+    box = VARIANT.bounds
+    image = image.crop((image.width - box[0]) // 2, (image.height - box[1]) // 2, *box)
+    return bytes(image.jpegsave_buffer(Q=80, subsample_mode="on", optimize_coding=True,
+                                       keep="none"))  # fmt: skip
+
+
+_TURNS = {3: 3, 6: 4, 8: 2}  # EXIF orientation -> PIL.Image.Transpose (180, 270, 90)
+
+
+def pillow_floor_scaled(data: bytes) -> bytes:
+    """`pillow_floor` at derivd's scale: libjpeg-turbo at M/8, Pillow's Lanczos from the
+    exact part of the pixels the image spans, turned upright, the centre cut, the same
+    save."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as head:
+        turn = head.getexif().get(0x0112, 1)
+    pixels, base, extent = _turbo(data, "RGBX", turn)
+    size = (pixels.shape[1], pixels.shape[0])
+    image = Image.frombuffer("RGBX", size, pixels, "raw", "RGBX", 0, 1)
+    image = image.resize(base, Image.Resampling.LANCZOS, box=(0, 0, *extent)).convert("RGB")
+    if turn in _TURNS:
+        image = image.transpose(Image.Transpose(_TURNS[turn]))
+    box = VARIANT.bounds
+    left, top = (image.width - box[0]) // 2, (image.height - box[1]) // 2
+    out = io.BytesIO()
+    image.crop((left, top, left + box[0], top + box[1])).save(
+        out, "JPEG", quality=80, subsampling=2, optimize=True
+    )
+    return out.getvalue()
+
+
+FLOORS = {"vips": vips_floor, "pillow": pillow_floor}
+FLOORS_SCALED = {"vips": vips_floor_scaled, "pillow": pillow_floor_scaled}
+
+
+def floor_task(backend: str, lanes: int, out: Path, inputs: list[Path]) -> None:
+    """`lanes` processes (one per core, as sharp's per-core mode), each the scaled floor
+    over its share of `inputs` one after another, outputs written to `out` as
+    NNNN.jpg: the plain-library floor as a whole process, for bench/sharp.py."""
+    lane = [sys.executable, __file__, "--floor", backend, "--out", str(out)]
+    children = [subprocess.Popen([*lane, "--lane", f"{k}/{lanes}", *map(str, inputs)])
+                for k in range(lanes)]  # fmt: skip
+    if any(child.wait() for child in children):
+        raise SystemExit("a floor lane failed")
+
+
+def floor_lane(backend: str, lane: str, out: Path, inputs: list[Path]) -> None:
+    index, lanes = map(int, lane.split("/"))
+    floor = FLOORS_SCALED[backend]
+    for n in range(index, len(inputs), lanes):
+        (out / f"{n:04d}.jpg").write_bytes(floor(inputs[n].read_bytes()))
+
+
 def handler_rows(inputs: dict[str, bytes], repeat: int, store: FsStorage) -> list[dict[str, Any]]:
     rows = []
-    floors = {"vips": vips_floor, "pillow": pillow_floor}
     for backend, steps in (("vips", vips_steps), ("pillow", pillow_steps)):
         for name, data in inputs.items():
             decode, encode = steps(data)
@@ -149,7 +247,9 @@ def handler_rows(inputs: dict[str, bytes], repeat: int, store: FsStorage) -> lis
                 "store_ms": cpu_ms(lambda: store.put("derived/1/x/bench.jpg", out.data,  # noqa: B023
                                                      "image/jpeg"), repeat),
                 "handler_ms": cpu_ms(lambda: whole.derive(data, SPEC), repeat),  # noqa: B023
-                "floor_ms": cpu_ms(lambda: floors[backend](data), repeat),  # noqa: B023
+                "floor_ms": cpu_ms(lambda: FLOORS[backend](data), repeat),  # noqa: B023
+                "floor_scaled_ms": cpu_ms(lambda: FLOORS_SCALED[backend](data),  # noqa: B023
+                                          repeat),
             })  # fmt: skip
     return rows
 
@@ -182,7 +282,22 @@ def main() -> None:
     parser.add_argument("--label", default="after")
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--jobs", type=int, default=240)
+    parser.add_argument(
+        "--floor",
+        choices=sorted(FLOORS_SCALED),
+        help="only run the scaled floor over INPUTS (bench/sharp.py's floor side)",
+    )
+    parser.add_argument("--lanes", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--lane", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("inputs", nargs="*", type=Path)
     args = parser.parse_args()
+    if args.floor:
+        if args.lane:
+            floor_lane(args.floor, args.lane, args.out, args.inputs)
+        else:
+            floor_task(args.floor, args.lanes, args.out, args.inputs)
+        return
     sys.path.insert(0, str(ROOT / "bench"))
     from sharp import FIXTURE_NAME, HOME, phone_photos
 
@@ -201,7 +316,7 @@ def main() -> None:
           f"run --burst on an empty queue {fleet['boot_run_cpu_s']:.3f} CPU s "
           f"(one worker's boot {fleet['worker_boot_cpu_s']:.3f})")  # fmt: skip
     keys = ["decode_resize_ms", "crop_encode_ms", "sha256_ms", "store_ms", "handler_ms",
-            "floor_ms"]  # fmt: skip
+            "floor_ms", "floor_scaled_ms"]  # fmt: skip
     print(table(["backend", "input", *keys], [[r["backend"], r["input"], *(r[k] for k in keys)]
                                                for r in rows]))  # fmt: skip
     path = save_results(f"steps-{args.label}", {"label": args.label, "load_1min": load,

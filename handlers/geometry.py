@@ -16,6 +16,7 @@ variant of a small original is the largest part of the box the original can fill
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 from derivd.handlers.base import VariantSpec
 
@@ -81,28 +82,46 @@ def cover_window(original: tuple[int, int], base: tuple[int, int], variant: Vari
 # resize a factor of at least 2 (libvips' own `thumbnail` rule: a little sharper on fine
 # detail, slower); `off` decodes at full size (the reference the tests and bench/sharp.py
 # hold the other two to; not a setting).
-def _common_shrink(original: tuple[int, int], base: tuple[int, int]) -> float:
-    """How much both axes of `original` shrink to reach `base` (same orientation)."""
-    return min(original[0] / base[0], original[1] / base[1])
+def _common_shrink(original: tuple[int, int], base: tuple[int, int]) -> Fraction:
+    """How much both axes of `original` shrink to reach `base` (same orientation), exactly."""
+    return min(Fraction(original[0], base[0]), Fraction(original[1], base[1]))
+
+
+# A JPEG decoder's DCT scaling gives each side at M/8 (libjpeg's jdmaster.c; libjpeg-turbo
+# rounds the scaled side up). What each decoder derivd uses offers, in eighths:
+# libvips' jpegload (and Pillow's draft) only shrink 1, 2, 4 or 8; libjpeg-turbo through
+# simplejpeg (handlers/jpegscale.py) also 3/8. Its 5/8, 6/8 and 7/8 run C inverse DCTs
+# where 8/8 has a SIMD one: on sharp's fixture 5/8 took 27 ms against 18 ms for the whole
+# image, so they are never worth asking for (3/8, also in C, costs ~2 ms more than 4/8 and
+# saves more than that in the resize after it).
+SHRINK_EIGHTHS = (1, 2, 4, 8)
+TURBO_EIGHTHS = (1, 2, 3, 4, 8)
+
+
+def jpeg_eighths(original: tuple[int, int], base: tuple[int, int], mode: str,
+                 offered: tuple[int, ...] = TURBO_EIGHTHS) -> int:  # fmt: skip
+    """The DCT scale, in eighths, to decode `original` at on the way to `base`: the
+    smallest of `offered` whose pixels still leave the resize its headroom.
+
+    The headroom is sharp's rule (src/pipeline.cc) for its shrinks 8, 4, 2, written for
+    any M/8: the decode's own reduction (8/M) at most the shrink minus one (`fast`; sharp
+    lowers its factor once when it equals the shrink's integer part, where libjpeg's
+    rounding of the scaled size would leave the resize nothing to smooth), at most half
+    the shrink (`safe`). So the decoded image covers `base` however the decoder rounds
+    (libvips rounds down, libjpeg-turbo and Pillow's draft up). Sharp's fixture, 2725 x
+    2225 to a 720 x 588 cover (shrink 3.78): 3/8 (1022 x 835) where sharp decodes at 1/2.
+    """
+    if mode == "off":
+        return 8
+    shrink = _common_shrink(original, base)
+    reach = shrink / 2 if mode == "safe" else shrink - 1
+    return next((m for m in sorted(offered) if m * reach >= 8), 8)
 
 
 def jpeg_shrink(original: tuple[int, int], base: tuple[int, int], mode: str) -> int:
-    """The libjpeg DCT scaling (1, 2, 4 or 8) to decode `original` at, on the way to `base`.
-
-    sharp's rule (src/pipeline.cc): the largest of 8, 4, 2 not above the shrink (half the
-    shrink when `safe`), lowered once more when it equals the shrink's integer part, where
-    libjpeg's rounding of the scaled size would leave the resize nothing to smooth. So a
-    factor above 1 stays below the shrink's integer part, and the decoded image covers
-    `base` however the decoder rounds (libvips rounds down, Pillow's draft up).
-    """
-    if mode == "off":
-        return 1
-    shrink = _common_shrink(original, base)
-    leave = 2 if mode == "safe" else 1
-    factor = next((f for f in (8, 4, 2) if shrink >= f * leave), 1)
-    if factor > 1 and int(shrink) == factor:
-        factor //= 2
-    return factor
+    """The same rule for a decoder that only shrinks by 1, 2, 4 or 8 (libvips' jpegload,
+    Pillow's draft): the factor to pass it."""
+    return 8 // jpeg_eighths(original, base, mode, SHRINK_EIGHTHS)
 
 
 def webp_scale(original: tuple[int, int], base: tuple[int, int], mode: str) -> float:
@@ -111,4 +130,4 @@ def webp_scale(original: tuple[int, int], base: tuple[int, int], mode: str) -> f
     if mode == "off":
         return 1.0
     shrink = _common_shrink(original, base) / (2 if mode == "safe" else 1)
-    return 1.0 / shrink if shrink > 1.0 else 1.0
+    return float(1 / shrink) if shrink > 1 else 1.0

@@ -2,9 +2,10 @@
 
 Per job: open with only the accepted plugins (so Pillow never hands EPS to Ghostscript or
 guesses at TGA), check the limits from the header, decode once (the first frame, or every
-frame when a variant is animated; JPEG shrunk on load by `draft` as `[derive]
-shrink_on_load` and `geometry.jpeg_shrink` say, then reduced and resampled with Lanczos;
-Pillow has no scaled WebP decode, so WebP is decoded whole), orient, convert to 8-bit
+frame when a variant is animated; a still JPEG by libjpeg-turbo at the M/8 scale of
+`[derive] shrink_on_load` (`jpegscale`, `geometry.jpeg_eighths`), or, where that decoder
+declines it, by Pillow shrunk on load by `draft` (`geometry.jpeg_shrink`), then resampled
+with Lanczos; Pillow has no scaled WebP decode, so WebP is decoded whole), orient, convert to 8-bit
 sRGB, then shape and encode each variant from that one decoded image (`pillow_variants`),
 with metadata stripped.
 
@@ -44,8 +45,8 @@ from derivd.handlers.base import (
     decoding,
     encoding,
 )
-from derivd.handlers.geometry import base_size, jpeg_shrink
-from derivd.handlers.isobmff import declared
+from derivd.handlers.geometry import base_size, jpeg_eighths, jpeg_shrink
+from derivd.handlers.jpegscale import decode_scaled
 from derivd.handlers.pillow_variants import REDUCING_GAP, Decoded, derive_variants
 from derivd.handlers.sniff import (
     TIFF_COMPRESSION,
@@ -193,13 +194,16 @@ def to_srgb(im: Image.Image) -> Image.Image:
 
 
 def _eight_bit(im: Image.Image) -> Image.Image:
-    """One of L, LA, RGB, RGBA, CMYK, YCbCr: palettes expanded, 16-bit scaled down."""
+    """One of L, LA, RGB, RGBA, CMYK, YCbCr: palettes expanded, 16-bit scaled down, RGBX
+    without its padding."""
     if im.mode in ("P", "PA"):
         has_alpha = im.mode == "PA" or "transparency" in im.info
         return im.convert("RGBA" if has_alpha else "RGB")
     if im.mode.startswith("I"):
         # Scale 16 bits to 8; convert("L") would clip everything above 255 to white.
         return im.convert("I").point(lambda v: v * (1 / 257)).convert("L")
+    if im.mode == "RGBX":  # libjpeg-turbo's pixels as Pillow stores RGB (`_turbo_base`)
+        return im.convert("RGB")
     if im.mode in ("1", "La", "RGBa"):
         return im.convert({"1": "L", "La": "LA", "RGBa": "RGBA"}[im.mode])
     return im
@@ -222,7 +226,7 @@ def _colour_managed(im: Image.Image, icc: bytes) -> Image.Image:
     return out if out is not None else im
 
 
-def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> Decoded:
+def decode(im: ImageFile.ImageFile, original: bytes, spec: DeriveSpec) -> Decoded:
     """Upright 8-bit sRGB frames: the first only, unless an animated variant wants all.
 
     Variant sizes come from the original's size, not from the drafted one, so they match
@@ -234,13 +238,18 @@ def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> Decoded:
     base = base_size(*upright, spec.variants)
     stored_way = (base[1], base[0]) if turn in _SIDEWAYS else base
     jpeg = im.format in ("JPEG", "MPO")
+    animated = any(v.animated for v in spec.variants)
+    count = int(getattr(im, "n_frames", 1)) if animated else 1
+    if jpeg and count == 1:
+        scaled = _turbo_base(im, original, upright, base, stored_way, spec.shrink_on_load)
+        if scaled is not None:
+            frame = scaled.transpose(_TRANSPOSE[turn]) if turn in _TRANSPOSE else scaled
+            return Decoded([frame], [100], 0, upright)
     shrink = jpeg_shrink(upright, base, spec.shrink_on_load) if jpeg else 1
     if shrink > 1:
         # DCT-domain downscale by `shrink` (the rule both backends share), which draft
         # picks for a requested size of the stored size over `shrink`.
         im.draft(im.mode, (stored[0] // shrink, stored[1] // shrink))
-    animated = any(v.animated for v in spec.variants)
-    count = int(getattr(im, "n_frames", 1)) if animated else 1
     frames, durations = [], []
     for index in range(count):
         if index:
@@ -257,6 +266,28 @@ def decode(im: ImageFile.ImageFile, spec: DeriveSpec) -> Decoded:
     return Decoded(frames, durations, int(im.info.get("loop", 0) or 0), upright)
 
 
+def _turbo_base(im: ImageFile.ImageFile, original: bytes, upright: tuple[int, int],
+                base: tuple[int, int], stored_way: tuple[int, int], mode: str
+                ) -> Image.Image | None:  # fmt: skip
+    """A still JPEG decoded by libjpeg-turbo at M/8 (`jpegscale`, the scale
+    `geometry.jpeg_eighths` gives) and brought to the base as stored (not yet upright) by
+    `_to_base`: its ICC profile from the file's header; or None, for Pillow's own decoder
+    (a JPEG the fast one does not take, and `off`, the reference)."""
+    if mode == "off":
+        return None
+    scaled = decode_scaled(original, im.size, jpeg_eighths(upright, base, mode), "RGBX")
+    if scaled is None:
+        return None
+    # Read in place (L and RGBX are how Pillow stores grey and RGB): no copy of the pixels.
+    pixels = Image.frombuffer(scaled.mode, (scaled.width, scaled.height), scaled.pixels, "raw",
+                              scaled.mode, 0, 1)  # fmt: skip
+    icc = im.info.get("icc_profile")
+    if icc:
+        pixels.info["icc_profile"] = icc
+    # The exact part of the decoded pixels the stored image spans (`Scaled.extent`).
+    return _to_base(pixels, stored_way, (0, 0, *scaled.extent))
+
+
 def _whole_pixels(
     im: Image.Image, stored: tuple[int, int], shrink: int
 ) -> tuple[int, int, int, int] | None:
@@ -271,11 +302,11 @@ def _whole_pixels(
 
 
 # Modes Pillow resamples with Lanczos as they are; palettes and 16-bit go to sRGB first.
-_RESIZABLE = frozenset({"L", "LA", "RGB", "RGBA", "CMYK"})
+_RESIZABLE = frozenset({"L", "LA", "RGB", "RGBA", "RGBX", "CMYK"})
 
 
 def _to_base(image: Image.Image, base: tuple[int, int],
-             box: tuple[int, int, int, int] | None = None) -> Image.Image:  # fmt: skip
+             box: tuple[float, float, float, float] | None = None) -> Image.Image:  # fmt: skip
     """Down to the base size once, as libvips' thumbnail does, and to 8-bit sRGB: every
     variant then resamples a base-sized image instead of the (drafted) original, and the
     colour transform runs on the base's pixels, not the original's (also as libvips).
@@ -332,7 +363,7 @@ def decode_original(original: bytes, spec: DeriveSpec) -> tuple[Decoded, int]:
     if input_format(original) == "avif":
         # libavif refuses images past its own size limit in words Pillow turns into
         # "cannot identify": check the declared size first, as libvips' header does.
-        size = declared(original).size
+        size = heif.check_avif(original, spec).size
         if size is not None:
             check_declared_size(*size, 1, spec)
     im = open_image(original)
@@ -342,7 +373,7 @@ def decode_original(original: bytes, spec: DeriveSpec) -> tuple[Decoded, int]:
         with _classify_errors():
             frames = count_frames(im, spec.max_frames)
             check_declared_size(*im.size, frames, spec)
-            decoded = decode(im, spec)
+            decoded = decode(im, original, spec)
         # A frame that needed no resize or conversion is the file image itself, which
         # closes below: keep its pixels.
         decoded.frames[:] = [f.copy() if f is im else f for f in decoded.frames]

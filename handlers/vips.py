@@ -5,10 +5,12 @@ This is the only module that imports pyvips, and the registry imports it lazily,
 
 Per job: sniff the loader from the first bytes (allowlist), read the header only, check the
 limits, then one thumbnail to the base the largest variant needs, from which every variant
-is derived (`vips_variants`). A still JPEG or WebP is opened at the shrink-on-load scale of
-`[derive] shrink_on_load` (`geometry.jpeg_shrink`, `webp_scale`) and `thumbnail_image` does
-the rest; PNG, GIF, TIFF, AVIF and animated WebP go through `thumbnail_source` (HEIC
-through pi-heif, `decode_heif`). Either way: EXIF autorotation, colour management to sRGB (embedded
+is derived (`vips_variants`). A still JPEG is decoded by libjpeg-turbo at the M/8 scale of
+`[derive] shrink_on_load` (`jpegscale`, `geometry.jpeg_eighths`) and resized, or, where
+that decoder declines it (CMYK, a warning), opened by jpegload at its shrink
+(`geometry.jpeg_shrink`); a still WebP at `webp_scale`; `thumbnail_image` does the rest.
+PNG, GIF, TIFF, AVIF and animated WebP go through `thumbnail_source` (HEIC through
+pi-heif, `decode_heif`). Either way: EXIF autorotation, colour management to sRGB (embedded
 profile, or libvips' built-in CMYK profile for unprofiled CMYK), 16-bit to 8-bit, a
 lanczos3 resize, and streaming, so memory stays near one base-sized buffer plus a few
 scanlines of input. Every loader reads the original's bytes in place (a memory source,
@@ -39,7 +41,8 @@ from derivd.handlers.base import (
     decoding,
     encoding,
 )
-from derivd.handlers.geometry import base_size
+from derivd.handlers.geometry import base_size, jpeg_eighths
+from derivd.handlers.jpegscale import decode_scaled
 from derivd.handlers.sniff import (
     TIFF_BITS_PER_SAMPLE,
     TIFF_PHOTOMETRIC,
@@ -52,6 +55,7 @@ from derivd.handlers.sniff import (
 from derivd.handlers.vips_variants import (
     checked_base,
     derive_variants,
+    from_scaled,
     load_base,
     open_shrunk,
     read_in_place,
@@ -154,9 +158,10 @@ class Header:
         self.frames: int = _int_field(image, "n-pages", 1)
         # Only an embedded profile or CMYK needs a LittleCMS transform; doing it for every
         # image doubles the time of a plain sRGB JPEG (bench/derive.py).
-        self.needs_icc = image.get_typeof("icc-profile-data") != 0 or (
-            image.interpretation == "cmyk"
+        self.icc: bytes | None = (
+            image.get("icc-profile-data") if image.get_typeof("icc-profile-data") else None
         )
+        self.needs_icc = self.icc is not None or image.interpretation == "cmyk"
         self.loader = loader  # the sniffed nickname (jpegload_buffer, ...), not the source one
         self.relabelled = relabelled
         orientation = _int_field(image, "orientation", 1)
@@ -194,12 +199,26 @@ def decode_base(original: bytes, size: tuple[int, int], header: Header, all_fram
     `vips_variants.load_base`); 8-bit CIELAB TIFF takes its own path (`cielab8_as_rgb`)."""
     relabelled = header.relabelled
     if relabelled is None:
-        shrunk = None if all_frames else open_shrunk(original, header.loader, header.upright,
-                                                     size, shrink_on_load)  # fmt: skip
+        shrunk = None if all_frames else open_scaled(original, header, size, shrink_on_load)
         return load_base(original, size, header.needs_icc, all_frames, shrunk)
     image = lab_to_srgb(read_in_place("tiffload_source", relabelled, access="sequential",
                                       fail_on="error"))  # fmt: skip
     return checked_base(image.thumbnail_image(size[0], height=size[1], size="force"), size)
+
+
+def open_scaled(original: bytes, header: Header, size: tuple[int, int], mode: str) -> Any | None:
+    """A still image opened at the cheapest scale that covers `size` (None: let
+    `thumbnail_source` open it): a JPEG decoded by libjpeg-turbo at M/8 (`jpegscale`),
+    carrying the header's orientation and ICC profile for `thumbnail_image` to apply as
+    it does for jpegload's image; a JPEG it does not take, and WebP, through libvips'
+    own loaders (`open_shrunk`). `off` is libvips' full decode, the reference."""
+    if header.loader == "jpegload_buffer" and mode != "off":
+        eighths = jpeg_eighths(header.upright, size, mode)
+        scaled = decode_scaled(original, (header.width, header.height), eighths)
+        if scaled is not None:
+            stored_way = (size[1], size[0]) if header.orientation in _SIDEWAYS else size
+            return from_scaled(scaled, stored_way, header.orientation, header.icc)
+    return open_shrunk(original, header.loader, header.upright, size, mode)
 
 
 _CIELAB, _RGB = 8, 2  # TIFF PhotometricInterpretation values
@@ -277,6 +296,8 @@ def decode_original(original: bytes, spec: DeriveSpec) -> Decoded:
     """Everything that parses the user's bytes, to the decoded base."""
     if heif.is_heif(original):
         return decode_heif(original, spec)
+    if input_format(original) == "avif":
+        heif.check_avif(original, spec)  # the box-level limits HEIC gets (heifload: none)
     loader = sniff_loader(original)
     header = read_header(original, loader)
     check_declared_size(header.width, header.height, header.frames, spec)

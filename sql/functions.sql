@@ -216,6 +216,85 @@ BEGIN
     END LOOP;
 END $$;
 
+-- == The webhook outbox ==================================================================
+
+-- The outbox (DESIGN.md "Webhooks"): one delivery per endpoint subscribed to `event` (and
+-- to the file's tenant, when it names tenants) for this file, in the caller's
+-- transaction, with the body as it will be POSTed and signed: {"type", "timestamp" (the
+-- event's), "data": the file's id, tenant, status, error code and attempts, and for
+-- file.ready / file.rederived every variant and the analysis}. A re-derivation's job row
+-- is no file of its own: it announces nothing (its commit announces file.rederived for
+-- the file). Wakes the delivering processes (`derivd_deliveries`, constant payload: one
+-- notification per transaction). Returns the deliveries inserted.
+--
+-- Every caller checks derivd_webhooks_on() first (derivd_outbox_many does), once per
+-- call, so that without any endpoint a commit pays one probe of an empty table and no
+-- function call per row.
+CREATE OR REPLACE FUNCTION derivd_webhooks_on() RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM derivd_webhook_endpoints)
+$$;
+
+CREATE OR REPLACE FUNCTION derivd_outbox(file_id bigint, event text)
+RETURNS integer
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+DECLARE
+    n integer;
+BEGIN
+    INSERT INTO derivd_deliveries (endpoint, event, file_id, body)
+    SELECT e.name, derivd_outbox.event, f.id,
+           jsonb_build_object(
+               'type', derivd_outbox.event,
+               'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
+               'data', jsonb_build_object(
+                   'file_id', f.id, 'tenant', f.tenant, 'status', f.status,
+                   'error_code', f.error_code, 'attempts', f.attempts,
+                   'variants', CASE WHEN derivd_outbox.event IN ('file.ready', 'file.rederived')
+                       THEN coalesce((SELECT jsonb_agg(jsonb_build_object(
+                                'name', v.name, 'format', v.format, 'key', v.key,
+                                'version', v.version, 'content_type', v.content_type,
+                                'width', v.width, 'height', v.height, 'sha256', v.sha256)
+                              ORDER BY v.name, v.format)
+                              FROM archive_variants AS v WHERE v.file_id = f.id), '[]') END,
+                   'original', CASE WHEN derivd_outbox.event IN ('file.ready', 'file.rederived')
+                                     AND f.original_width IS NOT NULL
+                       THEN jsonb_build_object(
+                           'width', f.original_width, 'height', f.original_height,
+                           'format', f.original_format, 'frames', f.original_frames,
+                           'has_alpha', f.original_has_alpha, 'colour', f.original_colour,
+                           'placeholder', f.original_placeholder,
+                           'dhash', f.original_dhash) END))::text
+      FROM archive_files AS f
+      JOIN derivd_webhook_endpoints AS e
+        ON derivd_outbox.event = ANY (e.events)
+       AND (e.tenants IS NULL OR f.tenant = ANY (e.tenants))
+     WHERE f.id = derivd_outbox.file_id AND f.rederive_of IS NULL;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n > 0 THEN
+        PERFORM pg_notify('derivd_deliveries', '');
+    END IF;
+    RETURN n;
+END $$;
+
+-- The outbox for several files at once (the statements of sql/queries.sql that reject
+-- or delete rows call it in their own transaction, right after: QueueDB).
+CREATE OR REPLACE FUNCTION derivd_outbox_many(ids bigint[], event text)
+RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    n integer := 0;
+    i bigint;
+BEGIN
+    IF NOT derivd_webhooks_on() THEN
+        RETURN 0;
+    END IF;
+    FOREACH i IN ARRAY coalesce(ids, '{}') LOOP
+        n := n + derivd_outbox(i, event);
+    END LOOP;
+    RETURN n;
+END $$;
+
 -- == The lease protocol =================================================================
 
 -- The fenced commit of one or more finished attempts (`jobs`: a JSON array of {id,
@@ -238,6 +317,7 @@ LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     j record;
     n integer;
+    hooks boolean;  -- any webhook endpoint: asked once, after the first commit passes
 BEGIN
     FOR j IN
         SELECT *
@@ -302,6 +382,12 @@ BEGIN
                    lease_token = EXCLUDED.lease_token, fingerprint = EXCLUDED.fingerprint,
                    created_at = now();
             DELETE FROM pending_objects WHERE lease_token = j.token;
+        END IF;
+        IF hooks IS NULL THEN
+            hooks := derivd_webhooks_on();
+        END IF;
+        IF hooks THEN
+            PERFORM derivd_outbox(j.id, 'file.ready');
         END IF;
         id := j.id;
         outcome := 'committed';
@@ -647,6 +733,9 @@ BEGIN
         INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
         VALUES (derivd_fail.file_id, extra_event, n, token, code);
     END IF;
+    IF NOT again THEN
+        PERFORM derivd_outbox_many(ARRAY[derivd_fail.file_id], 'file.rejected');
+    END IF;
     status := new_status;
     error_code := new_code;
     RETURN NEXT;
@@ -903,6 +992,7 @@ BEGIN
     INSERT INTO archive_events (file_id, kind, attempt, lease_token)
     VALUES (target, 'rederived', n, j.token);
     DELETE FROM pending_objects AS p WHERE p.lease_token = j.token;
+    PERFORM derivd_outbox_many(ARRAY[target], 'file.rederived');
     RETURN 'committed';
 END $$;
 
@@ -927,8 +1017,9 @@ $$;
 -- job). Returns the ids whose lease still holds, fenced by id + token (with `renew`,
 -- exactly those leases are extended to now() + lease_s), and the ids whose attempt has
 -- just ended itself; every other id sent is lost. The host's registry row is refreshed
--- (created if pruned); with `starting` (a supervisor starts, holding no jobs) it is
--- started now, replacing a row its previous run left behind. Database time throughout.
+-- (created if pruned), fenced on the run that owns it: with `started_at` (from
+-- register_host, which starts a run's row) only the row of this pid and start.
+-- Database time throughout.
 --
 -- "Ended itself": a worker's fenced commit (or failure, or release) can land between
 -- the supervisor's last reading of its reports and this call; killing the worker for it
@@ -944,7 +1035,7 @@ $$;
 CREATE OR REPLACE FUNCTION derivd_heartbeat(jobs jsonb, renew boolean, lease_s float8,
                                             host text, pid integer, version text,
                                             backend text, workers integer, busy integer,
-                                            heartbeat_s float8, starting boolean)
+                                            heartbeat_s float8, started_at timestamptz)
 RETURNS SETOF bigint
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
@@ -953,15 +1044,20 @@ DECLARE
     alive bigint[];
     more bigint[];
 BEGIN
-    INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
+    -- Fenced on the run that owns the row (pid + start, from register_host): a run
+    -- whose row another run took over (it went stale meanwhile) never writes it again.
+    -- Without a start (tests, benchmarks) the row is this call's.
+    INSERT INTO derivd_hosts AS r
+           (host, pid, version, backend, workers, busy, heartbeat_s, started_at)
     VALUES (derivd_heartbeat.host, derivd_heartbeat.pid, derivd_heartbeat.version,
             derivd_heartbeat.backend, derivd_heartbeat.workers, derivd_heartbeat.busy,
-            derivd_heartbeat.heartbeat_s)
+            derivd_heartbeat.heartbeat_s, coalesce(derivd_heartbeat.started_at, now()))
     ON CONFLICT (host) DO UPDATE
        SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
            workers = EXCLUDED.workers, busy = EXCLUDED.busy,
-           heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now(),
-           started_at = CASE WHEN starting THEN now() ELSE r.started_at END;
+           heartbeat_s = EXCLUDED.heartbeat_s, last_heartbeat = now()
+     WHERE derivd_heartbeat.started_at IS NULL
+        OR (r.pid = EXCLUDED.pid AND r.started_at = derivd_heartbeat.started_at);
     IF cardinality(ids) = 0 THEN
         RETURN;
     END IF;
@@ -1037,6 +1133,8 @@ END $$;
 -- exact while the table is small (under 50,000 rows by the planner's statistics) and
 -- planner estimates beyond (`estimated` lists which counts are). max_age_s = 0: compute
 -- now.
+-- Every answer carries `age_s`: how long ago the reading was computed (0: now), so that
+-- whoever shows a shared reading can say how old it is.
 CREATE OR REPLACE FUNCTION derivd_queue_stats(max_age_s float8)
 RETURNS jsonb
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
@@ -1045,13 +1143,15 @@ DECLARE
     total float8;
     counts jsonb;
 BEGIN
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = 'queue' AND s.computed_at > now() - make_interval(secs => max_age_s);
     IF FOUND THEN
         RETURN result;
     END IF;
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = 'queue'
        AND s.computed_at > now() - make_interval(secs => max_age_s)
@@ -1105,7 +1205,7 @@ BEGIN
     UPDATE derivd_stats_cache AS s
        SET computed_at = now(), payload = result
      WHERE s.name = 'queue';
-    RETURN result;
+    RETURN result || '{"age_s": 0}';
 END $$;
 
 -- The recent-events counts behind `derivd status`, the dashboard and the metrics (events
@@ -1123,7 +1223,8 @@ DECLARE
     key text := 'events ' || window_s::text;
     result jsonb;
 BEGIN
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = key AND s.computed_at > now() - make_interval(secs => max_age_s);
     IF FOUND THEN
@@ -1132,7 +1233,8 @@ BEGIN
     INSERT INTO derivd_stats_cache (name, computed_at, payload)
     VALUES (key, '-infinity', '{}')
     ON CONFLICT (name) DO NOTHING;
-    SELECT s.payload INTO result
+    SELECT s.payload || jsonb_build_object('age_s', extract(epoch FROM now() - s.computed_at)::float8)
+      INTO result
       FROM derivd_stats_cache AS s
      WHERE s.name = key AND s.computed_at > now() - make_interval(secs => max_age_s)
        FOR UPDATE;
@@ -1160,7 +1262,7 @@ BEGIN
     UPDATE derivd_stats_cache AS s
        SET computed_at = now(), payload = result
      WHERE s.name = key;
-    RETURN result;
+    RETURN result || '{"age_s": 0}';
 END $$;
 
 -- The dashboard's chart, at a cost that does not grow with the table: jobs finished per

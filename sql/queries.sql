@@ -42,12 +42,26 @@ SELECT s AS signature
 
 -- name: enqueue
 -- Queue confirmed originals (key and version already stored), all at one priority and
--- tenant (NULL: none). Returns the new ids in order.
+-- tenant (NULL: none). Returns the new ids in order. Their write-ahead entries (what
+-- `derivd enqueue` registered before the PUTs: enqueue_write_ahead) go in the same
+-- statement: an original is either queued or still in the orphan registry, never neither.
+WITH confirmed AS (
+    DELETE FROM pending_objects WHERE key = ANY(%(keys)s::text[])
+)
 INSERT INTO archive_files (status, original_key, original_version, priority, tenant)
 SELECT 'queued', k, v, %(priority)s, %(tenant)s
   FROM unnest(%(keys)s::text[], %(versions)s::text[]) WITH ORDINALITY AS t(k, v, n)
  ORDER BY n
 RETURNING id;
+
+-- name: enqueue_write_ahead
+-- Originals about to be uploaded (`derivd enqueue`), registered before their PUTs as a
+-- worker registers its variants: an upload interrupted before its rows are inserted
+-- leaves them to the orphan sweep (after [sweep] orphan_guard; `token` is no lease, so
+-- nothing keeps them). file_id 0: no file yet. `enqueue` clears them.
+INSERT INTO pending_objects (key, file_id, lease_token)
+SELECT k, 0, %(token)s FROM unnest(%(keys)s::text[]) AS k
+ON CONFLICT (key) DO NOTHING;
 
 -- name: listen
 -- Listen on `{channel}`: derivd.queue.db's QUEUED_CHANNEL (the supervisor's wake-up: the
@@ -566,6 +580,17 @@ SELECT f.status, f.error_code,
 -- functions.sql, README).
 SELECT id FROM derivd_similar(%(id)s, %(max)s, %(limit)s) AS id;
 
+-- name: not_yet_due
+-- What a `run --burst` leaves behind once nothing is claimable: queued rows whose retry
+-- delay has not passed (counted to 10,000) and in how many seconds the first is due,
+-- both through the partial index of queued rows.
+SELECT (SELECT count(*) FROM (SELECT 1 FROM archive_files
+                               WHERE status = 'queued' AND available_at > now()
+                               LIMIT 10000) AS q)::int AS waiting,
+       extract(epoch FROM (SELECT min(available_at) FROM archive_files
+                            WHERE status = 'queued' AND available_at > now())
+                          - now())::float8 AS next_due_s;
+
 -- name: dashboard_in_flight
 -- The dashboard's jobs in flight (every host; files and re-derivations), oldest lease
 -- first, through the partial indexes on processing rows: bounded by `limit` whatever the
@@ -599,18 +624,43 @@ SELECT minutes_ago, finished, median_s
 -- which of the jobs this host holds (`jobs`: a JSON array of {id, token, file}, running
 -- and claimed-unstarted) still hold their lease, fenced by id + token; with `renew`,
 -- exactly those leases are extended to now() + lease_s. The host's registry row is
--- refreshed (created if pruned); with `starting` it is started now: the registry's one
--- upsert. Returns the ids whose lease still holds, and the ids whose attempt has just
--- ended itself (committed, failed or released by that very token); every other id sent
--- is lost.
+-- refreshed (created if pruned), fenced on the run that owns it: with `started_at` (a
+-- supervisor's, from register_host) only the row of this pid and start; another run's
+-- row under the same name is never taken over. Returns the ids whose lease still holds,
+-- and the ids whose attempt has just ended itself (committed, failed or released by that
+-- very token); every other id sent is lost.
 SELECT id FROM derivd_heartbeat(%(jobs)s::jsonb, %(renew)s::boolean, %(lease_s)s::float8,
                                 %(host)s::text, %(pid)s::integer, %(version)s::text,
                                 %(backend)s::text, %(workers)s::integer, %(busy)s::integer,
-                                %(heartbeat_s)s::float8, %(starting)s::boolean) AS id;
+                                %(heartbeat_s)s::float8, %(started_at)s::timestamptz) AS id;
+
+-- name: host_holder
+-- The registry row under a name, for a supervisor about to start under it.
+SELECT pid, version, started_at, heartbeat_s,
+       extract(epoch FROM now() - last_heartbeat)::float8 AS heartbeat_age_s,
+       NOT derivd_host_stale(last_heartbeat, heartbeat_s) AS alive
+  FROM derivd_hosts
+ WHERE host = %(host)s;
+
+-- name: register_host
+-- A supervisor starts: its registry row, idle and started now. Fenced: it replaces only
+-- the row it was shown (`seen_pid` + `seen_started_at`: a stale one, or its own crashed
+-- run's), never one another run has written since; nothing returned: try again.
+INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
+VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, 0, %(heartbeat_s)s)
+ON CONFLICT (host) DO UPDATE
+   SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
+       workers = EXCLUDED.workers, busy = 0, heartbeat_s = EXCLUDED.heartbeat_s,
+       last_heartbeat = now(), started_at = now()
+ WHERE r.pid = %(seen_pid)s AND r.started_at = %(seen_started_at)s::timestamptz
+RETURNING started_at;
 
 -- name: deregister_host
--- A clean stop. Fenced on the pid: a newer supervisor under the same name keeps its row.
-DELETE FROM derivd_hosts WHERE host = %(host)s AND pid = %(pid)s;
+-- A clean stop. Fenced on the pid and the start: a supervisor under the same name (a
+-- newer one, or one on another machine) keeps its row.
+DELETE FROM derivd_hosts
+ WHERE host = %(host)s AND pid = %(pid)s
+   AND (%(started_at)s::timestamptz IS NULL OR started_at = %(started_at)s::timestamptz);
 
 -- name: prune_hosts
 -- Rows of hosts that stopped heartbeating (stale: derivd_host_stale) for longer than the
@@ -670,3 +720,214 @@ SELECT derivd_rehome_default_events(
 -- Whether the DEFAULT partition holds events (days no partition covered: the partition
 -- duty was away longer than it creates ahead): `derivd status` warns.
 SELECT EXISTS (SELECT 1 FROM archive_events_default) AS present;
+
+-- Webhooks (issue 29; migration 0018; DESIGN.md "Webhooks") ----------------------------
+
+-- name: outbox_many
+-- The outbox of rows a statement just rejected or deleted, run right after it in the same
+-- transaction (QueueDB): one delivery per subscribed endpoint (derivd_outbox_many in
+-- sql/functions.sql; nothing without endpoints).
+SELECT derivd_outbox_many(%(ids)s::bigint[], %(event)s::text) AS n;
+
+-- name: webhook_endpoints_sync
+-- The supervisor's `[webhook:NAME]` sections, at start and on SIGHUP: each endpoint's
+-- subscription (events, tenants; NULL: every tenant) upserted, every other endpoint
+-- removed (its undelivered rows stay, delivered again if it comes back). The circuit
+-- columns are left as they are. Returns the names removed and the names added or changed.
+WITH given AS (
+    SELECT * FROM jsonb_to_recordset(%(endpoints)s::jsonb)
+                  AS g(name text, events text[], tenants text[])
+), gone AS (
+    DELETE FROM derivd_webhook_endpoints AS e
+     WHERE NOT EXISTS (SELECT 1 FROM given AS g WHERE g.name = e.name)
+    RETURNING e.name
+), changed AS (
+    INSERT INTO derivd_webhook_endpoints AS e (name, events, tenants)
+    SELECT g.name, g.events, g.tenants FROM given AS g
+    ON CONFLICT (name) DO UPDATE
+       SET events = EXCLUDED.events, tenants = EXCLUDED.tenants, updated_at = now()
+     WHERE e.events IS DISTINCT FROM EXCLUDED.events
+        OR e.tenants IS DISTINCT FROM EXCLUDED.tenants
+    RETURNING e.name
+)
+SELECT coalesce((SELECT array_agg(name ORDER BY name) FROM gone), '{}') AS removed,
+       coalesce((SELECT array_agg(name ORDER BY name) FROM changed), '{}') AS changed;
+
+-- name: webhook_endpoints
+-- The endpoints the database knows (`derivd webhooks list`).
+SELECT name, events, tenants, updated_at, failures, paused_until, last_error
+  FROM derivd_webhook_endpoints ORDER BY name;
+
+-- name: deliveries_claim
+-- The lease protocol for deliveries: up to `limit` rows of one endpoint, expired leases
+-- first (their process died mid-POST), then the due ones oldest first, each locked with
+-- SKIP LOCKED and given a fresh token and lease (a delivery is never POSTed by two hosts
+-- at once: the lease outlasts the POST's hard timeout). Nothing while the endpoint's
+-- circuit is open (paused_until). age_s: seconds since the event (or its replay), the
+-- horizon's clock; all times are the database's.
+WITH open AS (
+    SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM derivd_webhook_endpoints AS e
+                                WHERE e.name = %(endpoint)s AND e.paused_until > now())
+), due AS (
+    SELECT * FROM (SELECT d.id FROM derivd_deliveries AS d, open
+                    WHERE d.endpoint = %(endpoint)s AND d.status = 'delivering'
+                      AND d.lease_until < now()
+                    ORDER BY d.lease_until
+                    LIMIT %(limit)s
+                      FOR UPDATE OF d SKIP LOCKED) AS expired
+    UNION ALL
+    SELECT * FROM (SELECT d.id FROM derivd_deliveries AS d, open
+                    WHERE d.endpoint = %(endpoint)s AND d.status = 'pending'
+                      AND d.available_at <= now()
+                    ORDER BY d.available_at
+                    LIMIT %(limit)s
+                      FOR UPDATE OF d SKIP LOCKED) AS pending
+    LIMIT %(limit)s
+)
+UPDATE derivd_deliveries AS d
+   SET status = 'delivering',
+       lease_token = gen_random_uuid(),
+       lease_until = now() + make_interval(secs => %(lease_s)s),
+       attempts = d.attempts + 1,
+       claimed_by = %(host)s
+  FROM due
+ WHERE d.id = due.id
+RETURNING d.id, d.lease_token, d.attempts, d.event, d.file_id, d.body,
+          extract(epoch FROM now() - d.retry_from)::float8 AS age_s;
+
+-- name: delivery_finish
+-- The fenced end of one attempt (id + token): `delivered`, `failed`, or `pending` again
+-- after delay_s. Zero rows: the lease was lost (another host has it now), nothing
+-- changes. The endpoint's circuit, fleet-wide: a success closes it; each failure counts,
+-- and from `threshold` consecutive failures on, the endpoint's claims stop for
+-- pause_base * 2^(failures - threshold) seconds (at most pause_max), every due row of it
+-- together. Its row is written only when that changes something (a hot row otherwise).
+WITH done AS (
+    UPDATE derivd_deliveries AS d
+       SET status = %(status)s,
+           available_at = now() + make_interval(secs => %(delay_s)s),
+           lease_token = NULL,
+           lease_until = NULL,
+           finished_at = CASE WHEN %(status)s IN ('delivered', 'failed') THEN now() END,
+           last_status = %(http_status)s,
+           last_error = %(error)s
+     WHERE d.id = %(id)s AND d.lease_token = %(token)s  -- the fence
+    RETURNING d.endpoint
+), circuit AS (
+    UPDATE derivd_webhook_endpoints AS e
+       SET failures = CASE WHEN %(ok)s THEN 0 ELSE e.failures + 1 END,
+           paused_until = CASE
+               WHEN %(ok)s THEN NULL
+               WHEN e.failures + 1 >= %(threshold)s
+               THEN now() + make_interval(secs => least(
+                        %(pause_max)s::float8,
+                        %(pause_base)s * power(2, least(e.failures + 1 - %(threshold)s, 20))))
+               ELSE e.paused_until END,
+           last_error = CASE WHEN %(ok)s THEN e.last_error ELSE %(error)s END,
+           last_error_at = CASE WHEN %(ok)s THEN e.last_error_at ELSE now() END
+      FROM done
+     WHERE e.name = done.endpoint
+       AND (NOT %(ok)s OR e.failures > 0 OR e.paused_until IS NOT NULL)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM done)::int AS finished, (SELECT count(*) FROM circuit)::int;
+
+-- name: webhook_stats
+-- Per endpoint the database knows: backlog (pending + delivering), the oldest undelivered
+-- event's age, deliveries delivered and failed in the last `window_s` seconds, failed
+-- rows kept (until replayed or past retention), and the circuit: consecutive failures,
+-- paused or not, the last error and its age. Bounded by the backlog and the window.
+SELECT e.name, e.failures, coalesce(e.paused_until > now(), false) AS paused, e.last_error,
+       extract(epoch FROM now() - e.last_error_at)::float8 AS last_error_age_s,
+       (SELECT count(*) FROM derivd_deliveries AS d
+         WHERE d.endpoint = e.name AND d.status = 'pending')::int
+       + (SELECT count(*) FROM derivd_deliveries AS d
+           WHERE d.endpoint = e.name AND d.status = 'delivering')::int AS backlog,
+       extract(epoch FROM now() - least(
+           (SELECT min(d.created_at) FROM derivd_deliveries AS d
+             WHERE d.endpoint = e.name AND d.status = 'pending'),
+           (SELECT min(d.created_at) FROM derivd_deliveries AS d
+             WHERE d.endpoint = e.name AND d.status = 'delivering')))::float8
+           AS oldest_undelivered_age_s,
+       (SELECT count(*) FROM derivd_deliveries AS d
+         WHERE d.endpoint = e.name AND d.status = 'delivered'
+           AND d.finished_at >= now() - make_interval(secs => %(window_s)s))::int
+           AS delivered_recent,
+       (SELECT count(*) FROM derivd_deliveries AS d
+         WHERE d.endpoint = e.name AND d.status = 'failed'
+           AND d.finished_at >= now() - make_interval(secs => %(window_s)s))::int
+           AS failed_recent,
+       (SELECT count(*) FROM derivd_deliveries AS d
+         WHERE d.endpoint = e.name AND d.status = 'failed')::int AS failed_kept
+  FROM derivd_webhook_endpoints AS e
+ ORDER BY e.name;
+
+-- name: deliveries_replay
+-- `derivd webhooks replay`: finished deliveries (delivered or failed; `failed_only`: the
+-- failed ones) of one endpoint or all, of some files or all, of events made in
+-- [since, until) or any time, due again now with a fresh horizon and the same
+-- webhook-id (receivers that saw one drop it). Wakes the delivering processes.
+WITH done AS (
+    UPDATE derivd_deliveries AS d
+       SET status = 'pending', available_at = now(), retry_from = now(), finished_at = NULL
+     WHERE d.status IN ('delivered', 'failed')
+       AND (NOT %(failed_only)s OR d.status = 'failed')
+       AND (%(endpoint)s::text IS NULL OR d.endpoint = %(endpoint)s::text)
+       AND (%(ids)s::bigint[] IS NULL OR d.file_id = ANY (%(ids)s::bigint[]))
+       AND (%(since)s::timestamptz IS NULL OR d.created_at >= %(since)s::timestamptz)
+       AND (%(until)s::timestamptz IS NULL OR d.created_at < %(until)s::timestamptz)
+    RETURNING d.id
+), counted AS (
+    SELECT count(*)::int AS replayed FROM done
+)
+SELECT c.replayed
+  FROM counted AS c
+  LEFT JOIN LATERAL (SELECT pg_notify('derivd_deliveries', '') WHERE c.replayed > 0) AS w
+    ON true;
+
+-- name: delivery_test
+-- `derivd webhooks test NAME`: one delivery of a `file.ready`-shaped test event (file id 0,
+-- no variants) to that endpoint, through the outbox like any other. Returns its id.
+WITH made AS (
+    INSERT INTO derivd_deliveries (endpoint, event, file_id, body)
+    VALUES (%(endpoint)s, 'file.ready', 0, %(body)s)
+    RETURNING id
+)
+SELECT m.id FROM made AS m
+  LEFT JOIN LATERAL (SELECT pg_notify('derivd_deliveries', '')) AS w ON true;
+
+-- name: delivery_row
+-- One delivery's state (`derivd webhooks test` waits on it; tests).
+SELECT id, endpoint, event, file_id, status, attempts, last_status, last_error
+  FROM derivd_deliveries WHERE id = %(id)s;
+
+-- name: deliveries_purge
+-- Retention, by the sweep: finished deliveries (delivered, or failed and never replayed)
+-- of events older than `days` days, a batch at a time (days = 0: keep them). Pending and
+-- delivering rows stay whatever their age. Returns the statuses removed.
+DELETE FROM derivd_deliveries
+ WHERE id IN (SELECT d.id FROM derivd_deliveries AS d
+               WHERE d.created_at < now() - make_interval(days => %(days)s)
+                 AND d.status IN ('delivered', 'failed') AND %(days)s > 0
+               ORDER BY d.created_at
+               LIMIT %(limit)s)
+RETURNING status;
+
+-- Files, for operators and apps (derivd files, derivd similar) ---------------------------
+
+-- name: files_page
+-- `derivd files`: files (not re-derivation jobs) newest first, by status, error code,
+-- tenant and creation time, one page at a time: `before` is the last id of the page
+-- before (keyset paging, stable while rows are added).
+SELECT id, status, error_code, tenant, attempts, priority, created_at, finished_at,
+       original_key
+  FROM archive_files
+ WHERE rederive_of IS NULL
+   AND (%(status)s::text IS NULL OR status = %(status)s::text)
+   AND (%(code)s::text IS NULL OR error_code = %(code)s::text)
+   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s::text)
+   AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+   AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
+   AND (%(before)s::bigint IS NULL OR id < %(before)s::bigint)
+ ORDER BY id DESC
+ LIMIT %(limit)s;

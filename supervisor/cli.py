@@ -21,7 +21,7 @@ from derivd.config import (
     load_config,
     render_ini,
 )
-from derivd.states import ERROR_CODES
+from derivd.states import ERROR_CODES, STATUSES
 from derivd.traffic import (
     BACKFILL_PRIORITY,
     DEFAULT_PRIORITY,
@@ -654,6 +654,176 @@ def retry(state: State, ids: tuple[int, ...], all_rejected: bool, code: str | No
     if result.unknown:
         click.echo(f"unknown: {_ids(result.unknown)}")
         sys.exit(1)
+
+
+def _when(text: str | None) -> Any:
+    """An ISO date or time given on the command line (naive: UTC)."""
+    if text is None:
+        return None
+    from datetime import UTC, datetime
+
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        die(f"{text!r} is not a date or time (e.g. 2026-12-02 or 2026-12-02T14:00)", 2)
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+@main.command()
+@click.option("--status", type=click.Choice(STATUSES), help="Only files in this status.")
+@click.option("--code", type=click.Choice(ERROR_CODES), help="Only files rejected with this code.")
+@click.option("--tenant", help="Only this tenant's files.")
+@click.option("--since", help="Created at or after (ISO date or time, UTC unless given).")
+@click.option("--until", help="Created before (ISO date or time).")
+@click.option("--before", type=click.IntRange(min=1), help="Ids below this (the next page).")
+@click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: files and next_before.")
+@pass_state
+@friendly_errors
+def files(
+    state: State,
+    status: str | None,
+    code: str | None,
+    tenant: str | None,
+    since: str | None,
+    until: str | None,
+    before: int | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List files, newest first: by status, error code, tenant and time, a page at a time.
+
+    \b
+    Examples:
+      derivd files --status rejected --code corrupt_content
+      derivd files --tenant acme --since 2026-12-01 --json
+      derivd files --before 1200          the page after one that ended at id 1201
+    """
+    from derivd.embedded.runtime import database
+    from derivd.ops.files_view import files_json, files_table
+    from derivd.queue.db import QueueDB
+
+    window = {"since": _when(since), "until": _when(until)}
+    with database(state.config, read_only=True) as dsn, QueueDB.open(dsn, role="derivd-cli") as q:
+        rows = q.files_page(status=status, code=code, tenant=tenant, before=before, limit=limit,
+                            **window)  # fmt: skip
+    click.echo(files_json(rows, limit) if as_json else files_table(rows, limit))
+
+
+@main.command()
+@click.argument("file_id", type=click.IntRange(min=1), metavar="ID")
+@click.option("--max-distance", type=click.IntRange(0, 64), default=6, show_default=True,
+              help="Most differing bits of the 64-bit dhash.")  # fmt: skip
+@click.option("--limit", type=click.IntRange(1, 10000), default=100, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@pass_state
+@friendly_errors
+def similar(state: State, file_id: int, max_distance: int, limit: int, as_json: bool) -> None:
+    """The ready files that look like file ID (near-duplicates by dhash), nearest first."""
+    import json
+
+    from derivd.embedded.runtime import database
+    from derivd.queue.db import QueueDB
+
+    with database(state.config, read_only=True) as dsn, QueueDB.open(dsn, role="derivd-cli") as q:
+        if q.status_of(file_id) is None:
+            die(f"no file with id {file_id}")
+        ids = q.similar(file_id, max_distance, limit)
+    if as_json:
+        click.echo(json.dumps({"id": file_id, "max_distance": max_distance, "similar": ids}))
+    else:
+        click.echo("\n".join(map(str, ids)) if ids else "no similar ready file")
+
+
+@main.group()
+def webhooks() -> None:
+    """The [webhook:NAME] endpoints: their state, a test event, replays."""
+
+
+@webhooks.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@pass_state
+@friendly_errors
+def webhooks_list(state: State, as_json: bool) -> None:
+    """Each endpoint: where it posts, what it subscribes, its backlog, the oldest
+    undelivered event, delivered and failed in the last [status] window, its circuit
+    and last error (secrets never shown)."""
+    import json
+
+    from derivd.embedded.runtime import database
+    from derivd.ops.status import duration
+    from derivd.ops.webhook_view import configured_json, endpoint_json, endpoint_lines
+    from derivd.queue.db import QueueDB
+
+    config = state.config
+    with database(config, read_only=True) as dsn, QueueDB.open(dsn, role="derivd-cli") as q:
+        rows = q.webhook_stats(window_s=config.status.window)
+    if as_json:
+        click.echo(json.dumps({"configured": configured_json(config.webhooks),
+                               "endpoints": [endpoint_json(r) for r in rows]}))  # fmt: skip
+        return
+    for endpoint in configured_json(config.webhooks):
+        click.echo(f"[webhook:{endpoint['name']}] {endpoint['url']}  events: "
+                   f"{', '.join(endpoint['events'])}  tenants: "
+                   f"{', '.join(endpoint['tenants']) or 'all'}")  # fmt: skip
+    if not config.webhooks:
+        click.echo("no [webhook:NAME] section in " + config.source)
+    click.echo("\n".join(endpoint_lines(rows, duration(config.status.window))).lstrip("\n"))
+
+
+@webhooks.command("test")
+@click.argument("name")
+@pass_state
+@friendly_errors
+def webhooks_test(state: State, name: str) -> None:
+    """POST one signed test event (file_id 0) to endpoint NAME now, from here, and say
+    what it answered: exit 0 on 2xx, 1 otherwise. Nothing enters the outbox."""
+    from derivd.ops.webhook_view import send_test
+
+    endpoint = next((e for e in state.config.webhooks if e.name == name), None)
+    if endpoint is None:
+        known = ", ".join(e.name for e in state.config.webhooks) or "none"
+        die(f"no [webhook:{name}] section in {state.config.source} (known: {known})", 2)
+    ok, line = send_test(endpoint)
+    click.echo(line)
+    sys.exit(0 if ok else 1)
+
+
+@webhooks.command("replay")
+@click.option("--file", "file_ids", multiple=True, type=click.IntRange(min=1), metavar="ID",
+              help="The events of this file (repeatable).")  # fmt: skip
+@click.option("--since", help="Events made at or after (ISO date or time, UTC unless given).")
+@click.option("--until", help="Events made before.")
+@click.option("--failed", "failed_only", is_flag=True, help="Only failed deliveries.")
+@click.option("--endpoint", help="Only this endpoint's deliveries.")
+@pass_state
+@friendly_errors
+def webhooks_replay(
+    state: State,
+    file_ids: tuple[int, ...],
+    since: str | None,
+    until: str | None,
+    failed_only: bool,
+    endpoint: str | None,
+) -> None:
+    """Deliver finished events again (same webhook-id: receivers that had one drop it).
+
+    \b
+    Examples:
+      derivd webhooks replay --failed                     every failed delivery
+      derivd webhooks replay --file 41 --file 42          these files' events
+      derivd webhooks replay --since 2026-12-02T10:00 --until 2026-12-02T11:00
+    """
+    if not (file_ids or since or until or failed_only):
+        die("say what to replay: --file ID, --since/--until, or --failed", 2)
+    from derivd.embedded.runtime import database
+    from derivd.queue.db import QueueDB
+
+    window = {"since": _when(since), "until": _when(until)}
+    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-cli") as q:
+        n = q.replay_deliveries(endpoint=endpoint, ids=list(file_ids) or None,
+                                failed_only=failed_only, **window)  # fmt: skip
+    click.echo(f"replayed: {n} deliveries" if n else "nothing to replay")
 
 
 if __name__ == "__main__":  # python -m derivd.cli (the console script calls main itself)

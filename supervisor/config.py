@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
-from derivd.redact import mask_dsn, mask_url, parse_dsn
+from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn
 from derivd.variants import (
     SECTION_PREFIX,
     build_variants,
@@ -30,6 +30,16 @@ from derivd.variants import (
     check_size,
     is_variant_section,
 )
+from derivd.webhooks.endpoints import (
+    EVENTS,
+    Endpoint,
+    build_endpoints,
+    check_events,
+    check_tenants,
+    check_url,
+    is_webhook_section,
+)
+from derivd.webhooks.endpoints import SECTION_PREFIX as WEBHOOK_PREFIX
 
 DEFAULT_CONFIG = Path("etc/derivd.ini")
 CONFIG_ENV = "DERIVD_CONFIG"  # the config file when -c is not given
@@ -56,20 +66,24 @@ def setting(
 class Bounds:
     """A number's range, finite at both ends: every numeric setting declares one, so a
     value like `inf` or `1e300` is refused at load instead of overflowing an interval, an
-    integer column or a timer later. `above`: strictly more than `low`."""
+    integer column or a timer later. `above`: strictly more than `low`; `between`: the
+    message names both ends (a scale, like quality 1-100)."""
 
     low: float
     high: float
     above: bool = False
+    between: bool = False
 
     def __call__(self, value: float) -> str | None:
-        # Written so that NaN fails every comparison, hence the check.
-        if (value > self.low if self.above else value >= self.low) and value <= self.high:
+        low_ok = value > self.low if self.above else value >= self.low
+        if low_ok and value <= self.high:  # NaN fails both comparisons
             return None
         low, high = _number(self.low), _number(self.high)
-        if self.above:
-            return f"must be greater than {low} and at most {high}"
-        return f"must be between {low} and {high}"
+        if self.between:
+            return f"must be between {low} and {high}"
+        if not low_ok and value < self.high:
+            return f"must be greater than {low}" if self.above else f"must be {low} or more"
+        return f"must be at most {high}"
 
 
 def _number(value: float) -> str:
@@ -85,10 +99,10 @@ def non_negative(high: float) -> Bounds:
 
 
 def in_range(low: int, high: int) -> Bounds:
-    return Bounds(low, high)
+    return Bounds(low, high, between=True)
 
 
-fraction = Bounds(0, 1)
+fraction = Bounds(0, 1, between=True)
 
 
 # Upper bounds, generous for any real deployment, small enough for every use downstream
@@ -222,6 +236,13 @@ class SupervisorSettings:
         30.0,
         "seconds running jobs get to finish on SIGTERM before they are released",
         check=non_negative(DAY),
+    )
+    pipeline: int = setting(
+        2,
+        "jobs a worker holds at once, each at its own stage: the next original is fetched "
+        "and derived while the previous job's variants are stored and committed; 1: one job "
+        "at a time (also what a worker does with [queue] claim_batch above 1)",
+        check=in_range(1, 4),
     )
     max_jobs_per_worker: int = setting(
         1000,
@@ -372,10 +393,49 @@ class VariantSettings:
 
 
 @dataclass(frozen=True)
+class WebhookSettings:
+    """`[webhook:NAME]`: one receiver of signed events (derivd.webhooks.endpoints checks
+    the secret and builds the Endpoint)."""
+
+    url: str = setting("", "http:// or https:// URL the events are POSTed to", check=check_url)
+    secret: str = setting(
+        "",
+        "Standard Webhooks secret, whsec_<base64>; or set secret_env or secret_file instead",
+        mask=lambda value: MASK if value else value,
+    )
+    secret_env: str = setting("", "name of an environment variable that holds the secret")
+    secret_file: str = setting("", "file that holds the secret", path=True)
+    events: str = setting(
+        ", ".join(EVENTS), "comma-separated: any of " + ", ".join(EVENTS), check=check_events
+    )
+    tenants: str = setting(
+        "", "comma-separated tenants whose files are announced; empty: all", check=check_tenants
+    )
+    timeout: float = setting(
+        10.0,
+        "seconds one POST may take in all (connect, send, response)",
+        check=positive(10 * MINUTE),
+    )
+    retry_horizon: float = setting(
+        86400.0,
+        "seconds after the event past which it is not retried: failed",
+        check=positive(30 * DAY),
+    )
+    retry_base: float = setting(
+        5.0, "first retry delay (doubles per attempt, full jitter, at most an hour)",
+        check=positive(HOUR),
+    )  # fmt: skip
+    concurrency: int = setting(
+        4, "POSTs in flight to this endpoint at once, per host", check=in_range(1, 64)
+    )
+
+
+@dataclass(frozen=True)
 class SweepSettings:
     orphan_guard: float = setting(
         3600.0,
-        "seconds before an uncommitted object is deleted (must exceed the lease)",
+        "seconds before an uncommitted object is deleted (must exceed the lease and "
+        "job_timeout + kill_grace)",
         check=positive(10 * 365 * DAY),
     )
     delete_guard: float = setting(
@@ -481,6 +541,9 @@ class Config:
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     # `[variant:NAME]` sections by NAME, in file order.
     variant_sections: Mapping[str, VariantSettings] = field(default_factory=dict)
+    # `[webhook:NAME]` sections by NAME, in file order, and their endpoints (secrets read).
+    webhook_sections: Mapping[str, WebhookSettings] = field(default_factory=dict)
+    webhooks: tuple[Endpoint, ...] = ()
     source: str = DEFAULTS
     # Where each (section, key) came from when it is not `source`: "environment NAME".
     origins: Mapping[tuple[str, str], str] = field(default_factory=dict)
@@ -498,6 +561,13 @@ class Config:
     @property
     def worker_count(self) -> int:
         return self.supervisor.workers or os.cpu_count() or 1
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Jobs one worker holds at once: `[supervisor] pipeline`, or 1 with claim_batch
+        above 1 (a batch of short jobs already shares its round trips; a pipeline would
+        only hold its rows longer)."""
+        return 1 if self.queue.claim_batch > 1 else self.supervisor.pipeline
 
     def derive_spec(self) -> DeriveSpec:
         """`[derive]` with every listed variant, sections included (validated at load)."""
@@ -528,10 +598,10 @@ class Config:
 SECTIONS: dict[str, type[Any]] = {
     f.name: f.default_factory  # type: ignore[misc]
     for f in fields(Config)
-    if f.name not in ("source", "variant_sections", "origins")
+    if f.name not in ("source", "variant_sections", "webhook_sections", "webhooks", "origins")
 }
-# What `unknown section` lists: the fixed sections and the variant sections' pattern.
-KNOWN_SECTIONS = (*SECTIONS, f"{SECTION_PREFIX}NAME")
+# What `unknown section` lists: the fixed sections and the named sections' patterns.
+KNOWN_SECTIONS = (*SECTIONS, f"{SECTION_PREFIX}NAME", f"{WEBHOOK_PREFIX}NAME")
 
 
 @dataclass(frozen=True)
@@ -714,19 +784,33 @@ def _section_values(
 def _cross_checks(config: Config) -> list[Problem]:
     queue = config.queue
     problems = _lease_checks(config)
-    if config.sweep.orphan_guard <= queue.lease:
-        problems.append(
-            config.problem(
-                "sweep",
-                "orphan_guard",
-                f"must exceed [queue] lease ({queue.lease:g}s): live attempts keep their objects",
-            )
-        )
+    if problem := _orphan_guard_problem(config):
+        problems.append(config.problem("sweep", "orphan_guard", problem))
     if queue.retry_max < queue.retry_base:
         problems.append(config.problem("queue", "retry_max", "must be at least retry_base"))
     if config.storage.backend == "s3" and not config.storage.bucket:
         problems.append(config.problem("storage", "bucket", "required when backend = s3"))
     return problems
+
+
+def _orphan_guard_problem(config: Config) -> str | None:
+    """An attempt's objects must outlive every PUT the attempt can still make: the sweep
+    deletes an uncommitted object once it is older than the guard and its token holds no
+    lease, and an attempt whose lease was lost (or never renewed) may still be PUTting
+    until the supervisor's kill lands, job_timeout + kill_grace after its start. Without
+    renewal that is below the lease (the lease check), with `renew = yes` it may be far
+    above it (lease 30, job_timeout 600)."""
+    queue, sup = config.queue, config.supervisor
+    guard = config.sweep.orphan_guard
+    if guard <= queue.lease:
+        return f"must exceed [queue] lease ({queue.lease:g}s): live attempts keep their objects"
+    longest = sup.job_timeout + sup.kill_grace
+    if guard <= longest:
+        return (
+            f"must exceed [supervisor] job_timeout + kill_grace ({longest:g}s): an attempt "
+            "may store objects until it is killed"
+        )
+    return None
 
 
 def _lease_checks(config: Config) -> list[Problem]:
@@ -783,7 +867,7 @@ def load_config(
     else:
         where, base = DEFAULTS, Path.cwd()
     for name in raw:
-        if name not in SECTIONS and not is_variant_section(name):
+        if name not in SECTIONS and not is_variant_section(name) and not is_webhook_section(name):
             guess = _did_you_mean(name, KNOWN_SECTIONS, lambda s: f"[{s}]")
             problems.append(
                 Problem(
@@ -805,10 +889,26 @@ def load_config(
         for name, values in raw.items()
         if is_variant_section(name)
     }
+    webhook_sections = {
+        name.removeprefix(WEBHOOK_PREFIX): _section_values(
+            name, values, {}, where, problems, base=base, origins={}, cls=WebhookSettings
+        )
+        for name, values in raw.items()
+        if is_webhook_section(name)
+    }
     if problems:
         raise ConfigError(problems)
-    config = Config(**sections, variant_sections=variant_sections, source=where, origins=origins)
+    webhooks, webhook_problems = build_endpoints(webhook_sections, env)
+    config = Config(
+        **sections,
+        variant_sections=variant_sections,
+        webhook_sections=webhook_sections,
+        webhooks=webhooks,
+        source=where,
+        origins=origins,
+    )
     problems = _cross_checks(config)
+    problems += [config.problem(sec, key, msg) for sec, key, msg in webhook_problems]
     _, variant_problems = build_variants(config.derive.variants, variant_sections)
     problems += [config.problem(sec, key, msg) for sec, key, msg in variant_problems]
     if problems:
@@ -854,6 +954,7 @@ def render_ini(config: Config | None = None, *, mask_secrets: bool = False) -> s
                 lines.append(f"# (from the {origin}, not the file)")
             lines.append(f"{spec.name} = {value}".rstrip())
     lines += _render_variants(config)
+    lines += _render_webhooks(config, mask_secrets=mask_secrets)
     return "\n".join(lines) + "\n"
 
 
@@ -882,6 +983,23 @@ def _render_variants(config: Config) -> list[str]:
         lines += ["", f"{prefix}[{SECTION_PREFIX}{name}]"]
         for spec in fields(VariantSettings):
             value = render_value(getattr(values or VariantSettings(), spec.name))
+            lines.append(f"# {spec.metadata['doc']}")
+            lines.append(f"{prefix}{spec.name} = {value}".rstrip())
+    return lines
+
+
+def _render_webhooks(config: Config, *, mask_secrets: bool) -> list[str]:
+    """The `[webhook:NAME]` sections (secrets masked); with none, a commented example."""
+    lines: list[str] = []
+    sections: Mapping[str, WebhookSettings | None] = config.webhook_sections or {"NAME": None}
+    for name, values in sections.items():
+        prefix = "" if values is not None else "# "
+        lines += ["", f"{prefix}[{WEBHOOK_PREFIX}{name}]"]
+        for spec in fields(WebhookSettings):
+            value = render_value(getattr(values or WebhookSettings(), spec.name))
+            mask = spec.metadata.get("mask")
+            if mask_secrets and mask is not None:
+                value = mask(value)
             lines.append(f"# {spec.metadata['doc']}")
             lines.append(f"{prefix}{spec.name} = {value}".rstrip())
     return lines

@@ -1,8 +1,9 @@
 """What the supervisor and a worker load. The supervisor forks its workers, and libvips
 (its threads and caches) must never cross a fork (DESIGN "Fork safety"), so it imports no
 image library, before or after it forked workers that did. A vips worker loads libvips
-alone until a HEIC (pi-heif) or an animated AVIF or smart crop (Pillow) needs more: each
-library costs boot time and resident memory in every worker."""
+alone until a JPEG (simplejpeg and numpy), a HEIC (pi-heif) or an animated AVIF or smart
+crop (Pillow) needs more: each library costs boot time and resident memory in every
+worker."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from pathlib import Path
 import psycopg
 import pytest
 from configs import write_ini
-from imagegen import jpeg
+from imagegen import jpeg, png_rgb
 
 from derivd import client
 from derivd.storage.fs import FsStorage
 
-IMAGE_LIBRARIES = {"pyvips", "PIL"}
+IMAGE_LIBRARIES = {"pyvips", "PIL", "simplejpeg", "numpy"}
 
 # Runs `derivd ARGS` in this interpreter and prints, as the process exits, the top-level
 # modules it loaded: only the supervisor exits through atexit (workers end in os._exit).
@@ -89,8 +90,17 @@ def test_a_vips_worker_loads_neither_pillow_nor_libheif_for_a_jpeg(tmp_path: Pat
     photo = tmp_path / "photo.jpg"
     photo.write_bytes(jpeg())
     loaded = _loaded_by_a_vips_worker(photo)
-    assert "pyvips" in loaded
+    assert {"pyvips", "simplejpeg"} <= loaded  # libjpeg-turbo's scaled decode (jpegscale)
     assert not loaded & {"PIL", "pi_heif"}
+
+
+def test_a_vips_worker_loads_simplejpeg_and_numpy_with_its_first_jpeg(tmp_path: Path) -> None:
+    """Not at boot: a worker that gets no JPEG never maps numpy (~80 ms, ~4 MiB)."""
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(png_rgb())
+    loaded = _loaded_by_a_vips_worker(picture)
+    assert "pyvips" in loaded
+    assert not loaded & {"simplejpeg", "numpy", "PIL", "pi_heif"}
 
 
 def test_a_vips_worker_loads_libheif_with_its_first_heic() -> None:

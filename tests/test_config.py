@@ -173,6 +173,31 @@ def test_job_timeout_must_stay_well_below_the_lease(tmp_path: Path) -> None:
         load_config(path, env={})
 
 
+def test_orphan_guard_must_outlast_the_longest_attempt(tmp_path: Path) -> None:
+    """Issue 27 item 4: with renew = yes an attempt may PUT until job_timeout +
+    kill_grace, far past the lease; a guard between the two would let the sweep delete
+    objects an attempt is still writing (and they would then leak)."""
+    renewed = {
+        "queue": {"lease": "30", "renew": "yes"},
+        "supervisor": {"job_timeout": "600", "kill_grace": "10"},
+    }
+    path = write_ini(tmp_path / "g.ini", {**renewed, "sweep": {"orphan_guard": "31"}})
+    with pytest.raises(
+        ConfigError, match=r"\[sweep\] orphan_guard: must exceed \[supervisor\] job_timeout"
+    ):
+        load_config(path, env={})
+    path = write_ini(tmp_path / "g.ini", {**renewed, "sweep": {"orphan_guard": "610"}})
+    with pytest.raises(ConfigError, match=r"orphan_guard: must exceed"):
+        load_config(path, env={})
+    path = write_ini(tmp_path / "g.ini", {**renewed, "sweep": {"orphan_guard": "3600"}})
+    assert load_config(path, env={}).sweep.orphan_guard == 3600
+    path = write_ini(
+        tmp_path / "g.ini", {"queue": {"lease": "60"}, "sweep": {"orphan_guard": "60"}}
+    )
+    with pytest.raises(ConfigError, match=r"orphan_guard: must exceed \[queue\] lease"):
+        load_config(path, env={})
+
+
 def test_environment_overrides_and_is_named_in_errors(tmp_path: Path) -> None:
     path = write_ini(tmp_path / "e.ini", {"database": {"dsn": "host=file"}})
     config = load_config(path, env={"DERIVD_DATABASE_DSN": "host=env"})
@@ -228,5 +253,5 @@ def test_every_number_has_a_finite_declared_range(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(Path("absent.ini"), env={"DERIVD_QUEUE_RETRY_MAX": "inf"})
     assert str(caught.value) == (
-        "environment DERIVD_QUEUE_RETRY_MAX: [queue] retry_max: must be between 0 and 604,800"
+        "environment DERIVD_QUEUE_RETRY_MAX: [queue] retry_max: must be at most 604,800"
     )

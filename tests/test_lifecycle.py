@@ -35,6 +35,7 @@ from derivd.processes.pipe import (
     encode_lines,
     job_to_dict,
 )
+from derivd.processes.reasons import DeadlineAction, KillReason, StopReason
 from derivd.queue.db import Job
 
 
@@ -66,14 +67,14 @@ def signalled(sig: int) -> int:
         ({"boot_error": "no storage"}, exited(3), False, Exit.BOOT_ERROR),
         ({}, exited(EXIT_BOOT_ERROR), False, Exit.BOOT_ERROR),
         ({"ready": True}, exited(EXIT_BOOT_ERROR), False, Exit.CRASH),  # booted: a crash
-        ({"kill_reason": "timeout"}, signalled(signal.SIGKILL), False, Exit.TIMEOUT),
-        ({"kill_reason": "lease_lost"}, signalled(signal.SIGTERM), False, Exit.LEASE_LOST),
-        ({"kill_reason": "shutdown"}, signalled(signal.SIGKILL), False, Exit.RELEASE),
-        ({"kill_reason": "aborted"}, exited(0), False, Exit.RELEASE),
-        ({"ready": True, "exit_reason": "max_jobs"}, exited(0), False, Exit.RECYCLED),
-        ({"ready": True, "exit_reason": "rss"}, exited(0), False, Exit.RECYCLED),
-        ({"ready": True, "exit_reason": "drained"}, exited(0), True, Exit.DRAINED),
-        ({"ready": True, "exit_reason": "drained"}, exited(0), False, Exit.CRASH),
+        ({"kill_reason": KillReason.TIMEOUT}, signalled(signal.SIGKILL), False, Exit.TIMEOUT),
+        ({"kill_reason": KillReason.LEASE_LOST}, signalled(signal.SIGTERM), False, Exit.LEASE_LOST),
+        ({"kill_reason": KillReason.SHUTDOWN}, signalled(signal.SIGKILL), False, Exit.RELEASE),
+        ({"kill_reason": KillReason.ABORTED}, exited(0), False, Exit.RELEASE),
+        ({"ready": True, "exit_reason": StopReason.MAX_JOBS}, exited(0), False, Exit.RECYCLED),
+        ({"ready": True, "exit_reason": StopReason.RSS}, exited(0), False, Exit.RECYCLED),
+        ({"ready": True, "exit_reason": StopReason.DRAINED}, exited(0), True, Exit.DRAINED),
+        ({"ready": True, "exit_reason": StopReason.DRAINED}, exited(0), False, Exit.CRASH),
         ({"ready": True, "stop_sent": True}, exited(0), False, Exit.STOPPED),
         ({"ready": True}, exited(0), False, Exit.CRASH),  # exited unasked
         ({"ready": True}, signalled(signal.SIGKILL), False, Exit.CRASH),
@@ -167,11 +168,11 @@ def test_deadlines_time_out_then_escalate() -> None:
     proc = worker(held={1: running}, last_start=(running.token, 10.0))
     assert deadline_action(proc, 12.9, job_timeout=3.0) is None
     assert next_deadline(proc, 12.9, job_timeout=3.0, poll=0.2) == pytest.approx(13.0)
-    assert deadline_action(proc, 13.0, job_timeout=3.0) == "timeout"
-    proc.kill_reason, proc.kill_at = "timeout", 14.0  # TERM sent, KILL due at 14
+    assert deadline_action(proc, 13.0, job_timeout=3.0) is DeadlineAction.TIMEOUT
+    proc.kill_reason, proc.kill_at = KillReason.TIMEOUT, 14.0  # TERM sent, KILL due at 14
     assert deadline_action(proc, 13.5, job_timeout=3.0) is None
     assert next_deadline(proc, 13.5, job_timeout=3.0, poll=0.2) == 14.0
-    assert deadline_action(proc, 14.0, job_timeout=3.0) == "kill"
+    assert deadline_action(proc, 14.0, job_timeout=3.0) is DeadlineAction.KILL
     proc.killed = True
     assert deadline_action(proc, 20.0, job_timeout=3.0) is None
 
@@ -210,7 +211,7 @@ def test_the_parent_reads_what_the_child_wrote() -> None:
         os.write(status_w, b'{"t": "finished", "results": [[8, "ready", null, 0.1, 0.0]]}\n')
         for message in proc.read_messages():
             proc.apply(message)
-        assert proc.exit_reason == "max_jobs" and set(proc.held) == {7}
+        assert proc.exit_reason is StopReason.MAX_JOBS and set(proc.held) == {7}
         assert proc.running() is None
         os.close(status_w)
         status_w = -1
@@ -219,3 +220,11 @@ def test_the_parent_reads_what_the_child_wrote() -> None:
         for fd in (status_r, status_w, progress_r, progress_w):
             if fd >= 0:
                 os.close(fd)
+
+
+def test_a_reason_off_the_pipe_is_parsed_into_the_closed_set() -> None:
+    """A worker's `exiting` reason is a StopReason or nothing: an unknown word (a child
+    that wrote garbage) is judged as a crash, never compared as text."""
+    assert StopReason.parse("max_jobs") is StopReason.MAX_JOBS
+    assert StopReason.parse("Max_Jobs") is None
+    assert StopReason.parse(None) is None

@@ -169,8 +169,8 @@ def test_two_supervisors_through_the_pooler_finish_every_row_once(
 
 def test_connection_budget_counts_every_role() -> None:
     budget = connection_budget(8)
-    assert (budget.dsn, budget.total) == (10, 11)
+    assert (budget.dsn, budget.total) == (11, 12)
     roles = (budget.workers, budget.supervisor, budget.sweep, budget.listen)
-    assert roles == (8, 1, 1, 1)
+    assert roles == (8, 2, 1, 1)
     quiet = connection_budget(2, listen=False, sweeps=False)
-    assert (quiet.dsn, quiet.total) == (3, 3)
+    assert (quiet.dsn, quiet.total) == (4, 4)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ConnectionBudget:
     workers: int  # one `dsn` connection per worker, held for the worker's life
-    supervisor: int  # its background duties (heartbeat, stats, ...): one `dsn` connection
+    supervisor: int  # two `dsn` connections: its lease lane (heartbeat) and maintenance
     sweep: int  # one `dsn` connection while a sweep pass runs
     listen: int  # one session on `listen_dsn` (or `dsn`) while `[queue] listen = yes`
 
@@ -31,5 +31,5 @@ def connection_budget(
 ) -> ConnectionBudget:
     """The most connections one host opens at once (CLI commands add one each)."""
     return ConnectionBudget(
-        workers=workers, supervisor=1, sweep=1 if sweeps else 0, listen=1 if listen else 0
+        workers=workers, supervisor=2, sweep=1 if sweeps else 0, listen=1 if listen else 0
     )

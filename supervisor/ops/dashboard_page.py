@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from derivd.ops.dashboard import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
-from derivd.ops.status import Report, duration
+from derivd.ops.status import Report, duration, reading_age
 
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#1d2430;background:#fafafa}
@@ -60,6 +60,7 @@ def render(snapshot: Snapshot) -> str:
             _status_rows(report),
             _rejections(report),
             _backfill(report),
+            _webhooks(report),
             "</div>",
             _problems(snapshot),
         ]
@@ -97,11 +98,18 @@ def _header(snapshot: Snapshot) -> str:
         else ("bad", "unhealthy")
     )
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.taken_at))
+    report = snapshot.report
+    age = (
+        ""
+        if report is None
+        else f'<span class="muted" id="reading-age" data-value="{report.reading_age_s:.3f}">'
+        f"{esc(reading_age(report.reading_age_s))}</span>"
+    )
     return (
         f'<header><h1>derivd</h1><span id="host">{esc(snapshot.host)}</span>'
         f'<span id="verdict" class="verdict {css}">{esc(word)}</span>'
         f'<span class="muted">checked <time id="checked-at" '
-        f'data-value="{snapshot.taken_at:.3f}">{esc(stamp)}</time></span></header>'
+        f'data-value="{snapshot.taken_at:.3f}">{esc(stamp)}</time></span>{age}</header>'
     )
 
 
@@ -234,6 +242,32 @@ def _backfill(report: Report) -> str:
     return (
         f'<section id="backfill" data-state="{esc(b.state)}"><h2>Backfill</h2>'
         f"<p>{esc(b.line())}</p></section>"
+    )
+
+
+def _webhooks(report: Report) -> str:
+    """Per endpoint: backlog, oldest undelivered, delivered / failed in the window, failed
+    rows kept, the circuit and the last error (none of it secret)."""
+    if not report.webhooks:
+        return ""
+    rows = "".join(
+        f'<tr data-endpoint="{esc(w["name"])}"><td>{esc(w["name"])}</td>'
+        f'<td class="num backlog" data-value="{w["backlog"]}">{w["backlog"]}</td>'
+        f'<td class="num oldest">{esc(duration(w["oldest_undelivered_age_s"]))}</td>'
+        f'<td class="num delivered" data-value="{w["delivered_recent"]}">'
+        f"{w['delivered_recent']}</td>"
+        f'<td class="num failed" data-value="{w["failed_recent"]}">{w["failed_recent"]}</td>'
+        f'<td class="num kept" data-value="{w["failed_kept"]}">{w["failed_kept"]}</td>'
+        f'<td class="state {"bad" if w["paused"] else "ok"}">'
+        f"{'paused' if w['paused'] else 'closed'}</td>"
+        f'<td class="last-error">{esc(w["last_error"] or "-")}</td></tr>'
+        for w in report.webhooks
+    )
+    return (
+        f'<section id="webhooks"><h2>Webhooks (last {esc(duration(report.window_s))})</h2>'
+        "<table><tr><th>endpoint</th><th>backlog</th><th>oldest</th><th>delivered</th>"
+        "<th>failed</th><th>kept</th><th>circuit</th><th>last error</th></tr>"
+        f"{rows}</table></section>"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -36,17 +37,33 @@ def upload_and_queue(
 ) -> list[int]:
     """Upload each file under a generated key, then queue the confirmed versions in
     batches (one INSERT per batch), all at `priority` for `tenant`. Returns the new row
-    ids in input order."""
+    ids in input order.
+
+    Each batch's keys are registered write-ahead (the orphan registry) before its first
+    PUT, and the INSERT clears them: interrupted between the two (Ctrl-C, a crash, the
+    table locked), the originals it stored are deleted by the orphan sweep after
+    [sweep] orphan_guard instead of staying in the store with nothing naming them."""
     ids: list[int] = []
-    pending: list[tuple[str, str | None]] = []
-    for path in paths:
-        key = new_original_key()
-        version = storage.put(key, path.read_bytes(), CONTENT_TYPE)
-        pending.append((key, version))
-        if progress:
-            progress(path)
-        if len(pending) >= batch:
-            ids += queue.enqueue(pending, priority=priority, tenant=tenant)
-            pending = []
-    ids += queue.enqueue(pending, priority=priority, tenant=tenant)
+    token = uuid.uuid4()  # this run's, never a lease: nothing keeps its orphans alive
+    for chunk in batched(paths, batch):
+        keys = [new_original_key() for _ in chunk]
+        queue.enqueue_write_ahead(keys, token)
+        originals: list[tuple[str, str | None]] = []
+        for path, key in zip(chunk, keys, strict=True):
+            originals.append((key, storage.put(key, path.read_bytes(), CONTENT_TYPE)))
+            if progress:
+                progress(path)
+        ids += queue.enqueue(originals, priority=priority, tenant=tenant)
     return ids
+
+
+def batched(items: Iterable[Path], size: int) -> Iterator[list[Path]]:
+    """`items` in lists of `size` (the last one shorter), read lazily."""
+    chunk: list[Path] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

@@ -47,6 +47,17 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 1800, 3600)
 
 
+WEBHOOK_GAUGES = {
+    "backlog": "Deliveries pending or being delivered, per endpoint (all hosts)",
+    "oldest_undelivered_seconds": "Age of the oldest undelivered event, per endpoint",
+    "delivered_recent": "Deliveries delivered over the [status] window, per endpoint",
+    "failed_recent": "Deliveries failed over the [status] window, per endpoint",
+    "failed_kept": "Failed deliveries kept (until replayed or past retention), per endpoint",
+    "paused": "1 while the endpoint's circuit is open (its claims pause), per endpoint",
+}
+WEBHOOK_COLUMNS = {"oldest_undelivered_seconds": "oldest_undelivered_age_s"}
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
@@ -138,6 +149,11 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        # Webhooks, per endpoint (its NAME: a bounded label set), all hosts: see set_webhooks.
+        self.webhook_gauges = {
+            key: Gauge(f"derivd_webhook_{key}", doc, ["endpoint"], registry=r)
+            for key, doc in WEBHOOK_GAUGES.items()
+        }
 
     # -- the interface the supervisor calls ------------------------------------------
 
@@ -208,6 +224,15 @@ class Metrics:
         as set_queue. Kinds absent from `counts` drop to 0 rather than keep a stale value."""
         for kind in sorted({*self._known_event_kinds(), *counts}):
             self.events.labels(kind).set(counts.get(kind, 0))
+
+    def set_webhooks(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Per endpoint the database knows (QueueDB.webhook_stats); endpoints gone since
+        lose their series rather than keep a stale value."""
+        for key, gauge in self.webhook_gauges.items():
+            gauge.clear()
+            column = WEBHOOK_COLUMNS.get(key, key)
+            for row in rows:
+                gauge.labels(row["name"]).set(float(row[column] or 0))
 
     def serve(self, listen: str, *, dashboard: Route | None = None, where: str = "startup") -> None:
         """Start the HTTP endpoint on host:port (a daemon thread in the supervisor):

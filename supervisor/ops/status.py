@@ -11,6 +11,10 @@ The thresholds tell the usual troubles apart: claimable work waiting too long (t
 little capacity), expired leases piling up (workers crash or hang, or the lease is too
 short), a large rejected share (bad input, or a broken backend), and claimable work with
 no live supervisor to claim it (derivd is not running: `[status] min_hosts`).
+
+A probe never hangs: its connection and every statement are bounded (PROBE_TIMEOUT_S,
+client-side everywhere, plus statement_timeout and lock_timeout on a direct connection),
+and a database that does not answer in time is one line and exit status 3.
 """
 
 from __future__ import annotations
@@ -29,9 +33,13 @@ import psycopg
 from derivd.config import Config, StatusSettings
 from derivd.ops.backfill import Progress
 from derivd.ops.budget import connection_budget
+from derivd.ops.webhook_view import endpoint_json, endpoint_lines
 from derivd.queue.db import (
     NO_SCHEMA,
+    PARENT_LOCK_TIMEOUT_S,
+    PARENT_STATEMENT_TIMEOUT_S,
     DatabaseUnavailable,
+    LockBusy,
     QueueDB,
     QueueStats,
     SchemaMismatch,
@@ -75,6 +83,12 @@ class StatusUnavailable(Exception):
     """The queue's health cannot be read (one line for the operator)."""
 
 
+# The probe's bounds: its statements, and its waits for a lock (a reading of the shared
+# stats another connection is recomputing) on a direct connection.
+PROBE_TIMEOUT_S = PARENT_STATEMENT_TIMEOUT_S
+PROBE_LOCK_TIMEOUT_S = PARENT_LOCK_TIMEOUT_S
+
+
 @dataclass(frozen=True)
 class Report:
     """Everything `derivd status` shows, read in three cheap queries."""
@@ -83,14 +97,22 @@ class Report:
     events: dict[str, int]
     rejected_by_code: dict[str, int]
     window_s: float
+    events_age_s: float = 0.0  # how old the shared reading of the recent events is
     checked_at: float = field(default_factory=time.time)
     hosts: list[dict[str, Any]] = field(default_factory=list)  # the host registry
     backfill: Progress | None = None  # the latest `derivd backfill --apply` run
     warnings: list[str] = field(default_factory=list)  # degraded, not unhealthy
+    webhooks: list[dict[str, Any]] = field(default_factory=list)  # per endpoint
 
     @property
     def counts(self) -> dict[str, int]:
         return {s: self.stats.counts.get(s, 0) for s in (*STATUS_ORDER, *self.stats.counts)}
+
+    @property
+    def reading_age_s(self) -> float:
+        """How old the oldest of the shared readings shown is (counts, recent events):
+        another host or probe may have computed it up to [status] max_age ago."""
+        return max(self.stats.age_s, self.events_age_s)
 
     @property
     def recent_rejected(self) -> int:
@@ -137,12 +159,19 @@ def collect(queue: QueueDB, limits: StatusSettings) -> Report:
             events=recent.events,
             rejected_by_code=recent.rejected_by_code,
             window_s=window_s,
+            events_age_s=recent.age_s,
             hosts=queue.hosts(),
             backfill=_backfill(queue),
             warnings=[DEFAULT_EVENTS] if queue.default_events() else [],
+            webhooks=queue.webhook_stats(window_s=window_s),
         )
     except DatabaseUnavailable as error:
         raise StatusUnavailable(str(error)) from None
+    except LockBusy:
+        raise StatusUnavailable(
+            f"the database did not answer within {PROBE_LOCK_TIMEOUT_S:g}s: a lock another "
+            "connection holds (lock_timeout)"
+        ) from None
     except psycopg.errors.UndefinedTable:  # dropped since the check at start
         raise StatusUnavailable(NO_SCHEMA) from None
     except psycopg.Error as error:
@@ -215,6 +244,7 @@ def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict
     return {
         "healthy": not alarms,
         "checked_at": datetime.fromtimestamp(report.checked_at, UTC).isoformat(),
+        "reading_age_s": round(report.reading_age_s, 3),
         "counts": report.counts,
         "oldest_claimable_age_s": stats.oldest_claimable_age_s,
         "expired_leases": stats.expired_leases,
@@ -239,6 +269,7 @@ def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict
         "hosts": [host_json(h) for h in report.hosts],
         "backfill": report.backfill.as_json() if report.backfill else None,
         "warnings": report.warnings,
+        "webhooks": [endpoint_json(row) for row in report.webhooks],
     }
 
 
@@ -280,6 +311,13 @@ def _host_lines(hosts: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def reading_age(seconds: float) -> str:
+    """How old the shared counts are, in words for the table and the dashboard."""
+    if seconds < 0.5:
+        return "counts read now"
+    return f"counts read {duration(seconds)} ago by the fleet ([status] max_age)"
+
+
 def duration(seconds: float | None) -> str:
     """A short human duration: 850ms, 42s, 3m12s, 2h05m."""
     if seconds is None:
@@ -305,7 +343,7 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
     stats, crossed = report.stats, {a.signal for a in alarms}
     window = duration(report.window_s)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.checked_at))
-    lines = [f"derivd status  {stamp}", "", "rows by status"]
+    lines = [f"derivd status  {stamp}  ({reading_age(report.reading_age_s)})", "", "rows by status"]
     lines += [f"  {name:<12}{n:>10}" for name, n in report.counts.items()]
 
     def row(label: str, value: str, limit: str, signal: str | None, note: str = "") -> str:
@@ -354,6 +392,7 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
             f"rejected by code (last {window}): " + ", ".join(f"{c} {n}" for c, n in codes)
         )
     lines += _host_lines(report.hosts)
+    lines += endpoint_lines(report.webhooks, window)
     if report.backfill is not None:
         lines += ["", report.backfill.line()]
     lines.append("")
@@ -406,7 +445,7 @@ def run_status(
         # One connection: the schema is checked on the one that reads the status.
         with (
             database(config, read_only=True, check=False) as dsn,
-            QueueDB.open(dsn, role="derivd-status") as queue,
+            QueueDB.open(dsn, role="derivd-status", bound_s=PROBE_TIMEOUT_S) as queue,
         ):
             queue.check_schema()
             warnings = _listen_warnings(config, dsn, queue)

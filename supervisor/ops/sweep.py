@@ -11,8 +11,9 @@ One pass (`Sweeper.run_once`) does these things, each safe to repeat:
    objects of variant sets a re-derivation (backfill) replaced, retired longer than
    `delete_guard` ago (clients that read the old keys a moment before keep them that
    long).
-3. Removes `deleted` rows older than `purge_deleted_days` (when set), and the rows of
-   client waiters that died.
+3. Removes `deleted` rows older than `purge_deleted_days` (when set), the rows of
+   client waiters that died, and finished webhook deliveries (delivered, or failed and
+   never replayed) of events older than `events_retention_days`, as the events go.
 
 (Rows whose worker died on their last attempt, and the event partitions, are duties of
 their own: derivd.processes.duties. The supervisor runs a pass in a forked child every
@@ -69,6 +70,7 @@ class SweepReport:
     objects_deleted: int = 0
     purged: list[int] = field(default_factory=list)
     waiters_forgotten: int = 0  # rows of client waiters that died (derivd_waiters)
+    deliveries_purged: dict[str, int] = field(default_factory=dict)  # by status
     skipped: bool = False
     error: str | None = None
 
@@ -80,6 +82,7 @@ class SweepReport:
             or self.retired_deleted
             or self.purged
             or self.waiters_forgotten
+            or self.deliveries_purged
         )
 
 
@@ -92,6 +95,7 @@ class Sweeper:
         orphan_guard: float,
         delete_guard: float,
         purge_deleted_days: int = 0,
+        deliveries_retention_days: int = 0,
         batch: int = 500,
         holder: uuid.UUID | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -101,6 +105,7 @@ class Sweeper:
         self.orphan_guard = orphan_guard
         self.delete_guard = delete_guard
         self.purge_deleted_days = purge_deleted_days
+        self.deliveries_retention_days = deliveries_retention_days
         self.batch = batch
         self.holder = holder or uuid.uuid4()  # this sweeper's fence on the shared lease
         self.clock = clock
@@ -123,6 +128,7 @@ class Sweeper:
             orphan_guard=config.sweep.orphan_guard if orphan_guard is None else orphan_guard,
             delete_guard=config.sweep.delete_guard if delete_guard is None else delete_guard,
             purge_deleted_days=config.sweep.purge_deleted_days,
+            deliveries_retention_days=config.sweep.events_retention_days,
             holder=holder,
         )
 
@@ -236,6 +242,15 @@ class Sweeper:
             )
             report.purged += ids
             if len(ids) < self.batch:
+                break
+        while self.deliveries_retention_days:
+            self._renew()
+            gone = self.queue.purge_deliveries(
+                older_than_days=self.deliveries_retention_days, limit=self.batch
+            )
+            for status, n in gone.items():
+                report.deliveries_purged[status] = report.deliveries_purged.get(status, 0) + n
+            if sum(gone.values()) < self.batch:
                 return
 
     def _log(self, report: SweepReport) -> None:
@@ -246,6 +261,7 @@ class Sweeper:
             "objects": report.objects_deleted,
             "purged": len(report.purged),
             "waiters_forgotten": report.waiters_forgotten,
+            "deliveries_purged": sum(report.deliveries_purged.values()),
         }
         if report.error:
             event(log, "sweep stopped early", logging.WARNING, reason=report.error, **fields)

@@ -24,6 +24,7 @@ from derivd.osproc import set_proctitle
 from derivd.processes.forked import become_child
 from derivd.processes.lifecycle import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK
 from derivd.processes.pipe import Reporter
+from derivd.processes.reasons import StopReason
 from derivd.redact import one_line
 from derivd.worker import IdleWait, Worker
 
@@ -131,10 +132,10 @@ def _main(spec: ChildSpec) -> int:
 
     max_jobs = _jittered(config.supervisor.max_jobs_per_worker, random.Random())
     try:
-        reason = worker.run(should_stop, idle=idle, burst=spec.burst, max_jobs=max_jobs)
+        reason = StopReason(worker.run(should_stop, idle=idle, burst=spec.burst, max_jobs=max_jobs))
     finally:
         worker.close()
-    if reason == "stopped" and reporter.recycle and not stop.requested:
-        reason = "rss"
+    if reason is StopReason.STOPPED and reporter.recycle and not stop.requested:
+        reason = StopReason.RSS
     reporter.send({"t": "exiting", "reason": reason})
     return EXIT_OK

@@ -1,4 +1,8 @@
-"""The supervisor's database thread: its database work, one task at a time, beside its loop.
+"""The supervisor's database threads: its database work, one task at a time per lane,
+beside its loop. Two lanes, each a thread with its own connection: `lease` (the
+heartbeat, which checks and renews every held lease, and the writes that end attempts)
+and `maintenance` (stats, event partitions, exhausted rows, LISTEN): a slow statistics
+round on a slow database never delays a lease renewal behind it.
 
 The rounds of the background duties (derivd.processes.duties: heartbeat, exhausted
 rows, stats, event partitions, LISTEN), failing the attempt of a worker killed past
@@ -57,8 +61,10 @@ class DatabaseThread:
         *,
         wake: Callable[[], None],
         bound_s: float = PARENT_STATEMENT_TIMEOUT_S,
+        lane: str = "maintenance",
     ) -> None:
         self.dsn = dsn
+        self.lane = lane  # names its thread and its connection (pg_stat_activity)
         self.wake = wake  # wakes the loop (its signal pipe): thread-safe, never blocks
         self.bound_s = bound_s
         self.on_notify: Callable[[int], None] = lambda count: None
@@ -71,7 +77,8 @@ class DatabaseThread:
         os.set_blocking(self._task_w, False)
         self._queue: QueueDB | None = None
         self._warned = False
-        self._thread = threading.Thread(target=self._main, name="derivd-db", daemon=True)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._main, name=f"derivd-db-{lane}", daemon=True)
 
     # -- the loop's side (never blocks) ------------------------------------------------
 
@@ -121,13 +128,19 @@ class DatabaseThread:
                     fds.append(conn.fileno())
         return fds
 
+    def stop_soon(self) -> None:
+        """Let the thread end once the tasks queued so far are done (`close` waits)."""
+        if self._thread.is_alive() and not self._stopping:
+            self._stopping = True
+            self._tasks.put(None)
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._task_w, b"t")
+
     def close(self, timeout: float) -> None:
         """Finish the queued tasks within `timeout` seconds, then stop the thread; what is
         left when time runs out is dropped (leases expire on their own)."""
         if self._thread.is_alive():
-            self._tasks.put(None)
-            with contextlib.suppress(BlockingIOError):
-                os.write(self._task_w, b"t")
+            self.stop_soon()
             self._thread.join(timeout)
             self.poll()
         if not self._thread.is_alive():
@@ -182,7 +195,8 @@ class DatabaseThread:
                 if self._queue is not None:
                     self._queue.close()
                 self._queue = None
-                self._queue = QueueDB.open(self.dsn, role="derivd-supervisor", bound_s=self.bound_s)
+                role = f"derivd-supervisor-{self.lane}"
+                self._queue = QueueDB.open(self.dsn, role=role, bound_s=self.bound_s)
             result = task.run(self._queue)
         except DatabaseUnavailable as error:
             if not self._warned:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from derivd.osproc import rss_mb, set_proctitle
+from derivd.processes.reasons import KillReason, StopReason
 from derivd.queue.db import Job
 
 if TYPE_CHECKING:
@@ -144,13 +145,18 @@ class WorkerProc:
     spawned_at: float
     ready: bool = False
     held: dict[int, Job] = field(default_factory=dict)  # claimed, no outcome yet
-    last_start: tuple[uuid.UUID, float] | None = None  # token, monotonic start
+    # Jobs the child may have in flight at once: its [supervisor] pipeline (1: the job it
+    # started last is the one running; a batch's earlier jobs are done or waiting).
+    depth: int = 1
+    starts: list[tuple[uuid.UUID, float]] = field(default_factory=list)  # last `depth`
+    timed_out: set[uuid.UUID] = field(default_factory=set)  # why kill_reason = timeout
+    lost: set[uuid.UUID] = field(default_factory=set)  # why kill_reason = lease_lost
     progress_buffer: bytes = b""
     stop_sent: bool = False
-    kill_reason: str | None = None  # timeout | lease_lost | shutdown | aborted
+    kill_reason: KillReason | None = None
     kill_at: float | None = None  # when SIGTERM escalates to SIGKILL
     killed: bool = False
-    exit_reason: str | None = None  # from the child's "exiting" message
+    exit_reason: StopReason | None = None  # from the child's "exiting" message
     boot_error: str | None = None
     eof: bool = False
     buffer: bytes = b""
@@ -194,7 +200,7 @@ class WorkerProc:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGTERM)
 
-    def kill(self, reason: str, grace: float) -> None:
+    def kill(self, reason: KillReason, grace: float) -> None:
         """TERM the child's process group now, KILL it after `grace` (0: KILL at once).
         The first reason given is the one its exit is judged by."""
         if self.kill_reason is None:
@@ -211,11 +217,28 @@ class WorkerProc:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)  # not yet in its own group
 
+    @property
+    def last_start(self) -> tuple[uuid.UUID, float] | None:
+        """The latest job start the child recorded (token, monotonic start)."""
+        return self.starts[-1] if self.starts else None
+
+    @last_start.setter
+    def last_start(self, start: tuple[uuid.UUID, float] | None) -> None:
+        self.starts = [] if start is None else [start]
+
+    def in_flight(self) -> list[tuple[Job, float]]:
+        """The jobs the child is working on, oldest start first, each with its start: of
+        its last `depth` starts, those it still holds. A job's deadline runs from its
+        start (a pipelined child starts each job as it claims it)."""
+        by_token = {job.token: job for job in self.held.values()}
+        return [(by_token[t], at) for t, at in self.starts if t in by_token]
+
     def running(self) -> tuple[Job, float] | None:
-        """The job the child last started, with its start time, while it holds it."""
-        if self.last_start is None:
+        """The job the child started last, with its start time, while it holds it."""
+        last = self.last_start
+        if last is None:
             return None
-        token, started = self.last_start
+        token, started = last
         for job in self.held.values():
             if job.token == token:
                 return job, started
@@ -247,9 +270,9 @@ class WorkerProc:
         return messages
 
     def read_progress(self) -> None:
-        """The latest job start the child recorded. It is matched against the jobs held
-        by token whenever it is needed (`running`), so the order in which the two pipes
-        are read does not matter."""
+        """The latest `depth` job starts the child recorded. They are matched against the
+        jobs held by token whenever they are needed (`in_flight`, `running`), so the order
+        in which the two pipes are read does not matter."""
         while True:
             try:
                 chunk = os.read(self.progress_r, 65536)
@@ -260,11 +283,13 @@ class WorkerProc:
             self.progress_buffer += chunk
         size = PROGRESS.size
         whole = len(self.progress_buffer) // size * size
-        if whole:
-            token, started = PROGRESS.unpack_from(self.progress_buffer, whole - size)
+        first = max(0, whole - self.depth * size)  # older records are done with
+        for offset in range(first, whole, size):
+            token, started = PROGRESS.unpack_from(self.progress_buffer, offset)
             # CLOCK_MONOTONIC is system-wide: the child's start time is comparable.
-            self.last_start = (uuid.UUID(bytes=token), min(started, time.monotonic()))
-            self.progress_buffer = self.progress_buffer[whole:]
+            self.starts.append((uuid.UUID(bytes=token), min(started, time.monotonic())))
+        del self.starts[: -self.depth]
+        self.progress_buffer = self.progress_buffer[whole:]
 
     def apply(self, message: dict[str, Any]) -> list[list[Any]]:
         """Take in one status message: what the child holds, whether it booted, why it
@@ -283,7 +308,7 @@ class WorkerProc:
                 self.held.pop(int(row[0]), None)
             return rows
         elif kind == "exiting":
-            self.exit_reason = str(message.get("reason"))
+            self.exit_reason = StopReason.parse(message.get("reason"))
         elif kind == "boot_error":
             self.boot_error = str(message.get("msg") or "unknown error")
         return []

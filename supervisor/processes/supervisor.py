@@ -3,9 +3,9 @@
 The parent never imports pyvips and never holds a storage client: children build their
 own after fork (`derivd.processes.child`). Its background duties (heartbeat, exhausted
 rows, stats, event partitions, LISTEN, the sweep) are `derivd.processes.duties` and
-`derivd.processes.sweep_child`, and its database work runs on `derivd.processes.dbthread`;
-what a worker's exit means is `derivd.processes.lifecycle`; the pipes are
-`derivd.processes.pipe`.
+`derivd.processes.sweep_child`, and its database work runs on `derivd.processes.dbthread`
+(two lanes: leases, maintenance); what a worker's exit means is
+`derivd.processes.lifecycle`; the pipes are `derivd.processes.pipe`.
 
 Signal handlers only queue the signal and write to a wake-up pipe; the main loop
 (`run`) dispatches: SIGTERM/SIGINT stop gracefully (a second one escalates), SIGHUP
@@ -38,6 +38,7 @@ from derivd.processes.duties import (
     FleetStats,
     Heartbeat,
     Listening,
+    host_info,
     to_kill,
 )
 from derivd.processes.lifecycle import (
@@ -51,11 +52,14 @@ from derivd.processes.lifecycle import (
     exit_text,
     next_deadline,
     on_boot_failure,
+    overdue,
     to_release,
 )
 from derivd.processes.pipe import WorkerProc
+from derivd.processes.reasons import DeadlineAction, KillReason
 from derivd.processes.sweep_child import SweepChild
-from derivd.queue.db import Job, QueueListener
+from derivd.processes.webhook_child import WebhookChild, WebhookStats, WebhookSync
+from derivd.queue.db import HostInfo, Job, QueueListener
 
 log = logging.getLogger("derivd.supervisor")
 
@@ -67,6 +71,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Seconds the last database work (releases, deregistering) gets after a --burst run or a
 # halt; a SIGTERM stop gives it what is left of shutdown_grace + kill_grace instead.
 DB_CLOSE_WAIT = 2.0
+
+
+# How a worker is forked: WorkerProc.spawn(slot, generation, start).
+Spawner = Callable[[int, int, Callable[[int, int, int, tuple[int, ...]], None]], WorkerProc]
 
 
 @dataclass
@@ -86,8 +94,20 @@ class Supervisor:
         burst: bool = False,
         metrics: Metrics | None = None,
         reload: Callable[[], Config],
+        host: HostInfo | None = None,
+        db_thread: DatabaseThread | None = None,
+        spawn: Spawner = WorkerProc.spawn,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`db_thread`, `spawn` and `clock` are the seams the decisions are tested through
+        (tests/test_supervisor_fakes.py): where the database work goes, how a worker is
+        forked, what time it is (monotonic)."""
+        self.clock = clock
+        self.spawn = spawn
         self.config = config
+        # Registered before the first fork (derivd.processes.hostclaim): its start fences
+        # its row. None (the fakes' tests): an unfenced row, as the first heartbeat makes it.
+        self.host = host or host_info(config, busy=0)
         self.dsn = dsn
         self.burst = burst
         self.metrics = metrics or Metrics()
@@ -105,12 +125,22 @@ class Supervisor:
         self.watchdog = watchdog_interval()
         self.watchdog_at = 0.0
         self.title = ""
-        self.db_thread = DatabaseThread(dsn, wake=self.signals.wake)
+        # Two database lanes: the leases (heartbeat, renewal, attempts the supervisor
+        # ends) never queue behind a slow maintenance round (stats, partitions, rejections).
+        # An injected thread (the fakes' tests) serves both.
+        wake = self.signals.wake
+        self.lease_thread = db_thread or DatabaseThread(dsn, wake=wake, lane="lease")
+        self.db_thread = db_thread or DatabaseThread(dsn, wake=wake, lane="maintenance")
+        self.lanes = list(dict.fromkeys((self.lease_thread, self.db_thread)))
         self.db_thread.on_notify = self.on_notify
-        self.books = Bookkeeping(self.db_thread, self.metrics)
+        self.books = Bookkeeping(self.lease_thread, self.metrics)
         current = lambda: self.config  # noqa: E731  (duties follow a reload)
+        heartbeat = Heartbeat(
+            current, self.lease_thread, self.metrics, self.workers.values, self.on_lost
+        )
+        heartbeat.started_at = self.host.started_at
         self.duties: list[Duty[Any]] = [
-            Heartbeat(current, self.db_thread, self.metrics, self.workers.values, self.on_lost),
+            heartbeat,
             ExhaustedRejection(current, self.db_thread),
             FleetStats(current, self.db_thread, self.metrics),
             EventPartitions(current, self.db_thread),
@@ -119,6 +149,10 @@ class Supervisor:
             listener = QueueListener(config.database.listen_dsn or dsn)
             self.duties.append(Listening(current, self.db_thread, listener, self.on_listening))
             self.duties.append(SweepChild(current, dsn, self._parent_fds, self._give_back_sweep))
+        # Webhooks: the endpoints the outbox subscribes, and the child that POSTs.
+        self.webhook_sync = WebhookSync(current, self.db_thread)
+        self.duties += [self.webhook_sync, WebhookStats(current, self.db_thread, self.metrics)]
+        self.webhooks = WebhookChild(current, dsn, self._parent_fds)
         self.status_at = 0.0
 
     # -- signals -----------------------------------------------------------------------
@@ -135,14 +169,14 @@ class Supervisor:
             grace = self.config.supervisor.shutdown_grace
             event(log, "stopping", signal=name, grace_s=grace, busy=self.busy_count())
             sd_notify("STOPPING=1\nSTATUS=stopping: finishing running jobs")
-            self.stop_deadline = time.monotonic() + grace
+            self.stop_deadline = self.clock() + grace
             for worker in self.workers.values():
                 worker.ask_stop()
             for duty in self.duties:
                 duty.stopping()
         else:
             event(log, "stopping now", logging.WARNING, signal=name, busy=self.busy_count())
-            self.stop_deadline = time.monotonic()
+            self.stop_deadline = self.clock()
 
     def handle_hup(self) -> None:
         if self.stop_deadline is not None:
@@ -159,6 +193,8 @@ class Supervisor:
         self.config = new
         self.generation += 1
         self.notified_ready = False
+        self.webhook_sync.now()
+        self.webhooks.reload()
         event(log, "reloading", generation=self.generation, workers=new.worker_count)
 
     # -- the fleet ---------------------------------------------------------------------
@@ -180,7 +216,8 @@ class Supervisor:
             )
             run_child(spec)  # never returns
 
-        worker = WorkerProc.spawn(slot, self.generation, start)
+        worker = self.spawn(slot, self.generation, start)
+        worker.depth = self.config.pipeline_depth
         self.workers[worker.pid] = worker
         event(log, "worker spawned", logging.DEBUG, slot=slot, pid=worker.pid)
 
@@ -188,7 +225,7 @@ class Supervisor:
         """Descriptors a forked child must close: the other children's pipes, the wake-up
         pipe, the LISTEN connection and the metrics socket are the parent's alone."""
         fds = [fd for w in self.workers.values() for fd in w.fds()]
-        fds += [*self.signals.fds(), *self.db_thread.fds()]
+        fds += [*self.signals.fds(), *(fd for lane in self.lanes for fd in lane.fds())]
         metrics_fd = self.metrics.fileno()
         if metrics_fd is not None:
             fds.append(metrics_fd)
@@ -198,7 +235,9 @@ class Supervisor:
         """Fork what is missing in the current generation (respecting slot backoff)."""
         if self.stop_deadline is not None or self.outcome is not None:
             return
-        now = time.monotonic()
+        if self.config.webhooks and not self.webhook_sync.settled:
+            return  # the first commits must find this configuration's endpoints
+        now = self.clock()
         current = {w.slot for w in self.workers.values() if w.generation == self.generation}
         for slot_no in range(1, self.config.worker_count + 1):
             slot = self.slots.setdefault(slot_no, Slot())
@@ -258,7 +297,7 @@ class Supervisor:
         finished = worker.apply(message)
         if kind == "ready":
             self.ready_generations.add(worker.generation)
-            boot_s = time.monotonic() - worker.spawned_at
+            boot_s = self.clock() - worker.spawned_at
             event(log, "worker ready", slot=worker.slot, pid=worker.pid, boot_s=boot_s,
                   boot_cpu_s=message.get("cpu_s", "-"))  # fmt: skip
             self.on_generation_ready(worker.generation)
@@ -296,10 +335,14 @@ class Supervisor:
             except ChildProcessError:
                 done, status = pid, 0
             if done:
-                worker = self.workers.pop(pid)
-                self.read_status(worker)  # what it wrote just before dying
-                worker.close()
-                self.on_worker_exit(worker, status)
+                self.worker_exited(pid, status)
+
+    def worker_exited(self, pid: int, status: int) -> None:
+        """The child `pid` ended with wait status `status`."""
+        worker = self.workers.pop(pid)
+        self.read_status(worker)  # what it wrote just before dying
+        worker.close()
+        self.on_worker_exit(worker, status)
 
     def on_worker_exit(self, worker: WorkerProc, status: int) -> None:
         slot = self.slots.setdefault(worker.slot, Slot())
@@ -325,7 +368,7 @@ class Supervisor:
                 self.metrics.worker_restarted("reload")
         else:
             self.on_crash(worker, slot, how)
-        for job in to_release(worker):
+        for job in to_release(worker, kind):
             self.release_job(worker, job)
 
     def on_boot_error(self, worker: WorkerProc, text: str) -> None:
@@ -344,38 +387,41 @@ class Supervisor:
             self.previous = None
             for other in self.workers.values():
                 if other.generation == failed:
-                    other.kill("aborted", 0)
+                    other.kill(KillReason.ABORTED, 0)
             sd_notify(f"READY=1\nSTATUS={self.status_line()}")
         elif action is BootFailure.RETRY:
             log.warning("worker %s could not start: %s", worker.slot, text)
-            back_off(self.slots.setdefault(worker.slot, Slot()), time.monotonic())
+            back_off(self.slots.setdefault(worker.slot, Slot()), self.clock())
         elif self.outcome is None:
             self.halt(RunResult(1, f"worker could not start: {text}"))
 
     def on_timeout(self, worker: WorkerProc) -> None:
-        running = worker.running()
+        """Fail each job whose deadline killed the worker (to_release has the rest)."""
         self.metrics.worker_restarted("timeout")
-        if running is None:
-            return  # it finished within the grace after all (to_release has the rest)
-        worker.held.pop(running[0].id, None)
-        self.metrics.job_timed_out()
-        self.books.fail_timed_out(running[0], self.config, worker.slot)
+        for job in self._still_held(worker, worker.timed_out):  # none: done within the grace
+            worker.held.pop(job.id, None)
+            self.metrics.job_timed_out()
+            self.books.fail_timed_out(job, self.config, worker.slot)
 
     def on_lease_lost(self, worker: WorkerProc) -> None:
-        """The heartbeat found the running job's lease gone (reclaimed, deleted,
+        """The heartbeat found the lease of a job in flight gone (reclaimed, deleted,
         rejected): it was killed; record that. No backoff: the worker did nothing wrong."""
         self.metrics.worker_restarted("lease_lost")
-        running = worker.running()
-        if running is not None:  # else it finished (and reported) within the grace
-            worker.held.pop(running[0].id, None)
-            self.books.lease_lost(running[0], worker.slot)
+        for job in self._still_held(worker, worker.lost):  # none: reported within the grace
+            worker.held.pop(job.id, None)
+            self.books.lease_lost(job, worker.slot)
+
+    @staticmethod
+    def _still_held(worker: WorkerProc, tokens: set[uuid.UUID]) -> list[Job]:
+        return [job for job in worker.held.values() if job.token in tokens]
 
     def on_lost(self, lost: set[uuid.UUID]) -> None:
-        """The heartbeat's answer: kill every worker whose running job the database no
-        longer leases to us (reclaimed, deleted, rejected by an operator)."""
+        """The heartbeat's answer: kill every worker with a job in flight that the
+        database no longer leases to us (reclaimed, deleted, rejected by an operator)."""
         self.read_all()  # a job that finished (and committed) since is not lost
         for worker in to_kill(self.workers.values(), lost):
-            worker.kill("lease_lost", self.config.supervisor.kill_grace)
+            worker.lost = {job.token for job, _ in worker.in_flight()} & lost
+            worker.kill(KillReason.LEASE_LOST, self.config.supervisor.kill_grace)
 
     def release(self, worker: WorkerProc) -> None:
         for job in list(worker.held.values()):
@@ -407,35 +453,37 @@ class Supervisor:
         for job in returns.released:
             self.release_job(worker, job)
         self.metrics.worker_restarted("crash")
-        now = time.monotonic()
+        now = self.clock()
         back_off(slot, now, lived_s=now - worker.spawned_at)
 
     def halt(self, outcome: RunResult) -> None:
         """Stop everything now (a boot failure): kill the fleet, release its jobs."""
         self.outcome = outcome
         for worker in self.workers.values():
-            worker.kill("shutdown", 0)
+            worker.kill(KillReason.SHUTDOWN, 0)
 
     # -- deadlines ---------------------------------------------------------------------
 
     def enforce_deadlines(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         sup = self.config.supervisor
         for worker in self.workers.values():
             if worker.held:
                 worker.read_progress()
             action = deadline_action(worker, now, job_timeout=sup.job_timeout)
-            if action == "kill":
+            if action is DeadlineAction.KILL:
                 worker.signal_group(signal.SIGKILL)
-            elif action == "timeout":
-                worker.kill("timeout", sup.kill_grace)
+            elif action is DeadlineAction.TIMEOUT:
+                late = overdue(worker, now, job_timeout=sup.job_timeout)
+                worker.timed_out = {job.token for job in late}
+                worker.kill(KillReason.TIMEOUT, sup.kill_grace)
         if self.stop_deadline is not None and now >= self.stop_deadline:
             for worker in self.workers.values():
                 if not worker.killed:
-                    worker.kill("shutdown", 0)
+                    worker.kill(KillReason.SHUTDOWN, 0)
 
     def next_wakeup(self) -> float:
-        now = time.monotonic()
+        now = self.clock()
         times = [now + LOOP_MAX_SLEEP]
         if self.outcome is None:  # halting: no more duties, only reaping
             times += [duty.next_round for duty in self.duties]
@@ -456,7 +504,7 @@ class Supervisor:
     def housekeeping(self) -> None:
         """What the loop does besides its workers: gauges, the watchdog, the duties that
         are due (the sweep among them), the systemd status line."""
-        now = time.monotonic()
+        now = self.clock()
         busy = self.busy_count()
         self.metrics.set_workers(alive=sum(w.ready for w in self.workers.values()), busy=busy)
         if self.watchdog and now >= self.watchdog_at:
@@ -466,6 +514,10 @@ class Supervisor:
             return
         for duty in self.duties:
             duty.tick(now)
+        if self.burst or self.stop_deadline is not None:
+            self.webhooks.reap()
+        else:
+            self.webhooks.tick(now)
         if now >= self.status_at:
             self.status_at = now + self.config.metrics.interval
             sd_notify(f"STATUS={self.status_line()}")
@@ -491,7 +543,8 @@ class Supervisor:
                 self.signals.drain()
             else:
                 self.read_status(by_fd[fd])
-        self.db_thread.poll()  # last: the workers' own news is read first
+        for lane in self.lanes:  # last: the workers' own news is read first
+            lane.poll()
 
     def finished(self) -> bool:
         if self.workers:
@@ -512,11 +565,13 @@ class Supervisor:
             backend=self.config.derive.backend,
             burst=self.burst,
         )
-        self.db_thread.start()
-        host = self.books.register(self.config)
-        now = time.monotonic()
+        for lane in self.lanes:
+            lane.start()
+        now = self.clock()
         for duty in self.duties:
             duty.start(now)
+        if not self.burst:
+            self.webhooks.start(now)
         try:
             while True:
                 self.handle_signals()
@@ -535,9 +590,15 @@ class Supervisor:
             self.signals.restore()
             for duty in self.duties:
                 duty.stop()
+            self.webhooks.stop()
             if self.outcome is None:  # a clean stop: leave the registry
-                self.books.deregister(host)
-            self.db_thread.close(self._close_timeout())
+                self.books.deregister(self.host)
+            # Both lanes finish their queues at once, within the one close timeout.
+            ends_at = self.clock() + self._close_timeout()
+            for lane in self.lanes:
+                lane.stop_soon()
+            for lane in self.lanes:
+                lane.close(max(0.0, ends_at - self.clock()))
         outcome = self.outcome or RunResult(0)
         event(log, "supervisor stopped", code=outcome.code)
         return outcome
@@ -545,7 +606,7 @@ class Supervisor:
     def _close_timeout(self) -> float:
         if self.stop_deadline is None:
             return DB_CLOSE_WAIT
-        left = self.stop_deadline + self.config.supervisor.kill_grace - time.monotonic()
+        left = self.stop_deadline + self.config.supervisor.kill_grace - self.clock()
         return max(0.1, left)
 
     def _title(self) -> str:

@@ -44,11 +44,13 @@ from derivd.queue.session import (
     PARENT_STATEMENT_TIMEOUT_S,
     DatabaseUnavailable,
     LockBusy,
+    StatementTimeout,
     bounded,
     connect,
     is_pooled,
     open_connection,
 )
+from derivd.queue.webhook_queries import WebhookQueries
 from derivd.queue.worker_queries import WorkerQueries
 
 __all__ = [
@@ -71,6 +73,7 @@ __all__ = [
     "QueueListener",
     "QueueStats",
     "SchemaMismatch",
+    "StatementTimeout",
     "StoredVariant",
     "bounded",
     "check_schema",
@@ -92,6 +95,7 @@ class QueueDB(
     BackfillQueries,
     DashboardQueries,
     ClientQueries,
+    WebhookQueries,
 ):
     """One worker's (or one command's) handle on the queue tables: every query API of
     derivd.queue on one connection (statements.Statements runs them)."""

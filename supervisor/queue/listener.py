@@ -39,9 +39,16 @@ class QueueListener:
     connection is closed again and reported `pooled`.
     """
 
-    def __init__(self, dsn: str, *, bound_s: float | None = PARENT_STATEMENT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        bound_s: float | None = PARENT_STATEMENT_TIMEOUT_S,
+        channel: str = QUEUED_CHANNEL,  # the webhook deliverer listens on its own
+    ) -> None:
         self.dsn = dsn
         self.bound_s = bound_s
+        self.channel = channel
         self.conn: psycopg.Connection[Any] | None = None
 
     @property
@@ -65,7 +72,7 @@ class QueueListener:
             return "pooled"
         try:
             with bounded(conn, self.bound_s):
-                conn.execute(on_channel("listen", QUEUED_CHANNEL))
+                conn.execute(on_channel("listen", self.channel))
         except psycopg.Error:
             conn.close()
             return "unavailable"

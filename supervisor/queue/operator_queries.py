@@ -3,6 +3,7 @@ row, variants and events."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,12 @@ class OperatorQueries(Statements):
         }
         return [r["id"] for r in self._all("enqueue", params)]
 
+    def enqueue_write_ahead(self, keys: Sequence[str], token: uuid.UUID) -> None:
+        """Register originals about to be uploaded (under `token`, never a lease) for the
+        orphan sweep; `enqueue` of those keys clears them."""
+        params = {"keys": [validate_key(key) for key in keys], "token": token}
+        self._all("enqueue_write_ahead", params)
+
     def request_delete(self, ids: Sequence[int], *, actor: str) -> list[int]:
         return [r["id"] for r in self._all("request_delete", {"ids": list(ids), "actor": actor})]
 
@@ -69,6 +76,7 @@ class OperatorQueries(Statements):
             oldest_claimable_age_s=payload.get("oldest_claimable_age_s"),
             expired_leases=int(payload.get("expired_leases") or 0),
             estimated=tuple(str(s) for s in payload.get("estimated") or ()),
+            age_s=float(payload.get("age_s") or 0.0),
         )
 
     def event_window(self, *, window_s: float, max_age_s: float = 0.0) -> EventWindow:
@@ -81,6 +89,7 @@ class OperatorQueries(Statements):
             rejected_by_code={
                 str(k): int(v) for k, v in (payload.get("rejected_by_code") or {}).items()
             },
+            age_s=float(payload.get("age_s") or 0.0),
         )
 
     def file_row(self, file_id: int) -> dict[str, Any] | None:

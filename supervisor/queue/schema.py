@@ -9,7 +9,13 @@ from typing import Any
 import psycopg
 
 from derivd import __version__
-from derivd.queue.session import PARENT_STATEMENT_TIMEOUT_S, DatabaseUnavailable, bounded, connect
+from derivd.queue.session import (
+    PARENT_STATEMENT_TIMEOUT_S,
+    Bound,
+    DatabaseUnavailable,
+    bounded,
+    connect,
+)
 from derivd.queue.sqlfiles import function_signatures, functions, migrations, query
 from derivd.redact import one_line
 
@@ -76,15 +82,16 @@ def check_schema_on(conn: psycopg.Connection[Any], *, bound_s: float | None = No
     its statements wait at most `bound_s` (`bounded`)."""
     applied: set[str] = set()
     absent: list[str] = []
+    bound = Bound(bound_s)
     try:
-        with bounded(conn, bound_s):
+        with bounded(conn, bound_s) as bound:
             row = conn.execute(query("migrations_exists")).fetchone()
             if row and row[0]:
                 applied = {r[0] for r in conn.execute(query("migrations_applied"))}
                 signatures = {"signatures": function_signatures()}
                 absent = [r[0] for r in conn.execute(query("functions_missing"), signatures)]
     except psycopg.OperationalError as error:
-        raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
+        raise bound.unavailable(error) from None
     except psycopg.Error as error:
         raise DatabaseUnavailable(f"database error: {one_line(error)}") from None
     problem = schema_problem(applied, {m.name for m in migrations()}, absent)

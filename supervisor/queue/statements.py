@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Self
 
@@ -18,6 +18,7 @@ from derivd.queue.listener import on_channel
 from derivd.queue.schema import check_schema_on
 from derivd.queue.session import (
     DDL_LOCK_TIMEOUT_S,
+    Bound,
     DatabaseUnavailable,
     LockBusy,
     bounded,
@@ -91,22 +92,29 @@ class Statements:
         self.close()
 
     @contextmanager
-    def _cursor(self) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
+    def _cursor(self, bound_s: float | None = None) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
+        """`bound_s`: this statement's client-side bound, else the connection's."""
         with self._lock:
-            yield from self._locked_cursor()
+            yield from self._locked_cursor(bound_s or self.bound_s)
 
-    def _locked_cursor(self) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
+    def _locked_cursor(self, bound_s: float | None) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
         self._reconnect_if_broken()
+        bound = Bound(bound_s)
         try:
-            with bounded(self.conn, self.bound_s), self.conn.cursor(row_factory=dict_row) as cur:
+            with (
+                bounded(self.conn, bound_s) as bound,
+                self.conn.cursor(row_factory=dict_row) as cur,
+            ):
                 yield cur
         except psycopg.errors.LockNotAvailable:
             raise LockBusy("gave up waiting for a lock; retried later") from None
         except psycopg.OperationalError as error:
-            raise DatabaseUnavailable(f"database unavailable: {one_line(error)}") from None
+            raise bound.unavailable(error) from None
 
-    def _all(self, name: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        with self._cursor() as cur:
+    def _all(
+        self, name: str, params: dict[str, Any] | None = None, *, bound_s: float | None = None
+    ) -> list[dict[str, Any]]:
+        with self._cursor(bound_s) as cur:
             cur.execute(query(name), params or {})
             return cur.fetchall() if cur.description else []
 
@@ -121,6 +129,26 @@ class Statements:
             cur.execute(query("lock_timeout"), {"timeout": f"{int(DDL_LOCK_TIMEOUT_S * 1000)}ms"})
             cur.execute(query(name), params)
             return cur.fetchall() if cur.description else []
+
+    def _then_outbox(
+        self,
+        name: str,
+        params: dict[str, Any],
+        event: str,
+        *,
+        key: str = "id",
+        ids: Callable[[list[dict[str, Any]]], list[int]] | None = None,
+    ) -> list[dict[str, Any]]:
+        """`name`, then the webhook outbox of the files it finished (`ids` of its rows,
+        else their `key` column), in one transaction: a statement that rejects or deletes
+        files and their `event` deliveries commit together or not at all."""
+        with self._cursor() as cur, self.conn.transaction():
+            cur.execute(query(name), params)
+            rows = cur.fetchall() if cur.description else []
+            finished = ids(rows) if ids is not None else [int(r[key]) for r in rows]
+            if finished:
+                cur.execute(query("outbox_many"), {"ids": finished, "event": event})
+        return rows
 
     def _on_channel(self, name: str, channel: str) -> None:
         with self._cursor() as cur:

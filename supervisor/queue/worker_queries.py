@@ -74,8 +74,23 @@ def _jobs(rows: list[dict[str, Any]]) -> list[Job]:
     ]
 
 
+# A claim waits at most this long, client-side (`bounded`: the socket is shut down),
+# which holds through a pooler whose server froze; the worker then retries after
+# [queue] poll_interval on a new connection. Nothing else bounds it: the supervisor's
+# job_timeout starts with a job, and a claim is not one yet.
+CLAIM_TIMEOUT_S = 10.0
+
+
 class WorkerQueries(Statements):
     """The lease protocol as a worker calls it: claim, write-ahead, fenced commit, fail, release."""
+
+    claim_bound_s: float = CLAIM_TIMEOUT_S  # tests shorten it
+
+    def not_yet_due(self) -> tuple[int, float | None]:
+        """(queued rows not due yet, counted to 10,000; seconds until the first is due,
+        None when there is none): what a `run --burst` would leave behind."""
+        row = self._one("not_yet_due") or {}
+        return int(row.get("waiting") or 0), row.get("next_due_s")
 
     def claim_many(
         self,
@@ -91,7 +106,7 @@ class WorkerQueries(Statements):
         many rows in flight per tenant (0: no cap)."""
         params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
         with self._lock:
-            jobs = _jobs(self._all("claim", params))
+            jobs = _jobs(self._all("claim", params, bound_s=self.claim_bound_s))
             self._unflushed.update(j.token for j in jobs)
         return jobs
 
@@ -141,7 +156,7 @@ class WorkerQueries(Statements):
         params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
         params["jobs"] = json.dumps([_commit_row(f) for f in results])
         with self._lock:
-            rows = self._all("commit_and_claim", params)
+            rows = self._all("commit_and_claim", params, bound_s=self.claim_bound_s)
             if results or rows:  # it wrote, and (durable) waited for its flush
                 self._flushed()
         return _committed(rows), _jobs([r for r in rows if r["kind"] == "claimed"])

@@ -1,0 +1,248 @@
+"""Webhooks (issue 29): what the outbox costs the derivation commit, and how fast and at
+what server cost its events reach a local receiver.
+
+1. Server CPU per job of the worker's commit (+ next claim, one statement, one client,
+   prepared, two variants per job), interleaved rounds of: the baseline build (git ref,
+   before webhooks), this build without any endpoint, this build with one endpoint
+   subscribed (its deliveries pile up: nothing delivers during this part).
+2. Commit-to-delivery latency: one file at a time is committed and the next one only
+   once the receiver (a thread of this process, 127.0.0.1, verifying each request with
+   the `standardwebhooks` library) has it; the delivering loop runs in a child process,
+   woken by the outbox's NOTIFY. p50/p99 from the commit's return to the request's
+   arrival.
+3. Throughput: a backlog of deliveries, then the deliverer started: deliveries/s and the
+   server's CPU per delivery (claim + fenced finish), at concurrency 4 and 16.
+
+    .venv/bin/python bench/webhooks.py            # writes bench/out/webhooks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import cluster, fresh_db, machine, percentile, save_results, table
+from fleet import load_average, server_cpu_s
+from traffic import baseline_db
+
+from derivd.queue.db import QueueDB
+from derivd.webhooks.deliverer import Deliverer
+from derivd.webhooks.endpoints import Endpoint
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from fixtures.receiver import Receiver
+
+KEY = b"derivd bench secret of 32 bytes!"
+SECRET = "whsec_" + base64.b64encode(KEY).decode()
+COMMIT = "SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, 1, 120, 3, 'b', 0)"
+SEED = """INSERT INTO archive_files (status, original_key, original_version)
+SELECT 'queued', 'originals/bench', 'v1' FROM generate_series(1, %(n)s)"""
+SUBSCRIBE = [{"name": "app", "events": ["file.ready", "file.rejected"], "tenants": None}]
+
+
+def variants(file_id: int, token: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": name,
+            "key": f"derived/{file_id}/{token}/{name}.webp",
+            "version": "v1",
+            "sha256": "ab" * 32,
+            "width": edge,
+            "height": edge // 2,
+            "format": "webp",
+            "content_type": "image/webp",
+            "fingerprint": "f",
+        }
+        for name, edge in (("preview", 1600), ("thumb", 320))
+    ]
+
+
+def commit_loop(conn: psycopg.Connection[Any], n: int) -> Callable[[], None]:
+    held: list[tuple[Any, ...]] = []
+
+    def one() -> None:
+        jobs = json.dumps([{"id": r[1], "token": str(r[2]), "attempt": r[3],
+                            "derived_key": "k", "derived_version": "v", "sha256": "ab" * 32,
+                            "width": 1600, "height": 800,
+                            "variants": variants(r[1], str(r[2]))} for r in held])  # fmt: skip
+        rows = conn.execute(COMMIT, {"jobs": jobs}, prepare=True).fetchall()
+        held[:] = [r for r in rows if r[0] == "claimed"]
+
+    return one
+
+
+def commit_cpu(pg: Any, label: str, baseline: str, jobs: int) -> float:
+    """Server CPU ms per job of commit + next claim."""
+    dsn = (baseline_db(pg, "wh_cpu_base", baseline) if label == "baseline"
+           else fresh_db(pg, "wh_cpu"))  # fmt: skip
+    if label == "one endpoint":
+        with QueueDB.open(dsn) as q:
+            q.sync_webhook_endpoints(SUBSCRIBE)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SEED, {"n": jobs + 400})
+        conn.execute("VACUUM (ANALYZE) archive_files")
+        conn.execute("CHECKPOINT")
+        one = commit_loop(conn, jobs)
+        for _ in range(200):
+            one()
+        before = server_cpu_s(pg)
+        for _ in range(jobs):
+            one()
+        return (server_cpu_s(pg) - before) * 1000 / jobs
+
+
+def endpoint(url: str, concurrency: int) -> Endpoint:
+    return Endpoint("app", url, KEY, timeout=10, retry_horizon=3600, concurrency=concurrency)
+
+
+def _deliver(dsn: str, url: str, concurrency: int) -> None:
+    deliverer = Deliverer((endpoint(url, concurrency),), dsn, host="bench", poll_interval=1.0)
+    deliverer.run()
+
+
+def start_deliverer(dsn: str, url: str, concurrency: int) -> multiprocessing.Process:
+    proc = multiprocessing.get_context("fork").Process(
+        target=_deliver, args=(dsn, url, concurrency), daemon=True
+    )
+    proc.start()
+    return proc
+
+
+class Arrivals:
+    def __init__(self, receiver: Receiver) -> None:
+        self.at: dict[int, float] = {}
+        self.cond = threading.Condition()
+        original = receiver.record
+
+        def record(item: Any) -> None:
+            original(item)
+            with self.cond:
+                self.at.setdefault(item.payload["data"]["file_id"], time.time())
+                self.cond.notify_all()
+
+        receiver.record = record  # type: ignore[method-assign]
+
+    def wait(self, count: int, timeout: float = 120.0) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.at) >= count, timeout)
+
+
+def latency(pg: Any, events: int) -> dict[str, float]:
+    dsn = fresh_db(pg, "wh_latency")
+    receiver = Receiver(SECRET).start()
+    arrivals = Arrivals(receiver)
+    with QueueDB.open(dsn) as q:
+        q.sync_webhook_endpoints(SUBSCRIBE)
+    proc = start_deliverer(dsn, receiver.url, 4)
+    lat: list[float] = []
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(SEED, {"n": events + 21})
+            one = commit_loop(conn, events)
+            one()  # the first claim
+            for n in range(events + 20):
+                held = conn.execute("SELECT id FROM archive_files WHERE status = 'processing'")
+                ids = [int(r[0]) for r in held.fetchall()]
+                one()
+                done = time.time()
+                arrivals.wait(len(arrivals.at) + len(ids))
+                if n >= 20:  # warm-up: connections, plans
+                    lat += [(arrivals.at[i] - done) * 1000 for i in ids if i in arrivals.at]
+    finally:
+        proc.terminate()
+        proc.join(30)
+        receiver.stop()
+    bad = [r for r in receiver.answered() if not r.verified]
+    assert not bad, "a signature did not verify"
+    return {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "n": len(lat),
+            "mean_ms": statistics.fmean(lat)}  # fmt: skip
+
+
+def throughput(pg: Any, backlog: int, concurrency: int) -> dict[str, float]:
+    dsn = fresh_db(pg, "wh_throughput")
+    receiver = Receiver(SECRET).start()
+    arrivals = Arrivals(receiver)
+    with QueueDB.open(dsn) as q:
+        q.sync_webhook_endpoints(SUBSCRIBE)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SEED, {"n": backlog + 1})
+        one = commit_loop(conn, backlog)
+        for _ in range(backlog + 1):
+            one()
+        conn.execute("VACUUM (ANALYZE) derivd_deliveries")
+    cpu, started = server_cpu_s(pg), time.monotonic()
+    proc = start_deliverer(dsn, receiver.url, concurrency)
+    try:
+        arrivals.wait(backlog, timeout=600)
+        wall = time.monotonic() - started
+        cpu = server_cpu_s(pg) - cpu
+    finally:
+        proc.terminate()
+        proc.join(30)
+        receiver.stop()
+    got = len(arrivals.at)
+    return {"deliveries_per_s": got / wall, "server_cpu_ms_per_delivery": cpu * 1000 / got,
+            "delivered": got}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=3000, help="per commit-cost round")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--events", type=int, default=300)
+    parser.add_argument("--backlog", type=int, default=2000)
+    parser.add_argument("--baseline", default="e0f8d60", help="git ref before webhooks (main)")
+    args = parser.parse_args()
+    load = [load_average()]
+    result: dict[str, Any] = {}
+    with cluster() as pg:
+        labels = ("baseline", "no endpoint", "one endpoint")
+        cpu: dict[str, list[float]] = {label: [] for label in labels}
+        for n in range(args.repeat):
+            order = labels if n % 2 == 0 else labels[::-1]  # neither side always first
+            for label in order:
+                print(f"commit cost, {label}, round {n + 1}", file=sys.stderr, flush=True)
+                cpu[label].append(commit_cpu(pg, label, args.baseline, args.jobs))
+        result["commit_cpu_ms"] = {k: {"median": statistics.median(v), "runs": v}
+                                   for k, v in cpu.items()}  # fmt: skip
+        print("latency", file=sys.stderr, flush=True)
+        result["latency"] = latency(pg, args.events)
+        result["throughput"] = {}
+        for concurrency in (4, 16):
+            print(f"throughput, concurrency {concurrency}", file=sys.stderr, flush=True)
+            result["throughput"][str(concurrency)] = throughput(pg, args.backlog, concurrency)
+        load.append(load_average())
+        result["machine"] = machine(pg.dsn("postgres"))
+    result["load"] = load
+    base = result["commit_cpu_ms"]["baseline"]["median"]
+    print("\n".join(result["machine"]))
+    print(f"load average before/after: {load[0]} / {load[1]}")
+    print("\n1. server CPU per job, commit + next claim (median of rounds)")
+    print(table(["build", "ms/job", "vs baseline", "runs"],
+                [[k, f"{v['median']:.4f}", f"{(v['median'] / base - 1) * 100:+.1f} %",
+                  " ".join(f"{r:.4f}" for r in v["runs"])]
+                 for k, v in result["commit_cpu_ms"].items()]))  # fmt: skip
+    lat = result["latency"]
+    print(f"\n2. commit to delivery: p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms "
+          f"(mean {lat['mean_ms']:.1f}, n = {lat['n']})")  # fmt: skip
+    print("\n3. a backlog of deliveries")
+    print(table(["concurrency", "deliveries/s", "server CPU ms/delivery"],
+                [[c, f"{t['deliveries_per_s']:.0f}", f"{t['server_cpu_ms_per_delivery']:.3f}"]
+                 for c, t in result["throughput"].items()]))  # fmt: skip
+    save_results("webhooks", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The webhook outbox's statements (sql/queries.sql, "Webhooks"): the endpoints the
+database knows, the lease protocol of deliveries, their views, replay and retention; and
+`derivd files`' page of files. Part of QueueDB like every other query API."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final
+
+from derivd.queue.statements import Statements
+
+# The channel derivd_outbox notifies (sql/functions.sql) whenever it inserts deliveries.
+DELIVERIES_CHANNEL: Final = "derivd_deliveries"
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One claimed delivery: the webhook-id is `msg_<id>`, the same on every attempt."""
+
+    id: int
+    token: uuid.UUID
+    attempt: int
+    event: str
+    file_id: int
+    body: str
+    age_s: float  # since the event (or its replay): the horizon's clock
+
+    @property
+    def webhook_id(self) -> str:
+        return f"msg_{self.id}"
+
+
+@dataclass(frozen=True)
+class Circuit:
+    """When an endpoint backs off as a whole (consecutive failures, fleet-wide)."""
+
+    threshold: int = 5
+    pause_base: float = 5.0
+    pause_max: float = 3600.0
+
+
+class WebhookQueries(Statements):
+    """The outbox's endpoints, the deliveries' lease protocol, their views, replay and
+    retention."""
+
+    def sync_webhook_endpoints(
+        self, subscriptions: Sequence[dict[str, Any]]
+    ) -> tuple[list[str], list[str]]:
+        """Make the database's webhook endpoints these ({name, events, tenants}): the
+        outbox's subscribers. Returns the names removed and those added or changed."""
+        row = self._one("webhook_endpoints_sync", {"endpoints": json.dumps(list(subscriptions))})
+        return (list(row["removed"]), list(row["changed"])) if row else ([], [])
+
+    def webhook_endpoints(self) -> list[dict[str, Any]]:
+        return self._all("webhook_endpoints")
+
+    def claim_deliveries(
+        self, endpoint: str, *, limit: int, lease_s: float, host: str
+    ) -> list[Delivery]:
+        params = {"endpoint": endpoint, "limit": limit, "lease_s": lease_s, "host": host}
+        return [
+            Delivery(
+                id=r["id"],
+                token=r["lease_token"],
+                attempt=r["attempts"],
+                event=r["event"],
+                file_id=r["file_id"],
+                body=r["body"],
+                age_s=max(0.0, r["age_s"] or 0.0),
+            )
+            for r in self._all("deliveries_claim", params)
+        ]
+
+    def finish_delivery(
+        self,
+        delivery: Delivery,
+        *,
+        status: str,
+        delay_s: float = 0.0,
+        http_status: int | None = None,
+        error: str | None = None,
+        circuit: Circuit = Circuit(),
+    ) -> bool:
+        """The fenced end of an attempt; False: the lease was lost (nothing changed)."""
+        params = {
+            "id": delivery.id,
+            "token": delivery.token,
+            "status": status,
+            "delay_s": delay_s,
+            "http_status": http_status,
+            "error": error,
+            "ok": status == "delivered",
+            "threshold": circuit.threshold,
+            "pause_base": circuit.pause_base,
+            "pause_max": circuit.pause_max,
+        }
+        row = self._one("delivery_finish", params)
+        return bool(row and row["finished"])
+
+    def webhook_stats(self, *, window_s: float) -> list[dict[str, Any]]:
+        return self._all("webhook_stats", {"window_s": window_s})
+
+    def replay_deliveries(
+        self,
+        *,
+        endpoint: str | None = None,
+        ids: Sequence[int] | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        failed_only: bool = False,
+    ) -> int:
+        params = {
+            "endpoint": endpoint,
+            "ids": list(ids) if ids is not None else None,
+            "since": since,
+            "until": until,
+            "failed_only": failed_only,
+        }
+        row = self._one("deliveries_replay", params)
+        return int(row["replayed"]) if row else 0
+
+    def add_test_delivery(self, endpoint: str, body: str) -> int:
+        row = self._one("delivery_test", {"endpoint": endpoint, "body": body})
+        assert row is not None
+        return int(row["id"])
+
+    def delivery(self, delivery_id: int) -> dict[str, Any] | None:
+        return self._one("delivery_row", {"id": delivery_id})
+
+    def purge_deliveries(self, *, older_than_days: int, limit: int = 1000) -> dict[str, int]:
+        """Retention: finished deliveries of events past `older_than_days` (0: none)."""
+        rows = self._all("deliveries_purge", {"days": older_than_days, "limit": limit})
+        counts: dict[str, int] = {}
+        for r in rows:
+            counts[r["status"]] = counts.get(r["status"], 0) + 1
+        return counts
+
+    def files_page(
+        self,
+        *,
+        status: str | None = None,
+        code: str | None = None,
+        tenant: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        before: int | None = None,
+        limit: int = 50,
+    ) -> list[dict[str, Any]]:
+        params = {"status": status, "code": code, "tenant": tenant, "since": since,
+                  "until": until, "before": before, "limit": limit}  # fmt: skip
+        return self._all("files_page", params)

@@ -1,0 +1,174 @@
+"""The delivering process's loop: claim due deliveries per endpoint, POST them on a
+thread pool, finish each with its fenced statement.
+
+Each endpoint has `concurrency` slots on this host: a slot free is a claim of that many
+rows of that endpoint (SKIP LOCKED, a lease that outlasts the POST's hard timeout), so
+one slow or dead endpoint only ever fills its own slots. Its circuit (consecutive
+failures, fleet-wide, in the database) stops its claims as a whole for a while. The loop
+sleeps on the `derivd_deliveries` notification (any new delivery, any replay), a slot
+coming free, or `poll_interval` at most; a database outage is waited out (every
+statement retries with the next round) and a delivery whose end could not be recorded
+comes back when its lease expires: delivered at least once, with the same webhook-id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from derivd.errors import Transient
+from derivd.ops.logs import event
+from derivd.queue.db import QueueDB, QueueListener
+from derivd.queue.webhook_queries import DELIVERIES_CHANNEL, Delivery
+from derivd.webhooks.endpoints import Endpoint
+from derivd.webhooks.policy import decide, error_text
+from derivd.webhooks.sender import post
+from derivd.webhooks.signing import headers
+
+log = logging.getLogger("derivd.webhooks")
+
+OUTAGE_WAIT_S = 1.0
+
+
+def lease_for(endpoint: Endpoint) -> float:
+    """A delivery's lease: the POST's hard timeout twice, and time to record its end."""
+    return 2 * endpoint.timeout + 30.0
+
+
+class Deliverer:
+    def __init__(
+        self,
+        endpoints: tuple[Endpoint, ...],
+        dsn: str,
+        *,
+        host: str,
+        listen_dsn: str | None = None,
+        poll_interval: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.endpoints = {e.name: e for e in endpoints}
+        self.dsn = dsn
+        self.host = host
+        self.poll_interval = poll_interval
+        self.clock = clock
+        self.db = QueueDB.open(dsn, role="derivd-webhooks")
+        self.db_lock = threading.Lock()  # one connection, shared by the POSTing threads
+        self.listener = QueueListener(listen_dsn or dsn, channel=DELIVERIES_CHANNEL)
+        self.busy = dict.fromkeys(self.endpoints, 0)
+        self.busy_lock = threading.Lock()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        slots = sum(e.concurrency for e in endpoints) or 1
+        self.pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="webhook")
+        self.stopping = threading.Event()
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            self.listener.connect()
+            try:
+                claimed = self.claim_round()
+            except Transient as error:
+                event(log, "webhooks: database unavailable", logging.WARNING, error=str(error))
+                self.wait(OUTAGE_WAIT_S)
+                continue
+            if not claimed:
+                self.wait(self.poll_interval)
+        self.pool.shutdown(wait=True)
+
+    def claim_round(self) -> int:
+        """Claim into every endpoint's free slots; returns how many were claimed."""
+        claimed = 0
+        for endpoint in self.endpoints.values():
+            with self.busy_lock:
+                free = endpoint.concurrency - self.busy[endpoint.name]
+            if free <= 0:
+                continue
+            with self.db_lock:
+                rows = self.db.claim_deliveries(
+                    endpoint.name, limit=free, lease_s=lease_for(endpoint), host=self.host
+                )
+            for delivery in rows:
+                with self.busy_lock:
+                    self.busy[endpoint.name] += 1
+                self.pool.submit(self.deliver_and_free, endpoint, delivery)
+            claimed += len(rows)
+        return claimed
+
+    def wait(self, timeout: float) -> None:
+        fds = [self.wake_r]
+        listen_fd = self.listener.fileno()
+        if listen_fd is not None:
+            fds.append(listen_fd)
+        try:
+            ready, _, _ = select.select(fds, [], [], timeout)
+        except InterruptedError:
+            return
+        if self.wake_r in ready:
+            os.read(self.wake_r, 4096)
+        self.listener.drain()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # a full pipe: awake already
+            os.write(self.wake_w, b"x")
+
+    # -- one delivery ------------------------------------------------------------------
+
+    def deliver_and_free(self, endpoint: Endpoint, delivery: Delivery) -> None:
+        try:
+            self.deliver(endpoint, delivery)
+        except Transient as error:
+            # Its end is not recorded: the lease expires and the delivery comes back.
+            event(log, "webhook: outcome not recorded", logging.WARNING,
+                  endpoint=endpoint.name, delivery=delivery.id, error=str(error))  # fmt: skip
+        except Exception:
+            log.exception("webhook delivery %s failed unexpectedly", delivery.id)
+        finally:
+            with self.busy_lock:
+                self.busy[endpoint.name] -= 1
+            self._wake()
+
+    def deliver(self, endpoint: Endpoint, delivery: Delivery) -> None:
+        body = delivery.body
+        now = self.clock()
+        sent = headers(endpoint.key, delivery.webhook_id, int(now), body)
+        response = post(endpoint.url, body.encode(), sent, timeout=endpoint.timeout)
+        decision = decide(
+            response,
+            attempt=delivery.attempt,
+            age_s=delivery.age_s,
+            horizon_s=endpoint.retry_horizon,
+            base_s=endpoint.retry_base,
+            now=self.clock(),
+        )
+        error = error_text(response)
+        with self.db_lock:
+            kept = self.db.finish_delivery(
+                delivery,
+                status=decision.status,
+                delay_s=decision.delay_s,
+                http_status=response.status,
+                error=error,
+            )
+        event(log, "webhook " + ("attempt ended" if kept else "lease lost"),
+              logging.DEBUG if decision.status == "delivered" else logging.WARNING,
+              endpoint=endpoint.name, delivery=delivery.id, event_type=delivery.event,
+              file_id=delivery.file_id, attempt=delivery.attempt, outcome=decision.status,
+              status=response.status or "-", error=error or "-")  # fmt: skip
+
+    def close(self) -> None:
+        self.listener.close()
+        self.db.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)

@@ -1,0 +1,216 @@
+"""Delivery (issue 29) against a real receiver on 127.0.0.1 that verifies every request
+with the `standardwebhooks` library: each behaviour of a receiver ends `delivered` or
+`failed` as DESIGN.md "Webhooks" says, and nothing hangs (every wait below is a liveness
+bound, not a timing check). The delivering loop runs in a thread of the test here; the
+supervisor's child runs the same loop (test_webhooks_daemon)."""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from fixtures.receiver import Receiver, receiving
+from fixtures.work import claim_one, commit_one
+from helpers import sql, wait_for
+
+from derivd.queue.db import QueueDB, StoredVariant
+from derivd.webhooks.deliverer import Deliverer
+from derivd.webhooks.endpoints import Endpoint
+
+SECRET = "whsec_" + base64.b64encode(b"derivd test secret, 32 bytes!!!!").decode()
+KEY = base64.b64decode(SECRET.removeprefix("whsec_"))
+VARIANT = StoredVariant("thumb", "derived/1/t/thumb.webp", "v1", "ab" * 32, 32, 24)
+ALL = ["file.ready", "file.rejected", "file.rederived", "file.deleted"]
+
+
+def endpoint(url: str, name: str = "app", **overrides: Any) -> Endpoint:
+    settings: dict[str, Any] = {"timeout": 2.0, "retry_horizon": 1.5, "retry_base": 0.05,
+                                "concurrency": 2}  # fmt: skip
+    settings.update(overrides)
+    return Endpoint(name=name, url=url, key=KEY, **settings)
+
+
+def ready_files(queue: QueueDB, count: int) -> list[int]:
+    ids = []
+    for _ in range(count):
+        ids.append(queue.enqueue_one("originals/a", "v1"))
+        job = claim_one(queue, lease_s=30, max_attempts=3)
+        assert job is not None and commit_one(queue, job, [VARIANT])
+    return ids
+
+
+@contextmanager
+def delivering(dsn: str, *endpoints: Endpoint) -> Iterator[Deliverer]:
+    queue = QueueDB.open(dsn)
+    queue.sync_webhook_endpoints([e.subscription() for e in endpoints])
+    queue.close()
+    deliverer = Deliverer(endpoints, dsn, host="test", poll_interval=0.2)
+    thread = threading.Thread(target=deliverer.run, daemon=True)
+    thread.start()
+    try:
+        yield deliverer
+    finally:
+        deliverer.stop()
+        thread.join(60)
+        assert not thread.is_alive(), "the delivering loop did not stop"
+        deliverer.close()
+
+
+def rows(dsn: str, endpoint: str = "app") -> list[dict[str, Any]]:
+    return sql(dsn, "SELECT id, status, attempts, last_status, last_error, file_id"
+                    " FROM derivd_deliveries WHERE endpoint = %s ORDER BY id",
+               (endpoint,))  # fmt: skip
+
+
+def settled(dsn: str, endpoint: str = "app", count: int = 1) -> list[dict[str, Any]]:
+    """Until `count` deliveries of the endpoint are delivered or failed."""
+
+    def done() -> list[dict[str, Any]] | None:
+        found = rows(dsn, endpoint)
+        finished = [r for r in found if r["status"] in ("delivered", "failed")]
+        return found if len(finished) >= count else None
+
+    return wait_for(done, f"{count} deliveries of {endpoint} to settle", 60,
+                    detail=lambda: str(rows(dsn, endpoint)))  # fmt: skip
+
+
+def test_delivered_signed_and_deduplicated_by_webhook_id(dsn: str, queue: QueueDB) -> None:
+    # The first request is reset after it arrived: its delivery comes again, same id.
+    with receiving(SECRET, script=["reset"]) as receiver, delivering(dsn, endpoint(receiver.url)):
+        files = ready_files(queue, 3)
+        found = settled(dsn, count=3)
+    assert {r["status"] for r in found} == {"delivered"}
+    assert all(r.verified for r in receiver.answered()), "every signature verifies"
+    unique = receiver.unique()
+    assert sorted(unique) == sorted(f"msg_{r['id']}" for r in found)
+    assert sorted(u.payload["data"]["file_id"] for u in unique.values()) == sorted(files)
+    reset = receiver.answered("reset")[0]
+    again = [r for r in receiver.answered("ok") if r.webhook_id == reset.webhook_id]
+    assert len(again) == 1 and again[0].body == reset.body
+    assert again[0].headers["webhook-timestamp"] >= reset.headers["webhook-timestamp"]
+
+
+def test_a_500_is_retried_until_delivered(dsn: str, queue: QueueDB) -> None:
+    with (
+        receiving(SECRET, script=["500", "500"]) as receiver,
+        delivering(dsn, endpoint(receiver.url, retry_horizon=600)),
+    ):
+        ready_files(queue, 1)
+        [row] = settled(dsn)
+    assert (row["status"], row["attempts"]) == ("delivered", 3)
+
+
+def test_429_retry_after_is_honoured_within_the_horizon(dsn: str, queue: QueueDB) -> None:
+    with (
+        receiving(SECRET, script=["429"], retry_after="1") as receiver,
+        delivering(dsn, endpoint(receiver.url, retry_horizon=600, retry_base=3600)),
+    ):
+        ready_files(queue, 1)
+        [row] = settled(dsn)
+    # Backoff alone (base 3600 s) would not have come back within the test's bound.
+    assert (row["status"], row["attempts"]) == ("delivered", 2)
+
+
+def test_a_retry_after_beyond_the_horizon_fails_the_delivery(dsn: str, queue: QueueDB) -> None:
+    with (
+        receiving(SECRET, default="429", retry_after="3600") as receiver,
+        delivering(dsn, endpoint(receiver.url, retry_horizon=600)),
+    ):
+        ready_files(queue, 1)
+        [row] = settled(dsn)
+    assert (row["status"], row["attempts"], row["last_status"]) == ("failed", 1, 429)
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "status", "error"),
+    [
+        ("500", 500, "http 500"),
+        ("302", 302, "http 302"),
+        ("reset", None, "connection reset"),
+        ("slow", None, "timeout"),
+        ("trickle", None, "timeout"),
+    ],
+)
+def test_failures_retry_until_the_horizon_then_fail(
+    dsn: str, queue: QueueDB, behaviour: str, status: int | None, error: str
+) -> None:
+    with (
+        receiving(SECRET, default=behaviour) as receiver,
+        delivering(dsn, endpoint(receiver.url, timeout=0.5)),
+    ):
+        ready_files(queue, 1)
+        [row] = settled(dsn)
+    assert (row["status"], row["last_status"], row["last_error"]) == ("failed", status, error)
+    assert row["attempts"] >= 1
+    assert receiver.answered("followed") == [], "a redirect is never followed"
+
+
+def test_410_stops_at_once(dsn: str, queue: QueueDB) -> None:
+    with (
+        receiving(SECRET, default="410") as receiver,
+        delivering(dsn, endpoint(receiver.url, retry_horizon=600)),
+    ):
+        ready_files(queue, 1)
+        [row] = settled(dsn)
+    assert (row["status"], row["attempts"], row["last_status"]) == ("failed", 1, 410)
+
+
+def test_a_30_mb_answer_is_read_no_further_than_the_cap(dsn: str, queue: QueueDB) -> None:
+    with receiving(SECRET, default="huge") as receiver, delivering(dsn, endpoint(receiver.url)):
+        ready_files(queue, 1)
+        [row] = settled(dsn)
+    assert (row["status"], row["last_status"]) == ("delivered", 200)
+
+
+def test_a_receiver_that_is_down_fails_past_the_horizon(dsn: str, queue: QueueDB) -> None:
+    receiver = Receiver(SECRET).start()
+    url = receiver.url
+    receiver.stop()  # nothing listens on its port now
+    with delivering(dsn, endpoint(url)):
+        ready_files(queue, 1)
+        [row] = settled(dsn)
+    assert (row["status"], row["last_error"]) == ("failed", "connection refused")
+
+
+def test_a_receiver_back_up_gets_what_it_missed(dsn: str, queue: QueueDB) -> None:
+    receiver = Receiver(SECRET).start()
+    receiver.stop()
+    with delivering(dsn, endpoint(receiver.url, retry_horizon=600, retry_base=0.2)):
+        ready_files(queue, 2)
+        wait_for(lambda: all(r["attempts"] >= 1 for r in rows(dsn)) and len(rows(dsn)) == 2,
+                 "attempts against the dead receiver")  # fmt: skip
+        receiver.start()  # same port
+        found = settled(dsn, count=2)
+        receiver.stop()
+    assert {r["status"] for r in found} == {"delivered"}
+    assert len(receiver.unique()) == 2
+
+
+def test_a_failing_endpoint_backs_off_as_a_whole_and_slows_no_other(
+    dsn: str, queue: QueueDB
+) -> None:
+    dead = Receiver(SECRET).start()
+    dead.stop()
+    with (
+        receiving(SECRET) as good,
+        delivering(
+            dsn,
+            endpoint(dead.url, name="dead", retry_horizon=600, retry_base=0.05),
+            endpoint(good.url, name="good"),
+        ),
+    ):
+        ready_files(queue, 8)
+        settled(dsn, "good", count=8)
+
+        def paused() -> list[dict[str, Any]]:
+            return sql(dsn, "SELECT failures, paused_until FROM derivd_webhook_endpoints"
+                            " WHERE name = 'dead' AND paused_until > now()")  # fmt: skip
+
+        [circuit] = wait_for(paused, "the dead endpoint's circuit to open")
+    assert circuit["failures"] >= 5
+    assert len(good.unique()) == 8
+    assert {r["status"] for r in rows(dsn, "dead")} == {"pending"}
