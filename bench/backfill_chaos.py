@@ -44,7 +44,7 @@ import chaos
 from chaos import Check, Tally, World, say
 from common import table
 
-from derivd.processes.procutil import pid_alive
+from derivd.osproc import pid_alive
 from derivd.queue.db import QueueDB
 from derivd.storage.base import new_original_key
 
@@ -323,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
             world.supervisor.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
             with contextlib.suppress(subprocess.TimeoutExpired):
                 exit_code = world.supervisor.wait(60)  # type: ignore[union-attr]
-        sweep = world.cli("sweep", "--orphan-guard", "0", "--delete-guard", "0")
+        sweep = world.cli(
+            "sweep", "--orphan-guard", "0", "--delete-guard", "0", timeout=chaos.SWEEP_BOUND_S
+        )
         last = (sweep.stdout.strip().splitlines() or ["(no output)"])[-1]
         checks = [Check("sweep ran (guards 0)", sweep.returncode == 0, last)]
         checks += outcome_checks(world, expected, operator, backfill_exit)

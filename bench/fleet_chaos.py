@@ -336,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         tally.supervisor_died = not (fleet.alive("h2") and fleet.alive("h3"))
         codes = fleet.stop_all()
         survivors_ok = codes.get("h2") == 0 and codes.get("h3") == 0
-        sweep = world.cli("sweep", "--orphan-guard", "0", "--delete-guard", "0")
+        sweep = world.cli(
+            "sweep", "--orphan-guard", "0", "--delete-guard", "0", timeout=chaos.SWEEP_BOUND_S
+        )
         checks = chaos.check_all(world, expected, tally, 0 if survivors_ok else codes.get("h3"))
         last = (sweep.stdout.strip().splitlines() or ["(no output)"])[-1]
         checks.insert(0, Check("sweep ran (orphan guard 0)", sweep.returncode == 0, last))
