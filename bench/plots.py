@@ -277,7 +277,8 @@ def store_latency(data: Data) -> tuple[Figure, str]:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     delay = data.get("delay_ms_each_way", 20)
-    ax.set_title(f"Store latency: {data.get('images', '?')} phone JPEGs, S3 +{2 * delay:g} ms")
+    title = f"Store latency: {data.get('images', '?')} phone JPEGs, S3 +{2 * delay:g} ms"
+    ax.set_title(data.get("note") or title, fontsize=9 if data.get("note") else None)
     return fig, "A far store against a near one, pipeline 1 and 2 (bench/store_latency.py)"
 
 

@@ -265,7 +265,8 @@ def main() -> None:
             result["throughput"][str(concurrency)] = throughput(pg, args.backlog, concurrency)
         load.append(load_average())
         result["machine"] = machine(pg.dsn("postgres"))
-    result["load"] = load
+    # The chart's title shows the load of the run that measured the commit's cost.
+    result["load" if "commit" in parts else "load_" + "_".join(sorted(parts))] = load
     print("\n".join(result["machine"]))
     print(f"load average before/after: {load[0]} / {load[1]}")
     if result["commit_cpu_ms"]:
