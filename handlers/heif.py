@@ -29,7 +29,7 @@ from derivd.handlers.base import (
     UnsupportedContent,
     check_declared_size,
 )
-from derivd.handlers.isobmff import declared
+from derivd.handlers.isobmff import Declared, declared
 from derivd.handlers.sniff import input_format
 
 if TYPE_CHECKING:  # Pillow only for deep or premultiplied pixels (imported there)
@@ -76,16 +76,31 @@ class Header:
     image: Any  # pi_heif.HeifImage: decoded on first access to its pixels
 
 
+def check_boxes(boxes: Declared, spec: DeriveSpec) -> None:
+    """The limits a file of the HEIF family declares in its boxes, before any decoder
+    sees it: the primary image's tiles (each one a decode) and a sequence's samples.
+    HEIC and AVIF alike: libavif and libvips' heifload take a grid of thousands of
+    tiles or a track of thousands of frames as readily as libheif does."""
+    if boxes.tiles > HEIF_MAX_TILES:
+        raise ResourceLimit(f"{boxes.tiles} tiles > HEIF_MAX_TILES {HEIF_MAX_TILES}")
+    if boxes.samples > spec.max_frames:
+        raise ResourceLimit(f"{boxes.samples} frames > max_frames {spec.max_frames}")
+
+
+def check_avif(original: bytes, spec: DeriveSpec) -> Declared:
+    """An AVIF's box-level limits (check_boxes), the same as a HEIC's; its boxes."""
+    boxes = declared(original)
+    check_boxes(boxes, spec)
+    return boxes
+
+
 def read_header(original: bytes, spec: DeriveSpec) -> Header:
     """Open the file (boxes and handles only) and check every limit before any decode."""
     boxes = declared(original)
     if boxes.codec is not None and boxes.codec not in _DECODABLE:
         codec = boxes.codec.decode("latin-1")
         raise UnsupportedContent(f"HEIF image coded as {codec!r}: no decoder in this build")
-    if boxes.tiles > HEIF_MAX_TILES:
-        raise ResourceLimit(f"{boxes.tiles} tiles > HEIF_MAX_TILES {HEIF_MAX_TILES}")
-    if boxes.samples > spec.max_frames:
-        raise ResourceLimit(f"{boxes.samples} frames > max_frames {spec.max_frames}")
+    check_boxes(boxes, spec)
     try:
         heif = libheif(spec.concurrency).open_heif(original, convert_hdr_to_8bit=True)
         image = heif[heif.primary_index]

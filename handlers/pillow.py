@@ -46,7 +46,6 @@ from derivd.handlers.base import (
     encoding,
 )
 from derivd.handlers.geometry import base_size, jpeg_eighths, jpeg_shrink
-from derivd.handlers.isobmff import declared
 from derivd.handlers.jpegscale import decode_scaled
 from derivd.handlers.pillow_variants import REDUCING_GAP, Decoded, derive_variants
 from derivd.handlers.sniff import (
@@ -364,7 +363,7 @@ def decode_original(original: bytes, spec: DeriveSpec) -> tuple[Decoded, int]:
     if input_format(original) == "avif":
         # libavif refuses images past its own size limit in words Pillow turns into
         # "cannot identify": check the declared size first, as libvips' header does.
-        size = declared(original).size
+        size = heif.check_avif(original, spec).size
         if size is not None:
             check_declared_size(*size, 1, spec)
     im = open_image(original)

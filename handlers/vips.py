@@ -296,6 +296,8 @@ def decode_original(original: bytes, spec: DeriveSpec) -> Decoded:
     """Everything that parses the user's bytes, to the decoded base."""
     if heif.is_heif(original):
         return decode_heif(original, spec)
+    if input_format(original) == "avif":
+        heif.check_avif(original, spec)  # the box-level limits HEIC gets (heifload: none)
     loader = sniff_loader(original)
     header = read_header(original, loader)
     check_declared_size(header.width, header.height, header.frames, spec)

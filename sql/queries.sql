@@ -580,6 +580,17 @@ SELECT f.status, f.error_code,
 -- functions.sql, README).
 SELECT id FROM derivd_similar(%(id)s, %(max)s, %(limit)s) AS id;
 
+-- name: not_yet_due
+-- What a `run --burst` leaves behind once nothing is claimable: queued rows whose retry
+-- delay has not passed (counted to 10,000) and in how many seconds the first is due,
+-- both through the partial index of queued rows.
+SELECT (SELECT count(*) FROM (SELECT 1 FROM archive_files
+                               WHERE status = 'queued' AND available_at > now()
+                               LIMIT 10000) AS q)::int AS waiting,
+       extract(epoch FROM (SELECT min(available_at) FROM archive_files
+                            WHERE status = 'queued' AND available_at > now())
+                          - now())::float8 AS next_due_s;
+
 -- name: dashboard_in_flight
 -- The dashboard's jobs in flight (every host; files and re-derivations), oldest lease
 -- first, through the partial indexes on processing rows: bounded by `limit` whatever the
@@ -613,18 +624,43 @@ SELECT minutes_ago, finished, median_s
 -- which of the jobs this host holds (`jobs`: a JSON array of {id, token, file}, running
 -- and claimed-unstarted) still hold their lease, fenced by id + token; with `renew`,
 -- exactly those leases are extended to now() + lease_s. The host's registry row is
--- refreshed (created if pruned); with `starting` it is started now: the registry's one
--- upsert. Returns the ids whose lease still holds, and the ids whose attempt has just
--- ended itself (committed, failed or released by that very token); every other id sent
--- is lost.
+-- refreshed (created if pruned), fenced on the run that owns it: with `started_at` (a
+-- supervisor's, from register_host) only the row of this pid and start; another run's
+-- row under the same name is never taken over. Returns the ids whose lease still holds,
+-- and the ids whose attempt has just ended itself (committed, failed or released by that
+-- very token); every other id sent is lost.
 SELECT id FROM derivd_heartbeat(%(jobs)s::jsonb, %(renew)s::boolean, %(lease_s)s::float8,
                                 %(host)s::text, %(pid)s::integer, %(version)s::text,
                                 %(backend)s::text, %(workers)s::integer, %(busy)s::integer,
-                                %(heartbeat_s)s::float8, %(starting)s::boolean) AS id;
+                                %(heartbeat_s)s::float8, %(started_at)s::timestamptz) AS id;
+
+-- name: host_holder
+-- The registry row under a name, for a supervisor about to start under it.
+SELECT pid, version, started_at, heartbeat_s,
+       extract(epoch FROM now() - last_heartbeat)::float8 AS heartbeat_age_s,
+       NOT derivd_host_stale(last_heartbeat, heartbeat_s) AS alive
+  FROM derivd_hosts
+ WHERE host = %(host)s;
+
+-- name: register_host
+-- A supervisor starts: its registry row, idle and started now. Fenced: it replaces only
+-- the row it was shown (`seen_pid` + `seen_started_at`: a stale one, or its own crashed
+-- run's), never one another run has written since; nothing returned: try again.
+INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
+VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, 0, %(heartbeat_s)s)
+ON CONFLICT (host) DO UPDATE
+   SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
+       workers = EXCLUDED.workers, busy = 0, heartbeat_s = EXCLUDED.heartbeat_s,
+       last_heartbeat = now(), started_at = now()
+ WHERE r.pid = %(seen_pid)s AND r.started_at = %(seen_started_at)s::timestamptz
+RETURNING started_at;
 
 -- name: deregister_host
--- A clean stop. Fenced on the pid: a newer supervisor under the same name keeps its row.
-DELETE FROM derivd_hosts WHERE host = %(host)s AND pid = %(pid)s;
+-- A clean stop. Fenced on the pid and the start: a supervisor under the same name (a
+-- newer one, or one on another machine) keeps its row.
+DELETE FROM derivd_hosts
+ WHERE host = %(host)s AND pid = %(pid)s
+   AND (%(started_at)s::timestamptz IS NULL OR started_at = %(started_at)s::timestamptz);
 
 -- name: prune_hosts
 -- Rows of hosts that stopped heartbeating (stale: derivd_host_stale) for longer than the

@@ -66,20 +66,24 @@ def setting(
 class Bounds:
     """A number's range, finite at both ends: every numeric setting declares one, so a
     value like `inf` or `1e300` is refused at load instead of overflowing an interval, an
-    integer column or a timer later. `above`: strictly more than `low`."""
+    integer column or a timer later. `above`: strictly more than `low`; `between`: the
+    message names both ends (a scale, like quality 1-100)."""
 
     low: float
     high: float
     above: bool = False
+    between: bool = False
 
     def __call__(self, value: float) -> str | None:
-        # Written so that NaN fails every comparison, hence the check.
-        if (value > self.low if self.above else value >= self.low) and value <= self.high:
+        low_ok = value > self.low if self.above else value >= self.low
+        if low_ok and value <= self.high:  # NaN fails both comparisons
             return None
         low, high = _number(self.low), _number(self.high)
-        if self.above:
-            return f"must be greater than {low} and at most {high}"
-        return f"must be between {low} and {high}"
+        if self.between:
+            return f"must be between {low} and {high}"
+        if not low_ok and value < self.high:
+            return f"must be greater than {low}" if self.above else f"must be {low} or more"
+        return f"must be at most {high}"
 
 
 def _number(value: float) -> str:
@@ -95,10 +99,10 @@ def non_negative(high: float) -> Bounds:
 
 
 def in_range(low: int, high: int) -> Bounds:
-    return Bounds(low, high)
+    return Bounds(low, high, between=True)
 
 
-fraction = Bounds(0, 1)
+fraction = Bounds(0, 1, between=True)
 
 
 # Upper bounds, generous for any real deployment, small enough for every use downstream
@@ -232,6 +236,13 @@ class SupervisorSettings:
         30.0,
         "seconds running jobs get to finish on SIGTERM before they are released",
         check=non_negative(DAY),
+    )
+    pipeline: int = setting(
+        2,
+        "jobs a worker holds at once, each at its own stage: the next original is fetched "
+        "and derived while the previous job's variants are stored and committed; 1: one job "
+        "at a time (also what a worker does with [queue] claim_batch above 1)",
+        check=in_range(1, 4),
     )
     max_jobs_per_worker: int = setting(
         1000,
@@ -550,6 +561,13 @@ class Config:
     @property
     def worker_count(self) -> int:
         return self.supervisor.workers or os.cpu_count() or 1
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Jobs one worker holds at once: `[supervisor] pipeline`, or 1 with claim_batch
+        above 1 (a batch of short jobs already shares its round trips; a pipeline would
+        only hold its rows longer)."""
+        return 1 if self.queue.claim_batch > 1 else self.supervisor.pipeline
 
     def derive_spec(self) -> DeriveSpec:
         """`[derive]` with every listed variant, sections included (validated at load)."""

@@ -75,13 +75,17 @@ def generate_samples(folder: Path, count: int) -> list[Path]:
     return [*paths, truncated, not_an_image]
 
 
+FINAL = ("ready", "rejected")
+
+
 class Progress(threading.Thread):
-    """Prints `done/total` while the queue drains (reads the counts twice a second): one
+    """Prints `done/total` of the demo's own rows while they drain (read twice a second;
+    with `--into` the database holds other rows, which are none of its business): one
     line rewritten in place on a terminal, a new line per change in a log or a pipe."""
 
-    def __init__(self, dsn: str, total: int, *, live: bool | None = None) -> None:
+    def __init__(self, dsn: str, ids: list[int], *, live: bool | None = None) -> None:
         super().__init__(daemon=True)
-        self.dsn, self.total = dsn, total
+        self.dsn, self.ids, self.total = dsn, ids, len(ids)
         self.live = sys.stderr.isatty() if live is None else live
         self.finished = threading.Event()
 
@@ -91,8 +95,7 @@ class Progress(threading.Thread):
             last_round = False
             while not last_round:
                 last_round = self.finished.wait(0.5)  # one more read after the drain
-                counts = queue.queue_stats().counts
-                done = counts.get("ready", 0) + counts.get("rejected", 0)
+                done = sum(s in FINAL for s in queue.statuses(self.ids).values())
                 if done != shown:
                     self.show(f"processed {done}/{self.total}")
                     shown = done
@@ -128,12 +131,9 @@ def run_demo(config: Config, *, count: int) -> int:
     storage.check()
     with database(config) as dsn:
         with QueueDB.open(dsn, role="derivd-demo") as queue:
-            before = queue.queue_stats().counts
             ids = upload_and_queue(samples, storage, queue)
         click.echo(f"queued {len(ids)} sample images from {samples[0].parent}", err=True)
-        progress = Progress(
-            dsn, total=sum(before.get(s, 0) for s in ("ready", "rejected")) + len(ids)
-        )
+        progress = Progress(dsn, ids)
         progress.start()
         quiet_job_logs()
         started = time.monotonic()

@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import select
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -107,6 +108,9 @@ class _Derived:
 # short jobs share one commit round trip, and a job that ran this long is committed
 # before the next one starts (so real image jobs never wait for another's).
 FLUSH_AFTER_S = 0.05
+# `run --burst` waits for retries due within this many seconds instead of exiting; it
+# says what it leaves behind otherwise (derivd.processes.daemon).
+BURST_RETRY_WAIT_S = 10.0
 # Threads for a worker's storage requests: every variant of a job at once (the default
 # set has five) plus the next original's GET.
 IO_THREADS = 8
@@ -175,6 +179,7 @@ class Worker:
         self.hooks: WorkerHooks = hooks or NoHooks()
         self.rng = rng or random.Random()
         self.jobs_done = 0
+        self._count_lock = threading.Lock()  # a pipelined worker finishes jobs on two threads
         # `noop` (reads_original = False) measures the queue itself: no GET.
         self.reads_original = bool(getattr(handler, "reads_original", True))
         self._pending: list[_Derived] = []
@@ -262,10 +267,17 @@ class Worker:
         return self._fail(job, retry=True, code="processing_failed"), "processing_failed"
 
     def _finish(self, job: Job, outcome: str, code: ErrorCode | None, duration_s: float) -> None:
-        """One attempt's outcome: its log line now, its report with the next flush. A
+        """One attempt's outcome: its log line now, its report with the next flush."""
+        self._unreported.append(self.outcome(job, outcome, code, duration_s))
+
+    def outcome(
+        self, job: Job, outcome: str, code: ErrorCode | None, duration_s: float
+    ) -> JobResult:
+        """Count and log one attempt's outcome; the report is the caller's. A
         re-derivation's end is not a file's: `rederived` / `rederive_rejected` (the
         metrics' ready and rejected counts are files')."""
-        self.jobs_done += 1
+        with self._count_lock:
+            self.jobs_done += 1
         if job.for_file != job.id:
             outcome = REDERIVATION_OUTCOMES.get(outcome, outcome)
         event(
@@ -279,7 +291,7 @@ class Worker:
             wait_s=job.wait_s,
             backend=self.handler.name,
         )
-        self._unreported.append(JobResult(job, outcome, code, duration_s))
+        return JobResult(job, outcome, code, duration_s)
 
     def _commit_pending(self) -> None:
         """One fenced commit for every derived attempt waiting; each row passes or fails
@@ -365,14 +377,27 @@ class Worker:
             self._finish(job, "released" if released else "lease_lost", None, 0.0)
 
     def _derive(self, job: Job) -> Derivation:
+        return self.derive_original(self.fetch(job))
+
+    def fetch(self, job: Job) -> bytes:
+        """The job's original, by key and version (nothing for a handler that reads none)."""
         if job.original_version is None:
             raise ObjectMissing("row has no original version")
         if not self.reads_original:
-            return Derivation.of(self.handler.derive(b"", self.spec))
-        original = self.storage.get(
+            return b""
+        return self.storage.get(
             job.original_key, job.original_version, max_bytes=self.spec.max_input_bytes
         )
+
+    def derive_original(self, original: bytes) -> Derivation:
         return Derivation.of(self.handler.derive(original, self.spec))
+
+    def store(self, job: Job, derivation: Derivation) -> Finished:
+        """Write-ahead, PUT every variant, and what the fenced commit records. Raises
+        Permanent for a malformed analysis before any PUT."""
+        self._check_set(job, derivation)
+        original = _storable(derivation.original)
+        return Finished(job, self._store(job, derivation), original)
 
     def _check_set(self, job: Job, variants: Sequence[DerivedVariant]) -> None:
         """A backend fault (final) unless the handler returned exactly the configured set
@@ -519,11 +544,30 @@ class Worker:
         max_jobs: int = 0,
     ) -> str:
         """Work until told to stop. Returns why it stopped: stopped, drained, max_jobs.
-        Jobs claimed for a batch that will not run are given back on the way out."""
+        Jobs claimed for a batch that will not run are given back on the way out. With
+        `[supervisor] pipeline` above 1 the jobs overlap (derivd.pipelined)."""
+        depth = self.config.pipeline_depth
+        if depth > 1:
+            from derivd.pipelined import PipelinedRun
+
+            run = PipelinedRun(self, depth)
+            return run.run(should_stop, idle or IdleWait(), burst=burst, max_jobs=max_jobs)
         try:
             return self._loop(should_stop, idle or IdleWait(), burst=burst, max_jobs=max_jobs)
         finally:
             self.release_prefetched()
+
+    def _burst_wait(self) -> float | None:
+        """With --burst and nothing claimable: how long to wait for a retry due within
+        BURST_RETRY_WAIT_S (at most a poll interval at a time), or None: drained. A burst
+        that left a retry due a second later would leave work nobody picks up."""
+        try:
+            _waiting, due_s = self.queue.not_yet_due()
+        except DatabaseUnavailable:
+            return self.config.queue.poll_interval
+        if due_s is None or due_s > BURST_RETRY_WAIT_S:
+            return None
+        return min(max(due_s, 0.01), self.config.queue.poll_interval)
 
     def _loop(
         self, should_stop: Callable[[], bool], idle: IdleWait, *, burst: bool, max_jobs: int
@@ -540,7 +584,8 @@ class Worker:
             if not claimed:
                 # Rows whose worker died on their last attempt are not claimable: the
                 # supervisor's ExhaustedRejection duty ends them (derivd.processes.duties).
-                if burst:
+                due_in = self._burst_wait() if burst else None
+                if burst and due_in is None:
                     return "drained"
-                idle.wait(self.config.queue.poll_interval)
+                idle.wait(due_in if due_in is not None else self.config.queue.poll_interval)
         return "stopped"

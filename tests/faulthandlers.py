@@ -6,12 +6,15 @@ The original's bytes are the script, so one supervisor runs jobs with different 
     sleep 2.5            sleep, then succeed
     hang                 never return (only the supervisor's deadline ends it)
     hang-once PATH       hang if PATH does not exist yet (creating it); else succeed
+    gate PATH            create PATH.started, wait until PATH exists, then succeed
     exit 7               end the worker process with status 7
     kill                 SIGKILL the worker process itself
     alloc 200            keep 200 MiB resident (touched, so RSS counts it), then succeed
     analysis {JSON}      succeed with this analysis of the original (derivd.handlers.base
                          Analysis fields), whatever it holds: malformed ones included
     corrupt              a content error (corrupt_content: rejected at once)
+    fail-once PATH       a transient error if PATH does not exist yet (creating it), so
+                         the row is retried after [queue] retry_base; else succeed
 
 `Script` derives nothing; `Stamped` runs the same script, then returns one small object
 per configured variant and format (bytes naming the variant and its size), so variant
@@ -29,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from derivd.errors import Transient
 from derivd.handlers.base import Analysis, CorruptContent, Derivation, DerivedVariant, DeriveSpec
 
 _HELD: list[bytes] = []  # memory an `alloc` job keeps alive until the worker exits
@@ -53,6 +57,10 @@ class Script:
             if not marker.exists():
                 marker.touch()
                 threading.Event().wait()
+        elif verb == "gate":
+            Path(arg + ".started").touch()
+            while not Path(arg).exists():  # the test opens the gate with a file
+                time.sleep(0.01)
         elif verb == "exit":
             os._exit(int(arg))
         elif verb == "kill":
@@ -61,6 +69,11 @@ class Script:
             _HELD.append(b"x" * (int(arg) * 1024 * 1024))
         elif verb == "corrupt":
             raise CorruptContent("the script says so")
+        elif verb == "fail-once":
+            marker = Path(arg)
+            if not marker.exists():
+                marker.touch()
+                raise Transient("the script says: not now")
         elif verb != "ok":
             raise ValueError(f"unknown fault script {verb!r}")
         return Derivation([])

@@ -17,8 +17,9 @@ from fixtures.readonly import read_only_dir
 from PIL import Image
 
 from derivd.config import Config
-from derivd.demo import demo_config
+from derivd.demo import Progress, demo_config
 from derivd.embedded.pgcluster import discard
+from derivd.queue.db import QueueDB
 
 RunCli = Callable[..., CompletedProcess[str]]
 
@@ -216,6 +217,25 @@ def test_enqueue_then_burst_run_makes_everything_final(
     assert sorted(rows, key=str) == sorted(
         [("ready", None), ("ready", None), ("rejected", "unsupported_content")], key=str
     )
+
+
+def test_demo_progress_counts_only_the_demos_rows(
+    dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`demo --into DSN` counted every finished row of that database as its own."""
+    with QueueDB.open(dsn, role="test") as queue:
+        others = queue.enqueue([(f"originals/other{i}", "v1") for i in range(3)])
+        mine = queue.enqueue([("originals/mine1", "v1"), ("originals/mine2", "v1")])
+    with psycopg.connect(dsn) as conn:
+        conn.execute(
+            "UPDATE archive_files SET status = 'rejected', error_code = 'corrupt_content' "
+            "WHERE id = ANY(%s)",
+            ([*others, mine[0]],),
+        )
+    progress = Progress(dsn, mine, live=False)
+    progress.finished.set()  # one reading, then done
+    progress.run()
+    assert capsys.readouterr().err.splitlines() == ["processed 1/2"]
 
 
 def test_demo_processes_its_samples_and_shows_a_real_webp(

@@ -253,5 +253,5 @@ def test_every_number_has_a_finite_declared_range(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(Path("absent.ini"), env={"DERIVD_QUEUE_RETRY_MAX": "inf"})
     assert str(caught.value) == (
-        "environment DERIVD_QUEUE_RETRY_MAX: [queue] retry_max: must be between 0 and 604,800"
+        "environment DERIVD_QUEUE_RETRY_MAX: [queue] retry_max: must be at most 604,800"
     )

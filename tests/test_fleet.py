@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from test_supervisor import FAST, Supervisor
 
 from derivd.config import load_config
 from derivd.ops.sweep import sweep_once
-from derivd.queue.db import QueueDB
+from derivd.queue.db import HostInfo, QueueDB
 
 pytestmark = pytest.mark.acceptance
 
@@ -37,12 +38,12 @@ def fleet(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[Fleet]:
     `[supervisor] host_id` (the name given)."""
     made: list[Supervisor] = []
 
-    def make(name: str, **settings: dict[str, str]) -> Supervisor:
+    def make(name: str, *, home_name: str = "", **settings: dict[str, str]) -> Supervisor:
         merged = {section: dict(values) for section, values in FAST.items()}
         for section, values in settings.items():
             merged.setdefault(section, {}).update(values)
         merged["supervisor"]["host_id"] = name
-        home = tmp_path / name
+        home = tmp_path / (home_name or name)
         home.mkdir()
         sup = Supervisor(home, dsn, fs_root, merged)
         made.append(sup)
@@ -155,6 +156,53 @@ def test_status_lists_live_and_stale_hosts_and_a_clean_stop_deregisters(fleet: F
     a.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
     assert a.wait_exit() == 0
     assert "host-a" not in status_hosts(a)  # deregistered; host-b stays until pruned
+
+
+def test_a_second_supervisor_under_a_live_host_id_refuses_to_start(fleet: Fleet) -> None:
+    """A second `derivd run` with the same host_id started silently, shared the registry
+    row, and its clean stop deleted the row of the one still running. Now it refuses
+    (exit 2, one line) while that row is live, and the first keeps its row."""
+    fast = {"queue": {"heartbeat": "0.5"}}
+    a = fleet("same", **fast).start()
+    wait_for(lambda: status_hosts(a).get("same", {}).get("pid") == a.pid, "a registered")
+    b = fleet("same", home_name="second", **fast).start()
+    assert b.wait_exit() == 2, b.log()
+    refusal = [line for line in b.log().splitlines() if line.startswith("derivd: ")]
+    assert (
+        refusal
+        == [
+            line
+            for line in refusal
+            if f"host_id 'same' is in use by a live supervisor (pid {a.pid}" in line
+        ]
+        and len(refusal) == 1
+    ), b.log()
+    assert "Traceback" not in b.log()
+    row = status_hosts(a)["same"]
+    assert row["pid"] == a.pid and row["alive"]
+    a.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert a.wait_exit() == 0
+    assert "same" not in status_hosts(a)
+
+
+def test_a_clean_stop_deletes_only_its_own_run_of_the_row(dsn: str) -> None:
+    """The fence of a clean stop and of the heartbeat: pid and start. A run whose row was
+    taken over (it went stale, another run registered) neither refreshes nor deletes it."""
+    with QueueDB.open(dsn, role="test") as queue:
+        old = queue.register_host(HostInfo("h", 100, "v", "noop", 1, 0, 10.0))
+        assert old is not None and old.started_at is not None
+        sql(dsn, "UPDATE derivd_hosts SET last_heartbeat = now() - interval '31 seconds'")
+        holder = queue.host_holder("h")
+        assert holder is not None and not holder["alive"]
+        assert queue.register_host(HostInfo("h", 100, "v", "noop", 1, 0, 10.0)) is None
+        new = queue.register_host(HostInfo("h", 100, "v", "noop", 2, 0, 10.0), replacing=holder)
+        assert new is not None and new.started_at != old.started_at
+        queue.heartbeat(replace(old, busy=1), [], renew=False, lease_s=10.0)
+        queue.deregister_host(old.host, old.pid, old.started_at)
+        [row] = queue.hosts()
+        assert (row["pid"], row["workers"], row["busy"]) == (100, 2, 0)
+        queue.deregister_host(new.host, new.pid, new.started_at)
+        assert queue.hosts() == []
 
 
 def logged(sup: Supervisor, message: str, *, after: float) -> list[dict[str, Any]]:

@@ -269,3 +269,44 @@ def test_dhash_finds_a_re_upload_and_tells_photos_apart(handler: Handler) -> Non
     burst = derive(handler, read("burst_5.heic"))[1]
     for a, b in ((pug, arrow), (pug, burst), (arrow, burst)):
         assert hamming(a.dhash, b.dhash) >= 16
+
+
+def _full_box(kind: bytes, payload: bytes) -> bytes:
+    return _box(kind, bytes(4) + payload)  # version 0, no flags
+
+
+def _avif_grid(tiles: int) -> bytes:
+    """An AVIF whose primary item is a grid of `tiles` AV1 tiles, as its boxes say."""
+    ftyp = _box(b"ftyp", b"avif" + bytes(4) + b"avifmif1miaf")
+    infe = [
+        _box(b"infe", b"\x02\x00\x00\x00" + struct.pack(">HH", item, 0) + kind + b"\x00")
+        for item, kind in [(1, b"grid"), *((2 + n, b"av01") for n in range(tiles))]
+    ]
+    iinf = _full_box(b"iinf", struct.pack(">H", len(infe)) + b"".join(infe))
+    dimg = _box(b"dimg", struct.pack(">HH", 1, tiles) + b"".join(
+        struct.pack(">H", 2 + n) for n in range(tiles)))  # fmt: skip
+    meta = _full_box(b"meta", _full_box(b"pitm", struct.pack(">H", 1)) + iinf
+                     + _full_box(b"iref", dimg))  # fmt: skip
+    return ftyp + meta
+
+
+def _small_avif() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 30, 90)).save(buffer, "AVIF")
+    return buffer.getvalue()
+
+
+def test_avif_gets_the_box_level_limits_heic_gets(handler: Handler) -> None:
+    """A tile grid or an image sequence declared in an AVIF's boxes went straight to the
+    decoder: only HEIC had them counted first (handlers/heif.py, check_boxes)."""
+    grid = _avif_grid(2048)
+    assert declared(grid).tiles == 2048
+    long_sequence = _with_track(_small_avif(), 1000)
+    assert declared(long_sequence).samples == 1000
+    for data, words in ((grid, "2048 tiles > HEIF_MAX_TILES"), (long_sequence, "1000 frames")):
+        with pytest.raises(Permanent) as caught:
+            handler.derive(data, SPEC)
+        assert caught.value.code == "resource_limit", caught.value
+        assert words in str(caught.value)
+    out = Derivation.of(handler.derive(_small_avif(), SPEC))  # a plain one still derives
+    assert out.original is not None and out.original.format == "avif"

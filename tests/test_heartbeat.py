@@ -6,6 +6,7 @@ after the guard and deregister on a clean stop. All times are the database's."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -136,6 +137,8 @@ class ReportsHeldBack:
         self.proc = WorkerProc(
             pid=1, slot=1, generation=1, status_r=-1, progress_r=-1, cmd_w=-1, spawned_at=0.0
         )
+        self.proc.depth = config.pipeline_depth
+        self.lock = threading.Lock()  # a pipelined worker reports from its store lanes
         self.heartbeat = Heartbeat(
             lambda: config, None, Metrics(), lambda: [self.proc], on_lost=self.on_lost
         )
@@ -146,26 +149,38 @@ class ReportsHeldBack:
         self.to_kill += to_kill([self.proc], lost)
 
     def jobs_claimed(self, jobs: Sequence[Job]) -> None:
-        for job in jobs:
-            self.proc.held[job.id] = job
+        with self.lock:
+            for job in jobs:
+                self.proc.held[job.id] = job
 
     def job_started(self, job: Job) -> None:
-        self.proc.last_start = (job.token, time.monotonic())
+        with self.lock:  # what read_progress keeps: the last `depth` starts
+            self.proc.starts = [*self.proc.starts, (job.token, time.monotonic())]
+            del self.proc.starts[: -self.proc.depth]
 
     def jobs_finished(self, results: Sequence[JobResult]) -> None:
-        sent = held_jobs([self.proc])
-        running = self.proc.running()
-        if running is not None and self.db.statuses([running[0].id]) == {running[0].id: "ready"}:
-            self.raced.append(running[0].id)
-        self.heartbeat.on_heartbeat(sent, self.heartbeat.run_once(self.db, sent, busy=1))
-        for result in results:  # the report arrives
-            self.proc.held.pop(result.job.id, None)
+        with self.lock:
+            sent = held_jobs([self.proc])
+            flying = {job.id for job, _ in self.proc.in_flight()}
+            for result in results:
+                done = result.job.id
+                if done in flying and self.db.statuses([done]) == {done: "ready"}:
+                    self.raced.append(done)
+            self.heartbeat.on_heartbeat(sent, self.heartbeat.run_once(self.db, sent, busy=1))
+            for result in results:  # the report arrives
+                self.proc.held.pop(result.job.id, None)
 
 
+@pytest.mark.parametrize("pipeline", [1, 2])
 def test_a_heartbeat_never_kills_a_worker_whose_job_committed(
-    queue: QueueDB, dsn: str, tmp_path: Path
+    queue: QueueDB, dsn: str, tmp_path: Path, pipeline: int
 ) -> None:
-    config = make_config(dsn, fs_root=tmp_path / "store", derive={"backend": "noop"})
+    config = make_config(
+        dsn,
+        fs_root=tmp_path / "store",
+        derive={"backend": "noop"},
+        supervisor={"pipeline": pipeline},
+    )
     ids = enqueue(queue, 3)
     hooks = ReportsHeldBack(config, queue)
     worker = make_worker(config, dsn)
@@ -174,7 +189,7 @@ def test_a_heartbeat_never_kills_a_worker_whose_job_committed(
         assert worker.run(lambda: False, burst=True) == "drained"
     finally:
         worker.close()
-    assert hooks.raced == ids  # the heartbeat ran after each commit, before its report
+    assert sorted(hooks.raced) == ids  # the heartbeat ran after each commit, before its report
     assert hooks.to_kill == []
     rows = sql(dsn, "SELECT status FROM archive_files ORDER BY id")
     assert [r["status"] for r in rows] == ["ready"] * 3
@@ -244,7 +259,8 @@ def test_a_restart_starts_the_row_again_and_a_heartbeat_keeps_its_start(
     queue.heartbeat(replace(HOST, busy=2), [], renew=False, lease_s=LONG)
     [beat] = queue.hosts()
     assert (beat["started_at"], beat["busy"]) == (before["started_at"], 2)
-    queue.register_host(HOST)
+    assert queue.register_host(HOST) is None  # a live row: only the one shown is replaced
+    queue.register_host(HOST, replacing=queue.host_holder(HOST.host))
     [restarted] = queue.hosts()
     assert restarted["started_at"] > before["started_at"] and restarted["busy"] == 0
     # Two of three intervals (10 s each) missed: alive, so a 5 s guard prunes nothing.
@@ -296,7 +312,7 @@ def config_problems(tmp_path: Path, sections: dict[str, dict[str, str]]) -> list
             "of [queue] lease (24s), or set [queue] renew = yes",
         ),
         ({"queue": {"renew": "maybe"}}, "[queue] renew: 'maybe' is not yes/no"),
-        ({"queue": {"heartbeat": "-1"}}, "[queue] heartbeat: must be between 0 and 86,400"),
+        ({"queue": {"heartbeat": "-1"}}, "[queue] heartbeat: must be 0 or more"),
         ({"supervisor": {"host_id": "web\x01"}}, "[supervisor] host_id: must not contain control"),
         ({"supervisor": {"host_id": "é" * 101}}, "[supervisor] host_id: must be at most 200 bytes"),
     ],

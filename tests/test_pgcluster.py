@@ -12,7 +12,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from helpers import sql
+from fixtures.cli import derivd_command
+from helpers import sql, wait_for
 
 from derivd.config import Config
 from derivd.embedded import pgbin, pghome
@@ -252,3 +253,40 @@ def test_two_processes_starting_one_state_dir_initdb_once(pg_root: Path) -> None
         assert cluster.is_running()
     finally:
         cluster.stop("immediate")
+
+
+def test_the_embedded_server_stops_when_its_owner_is_killed(pg_root: Path) -> None:
+    """After kill -9 of `derivd run`, the embedded PostgreSQL it started stayed up with
+    no owner. Its watchdog now stops it once no derivd process uses the cluster."""
+    state = pg_root / f"orphan-{os.getpid()}"
+    state.mkdir()
+    ini = state / "derivd.ini"
+    ini.write_text(
+        f"[supervisor]\nstate_dir = {state}\nworkers = 1\n[derive]\nbackend = noop\n"
+        "[queue]\nlisten = no\n",
+        encoding="utf-8",
+    )
+    log = state / "run.log"
+    cluster = EmbeddedCluster(state / "pg")
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*derivd_command(), "-c", str(ini), "run"], stdout=out, stderr=out,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: "supervisor started" in log.read_text(), "the supervisor to start",
+                 detail=log.read_text)  # fmt: skip
+        assert cluster.is_running()
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: not cluster.is_running(), "the watchdog to stop the orphaned server",
+                 detail=log.read_text)  # fmt: skip
+        assert "derivd watchdog: no derivd process uses the cluster" in cluster.log_file.read_text()
+        # The next command finds it stopped, starts it and stops it again on the way out.
+        with database(Config().replace("supervisor", state_dir=str(state)), read_only=True):
+            assert cluster.is_running()
+        wait_for(lambda: not cluster.is_running(), "the server stopped after the command")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        discard(state / "pg")

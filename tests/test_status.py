@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -153,6 +154,22 @@ def test_counts_and_recent_events_are_shared_for_max_age(run_cli: RunCli, seeded
     assert fresh["counts"]["rejected"] == first["counts"]["rejected"] + 1
     assert fresh["events"]["rejected"] == first["events"]["rejected"] + 1
     assert fresh["rejected_by_code"]["corrupt_content"] == 3
+
+
+def test_a_shared_reading_says_how_old_it_is(run_cli: RunCli, seeded_dsn: str) -> None:
+    """The counts another host computed up to [status] max_age ago were shown as if read
+    now; now the table's first line and the JSON say how old they are."""
+    now = json.loads(status(run_cli, seeded_dsn, "--json").stdout)
+    assert now["reading_age_s"] == 0
+    sql = "UPDATE derivd_stats_cache SET computed_at = now() - interval '12 seconds'"
+    with psycopg.connect(seeded_dsn) as conn:
+        conn.execute(sql)  # computed by "another host", 12 s ago
+    shared = {"DERIVD_STATUS_MAX_AGE": "3600"}  # however slow this machine, reused
+    aged = json.loads(status(run_cli, seeded_dsn, "--json", **shared).stdout)
+    assert aged["reading_age_s"] >= 12, aged["reading_age_s"]
+    assert aged["counts"] == now["counts"]
+    table = status(run_cli, seeded_dsn, **shared).stdout.splitlines()[0]
+    assert re.search(r"\(counts read \d+s ago by the fleet \(\[status\] max_age\)\)$", table)
 
 
 def test_no_live_host_while_work_is_claimable_is_unhealthy(

@@ -5,6 +5,7 @@ process table with a deadline (never a bare sleep where an event can be awaited)
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -400,6 +401,7 @@ def test_memory_recycle(supervisor: Callable[..., Supervisor]) -> None:
     wait_for(
         lambda: "worker recycled" in sup.log() and "reason=rss" in sup.log(),
         "the recycle to be logged with its reason",
+        detail=sup.log,
     )
     [small] = sup.enqueue("ok")
     wait_for(lambda: sup.status_is(small, "ready"), "the fresh worker to work")
@@ -423,6 +425,36 @@ def test_burst_exits_when_drained(supervisor: Callable[..., Supervisor]) -> None
     sup.start("--burst")
     assert sup.wait_exit() == 0
     assert [sup.row(i)["status"] for i in ids] == ["ready"] * 4
+
+
+def test_burst_waits_for_a_retry_due_soon_and_says_what_it_leaves(
+    supervisor: Callable[..., Supervisor], tmp_path: Path
+) -> None:
+    """`run --burst` exited while a retry was due a moment later, and said nothing: the
+    file stayed queued with no daemon to pick it up. Now it waits for retries due within
+    BURST_RETRY_WAIT_S; one due later is named on the way out, with when."""
+    soon = {"retry_base": "2", "retry_max": "2", "retry_jitter": "no"}
+    sup = supervisor(supervisor={"workers": "1"}, queue=soon)
+    (file_id,) = sup.enqueue(f"fail-once {tmp_path / 'soon'}")
+    sup.start("--burst")
+    assert sup.wait_exit() == 0, sup.log()
+    row = sup.row(file_id)
+    assert (row["status"], row["attempts"]) == ("ready", 2)
+    assert "left " not in sup.log()
+
+    later = {"retry_base": "3600", "retry_max": "3600", "retry_jitter": "no"}
+    sup = supervisor(supervisor={"workers": "1"}, queue=later)
+    (file_id,) = sup.enqueue(f"fail-once {tmp_path / 'later'}")
+    sup.start("--burst")
+    assert sup.wait_exit() == 0, sup.log()
+    assert sup.row(file_id)["status"] == "queued"
+    (line,) = [line for line in sup.log().splitlines() if line.startswith("derivd: left ")]
+    assert re.fullmatch(
+        r"derivd: left 1 queued row\(s\) waiting for a retry delay, the next due in "
+        r"(59m\d\ds|1h00m) \(at \d\d:\d\d:\d\d\): run `derivd run --burst` again then, "
+        r"or `derivd run`",
+        line,
+    ), line
 
 
 def test_sighup_reloads_and_invalid_config_is_kept(

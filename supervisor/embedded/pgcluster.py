@@ -39,6 +39,7 @@ from psycopg.conninfo import make_conninfo
 from derivd.embedded import pghome
 from derivd.embedded.pgbin import find_server_bindir
 from derivd.embedded.pghome import EmbeddedClusterError, RunAs
+from derivd.embedded.pgwatch import Users, ensure_watchdog
 from derivd.osproc import pid_alive
 from derivd.queue.db import ClusterAdmin
 
@@ -90,6 +91,7 @@ class EmbeddedCluster:
         fast: bool = False,
         settings: Mapping[str, str] | None = None,
         bindir: Path | None = None,
+        watchdog: bool = False,
     ) -> None:
         self.state_dir = Path(data_dir).absolute().parent
         self._in_place = (
@@ -104,6 +106,9 @@ class EmbeddedCluster:
         self._port: int | None = port
         self._started_here = False
         self._run_as: RunAs | None = None
+        # The product's cluster: its server stops once no derivd process uses it, also
+        # after a kill -9 of the one that started it (pgwatch). Tests' clusters: off.
+        self._users = Users(self.state_dir) if watchdog else None
         self._use_home(pghome.recorded_home(self.state_dir))
 
     # -- public API
@@ -125,17 +130,27 @@ class EmbeddedCluster:
         return self._bindir
 
     def start(self) -> None:
-        """initdb on first use, start the server (or adopt a running one), create `derivd`."""
+        """initdb on first use, start the server (or adopt a running one), create `derivd`.
+        With `watchdog`, this process counts as a user of the cluster until it ends or
+        leaves the context, and a watchdog stops the server once no user is left."""
         run_as = self._identity()
-        with self._locked():
-            self._place(run_as)
-            self._prepare_dirs(run_as)
-            if not self.exists():
-                self._initdb(run_as)
-            if not self._adopt_running():
-                self._start_server(run_as)
-                self._started_here = True
-            self._ensure_database(DEFAULT_DB)
+        self._join_users()
+        try:
+            with self._locked():
+                self._place(run_as)
+                self._prepare_dirs(run_as)
+                if not self.exists():
+                    self._initdb(run_as)
+                if not self._adopt_running():
+                    self._start_server(run_as)
+                    self._started_here = True
+                if self._users is not None:
+                    ensure_watchdog(self.state_dir, *self._in_place)
+                self._ensure_database(DEFAULT_DB)
+        except BaseException:
+            if self._users is not None:
+                self._users.leave()
+            raise
 
     def stop(self, mode: StopMode = "fast") -> None:
         """Stop the server if it runs; a no-op otherwise."""
@@ -209,13 +224,23 @@ class EmbeddedCluster:
         tb: TracebackType | None,
     ) -> None:
         # A cluster adopted from another process is left running for its owner.
-        if self._started_here:
-            self.stop()
+        try:
+            if self._started_here:
+                self.stop()
+        finally:
+            if self._users is not None:
+                self._users.leave()
 
     def __repr__(self) -> str:
         return f"EmbeddedCluster({str(self.data_dir)!r}, port={self._port})"
 
     # -- set-up
+
+    def _join_users(self) -> None:
+        if self._users is not None and not self._users.join(_LOCK_TIMEOUT_S):
+            raise EmbeddedClusterError(
+                f"timed out waiting for {self._users.path} (the watchdog is stopping this cluster)"
+            )
 
     def _identity(self) -> RunAs:
         if self._run_as is None:

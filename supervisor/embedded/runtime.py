@@ -21,7 +21,9 @@ def embedded_cluster(config: Config) -> EmbeddedCluster:
     """The private cluster of an empty `[database] dsn` (nothing is started or made)."""
     from derivd.embedded.pgcluster import EmbeddedCluster
 
-    return EmbeddedCluster(config.state_dir / "pg", log_file=config.state_dir / "postgres.log")
+    return EmbeddedCluster(
+        config.state_dir / "pg", log_file=config.state_dir / "postgres.log", watchdog=True
+    )
 
 
 @contextmanager

@@ -5,7 +5,9 @@ Read at most once per `[metrics] interval`, whatever the number of open tabs: re
 within the interval share one snapshot, and one reader thread at most reads the next
 (requests never start their own). A request waits for that read at most READ_WAIT_S;
 past it, it gets the last snapshot with its age (or "cannot tell" before any), so a slow
-database never piles up request threads behind it. Each read opens a short-lived,
+database never piles up request threads behind it; once a wait has run out, requests
+answer at once from the last reading until a read answers again, and a read that fails
+keeps the last reading on the page, with its age and why. Each read opens a short-lived,
 bounded connection (derivd.queue.db.connect `bound_s`) and closes it, so the supervisor
 holds no extra connection between views and none lingers across a fork.
 Every query is bounded: counts as `derivd status` reads them, jobs in
@@ -185,40 +187,61 @@ class Dashboard:
         self.metrics = metrics
         self.clock = clock
         self._lock = threading.Lock()
-        self._cached: tuple[float, Snapshot] | None = None
+        self._good: tuple[float, Snapshot] | None = None  # the last answered read, and when
+        self._error: str | None = None  # why the latest read failed (None: it answered)
+        self._read_at: float | None = None  # when the latest read started
         self._reading: threading.Event | None = None  # set when the read in flight ends
+        # The last wait for a read ran out: the database is slow or frozen. Requests then
+        # answer at once from the last reading instead of each waiting READ_WAIT_S.
+        self._slow = False
         self.reads = 0  # database reads so far (the cache's test counts them)
+        self.waits_run_out = 0  # requests whose wait for a read ran out (the tests count)
 
     def snapshot(self) -> Snapshot:
         """The current snapshot: cached within the interval, else a fresh read if it comes
-        within READ_WAIT_S, else the last one with its age."""
+        within READ_WAIT_S (at once when the last wait ran out), else the last one with
+        its age, and why the latest read failed if it did."""
         config = self.config()
         with self._lock:
             now = self.clock()
-            if self._cached is not None and now - self._cached[0] < config.metrics.interval:
-                return self._cached[1]
+            if self._read_at is not None and now - self._read_at < config.metrics.interval:
+                return self._answer(config, now)
             reading = self._reading
             if reading is None:
                 reading = self._reading = threading.Event()
+                self._read_at = now
                 threading.Thread(
                     target=self._refresh, args=(config, reading), name="derivd-dashboard",
                     daemon=True,
                 ).start()  # fmt: skip
-        reading.wait(READ_WAIT_S)
+            wait = not (self._slow and self._good is not None)
+        if wait and not reading.wait(READ_WAIT_S):
+            with self._lock:
+                self._slow = True
+                self.waits_run_out += 1
         with self._lock:
-            cached = self._cached
-        if cached is not None and reading.is_set():
-            return cached[1]
-        if cached is not None:
-            return replace(cached[1], stale_s=max(0.0, self.clock() - cached[0]))
-        error = "the database has not answered yet"
-        return replace(Snapshot.taken(config, None), error=error, hosts=self._local(config))
+            return self._answer(config, self.clock())
+
+    def _answer(self, config: Config, now: float) -> Snapshot:
+        """From the last answered read: as it is while it is current, else with its age
+        (a newer read is slow, or failed: then with why)."""
+        if self._good is None:
+            error = self._error or "the database has not answered yet"
+            return replace(Snapshot.taken(config, None), error=error, hosts=self._local(config))
+        read_at, snapshot = self._good
+        current = self._error is None and self._reading is None
+        if current:
+            return snapshot
+        return replace(snapshot, stale_s=max(0.0, now - read_at), error=self._error)
 
     def _refresh(self, config: Config, done: threading.Event) -> None:
         try:
             snapshot = self._read(config)
             with self._lock:
-                self._cached = (self.clock(), snapshot)
+                if snapshot.report is not None:
+                    self._good, self._error, self._slow = (self.clock(), snapshot), None, False
+                else:
+                    self._error = snapshot.error or "the database could not answer"
         finally:
             with self._lock:
                 self._reading = None

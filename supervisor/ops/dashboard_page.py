@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from derivd.ops.dashboard import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
-from derivd.ops.status import Report, duration
+from derivd.ops.status import Report, duration, reading_age
 
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#1d2430;background:#fafafa}
@@ -98,11 +98,18 @@ def _header(snapshot: Snapshot) -> str:
         else ("bad", "unhealthy")
     )
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.taken_at))
+    report = snapshot.report
+    age = (
+        ""
+        if report is None
+        else f'<span class="muted" id="reading-age" data-value="{report.reading_age_s:.3f}">'
+        f"{esc(reading_age(report.reading_age_s))}</span>"
+    )
     return (
         f'<header><h1>derivd</h1><span id="host">{esc(snapshot.host)}</span>'
         f'<span id="verdict" class="verdict {css}">{esc(word)}</span>'
         f'<span class="muted">checked <time id="checked-at" '
-        f'data-value="{snapshot.taken_at:.3f}">{esc(stamp)}</time></span></header>'
+        f'data-value="{snapshot.taken_at:.3f}">{esc(stamp)}</time></span>{age}</header>'
     )
 
 

@@ -97,6 +97,7 @@ class Report:
     events: dict[str, int]
     rejected_by_code: dict[str, int]
     window_s: float
+    events_age_s: float = 0.0  # how old the shared reading of the recent events is
     checked_at: float = field(default_factory=time.time)
     hosts: list[dict[str, Any]] = field(default_factory=list)  # the host registry
     backfill: Progress | None = None  # the latest `derivd backfill --apply` run
@@ -106,6 +107,12 @@ class Report:
     @property
     def counts(self) -> dict[str, int]:
         return {s: self.stats.counts.get(s, 0) for s in (*STATUS_ORDER, *self.stats.counts)}
+
+    @property
+    def reading_age_s(self) -> float:
+        """How old the oldest of the shared readings shown is (counts, recent events):
+        another host or probe may have computed it up to [status] max_age ago."""
+        return max(self.stats.age_s, self.events_age_s)
 
     @property
     def recent_rejected(self) -> int:
@@ -152,6 +159,7 @@ def collect(queue: QueueDB, limits: StatusSettings) -> Report:
             events=recent.events,
             rejected_by_code=recent.rejected_by_code,
             window_s=window_s,
+            events_age_s=recent.age_s,
             hosts=queue.hosts(),
             backfill=_backfill(queue),
             warnings=[DEFAULT_EVENTS] if queue.default_events() else [],
@@ -236,6 +244,7 @@ def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict
     return {
         "healthy": not alarms,
         "checked_at": datetime.fromtimestamp(report.checked_at, UTC).isoformat(),
+        "reading_age_s": round(report.reading_age_s, 3),
         "counts": report.counts,
         "oldest_claimable_age_s": stats.oldest_claimable_age_s,
         "expired_leases": stats.expired_leases,
@@ -302,6 +311,13 @@ def _host_lines(hosts: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def reading_age(seconds: float) -> str:
+    """How old the shared counts are, in words for the table and the dashboard."""
+    if seconds < 0.5:
+        return "counts read now"
+    return f"counts read {duration(seconds)} ago by the fleet ([status] max_age)"
+
+
 def duration(seconds: float | None) -> str:
     """A short human duration: 850ms, 42s, 3m12s, 2h05m."""
     if seconds is None:
@@ -327,7 +343,7 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
     stats, crossed = report.stats, {a.signal for a in alarms}
     window = duration(report.window_s)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.checked_at))
-    lines = [f"derivd status  {stamp}", "", "rows by status"]
+    lines = [f"derivd status  {stamp}  ({reading_age(report.reading_age_s)})", "", "rows by status"]
     lines += [f"  {name:<12}{n:>10}" for name, n in report.counts.items()]
 
     def row(label: str, value: str, limit: str, signal: str | None, note: str = "") -> str:

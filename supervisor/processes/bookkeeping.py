@@ -12,7 +12,6 @@ from derivd.config import Config
 from derivd.ops.logs import event
 from derivd.ops.metrics import Metrics
 from derivd.processes.dbthread import DatabaseThread
-from derivd.processes.duties import host_info
 from derivd.processes.lifecycle import Returned
 from derivd.queue.db import HostInfo, Job, QueueDB
 from derivd.queue.retry import record_failure
@@ -90,10 +89,8 @@ class Bookkeeping:
 
         self.thread.submit(f"drop_lease:{holder}", lambda db: db.drop_lease(name, holder), retry)
 
-    def register(self, config: Config) -> HostInfo:
-        host = host_info(config, busy=0)
-        self.thread.submit("register", lambda db: db.register_host(host))
-        return host
-
     def deregister(self, host: HostInfo) -> None:
-        self.thread.submit("deregister", lambda db: db.deregister_host(host.host, host.pid))
+        """Fenced on this run's pid and start: never another run's row of the same name."""
+        self.thread.submit(
+            "deregister", lambda db: db.deregister_host(host.host, host.pid, host.started_at)
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,9 +18,12 @@ from derivd.config import DEFAULTS, Config, load_config
 from derivd.embedded.runtime import database
 from derivd.ops.dashboard import Dashboard
 from derivd.ops.metrics import Metrics, listening_line
+from derivd.ops.status import duration
 from derivd.osproc import Pidfile, PidfileError
-from derivd.processes.duties import listen_problem
+from derivd.processes.duties import host_info, listen_problem
+from derivd.processes.hostclaim import claim_host
 from derivd.processes.supervisor import RunResult, Supervisor
+from derivd.queue.db import DatabaseUnavailable, HostInfo, QueueDB
 from derivd.redact import redact
 
 log = logging.getLogger("derivd")
@@ -62,9 +66,12 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
     except PidfileError as error:
         return RunResult(1, str(error))
     try:
+        host = _claim_host_id(config, dsn)
+        if isinstance(host, str):
+            return RunResult(2, host)
         metrics = Metrics()
         supervisor = Supervisor(
-            config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config)
+            config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config), host=host
         )
         if config.metrics.listen:
             # The dashboard follows the supervisor's current config (SIGHUP reloads it).
@@ -76,12 +83,44 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
             )
         log.info("%s", listening_line(metrics.address))
         try:
-            return supervisor.run()
+            result = supervisor.run()
         finally:
             metrics.close()
+        if burst and result.code == 0:
+            _say_what_is_left(dsn)
+        return result
     finally:
         if pidfile:
             pidfile.remove()
+
+
+def left_behind(waiting: int, due_s: float | None) -> str | None:
+    """The line a drained `run --burst` ends with when retries wait for their delay."""
+    if not waiting or due_s is None:
+        return None
+    count = f"{waiting:,}" if waiting < 10_000 else "10,000 or more"
+    when = time.strftime("%H:%M:%S", time.localtime(time.time() + due_s))
+    return (
+        f"left {count} queued row(s) waiting for a retry delay, the next due in "
+        f"{duration(due_s)} (at {when}): run `derivd run --burst` again then, or `derivd run`"
+    )
+
+
+def _say_what_is_left(dsn: str) -> None:
+    try:
+        with QueueDB.open(dsn, role="derivd-supervisor") as queue:
+            line = left_behind(*queue.not_yet_due())
+    except DatabaseUnavailable as error:
+        line = f"could not tell what is left: {error}"
+    if line:
+        sys.stderr.write(f"derivd: {line}\n")
+        sys.stderr.flush()
+
+
+def _claim_host_id(config: Config, dsn: str) -> HostInfo | str:
+    """This run's registry row, before the first fork; or why another run holds it."""
+    with QueueDB.open(dsn, role="derivd-supervisor") as queue:
+        return claim_host(queue, host_info(config, busy=0))
 
 
 def _reload_from(config: Config) -> Callable[[], Config]:

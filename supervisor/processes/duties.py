@@ -31,7 +31,8 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any, ClassVar, Generic, TypeVar
 
 from derivd import __version__
@@ -154,13 +155,16 @@ def lost_tokens(sent: Iterable[Job], valid: set[int]) -> set[uuid.UUID]:
 
 
 def to_kill(workers: Iterable[WorkerProc], lost: set[uuid.UUID]) -> list[WorkerProc]:
-    """Workers whose running job lost its lease and that are not being killed already.
-    A lost job that has not started yet is left alone: the worker would start it and
-    fail its commit, and the next heartbeat finds it running."""
+    """Workers with a job in flight whose lease is lost and that are not being killed
+    already. A lost job that has not started yet is left alone: the worker would start
+    it and fail its commit, and the next heartbeat finds it running. A pipelined worker
+    is killed for any of its jobs in flight (a derive cannot be interrupted otherwise);
+    the supervisor releases the others it held, fenced, without burning their attempts
+    (derivd.processes.lifecycle.to_release)."""
     found = []
     for worker in workers:
-        running = worker.running()
-        if running is not None and running[0].token in lost and worker.kill_reason is None:
+        flying = {job.token for job, _ in worker.in_flight()}
+        if flying & lost and worker.kill_reason is None:
             found.append(worker)
     return found
 
@@ -181,6 +185,8 @@ class Heartbeat(DatabaseDuty[set[int]]):
         self.fleet = fleet
         self.on_lost = on_lost  # the supervisor kills the workers running these leases
         self.last_ok: float | None = None  # monotonic time of the last answered heartbeat
+        # This run's start in the registry: the heartbeat refreshes that row only.
+        self.started_at: datetime | None = None
 
     @property
     def interval(self) -> float:
@@ -205,7 +211,7 @@ class Heartbeat(DatabaseDuty[set[int]]):
     def run_once(self, db: QueueDB, jobs: Sequence[Job] = (), busy: int = 0) -> set[int]:
         """The ids of `jobs` whose lease still holds (renewed with [queue] renew)."""
         config = self.config()
-        info = host_info(config, busy=busy)
+        info = replace(host_info(config, busy=busy), started_at=self.started_at)
         return db.heartbeat(info, jobs, renew=config.queue.renew, lease_s=config.queue.lease)
 
     def on_heartbeat(self, sent: list[Job], valid: set[int] | None) -> None:

@@ -31,28 +31,33 @@ RESTART_MAX = 30.0
 HEALTHY_AFTER = 30.0  # a worker that lived this long resets its slot's backoff
 
 
+def overdue(worker: WorkerProc, now: float, *, job_timeout: float) -> list[Job]:
+    """The jobs in flight in `worker` that have run `job_timeout` or longer since their
+    start (a pipelined worker's each from its claim)."""
+    return [job for job, started in worker.in_flight() if now - started >= job_timeout]
+
+
 def deadline_action(worker: WorkerProc, now: float, *, job_timeout: float) -> DeadlineAction | None:
-    """What the worker's deadlines call for now (None: nothing due)."""
+    """What the worker's deadlines call for now (None: nothing due): KILL, a TERM sent
+    earlier has had its grace; TIMEOUT, a job in flight passed `job_timeout` (`overdue`
+    names it)."""
     if worker.kill_at is not None and now >= worker.kill_at and not worker.killed:
         return DeadlineAction.KILL
-    running = worker.running()
-    if running is not None and worker.kill_reason is None and now - running[1] >= job_timeout:
+    if worker.kill_reason is None and overdue(worker, now, job_timeout=job_timeout):
         return DeadlineAction.TIMEOUT
     return None
 
 
 def next_deadline(worker: WorkerProc, now: float, *, job_timeout: float, poll: float) -> float:
-    """When the supervisor must look at `worker` again: its KILL escalation, its running
-    job's deadline, and (while it holds jobs) `poll` from now, to read a job start it
-    was not woken for."""
+    """When the supervisor must look at `worker` again: its KILL escalation, the deadline
+    of each job in flight, and (while it holds jobs) `poll` from now, to read a job start
+    it was not woken for."""
     times = [math.inf]
     if worker.kill_at is not None and not worker.killed:
         times.append(worker.kill_at)
     if worker.held and worker.kill_reason is None:
         times.append(now + poll)
-        running = worker.running()
-        if running is not None:
-            times.append(running[1] + job_timeout)
+        times += [started + job_timeout for _, started in worker.in_flight()]
     return min(times)
 
 
@@ -96,14 +101,18 @@ def classify_exit(worker: WorkerProc, status: int, *, burst: bool) -> Exit:
     return Exit.CRASH
 
 
-def to_release(worker: WorkerProc) -> list[Job]:
-    """What a worker that ended (killed past its deadline, for a lost lease, at
-    shutdown; recycled) held and did not run (unstarted, or derived but never committed):
-    it goes back without burning an attempt. The job that was running is the exit's own
-    business (failed as timed out, recorded lost, returned counted after a crash:
-    `crash_returns`)."""
-    running = worker.running()
-    return [j for j in worker.held.values() if running is None or j.token != running[0].token]
+def to_release(worker: WorkerProc, kind: Exit | None = None) -> list[Job]:
+    """What a dead worker held that goes back without burning an attempt. A job it had
+    in flight when it crashed stays `processing`: its attempt counts (the lease expires,
+    or the supervisor returns it), so a job that kills workers cannot loop; with two in
+    flight both count, since either may have been the one. Killed for one job's timeout
+    or lost lease (`kind`), everything else it held did nothing wrong and goes back:
+    the supervisor has failed or recorded that job already (and taken it from `held`).
+    The rest, unstarted or derived but never committed, always goes back."""
+    if kind in (Exit.TIMEOUT, Exit.LEASE_LOST):
+        return list(worker.held.values())
+    flying = {job.token for job, _ in worker.in_flight()}
+    return [j for j in worker.held.values() if j.token not in flying]
 
 
 @dataclass(frozen=True)
@@ -131,17 +140,16 @@ def crash_returns(
     """What becomes of each job a crashed worker (Exit.CRASH) held, by its own reports on
     its pipes: every job it said it claimed and gave no outcome for, whatever its stage.
 
-    The job it was running (its last job start) goes back fenced by its token with its
-    attempt counted: it may be what killed the worker, and a job that kills its workers
-    must not loop (on its last allowed attempt it ends `attempts_exhausted`; otherwise it
-    waits the retry delay of its attempt, as after any failure, so it does not kill the
-    replacement at once). Every other job it held (claimed and not started, waiting in
-    its pipeline, derived and not committed) did not run when it died: it goes back
-    without burning an attempt, as at a graceful stop."""
-    running = worker.running()
+    The jobs it was running (its last job start; a pipelined worker's every job in
+    flight, whatever its stage, since any of them may be the one) go back fenced by their
+    tokens with their attempts counted: one may be what killed the worker, and a job that
+    kills its workers must not loop (on its last allowed attempt it ends
+    `attempts_exhausted`; otherwise it waits the retry delay of its attempt, as after any
+    failure, so it does not kill the replacement at once). Every other job it held
+    (claimed and not started, derived and not committed by a batch) did not run when it
+    died: it goes back without burning an attempt, as at a graceful stop."""
     died = []
-    if running is not None:
-        job = running[0]
+    for job, _ in worker.in_flight():
         delay = retry_delay(
             job.attempt,
             base=settings.retry_base,

@@ -145,7 +145,12 @@ class WorkerProc:
     spawned_at: float
     ready: bool = False
     held: dict[int, Job] = field(default_factory=dict)  # claimed, no outcome yet
-    last_start: tuple[uuid.UUID, float] | None = None  # token, monotonic start
+    # Jobs the child may have in flight at once: its [supervisor] pipeline (1: the job it
+    # started last is the one running; a batch's earlier jobs are done or waiting).
+    depth: int = 1
+    starts: list[tuple[uuid.UUID, float]] = field(default_factory=list)  # last `depth`
+    timed_out: set[uuid.UUID] = field(default_factory=set)  # why kill_reason = timeout
+    lost: set[uuid.UUID] = field(default_factory=set)  # why kill_reason = lease_lost
     progress_buffer: bytes = b""
     stop_sent: bool = False
     kill_reason: KillReason | None = None
@@ -212,11 +217,28 @@ class WorkerProc:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)  # not yet in its own group
 
+    @property
+    def last_start(self) -> tuple[uuid.UUID, float] | None:
+        """The latest job start the child recorded (token, monotonic start)."""
+        return self.starts[-1] if self.starts else None
+
+    @last_start.setter
+    def last_start(self, start: tuple[uuid.UUID, float] | None) -> None:
+        self.starts = [] if start is None else [start]
+
+    def in_flight(self) -> list[tuple[Job, float]]:
+        """The jobs the child is working on, oldest start first, each with its start: of
+        its last `depth` starts, those it still holds. A job's deadline runs from its
+        start (a pipelined child starts each job as it claims it)."""
+        by_token = {job.token: job for job in self.held.values()}
+        return [(by_token[t], at) for t, at in self.starts if t in by_token]
+
     def running(self) -> tuple[Job, float] | None:
-        """The job the child last started, with its start time, while it holds it."""
-        if self.last_start is None:
+        """The job the child started last, with its start time, while it holds it."""
+        last = self.last_start
+        if last is None:
             return None
-        token, started = self.last_start
+        token, started = last
         for job in self.held.values():
             if job.token == token:
                 return job, started
@@ -248,9 +270,9 @@ class WorkerProc:
         return messages
 
     def read_progress(self) -> None:
-        """The latest job start the child recorded. It is matched against the jobs held
-        by token whenever it is needed (`running`), so the order in which the two pipes
-        are read does not matter."""
+        """The latest `depth` job starts the child recorded. They are matched against the
+        jobs held by token whenever they are needed (`in_flight`, `running`), so the order
+        in which the two pipes are read does not matter."""
         while True:
             try:
                 chunk = os.read(self.progress_r, 65536)
@@ -261,11 +283,13 @@ class WorkerProc:
             self.progress_buffer += chunk
         size = PROGRESS.size
         whole = len(self.progress_buffer) // size * size
-        if whole:
-            token, started = PROGRESS.unpack_from(self.progress_buffer, whole - size)
+        first = max(0, whole - self.depth * size)  # older records are done with
+        for offset in range(first, whole, size):
+            token, started = PROGRESS.unpack_from(self.progress_buffer, offset)
             # CLOCK_MONOTONIC is system-wide: the child's start time is comparable.
-            self.last_start = (uuid.UUID(bytes=token), min(started, time.monotonic()))
-            self.progress_buffer = self.progress_buffer[whole:]
+            self.starts.append((uuid.UUID(bytes=token), min(started, time.monotonic())))
+        del self.starts[: -self.depth]
+        self.progress_buffer = self.progress_buffer[whole:]
 
     def apply(self, message: dict[str, Any]) -> list[list[Any]]:
         """Take in one status message: what the child holds, whether it booted, why it

@@ -38,6 +38,7 @@ from derivd.processes.duties import (
     FleetStats,
     Heartbeat,
     Listening,
+    host_info,
     to_kill,
 )
 from derivd.processes.lifecycle import (
@@ -51,13 +52,14 @@ from derivd.processes.lifecycle import (
     exit_text,
     next_deadline,
     on_boot_failure,
+    overdue,
     to_release,
 )
 from derivd.processes.pipe import WorkerProc
 from derivd.processes.reasons import DeadlineAction, KillReason
 from derivd.processes.sweep_child import SweepChild
 from derivd.processes.webhook_child import WebhookChild, WebhookStats, WebhookSync
-from derivd.queue.db import Job, QueueListener
+from derivd.queue.db import HostInfo, Job, QueueListener
 
 log = logging.getLogger("derivd.supervisor")
 
@@ -92,6 +94,7 @@ class Supervisor:
         burst: bool = False,
         metrics: Metrics | None = None,
         reload: Callable[[], Config],
+        host: HostInfo | None = None,
         db_thread: DatabaseThread | None = None,
         spawn: Spawner = WorkerProc.spawn,
         clock: Callable[[], float] = time.monotonic,
@@ -102,6 +105,9 @@ class Supervisor:
         self.clock = clock
         self.spawn = spawn
         self.config = config
+        # Registered before the first fork (derivd.processes.hostclaim): its start fences
+        # its row. None (the fakes' tests): an unfenced row, as the first heartbeat makes it.
+        self.host = host or host_info(config, busy=0)
         self.dsn = dsn
         self.burst = burst
         self.metrics = metrics or Metrics()
@@ -129,8 +135,12 @@ class Supervisor:
         self.db_thread.on_notify = self.on_notify
         self.books = Bookkeeping(self.lease_thread, self.metrics)
         current = lambda: self.config  # noqa: E731  (duties follow a reload)
+        heartbeat = Heartbeat(
+            current, self.lease_thread, self.metrics, self.workers.values, self.on_lost
+        )
+        heartbeat.started_at = self.host.started_at
         self.duties: list[Duty[Any]] = [
-            Heartbeat(current, self.lease_thread, self.metrics, self.workers.values, self.on_lost),
+            heartbeat,
             ExhaustedRejection(current, self.db_thread),
             FleetStats(current, self.db_thread, self.metrics),
             EventPartitions(current, self.db_thread),
@@ -207,6 +217,7 @@ class Supervisor:
             run_child(spec)  # never returns
 
         worker = self.spawn(slot, self.generation, start)
+        worker.depth = self.config.pipeline_depth
         self.workers[worker.pid] = worker
         event(log, "worker spawned", logging.DEBUG, slot=slot, pid=worker.pid)
 
@@ -357,7 +368,7 @@ class Supervisor:
                 self.metrics.worker_restarted("reload")
         else:
             self.on_crash(worker, slot, how)
-        for job in to_release(worker):
+        for job in to_release(worker, kind):
             self.release_job(worker, job)
 
     def on_boot_error(self, worker: WorkerProc, text: str) -> None:
@@ -385,28 +396,31 @@ class Supervisor:
             self.halt(RunResult(1, f"worker could not start: {text}"))
 
     def on_timeout(self, worker: WorkerProc) -> None:
-        running = worker.running()
+        """Fail each job whose deadline killed the worker (to_release has the rest)."""
         self.metrics.worker_restarted("timeout")
-        if running is None:
-            return  # it finished within the grace after all (to_release has the rest)
-        worker.held.pop(running[0].id, None)
-        self.metrics.job_timed_out()
-        self.books.fail_timed_out(running[0], self.config, worker.slot)
+        for job in self._still_held(worker, worker.timed_out):  # none: done within the grace
+            worker.held.pop(job.id, None)
+            self.metrics.job_timed_out()
+            self.books.fail_timed_out(job, self.config, worker.slot)
 
     def on_lease_lost(self, worker: WorkerProc) -> None:
-        """The heartbeat found the running job's lease gone (reclaimed, deleted,
+        """The heartbeat found the lease of a job in flight gone (reclaimed, deleted,
         rejected): it was killed; record that. No backoff: the worker did nothing wrong."""
         self.metrics.worker_restarted("lease_lost")
-        running = worker.running()
-        if running is not None:  # else it finished (and reported) within the grace
-            worker.held.pop(running[0].id, None)
-            self.books.lease_lost(running[0], worker.slot)
+        for job in self._still_held(worker, worker.lost):  # none: reported within the grace
+            worker.held.pop(job.id, None)
+            self.books.lease_lost(job, worker.slot)
+
+    @staticmethod
+    def _still_held(worker: WorkerProc, tokens: set[uuid.UUID]) -> list[Job]:
+        return [job for job in worker.held.values() if job.token in tokens]
 
     def on_lost(self, lost: set[uuid.UUID]) -> None:
-        """The heartbeat's answer: kill every worker whose running job the database no
-        longer leases to us (reclaimed, deleted, rejected by an operator)."""
+        """The heartbeat's answer: kill every worker with a job in flight that the
+        database no longer leases to us (reclaimed, deleted, rejected by an operator)."""
         self.read_all()  # a job that finished (and committed) since is not lost
         for worker in to_kill(self.workers.values(), lost):
+            worker.lost = {job.token for job, _ in worker.in_flight()} & lost
             worker.kill(KillReason.LEASE_LOST, self.config.supervisor.kill_grace)
 
     def release(self, worker: WorkerProc) -> None:
@@ -460,6 +474,8 @@ class Supervisor:
             if action is DeadlineAction.KILL:
                 worker.signal_group(signal.SIGKILL)
             elif action is DeadlineAction.TIMEOUT:
+                late = overdue(worker, now, job_timeout=sup.job_timeout)
+                worker.timed_out = {job.token for job in late}
                 worker.kill(KillReason.TIMEOUT, sup.kill_grace)
         if self.stop_deadline is not None and now >= self.stop_deadline:
             for worker in self.workers.values():
@@ -551,7 +567,6 @@ class Supervisor:
         )
         for lane in self.lanes:
             lane.start()
-        host = self.books.register(self.config)
         now = self.clock()
         for duty in self.duties:
             duty.start(now)
@@ -577,7 +592,7 @@ class Supervisor:
                 duty.stop()
             self.webhooks.stop()
             if self.outcome is None:  # a clean stop: leave the registry
-                self.books.deregister(host)
+                self.books.deregister(self.host)
             # Both lanes finish their queues at once, within the one close timeout.
             ends_at = self.clock() + self._close_timeout()
             for lane in self.lanes:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from datetime import datetime
 from typing import Any
 
 from derivd.queue.records import (
@@ -33,27 +34,43 @@ class HostQueries(Statements):
         registry row, in one call (derivd_heartbeat). Returns the ids that are not lost: whose lease
         still holds, or whose attempt has just ended itself (committed, failed or
         released with its own token) before its worker could report it."""
-        return self._host_seen(host, jobs, renew=renew, lease_s=lease_s, starting=False)
+        return self._host_seen(host, jobs, renew=renew, lease_s=lease_s)
 
-    def register_host(self, host: HostInfo) -> None:
-        """A supervisor starts: its registry row, idle and started now. The heartbeat's
-        statement, holding no jobs: the registry's upsert is written once."""
-        self._host_seen(replace(host, busy=0), [], renew=False, lease_s=0.0, starting=True)
+    def host_holder(self, host: str) -> dict[str, Any] | None:
+        """The registry row under `host` (pid, version, started_at, heartbeat_s,
+        heartbeat_age_s, alive), None when there is none."""
+        return self._one("host_holder", {"host": host})
+
+    def register_host(
+        self, host: HostInfo, *, replacing: Mapping[str, Any] | None = None
+    ) -> HostInfo | None:
+        """A supervisor starts: its registry row, idle and started now. It replaces only
+        the row `replacing` (a host_holder answer) describes; with another row there (or
+        one written since) nothing changes and None comes back. Else `host` with the
+        start the registry recorded, the fence of its heartbeats and its clean stop."""
+        seen = replacing or {}
+        params = {
+            **host.__dict__,
+            "seen_pid": seen.get("pid"),
+            "seen_started_at": seen.get("started_at"),
+        }
+        row = self._one("register_host", params)
+        return None if row is None else replace(host, busy=0, started_at=row["started_at"])
 
     def _host_seen(
-        self, host: HostInfo, jobs: Sequence[Job], *, renew: bool, lease_s: float, starting: bool
+        self, host: HostInfo, jobs: Sequence[Job], *, renew: bool, lease_s: float
     ) -> set[int]:
         params = {
             **host.__dict__,
             "jobs": json.dumps([_held(j) for j in jobs]),
             "renew": renew,
             "lease_s": lease_s,
-            "starting": starting,
         }
         return {int(r["id"]) for r in self._all("heartbeat", params)}
 
-    def deregister_host(self, host: str, pid: int) -> None:
-        self._all("deregister_host", {"host": host, "pid": pid})
+    def deregister_host(self, host: str, pid: int, started_at: datetime | None = None) -> None:
+        """A clean stop: the row of this pid (and, given, this start) only."""
+        self._all("deregister_host", {"host": host, "pid": pid, "started_at": started_at})
 
     def prune_hosts(self, *, guard_s: float) -> list[str]:
         return [str(r["host"]) for r in self._all("prune_hosts", {"guard_s": guard_s})]

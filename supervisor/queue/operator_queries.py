@@ -76,6 +76,7 @@ class OperatorQueries(Statements):
             oldest_claimable_age_s=payload.get("oldest_claimable_age_s"),
             expired_leases=int(payload.get("expired_leases") or 0),
             estimated=tuple(str(s) for s in payload.get("estimated") or ()),
+            age_s=float(payload.get("age_s") or 0.0),
         )
 
     def event_window(self, *, window_s: float, max_age_s: float = 0.0) -> EventWindow:
@@ -88,6 +89,7 @@ class OperatorQueries(Statements):
             rejected_by_code={
                 str(k): int(v) for k, v in (payload.get("rejected_by_code") or {}).items()
             },
+            age_s=float(payload.get("age_s") or 0.0),
         )
 
     def file_row(self, file_id: int) -> dict[str, Any] | None:

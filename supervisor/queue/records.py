@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from derivd.handlers.base import Analysis
 
@@ -75,6 +76,9 @@ class HostInfo:
     workers: int
     busy: int
     heartbeat_s: float
+    # The start the registry recorded for this run (register_host): the fence of its
+    # heartbeats and of its clean stop. None: unfenced (tests, benchmarks).
+    started_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class QueueStats:
     oldest_claimable_age_s: float | None
     expired_leases: int
     estimated: tuple[str, ...] = ()  # statuses whose count is a planner estimate
+    age_s: float = 0.0  # how long ago the (fleet-shared) reading was computed
 
     @property
     def rejected_ratio(self) -> float:
@@ -96,3 +101,4 @@ class EventWindow:
 
     events: dict[str, int]
     rejected_by_code: dict[str, int]
+    age_s: float = 0.0  # how long ago the (fleet-shared) reading was computed

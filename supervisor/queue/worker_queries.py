@@ -86,6 +86,12 @@ class WorkerQueries(Statements):
 
     claim_bound_s: float | None = CLAIM_TIMEOUT_S  # None: unbounded (bench/bounds.py)
 
+    def not_yet_due(self) -> tuple[int, float | None]:
+        """(queued rows not due yet, counted to 10,000; seconds until the first is due,
+        None when there is none): what a `run --burst` would leave behind."""
+        row = self._one("not_yet_due") or {}
+        return int(row.get("waiting") or 0), row.get("next_due_s")
+
     def claim_many(
         self,
         *,

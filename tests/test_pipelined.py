@@ -1,0 +1,322 @@
+"""The lease protocol under the pipelined worker (`[supervisor] pipeline = 2`): `derivd
+run` with one worker holding two jobs at different stages, caught there with events (a
+gate file the fault handler waits for, the fault proxy holding the PUTs), never with
+sleeps. Real PostgreSQL, moto's S3 server behind the fault proxy, the fs store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from fixtures.faultproxy import FaultProxy
+from fixtures.s3 import TEST_REGION, MotoServer
+from helpers import sql, wait_for
+from test_supervisor import FAST, Supervisor, kinds, processing_rows
+
+from derivd.queue.db import Job, QueueDB
+from derivd.storage.base import new_original_key
+from derivd.storage.s3 import S3Storage
+
+PIPELINED = {"supervisor": {"pipeline": "2"}}
+
+
+class S3Supervisor(Supervisor):
+    """A `derivd run` whose store is moto's S3 through the fault proxy; originals go to
+    moto directly, so the proxy's faults meet the worker only."""
+
+    def __init__(self, base: Supervisor, direct: S3Storage) -> None:
+        self.__dict__.update(base.__dict__)
+        self.s3 = direct
+
+    def enqueue(self, *scripts: str) -> list[int]:
+        originals = []
+        for script in scripts:
+            key = new_original_key()
+            originals.append((key, self.s3.put(key, script.encode(), "text/plain")))
+        with QueueDB.open(self.dsn, role="test") as queue:
+            return queue.enqueue(originals)
+
+
+@pytest.fixture
+def pipelined(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[Callable[..., Supervisor]]:
+    made: list[Supervisor] = []
+
+    def make(**settings: dict[str, str]) -> Supervisor:
+        merged = {name: dict(values) for name, values in FAST.items()}
+        for extra in (PIPELINED, settings):
+            for name, values in extra.items():
+                merged.setdefault(name, {}).update(values)
+        sup = Supervisor(tmp_path, dsn, fs_root, merged)
+        made.append(sup)
+        return sup
+
+    yield make
+    for sup in made:
+        workers = sup.workers() if sup.proc and sup.proc.poll() is None else []
+        sup.stop()
+        for pid in workers:
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def on_s3(
+    pipelined: Callable[..., Supervisor],
+    s3_server: MotoServer,
+    faulty_s3: tuple[str, FaultProxy],
+    s3_bucket: str,
+) -> Callable[..., tuple[S3Supervisor, FaultProxy]]:
+    url, proxy = faulty_s3
+
+    def make(**settings: dict[str, str]) -> tuple[S3Supervisor, FaultProxy]:
+        storage = {"backend": "s3", "bucket": s3_bucket, "endpoint_url": url}
+        base = pipelined(
+            storage={**storage, "region": TEST_REGION},
+            derive={"backend": "faulthandlers:Stamped"},
+            **settings,
+        )
+        direct = S3Storage(
+            bucket=s3_bucket, endpoint_url=s3_server.endpoint_url, region=TEST_REGION
+        )
+        return S3Supervisor(base, direct), proxy
+
+    return make
+
+
+def in_flight_together(sup: Supervisor, first: int, second: int) -> None:
+    """Both jobs are claimed by the one worker (the second while the first derives)."""
+    for file_id in (first, second):
+        wait_for(lambda f=file_id: sup.status_is(f, "processing"), f"file {file_id} claimed")
+
+
+def beats(sup: Supervisor, count: int) -> None:
+    """Wait for `count` heartbeats of the supervisor's host row (events of its own)."""
+    seen: set[object] = set()
+
+    def beat() -> bool:
+        seen.update(r["last_heartbeat"] for r in sql(sup.dsn, "SELECT * FROM derivd_hosts"))
+        return len(seen) > count
+
+    wait_for(beat, f"{count} heartbeats")
+
+
+def stopping(sup: Supervisor) -> None:
+    sup.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    # The supervisor logs this, then passes SIGTERM on to its worker.
+    wait_for(lambda: "stopping" in sup.log(), "the supervisor stopping")
+
+
+def test_sigkill_with_two_jobs_in_flight_reclaims_both_counting_each_once(
+    pipelined: Callable[..., Supervisor], tmp_path: Path
+) -> None:
+    sup = pipelined().start()
+    marker = tmp_path / "marker"
+    first, second = sup.enqueue(f"hang-once {marker}", "ok")
+    wait_for(marker.exists, "the first job's derive to hang")
+    in_flight_together(sup, first, second)
+    victim = wait_for(lambda: sup.worker_on_job(second), "the worker holding both jobs")
+    os.kill(victim, signal.SIGKILL)
+    for file_id in (first, second):
+        wait_for(lambda f=file_id: sup.status_is(f, "ready"), f"file {file_id} ready")
+    # Both were in flight: each attempt counted once (either may have killed the
+    # worker), neither released, each committed once.
+    for file_id in (first, second):
+        assert sup.row(file_id)["attempts"] == 2
+        events = kinds(sup, file_id)
+        assert "released" not in events and events.count("ready") <= 1
+    assert "worker died" in sup.log()
+    assert processing_rows(sup.dsn) == 0
+
+
+def test_sigterm_drains_the_derive_and_releases_the_job_waiting_for_it(
+    pipelined: Callable[..., Supervisor], tmp_path: Path
+) -> None:
+    sup = pipelined().start()
+    gate, never = tmp_path / "gate", tmp_path / "never"
+    deriving, waiting = sup.enqueue(f"gate {gate}", f"gate {never}")
+    wait_for(Path(f"{gate}.started").exists, "the first job deriving")
+    in_flight_together(sup, deriving, waiting)
+    stopping(sup)
+    gate.touch()
+    assert sup.wait_exit() == 0
+    assert sup.row(deriving)["status"] == "ready" and sup.row(deriving)["attempts"] == 1
+    row = sup.row(waiting)
+    assert (row["status"], row["attempts"], row["lease_token"]) == ("queued", 0, None)
+    assert kinds(sup, waiting) == ["released"]
+    assert not Path(f"{never}.started").exists()  # released before its derive began
+    assert processing_rows(sup.dsn) == 0
+
+
+def test_sigterm_lets_the_job_being_stored_and_the_one_deriving_finish(
+    on_s3: Callable[..., tuple[S3Supervisor, FaultProxy]], tmp_path: Path
+) -> None:
+    sup, proxy = on_s3()
+    proxy.hold("PUT")
+    sup.start()
+    gate = tmp_path / "gate"
+    storing, deriving = sup.enqueue("ok", f"gate {gate}")
+    wait_for(lambda: proxy.snapshot().get("held", 0) >= 1, "the first job's PUTs held")
+    wait_for(Path(f"{gate}.started").exists, "the second job deriving")
+    stopping(sup)
+    proxy.release()
+    gate.touch()
+    assert sup.wait_exit() == 0
+    for file_id in (storing, deriving):
+        row = sup.row(file_id)
+        assert (row["status"], row["attempts"]) == ("ready", 1)
+        assert not {"released", "retry", "timeout"} & set(kinds(sup, file_id))
+    assert processing_rows(sup.dsn) == 0
+
+
+def test_job_timeout_of_the_job_being_stored_fails_it_and_releases_the_other(
+    on_s3: Callable[..., tuple[S3Supervisor, FaultProxy]], tmp_path: Path
+) -> None:
+    sup, proxy = on_s3(queue={"retry_base": "30", "retry_max": "30", "heartbeat": "0.5"})
+    proxy.hold("PUT")
+    sup.start()
+    gate = tmp_path / "gate"
+    [storing] = sup.enqueue("ok")
+    wait_for(lambda: proxy.snapshot().get("held", 0) >= 1, "the first job's PUTs held")
+    # Two heartbeats of the host (~1 s) between the two claims: the second job's
+    # deadline comes that much after the first's, whatever the supervisor's loop lag.
+    beats(sup, 2)
+    [deriving] = sup.enqueue(f"gate {gate}")
+    wait_for(Path(f"{gate}.started").exists, "the second job deriving")
+    timed_out = wait_for(
+        lambda: sup.status_is(storing, "queued"), "the stored job's timeout", timeout=30
+    )
+    assert timed_out["attempts"] == 1 and timed_out["lease_token"] is None
+    assert sorted(kinds(sup, storing)) == ["retry", "timeout"]
+    released = wait_for(lambda: "released" in kinds(sup, deriving) or None, "the other released")
+    assert released
+    assert sup.row(deriving)["attempts"] in (0, 1)  # released unburned (or reclaimed since)
+    proxy.release()
+    gate.touch()
+    row = wait_for(lambda: sup.status_is(deriving, "ready"), "the released job ready")
+    assert row["attempts"] == 1
+    assert "timeout" not in kinds(sup, deriving)
+    assert "job timed out" in sup.log()
+
+
+def test_a_storage_outage_mid_pipeline_retries_each_job_on_its_own(
+    on_s3: Callable[..., tuple[S3Supervisor, FaultProxy]], tmp_path: Path
+) -> None:
+    # Deadlines far off: botocore's own retries of a 503 take a while.
+    sup, proxy = on_s3(queue={"lease": "30"}, supervisor={"job_timeout": "20"})
+    proxy.hold("PUT")
+    sup.start()
+    gate = tmp_path / "gate"
+    storing, deriving = sup.enqueue("ok", f"gate {gate}")
+    wait_for(lambda: proxy.snapshot().get("held", 0) >= 1, "the first job's PUTs held")
+    wait_for(Path(f"{gate}.started").exists, "the second job deriving")
+    proxy.fail(p=1.0, code="ServiceUnavailable")  # the held PUTs meet the outage
+    proxy.release()
+    wait_for(lambda: "retry" in kinds(sup, storing) or None, "the stored job retried")
+    gate.touch()  # the second one's PUTs meet it too
+    wait_for(lambda: "retry" in kinds(sup, deriving) or None, "the derived job retried")
+    proxy.pass_through()
+    for file_id in (storing, deriving):
+        row = wait_for(lambda f=file_id: sup.status_is(f, "ready"), f"file {file_id} ready")
+        assert row["attempts"] >= 2
+        assert not {"lease_lost", "released"} & set(kinds(sup, file_id))
+    assert processing_rows(sup.dsn) == 0
+
+
+def test_heartbeat_kills_only_the_job_whose_lease_is_lost(
+    pipelined: Callable[..., Supervisor], tmp_path: Path
+) -> None:
+    sup = pipelined(queue={"heartbeat": "0.5"}).start()
+    gate = tmp_path / "gate"
+    deriving, waiting = sup.enqueue(f"gate {gate}", "ok")
+    wait_for(Path(f"{gate}.started").exists, "the first job deriving")
+    in_flight_together(sup, deriving, waiting)
+    with QueueDB.open(sup.dsn, role="test") as queue:
+        assert queue.request_delete([waiting], actor="test") == [waiting]
+    wait_for(lambda: "lease_lost" in kinds(sup, waiting) or None, "the lost job recorded")
+    released = wait_for(lambda: "released" in kinds(sup, deriving) or None, "the other released")
+    assert released
+    gate.touch()
+    row = wait_for(lambda: sup.status_is(deriving, "ready"), "the innocent job ready")
+    assert row["attempts"] == 1  # its attempt was given back, not burned
+    assert not {"lease_lost", "timeout", "retry"} & set(kinds(sup, deriving))
+    assert kinds(sup, waiting).count("lease_lost") == 1
+
+
+def test_a_lease_lost_while_waiting_in_the_pipeline_is_never_committed(
+    dsn: str, fs_root: Path
+) -> None:
+    """In one process: the first job's PUTs wait (an event) while its lease goes to
+    another claimant; its commit is refused (`lease_lost`), its objects stay with their
+    write-ahead records for the orphan sweep, and the job behind it commits."""
+    from configs import make_config
+    from fixtures.stores import BeforePut
+    from fixtures.work import Recorder, make_worker
+
+    from derivd.ops.sweep import Sweeper
+    from derivd.storage.fs import FsStorage
+
+    store = FsStorage(fs_root)
+    config = make_config(
+        dsn,
+        fs_root=fs_root,
+        derive={"backend": "faulthandlers:Stamped"},
+        supervisor={"pipeline": 2},
+    )
+    with QueueDB.open(dsn, role="test") as queue:
+        keys = [new_original_key(), new_original_key()]
+        first, second = queue.enqueue([(k, store.put(k, b"ok", "text/plain")) for k in keys])
+    arrived, go_on = threading.Event(), threading.Event()
+    thief: list[Job] = []
+
+    def hold_the_first(key: str) -> None:
+        if key.startswith(f"derived/{first}/") and not arrived.is_set():
+            arrived.set()
+            assert go_on.wait(60)
+
+    worker = make_worker(config, dsn, BeforePut(store, hold_the_first))
+    recorder = Recorder()
+    worker.hooks = recorder
+    outcome: list[str] = []
+    runner = threading.Thread(target=lambda: outcome.append(worker.run(lambda: False, burst=True)))
+    runner.start()
+    try:
+        assert arrived.wait(60)
+        # Another claimant takes the expired lease over (a reclaim: a new token, the
+        # attempt counted), in one statement, so this worker cannot reclaim it first.
+        steal = (
+            "UPDATE archive_files SET lease_token = gen_random_uuid(), attempts = attempts + 1,"
+            " lease_until = now() + interval '60 s' WHERE id = %s"
+            " RETURNING lease_token, attempts"
+        )
+        stolen = sql(dsn, steal, (first,))[0]
+        thief.append(Job(first, stolen["lease_token"], stolen["attempts"], "k", "v", 0.0))
+        go_on.set()
+        runner.join(60)
+    finally:
+        go_on.set()
+        worker.close()
+    assert outcome == ["drained"] and [j.id for j in thief] == [first]
+    results = {r.job.id: r.outcome for r in recorder.results}
+    assert results == {first: "lease_lost", second: "ready"}
+    row = sql(dsn, "SELECT status, lease_token FROM archive_files WHERE id = %s", (first,))[0]
+    assert (row["status"], row["lease_token"]) == ("processing", thief[0].token)  # not ours
+    lost_token = next(r.job.token for r in recorder.results if r.job.id == first)
+    written = {k for k in store.list_keys(f"derived/{first}/") if str(lost_token) in k}
+    assert written  # its PUTs went out...
+    rows = sql(dsn, "SELECT key FROM pending_objects WHERE lease_token = %s", (lost_token,))
+    pending = {r["key"] for r in rows}
+    assert pending and all(any(k.startswith(p) for p in pending) for k in written)  # recorded
+    variants = sql(dsn, "SELECT count(*) AS n FROM archive_variants WHERE file_id = %s", (first,))
+    assert variants[0]["n"] == 0
+    # The thief's lease ends (it gives the job back); the guard passes; the sweep takes them.
+    with QueueDB.open(dsn, role="thief") as other:
+        assert other.release(thief[0])
+        sql(dsn, "UPDATE pending_objects SET created_at = created_at - interval '31 s'")
+        report = Sweeper(other, store, orphan_guard=30.0, delete_guard=30.0).run_once()
+    assert report.error is None and report.objects_deleted >= len(written)
+    assert not {k for k in store.list_keys(f"derived/{first}/") if str(lost_token) in k}
+    assert list(store.list_keys(f"derived/{second}/"))  # the committed job's objects stay
