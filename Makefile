@@ -9,7 +9,8 @@ PYTEST_WORKERS ?= 2
 .PHONY: install install-run run test test-fast pytest test-unit test-integration test-acceptance lint typecheck chaos bench clean system-deps system-deps-run
 
 # What pip cannot bring. Running needs PostgreSQL's server only; the test suite also uses
-# pgbouncer, chromium and faketime (their tests skip, each with one line, without them).
+# pgbouncer, chromium, faketime and jpegtran (their tests skip, each with one line,
+# without them).
 # Installed when missing as root with apt-get, otherwise one line each says what to install.
 system-deps-run:
 	@sh etc/system-deps.sh run
@@ -80,6 +81,7 @@ test-fast: lint typecheck
 chaos: install
 	$(BIN)/python bench/chaos.py --full
 	$(BIN)/python bench/fleet_chaos.py --full
+	$(BIN)/python bench/backfill_chaos.py
 
 # Charts need matplotlib: setup.cfg's `bench` extra, installed here only (not a runtime
 # dependency). bench/plots.py draws from bench/out/*.json, skipping what is absent.

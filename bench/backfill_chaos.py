@@ -5,7 +5,7 @@ set and every invariant of the state machine holds over the whole history.
     .venv/bin/python bench/backfill_chaos.py [--seed N] [--images N] [--pooler]
 
 Builds the world of bench/chaos.py (embedded PostgreSQL over TCP, moto's S3 behind the
-fault proxy, the real `derivd run` with 3 workers, an 8 s lease) with
+fault proxy, the real `derivd run` with 3 workers, a 15 s lease, 10 s job timeout) with
 `[queue] max_in_flight_per_tenant = 1` and the inputs spread over three tenants and no
 tenant. Then:
 
@@ -44,7 +44,7 @@ import chaos
 from chaos import Check, Tally, World, say
 from common import table
 
-from derivd.processes.procutil import pid_alive
+from derivd.osproc import pid_alive
 from derivd.queue.db import QueueDB
 from derivd.storage.base import new_original_key
 
@@ -54,6 +54,8 @@ BEFORE = "preview:320, thumb:64"
 AFTER = "preview:320, thumb:64, card"
 CARD = {"size": "160x160", "fit": "cover"}
 MAX_QUEUED = 6
+LEASE_S = 15.0
+JOB_TIMEOUT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +103,11 @@ def configure(world: World, variants: str) -> None:
     ini = configparser.ConfigParser()
     ini.read(world.ini)
     ini["queue"]["max_in_flight_per_tenant"] = str(TENANT_CAP)
+    # Nothing here needs chaos.py's short job timeout (its freeze does): at a load of 30
+    # on 2 cores a valid image timed out 8 times running and ended resource_limit.
+    ini["queue"]["lease"] = str(LEASE_S)
+    ini["supervisor"]["job_timeout"] = str(JOB_TIMEOUT_S)
+    ini["sweep"]["orphan_guard"] = str(LEASE_S + 1)
     ini["derive"]["variants"] = variants
     if "card" in variants:
         ini["variant:card"] = CARD
@@ -323,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
             world.supervisor.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
             with contextlib.suppress(subprocess.TimeoutExpired):
                 exit_code = world.supervisor.wait(60)  # type: ignore[union-attr]
-        sweep = world.cli("sweep", "--orphan-guard", "0", "--delete-guard", "0")
+        sweep = world.cli(
+            "sweep", "--orphan-guard", "0", "--delete-guard", "0", timeout=chaos.SWEEP_BOUND_S
+        )
         last = (sweep.stdout.strip().splitlines() or ["(no output)"])[-1]
         checks = [Check("sweep ran (guards 0)", sweep.returncode == 0, last)]
         checks += outcome_checks(world, expected, operator, backfill_exit)

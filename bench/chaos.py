@@ -81,6 +81,9 @@ DERIVD = Path(sys.executable).parent / "derivd"
 LEASE_S = 8.0
 JOB_TIMEOUT_S = 4.0
 MAX_ATTEMPTS = 8
+# The final sweep removes every orphan prefix through moto, one listing each: minutes on
+# a loaded machine. A bound on a hang, not a timing.
+SWEEP_BOUND_S = 600.0
 CONTENT_CODES = {"corrupt_content", "unsupported_content", "resource_limit"}
 
 
@@ -730,7 +733,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             tally.supervisor_died = True
             exit_code = world.supervisor.returncode if world.supervisor else None
-        sweep = world.cli("sweep", "--orphan-guard", "0", "--delete-guard", "0")
+        sweep = world.cli(
+            "sweep", "--orphan-guard", "0", "--delete-guard", "0", timeout=SWEEP_BOUND_S
+        )
         say(f"sweep (exit {sweep.returncode}): {sweep.stdout.strip().splitlines()[-1:]}")
         checks = check_all(world, expected, tally, exit_code)
         last = (sweep.stdout.strip().splitlines() or ["(no output)"])[-1]

@@ -208,10 +208,10 @@ def compile_derivd() -> None:
         compileall.compile_dir(tree, quiet=1)
 
 
-def burst_drain(ini: Path, log: Path, dsn: str) -> Burst:
+def burst_drain(ini: Path, log: Path, dsn: str, env: dict[str, str] | None = None) -> Burst:
     """`derivd -c INI run --burst` to its end (output to `log`), measured as a whole."""
     compile_derivd()
-    run = measured([str(DERIVD), "-c", str(ini), "run", "--burst"], log)
+    run = measured([str(DERIVD), "-c", str(ini), "run", "--burst"], log, env)
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
             "SELECT count(*) FILTER (WHERE status = 'ready'),"

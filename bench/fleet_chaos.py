@@ -334,9 +334,14 @@ def main(argv: list[str] | None = None) -> int:
         ):
             time.sleep(0.5)
         tally.supervisor_died = not (fleet.alive("h2") and fleet.alive("h3"))
+        # The surviving hosts' deliverers finish the webhooks (chaos.check_all checks them).
+        if not chaos.wait_delivered(world.query, plan.drain_s):
+            tally.notes.append(f"webhooks not delivered within {plan.drain_s:g}s")
         codes = fleet.stop_all()
         survivors_ok = codes.get("h2") == 0 and codes.get("h3") == 0
-        sweep = world.cli("sweep", "--orphan-guard", "0", "--delete-guard", "0")
+        sweep = world.cli(
+            "sweep", "--orphan-guard", "0", "--delete-guard", "0", timeout=chaos.SWEEP_BOUND_S
+        )
         checks = chaos.check_all(world, expected, tally, 0 if survivors_ok else codes.get("h3"))
         last = (sweep.stdout.strip().splitlines() or ["(no output)"])[-1]
         checks.insert(0, Check("sweep ran (orphan guard 0)", sweep.returncode == 0, last))

@@ -9,7 +9,10 @@ machine-readable outputs (bench/out/*.json), and the charts section of RESULTS.m
     sharp.json       (bench/sharp.py)        -> chart-sharp.png: derivd whole vs sharp
     similar.json     (bench/similar.py)      -> chart-similar.png: client.similar vs rows
     traffic.json     (bench/traffic.py)      -> chart-traffic.png: priorities, tenants
+    bounds.json      (bench/bounds.py)       -> chart-bounds.png: bounds' and fsyncs' cost
+    claim_events.json (bench/claim_events.py) -> chart-claim_events.png: the claimed event
     store_latency.json (bench/store_latency.py) -> chart-store_latency.png: far vs near store
+    webhooks.json    (bench/webhooks.py)     -> chart-webhooks.png: outbox cost, delivery
 
 A chart whose input is absent is skipped (and said so); the others are still drawn.
 matplotlib comes with the `bench` extra (`pip install -e '.[bench]'`), never with
@@ -145,8 +148,9 @@ def fleet(data: Data) -> tuple[Figure, str]:
 
 def sharp(data: Data) -> tuple[Figure, str]:
     """Per set of images: images/s and CPU per image of each side (sharp's two ways to use
-    the cores, derivd's backends): the median over the rounds, whiskers from the lowest to
-    the highest round, the rounds' median load under each bar."""
+    the cores, derivd's backends, their plain-library floors and a `--baseline`, in grey):
+    the median over the rounds, whiskers from the lowest to the highest round, the rounds'
+    median load under each bar."""
     runs = data["runs"]
     sets = list(dict.fromkeys(r["set"] for r in runs))
     fig, axes = plt.subplots(2, len(sets), figsize=(4.6 * len(sets), 6.2), squeeze=False)
@@ -157,7 +161,9 @@ def sharp(data: Data) -> tuple[Figure, str]:
         rounds = max(len(these) for these in by_side.values())
         labels = [f"{side}\nload {statistics.median(r['load_1min'] for r in these):.1f}"
                   for side, these in by_side.items()]  # fmt: skip
-        colours = ["#d9822b" if side.startswith("sharp") else "#4a7bd0" for side in sides]
+        colours = ["#d9822b" if side.startswith("sharp") else "#999999"
+                   if side.startswith("floor") or "@" in side else "#4a7bd0"
+                   for side in sides]  # fmt: skip
         for row, (key, unit) in enumerate((("images_per_s", "images/s"),
                                            ("cpu_ms_per_image", "CPU ms per image"))):  # fmt: skip
             ax = axes[row][col]
@@ -229,6 +235,46 @@ def traffic(data: Data) -> tuple[Figure, str]:
     return fig, "Priorities, tenants and the claim at scale (bench/traffic.py)"
 
 
+def bounds(data: Data) -> tuple[Figure, str]:
+    """Issue 27's hot-path costs: a statement's client-side bound by mechanism, and an
+    fs PUT with and without the directory fsyncs."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2))
+    arms = list(data["claims"])
+    cpu = [data["claims"][a]["bound_cpu_us"] for a in arms]
+    left.bar(arms, cpu, color="#4a7bd0")
+    left.set_ylabel("client CPU us per statement")
+    left.set_title("the bound alone")
+    kinds = list(data["puts"])
+    right.bar(kinds, [data["puts"][k]["ms"] for k in kinds], color="#d9822b")
+    right.set_ylabel("ms per 4 KiB PUT")
+    right.set_title("fs store PUT")
+    for ax, values in ((left, cpu), (right, [data["puts"][k]["ms"] for k in kinds])):
+        ax.grid(axis="y", alpha=0.3)
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
+    return fig, "Client-side bounds and fs directory fsyncs (bench/bounds.py)"
+
+
+def claim_events(data: Data) -> tuple[Figure, str]:
+    """Server CPU, WAL and wall time per job, with and without the capped claim's event."""
+    rows = data["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    labels = [f"{r['build']}\ncap {r['cap'] or 'none'}" for r in rows]
+    for ax, (key, title) in zip(
+        axes, [("server_ms", "server CPU ms/job"), ("wal_b", "WAL B/job"),
+               ("wall_ms", "wall ms/job")], strict=True
+    ):  # fmt: skip
+        values = [r[key] for r in rows]
+        ax.bar(range(len(rows)), values, color=["#4a7bd0", "#999"] * (len(rows) // 2 + 1))
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("The capped claim's `claimed` event (medians of interleaved rounds)")
+    return fig, "The capped claim's event for the history checker (bench/claim_events.py)"
+
+
 def store_latency(data: Data) -> tuple[Figure, str]:
     """images/s per store, grouped by workers and pipeline, each bar with its ratio to
     the file store's."""
@@ -252,8 +298,38 @@ def store_latency(data: Data) -> tuple[Figure, str]:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     delay = data.get("delay_ms_each_way", 20)
-    ax.set_title(f"Store latency: {data.get('images', '?')} phone JPEGs, S3 +{2 * delay:g} ms")
+    title = f"Store latency: {data.get('images', '?')} phone JPEGs, S3 +{2 * delay:g} ms"
+    ax.set_title(data.get("note") or title, fontsize=9 if data.get("note") else None)
     return fig, "A far store against a near one, pipeline 1 and 2 (bench/store_latency.py)"
+
+
+def webhooks(data: Data) -> tuple[Figure, str]:
+    """Issue 29: the commit's server CPU per build, commit-to-delivery latency, and the
+    deliveries of a backlog per second."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    cpu = data["commit_cpu_ms"]
+    names = list(cpu)
+    axes[0].bar(range(len(names)), [cpu[n]["median"] for n in names], color="#4a7bd0")
+    for i, n in enumerate(names):
+        axes[0].text(i, cpu[n]["median"], f"{cpu[n]['median']:.3f}", ha="center",
+                     va="bottom", fontsize=7)  # fmt: skip
+    axes[0].set_xticks(range(len(names)), names, fontsize=8)
+    axes[0].set_title("server CPU per job, commit + claim, ms", fontsize=9)
+    lat = data["latency"]
+    axes[1].bar([0, 1], [lat["p50_ms"], lat["p99_ms"]], color="#d9822b")
+    axes[1].axhline(50, color="#c44", linestyle="--", linewidth=1, label="p50 target 50 ms")
+    axes[1].set_xticks([0, 1], ["p50", "p99"])
+    axes[1].set_title("commit to delivery, ms", fontsize=9)
+    axes[1].legend(fontsize=7)
+    rates = data["throughput"]
+    axes[2].bar(range(len(rates)), [r["deliveries_per_s"] for r in rates.values()],
+                color="#7a9a3a")  # fmt: skip
+    axes[2].set_xticks(range(len(rates)), [f"concurrency {c}" for c in rates], fontsize=8)
+    axes[2].set_title("a backlog's deliveries/s", fontsize=9)
+    for ax in axes:
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"Webhooks (load {data['load'][0]})")
+    return fig, "Webhooks: the commit's cost, delivery latency and rate (bench/webhooks.py)"
 
 
 CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
@@ -265,7 +341,10 @@ CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "sharp": sharp,
     "similar": similar,
     "traffic": traffic,
+    "bounds": bounds,
+    "claim_events": claim_events,
     "store_latency": store_latency,
+    "webhooks": webhooks,
 }
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/sharp.py [--images 240] [--sets sharp phone]
         [--backends vips pillow] [--workers N] [--rounds 1] [--fixture PATH]
+        [--baseline REF] [--label LABEL]
 
 sharp's published benchmark (test/bench/perf.js in lovell/sharp) resizes its 2725 x 2225
 JPEG fixture to 720 x 588 (sharp's default fit: cover, centred) and writes JPEG quality 80.
@@ -16,6 +17,13 @@ orientation 6; photo-like scenes with grain from tests/imagegen.py, cached in be
 - derivd, whole: the originals stored in the fs store and queued (not timed), then one
   `derivd run --burst` with one worker per core and `[variant:bench] size = 720x588,
   fit = cover, format = jpeg, quality = 80`: boot, queue, store (fsync), fenced commits.
+  With `--baseline REF`, the same again with REF's handlers (the rest this tree), right
+  after: a change to the pixels against the commit before it, in the same minutes.
+- floor, per backend right after derivd's run: the plain-library pipeline at derivd's
+  decode scale (bench/steps.py `--floor`: libjpeg-turbo at M/8, lanczos3 at the exact
+  scale, the centre cut, the same JPEG save; no queue, limits, colour checks or
+  analysis), one process per core: what derivd's pixel work costs with nothing around
+  it. "vs floor" is derivd's images/s over that round's floor of its backend.
 
 Each side is timed as a whole process (start to exit); CPU and peak RSS are the kernel's
 accounting of the process and its children (wait4): PostgreSQL's own CPU is not counted.
@@ -207,10 +215,28 @@ def run_floor(backend: str, inputs: list[Path], workers: int, out: Path) -> Meas
 # --- derivd -------------------------------------------------------------------------------
 
 
+def baseline_tree(ref: str, work: Path) -> dict[str, str]:
+    """The environment of a derivd that is this tree but for its handlers, which are
+    `ref`'s: `--baseline`, the pixels before a change measured beside them in one run
+    (the rest of derivd moves on meanwhile, so only the handlers are swapped)."""
+    import derivd
+
+    tree = work / "baseline"
+    shutil.copytree(Path(derivd.__file__).parent, tree / "derivd", symlinks=False,
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    shutil.rmtree(tree / "derivd" / "handlers")
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "handlers"],
+                             check=True, capture_output=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(tree / "derivd")], input=archive, check=True)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree)], check=True)
+    return dict(os.environ, PYTHONPATH=str(tree))
+
+
 def run_derivd(pg: Any, backend: str, inputs: list[Path], workers: int, work: Path,
-               tag: str) -> tuple[Burst, list[bytes]]:  # fmt: skip
-    """Store and queue `inputs` (not timed), then one `run --burst`. Returns the run and
-    each input's output bytes, in input order."""
+               tag: str, env: dict[str, str] | None = None
+               ) -> tuple[Burst, list[bytes]]:  # fmt: skip
+    """Store and queue `inputs` (not timed), then one `run --burst` (in `env`: a
+    `--baseline`). Returns the run and each input's output bytes, in input order."""
     dsn = fresh_db(pg, f"sharp_{tag}")
     store = work / f"objects-{tag}"
     store_and_queue(dsn, store, [(f"originals/{n:04d}", path) for n, path in enumerate(inputs)])
@@ -223,7 +249,7 @@ def run_derivd(pg: Any, backend: str, inputs: list[Path], workers: int, work: Pa
         f"quality = {QUALITY}\n",
         encoding="utf-8",
     )
-    burst = burst_drain(ini, work / f"derivd-{tag}.log", dsn)
+    burst = burst_drain(ini, work / f"derivd-{tag}.log", dsn, env)
     if burst.ready != len(inputs):
         raise SystemExit(f"derivd ({tag}) left {len(inputs) - burst.ready} images unfinished")
     with psycopg.connect(dsn) as conn:
@@ -284,6 +310,15 @@ def one_set(pg: Any, name: str, distinct: list[Path], args: argparse.Namespace, 
                 runs.append(Run(name, f"derivd:{backend}", len(inputs), burst.wall_s,
                                 burst.cpu_s, burst.peak_rss_mb, os.getloadavg()[0],
                                 round=rnd))  # fmt: skip
+                if args.baseline:
+                    print(f"{name}: derivd {backend} at {args.baseline} ...", file=sys.stderr,
+                          flush=True)  # fmt: skip
+                    tag = f"{name}_{backend}_{rnd}_base"
+                    burst, _ = run_derivd(pg, backend, inputs, args.workers, work, tag,
+                                          args.baseline_env)  # fmt: skip
+                    runs.append(Run(name, f"derivd:{backend}@{args.baseline}", len(inputs),
+                                    burst.wall_s, burst.cpu_s, burst.peak_rss_mb,
+                                    os.getloadavg()[0], round=rnd))  # fmt: skip
                 print(f"{name}: floor {backend} ...", file=sys.stderr, flush=True)
                 wall, cpu, rss = run_floor(backend, inputs, args.workers, work / "floor")
                 runs.append(Run(name, f"floor:{backend}", len(inputs), wall, cpu, rss,
@@ -337,6 +372,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--fixture", type=Path, help=f"a local copy of sharp's {FIXTURE_NAME}")
     parser.add_argument("--label", default="", help="written as bench/out/sharp-LABEL.json")
+    parser.add_argument("--baseline", help="also derivd with the handlers of this git ref")
     args = parser.parse_args()
     with_sharp = install_sharp()
     sets: dict[str, list[Path]] = {}
@@ -349,6 +385,7 @@ def main() -> None:
     with cluster() as pg, tempfile.TemporaryDirectory(prefix="derivd-sharp-") as tmp:
         work = Path(tmp)
         os.chmod(work, 0o755)
+        args.baseline_env = baseline_tree(args.baseline, work) if args.baseline else None
         for rnd in range(args.rounds):
             for name, distinct in sets.items():
                 runs += one_set(pg, name, distinct, args, work, with_sharp, rnd)

@@ -220,6 +220,7 @@ def main() -> None:
                         run = one_run(pg, rnd, store, workers, pipeline, inputs, work, urls,
                                       args.backend)  # fmt: skip
                         runs.append(run)
+                        save(args, runs)  # after every run: an interrupted one keeps its data
                         print(
                             f"round {rnd + 1} {store:8} workers {workers} pipeline {pipeline}:"
                             f" {run.images_per_s:5.2f} images/s, {run.cpu_ms_per_image:4.0f}"
@@ -235,9 +236,14 @@ def main() -> None:
                 [[r["store"], r["workers"], r["pipeline"], r["images_per_s"],
                   "-" if r["vs_fs"] is None else f"{r['vs_fs']:.2f}x", r["cpu_ms_per_image"],
                   r["peak_rss_mb"]] for r in rows]))  # fmt: skip
+    save(args, runs)
+
+
+def save(args: argparse.Namespace, runs: list[Run]) -> None:
     save_results("store_latency", {
-        "images": args.images, "rounds": args.rounds, "delay_ms_each_way": args.delay_ms,
-        "backend": args.backend, "results": rows, "runs": [asdict(r) for r in runs],
+        "images": args.images, "rounds": max(r.round for r in runs) + 1,
+        "delay_ms_each_way": args.delay_ms, "backend": args.backend,
+        "results": medians(runs), "runs": [asdict(r) for r in runs],
     })  # fmt: skip
 
 

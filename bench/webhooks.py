@@ -33,7 +33,7 @@ from typing import Any
 import psycopg
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cluster, fresh_db, machine, percentile, save_results, table
+from common import OUT, cluster, fresh_db, machine, percentile, save_results, table
 from fleet import load_average, server_cpu_s
 from traffic import baseline_db
 
@@ -101,6 +101,36 @@ def commit_cpu(pg: Any, label: str, baseline: str, jobs: int) -> float:
         for _ in range(jobs):
             one()
         return (server_cpu_s(pg) - before) * 1000 / jobs
+
+
+PROBE = """CREATE FUNCTION bench_probe(n integer, check_it boolean) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    hooks boolean;
+BEGIN
+    FOR i IN 1 .. n LOOP
+        hooks := NULL;
+        IF check_it AND hooks IS NULL THEN
+            hooks := derivd_webhooks_on();  -- what derivd_commit_outcomes does once per call
+        END IF;
+    END LOOP;
+END $$"""
+
+
+def probe_cost(pg: Any, n: int = 200_000, rounds: int = 5) -> dict[str, float]:
+    """Microseconds per call of the check every commit makes (no endpoint), and of the
+    empty loop around it: the check's whole cost, apart from a commit's noise."""
+    dsn = fresh_db(pg, "wh_probe")
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(PROBE)
+        for _ in range(rounds):
+            for check_it in (False, True):
+                started = time.perf_counter()
+                conn.execute("SELECT bench_probe(%s, %s)", (n, check_it))
+                runs[check_it].append((time.perf_counter() - started) / n * 1e6)
+    loop = statistics.median(runs[False])
+    return {"loop": loop, "check": statistics.median(runs[True]) - loop}
 
 
 def endpoint(url: str, concurrency: int) -> Endpoint:
@@ -203,12 +233,18 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--events", type=int, default=300)
     parser.add_argument("--backlog", type=int, default=2000)
-    parser.add_argument("--baseline", default="e0f8d60", help="git ref before webhooks (main)")
+    parser.add_argument("--baseline", default="7328005", help="git ref before webhooks (main)")
+    parser.add_argument(
+        "--parts",
+        default="commit,probe,latency,throughput",
+        help="which parts to run (comma-separated)",
+    )
     args = parser.parse_args()
     load = [load_average()]
     result: dict[str, Any] = {}
+    parts = set(args.parts.split(","))
     with cluster() as pg:
-        labels = ("baseline", "no endpoint", "one endpoint")
+        labels = ("baseline", "no endpoint", "one endpoint") if "commit" in parts else ()
         cpu: dict[str, list[float]] = {label: [] for label in labels}
         for n in range(args.repeat):
             order = labels if n % 2 == 0 else labels[::-1]  # neither side always first
@@ -216,32 +252,49 @@ def main() -> None:
                 print(f"commit cost, {label}, round {n + 1}", file=sys.stderr, flush=True)
                 cpu[label].append(commit_cpu(pg, label, args.baseline, args.jobs))
         result["commit_cpu_ms"] = {k: {"median": statistics.median(v), "runs": v}
-                                   for k, v in cpu.items()}  # fmt: skip
-        print("latency", file=sys.stderr, flush=True)
-        result["latency"] = latency(pg, args.events)
+                                   for k, v in cpu.items() if v}  # fmt: skip
+        if "probe" in parts:
+            print("the endpoint check alone", file=sys.stderr, flush=True)
+            result["probe_us"] = probe_cost(pg)
+        if "latency" in parts:
+            print("latency", file=sys.stderr, flush=True)
+            result["latency"] = latency(pg, args.events)
         result["throughput"] = {}
-        for concurrency in (4, 16):
+        for concurrency in (4, 16) if "throughput" in parts else ():
             print(f"throughput, concurrency {concurrency}", file=sys.stderr, flush=True)
             result["throughput"][str(concurrency)] = throughput(pg, args.backlog, concurrency)
         load.append(load_average())
         result["machine"] = machine(pg.dsn("postgres"))
-    result["load"] = load
-    base = result["commit_cpu_ms"]["baseline"]["median"]
+    # The chart's title shows the load of the run that measured the commit's cost.
+    result["load" if "commit" in parts else "load_" + "_".join(sorted(parts))] = load
     print("\n".join(result["machine"]))
     print(f"load average before/after: {load[0]} / {load[1]}")
-    print("\n1. server CPU per job, commit + next claim (median of rounds)")
-    print(table(["build", "ms/job", "vs baseline", "runs"],
-                [[k, f"{v['median']:.4f}", f"{(v['median'] / base - 1) * 100:+.1f} %",
-                  " ".join(f"{r:.4f}" for r in v["runs"])]
-                 for k, v in result["commit_cpu_ms"].items()]))  # fmt: skip
-    lat = result["latency"]
-    print(f"\n2. commit to delivery: p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms "
-          f"(mean {lat['mean_ms']:.1f}, n = {lat['n']})")  # fmt: skip
+    if result["commit_cpu_ms"]:
+        base = result["commit_cpu_ms"]["baseline"]["median"]
+        print("\n1. server CPU per job, commit + next claim (median of rounds)")
+        print(table(["build", "ms/job", "vs baseline", "runs"],
+                    [[k, f"{v['median']:.4f}", f"{(v['median'] / base - 1) * 100:+.1f} %",
+                      " ".join(f"{r:.4f}" for r in v["runs"])]
+                     for k, v in result["commit_cpu_ms"].items()]))  # fmt: skip
+    if "probe_us" in result:
+        p = result["probe_us"]
+        print(
+            f"\n1b. the endpoint check alone (derivd_webhooks_on, no endpoint): "
+            f"{p['check']:.2f} us per commit call (loop overhead {p['loop']:.2f} us)"
+        )
+    if "latency" in result:
+        lat = result["latency"]
+        print(f"\n2. commit to delivery: p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms "
+              f"(mean {lat['mean_ms']:.1f}, n = {lat['n']})")  # fmt: skip
     print("\n3. a backlog of deliveries")
     print(table(["concurrency", "deliveries/s", "server CPU ms/delivery"],
                 [[c, f"{t['deliveries_per_s']:.0f}", f"{t['server_cpu_ms_per_delivery']:.3f}"]
                  for c, t in result["throughput"].items()]))  # fmt: skip
-    save_results("webhooks", result)
+    # A run of some parts keeps the other parts' latest figures (bench/plots.py draws all).
+    previous = OUT / "webhooks.json"
+    kept = json.loads(previous.read_text()) if previous.exists() else {}
+    kept.update({k: v for k, v in result.items() if v})
+    save_results("webhooks", kept)
 
 
 if __name__ == "__main__":

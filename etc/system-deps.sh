@@ -1,8 +1,9 @@
 #!/bin/sh
 # The programs pip cannot bring. `sh etc/system-deps.sh run` (make run): PostgreSQL's
 # server, which derivd needs. `sh etc/system-deps.sh test` (make test, make install): also
-# pgbouncer, chromium and faketime, which the test suite drives (the tests that need one
-# skip, each with one line, where it is missing).
+# pgbouncer, chromium and faketime, which the test suite drives, and jpegtran, which makes
+# its arithmetic-coded JPEG (the tests that need one skip, each with one line, where it
+# is missing).
 # Root with apt-get: install what is missing, with one `apt-get update` at most.
 # Otherwise: one line per missing program saying what to install; exit 1 without
 # PostgreSQL's server.
@@ -24,6 +25,7 @@ has_pgbouncer() { command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbounc
 # The browser tests run /usr/bin/chromium headless, so that exact path is what counts.
 has_chromium() { [ -x /usr/bin/chromium ]; }
 has_faketime() { command -v faketime >/dev/null 2>&1; }
+has_jpegtran() { command -v jpegtran >/dev/null 2>&1; }
 
 missing() {
     out=""
@@ -32,6 +34,7 @@ missing() {
         has_pgbouncer || out="$out pgbouncer"
         has_chromium || out="$out chromium"
         has_faketime || out="$out faketime"
+        has_jpegtran || out="$out libjpeg-turbo-progs"
     fi
     echo "$out"
 }
@@ -60,6 +63,8 @@ for pkg in $todo; do
             echo "optional: /usr/bin/chromium not found: apt-get install chromium (its tests skip without it)" ;;
         faketime)
             echo "optional: faketime not found: apt-get install faketime (its tests skip without it)" ;;
+        libjpeg-turbo-progs)
+            echo "optional: jpegtran not found: apt-get install libjpeg-turbo-progs (its tests skip without it)" ;;
     esac
 done
 exit $status

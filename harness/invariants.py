@@ -194,13 +194,19 @@ def final_states_stay_final(history: History, rules: Rules) -> Verdict:
                 )
             phase = after
         row = history.rows.get(file_id)
-        if row is None:
-            continue  # a re-derivation's job row, gone with its commit
+        if row is None or row.rederive_of is not None:
+            # A re-derivation's job (gone with its commit, or rejected): its outcome is
+            # its file's event (`rederived`, `rederive_rejected`), checked there.
+            continue
         now = "live" if row.status in ("pending", "queued", "processing") else row.status
         if now != phase:
             verdict.violations.append(f"file {file_id}: row is {row.status}, events say {phase}")
     for row in history.rows.values():
-        if row.status in ("ready", "rejected", "deleting", "deleted") and row.id not in events:
+        if (
+            row.status in ("ready", "rejected", "deleting", "deleted")
+            and row.rederive_of is None
+            and row.id not in events
+        ):
             verdict.violations.append(f"file {row.id}: {row.status} without any event")
     return verdict
 

@@ -514,6 +514,9 @@ DECLARE
     got_attempts integer[];
     turn bigint;
     got integer;
+    steady boolean;
+    first integer;
+    used_up boolean;
 BEGIN
     IF lim < 1 THEN
         RETURN;
@@ -534,68 +537,100 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    -- Expired leases first, whatever the turn or the cap (their tenants' rows are
-    -- `processing` already: reclaiming one adds nothing to its tenant's count).
-    SELECT array_agg(e.id), array_agg(e.lease_until), array_agg(0) INTO ids, since, tiers
-      FROM (SELECT f.id, f.lease_until
-              FROM archive_files AS f
-             WHERE f.status = 'processing' AND f.lease_until < now()
-               AND f.attempts < derivd_claim.max_attempts
-             ORDER BY f.lease_until
-             LIMIT lim
-               FOR UPDATE SKIP LOCKED) AS e;
-    LOOP
-        wanted := lim - coalesce(cardinality(ids), 0);
-        EXIT WHEN wanted < 1;
-        -- (One statement per order rather than one with its order switched by a
-        -- parameter: each is a plain ordered scan of its partial index.)
-        IF tenant_cap > 0 THEN
-            SELECT array_agg(p.id), array_agg(p.since), array_agg(p.attempts)
-              INTO got_ids, got_since, got_attempts
-              FROM derivd_pick_capped(wanted, tenant_cap, oldest) AS p;
-        ELSIF oldest THEN
-            SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
-              INTO got_ids, got_since, got_attempts
-              FROM (SELECT f.id, f.available_at, f.attempts
-                      FROM archive_files AS f
-                     WHERE f.status = 'queued' AND f.available_at <= now()
-                     ORDER BY f.available_at, f.id
-                     LIMIT wanted
-                       FOR UPDATE SKIP LOCKED) AS q;
+    steady := tenant_cap < 1 AND NOT oldest;
+    -- One statement picks and locks the rows: expired leases first, whatever the turn or
+    -- the cap (the one statement that knows the rule; a reclaimed row's tenant has it in
+    -- flight already, so it adds nothing to the tenant's count), then, in the steady
+    -- state (no cap, a ranked turn), due queued rows by priority DESC, fair_rank, id. The
+    -- second branch is read only for what the first leaves of the limit, and not at all
+    -- (LIMIT 0) on the other turns, whose queued rows are picked below.
+    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier), array_agg(c.n)
+      INTO ids, since, tiers, got_attempts
+      FROM (SELECT * FROM (SELECT f.id, f.lease_until AS since, 0 AS tier, f.attempts AS n
+                             FROM archive_files AS f
+                            WHERE f.status = 'processing' AND f.lease_until < now()
+                              AND f.attempts < derivd_claim.max_attempts
+                            ORDER BY f.lease_until
+                            LIMIT lim
+                              FOR UPDATE SKIP LOCKED) AS expired
+            UNION ALL
+            SELECT * FROM (SELECT f.id, f.available_at, 1, f.attempts
+                             FROM archive_files AS f
+                            WHERE f.status = 'queued' AND f.available_at <= now()
+                            ORDER BY f.priority DESC, f.fair_rank, f.id
+                            LIMIT CASE WHEN steady THEN lim ELSE 0 END
+                              FOR UPDATE SKIP LOCKED) AS ranked
+            LIMIT lim) AS c;
+    IF NOT (steady AND derivd_claim.max_attempts > ALL (coalesce(got_attempts, '{}'))) THEN
+        -- Another turn, or a queued row whose attempts are used up: the expired rows
+        -- stay; queued rows, these and the next ones, go through the check below.
+        first := array_position(tiers, 1);
+        IF first IS NOT NULL THEN
+            got_ids := ids[first:];
+            got_since := since[first:];
+            got_attempts := got_attempts[first:];
+            ids := ids[:first - 1];
+            since := since[:first - 1];
+            tiers := tiers[:first - 1];
         ELSE
-            SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
-              INTO got_ids, got_since, got_attempts
-              FROM (SELECT f.id, f.available_at, f.attempts
-                      FROM archive_files AS f
-                     WHERE f.status = 'queued' AND f.available_at <= now()
-                     ORDER BY f.priority DESC, f.fair_rank, f.id
-                     LIMIT wanted
-                       FOR UPDATE SKIP LOCKED) AS q;
+            got_ids := NULL;
         END IF;
-        EXIT WHEN got_ids IS NULL;
-        IF derivd_claim.max_attempts > ALL (got_attempts) THEN  -- the usual case
-            ids := ids || got_ids;
-            since := since || got_since;
-            tiers := tiers || array_fill(1, ARRAY[cardinality(got_ids)]);
-            EXIT;  -- all it asked for, or all there was
-        END IF;
-        WITH used_up AS (
-            UPDATE archive_files AS f
-               SET status = 'rejected',
-                   error_code = 'attempts_exhausted',
-                   finished_at = now(),
-                   updated_at = now()
-              FROM unnest(got_ids, got_attempts) AS g(id, n)
-             WHERE f.id = g.id AND g.n >= derivd_claim.max_attempts
-            RETURNING f.id, f.attempts)
-        INSERT INTO archive_events (file_id, kind, attempt, error_code)
-        SELECT u.id, 'exhausted', u.attempts, 'attempts_exhausted' FROM used_up AS u;
-        SELECT ids || array_agg(g.got_id), since || array_agg(g.got_since),
-               tiers || array_agg(1)
-          INTO ids, since, tiers
-          FROM unnest(got_ids, got_since, got_attempts) AS g(got_id, got_since, n)
-         WHERE g.n < derivd_claim.max_attempts;
-    END LOOP;
+        LOOP
+            IF got_ids IS NULL THEN
+                wanted := lim - coalesce(cardinality(ids), 0);
+                EXIT WHEN wanted < 1;
+                -- (One statement per order rather than one with its order switched by
+                -- a parameter: each is a plain ordered scan of its partial index.)
+                IF tenant_cap > 0 THEN
+                    SELECT array_agg(p.id), array_agg(p.since), array_agg(p.attempts)
+                      INTO got_ids, got_since, got_attempts
+                      FROM derivd_pick_capped(wanted, tenant_cap, oldest) AS p;
+                ELSIF oldest THEN
+                    SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
+                      INTO got_ids, got_since, got_attempts
+                      FROM (SELECT f.id, f.available_at, f.attempts
+                              FROM archive_files AS f
+                             WHERE f.status = 'queued' AND f.available_at <= now()
+                             ORDER BY f.available_at, f.id
+                             LIMIT wanted
+                               FOR UPDATE SKIP LOCKED) AS q;
+                ELSE
+                    SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
+                      INTO got_ids, got_since, got_attempts
+                      FROM (SELECT f.id, f.available_at, f.attempts
+                              FROM archive_files AS f
+                             WHERE f.status = 'queued' AND f.available_at <= now()
+                             ORDER BY f.priority DESC, f.fair_rank, f.id
+                             LIMIT wanted
+                               FOR UPDATE SKIP LOCKED) AS q;
+                END IF;
+                EXIT WHEN got_ids IS NULL;
+            END IF;
+            used_up := NOT derivd_claim.max_attempts > ALL (got_attempts);
+            IF used_up THEN
+                -- max_attempts lowered since these were queued: rejected here, as an
+                -- expired lease past the cap is, and the claim goes on.
+                WITH done AS (
+                    UPDATE archive_files AS f
+                       SET status = 'rejected',
+                           error_code = 'attempts_exhausted',
+                           finished_at = now(),
+                           updated_at = now()
+                      FROM unnest(got_ids, got_attempts) AS g(got_id, n)
+                     WHERE f.id = g.got_id AND g.n >= derivd_claim.max_attempts
+                    RETURNING f.id, f.attempts)
+                INSERT INTO archive_events (file_id, kind, attempt, error_code)
+                SELECT d.id, 'exhausted', d.attempts, 'attempts_exhausted' FROM done AS d;
+            END IF;
+            SELECT ids || array_agg(g.got_id), since || array_agg(g.got_since),
+                   tiers || array_agg(1)
+              INTO ids, since, tiers
+              FROM unnest(got_ids, got_since, got_attempts) AS g(got_id, got_since, n)
+             WHERE g.n < derivd_claim.max_attempts;
+            got_ids := NULL;
+            EXIT WHEN NOT used_up;  -- all it asked for, or all there was
+        END LOOP;
+    END IF;
     IF ids IS NOT NULL THEN
         RETURN QUERY
         UPDATE archive_files AS f

@@ -52,8 +52,13 @@ def test_sigkill_of_the_worker_and_of_the_supervisor_mid_rederivation(
     with QueueDB.open(dsn) as queue:
         assert apply(queue, new_cfg).queued == 2
     derive = {"backend": BACKEND, "variants": V2}
-    # A hanging attempt must outlive the steps below (job_timeout would end it).
-    slow = {"supervisor": {"workers": "2", "job_timeout": "10"}, "queue": {"lease": "15"}}
+    # A hanging attempt must outlive the steps below (job_timeout would end it). One job
+    # per worker (pipeline 1): a pipelined worker may claim both re-derivations before the
+    # other worker's first claim, and the second would wait behind the first's hang.
+    slow = {
+        "supervisor": {"workers": "2", "pipeline": "1", "job_timeout": "10"},
+        "queue": {"lease": "15"},
+    }
     sup = supervisor(derive=derive, **slow).start()
 
     # 1. A worker dies mid re-derivation (hanging in the handler, marker made), while

@@ -313,3 +313,28 @@ def test_capped_claims_record_their_tenant_and_pass(world: World) -> None:
     )
     verdict = world.verdicts()["every tenant below its cap at every claim"]
     assert (verdict.checked, verdict.violations) == (2, [])
+
+
+def test_a_rejected_rederivation_is_its_files_event_not_a_violation(world: World) -> None:
+    """A re-derivation's rejection is recorded on its file (`rederive_rejected`, the file
+    keeps its set); its job row stays `rejected` without an event of its own."""
+    file_id = world.ids[0]
+    (row,) = sql(
+        world.dsn,
+        "SELECT original_key, original_version FROM archive_files WHERE id = %s",
+        (file_id,),
+    )
+    token = str(uuid.uuid4())
+    sql(
+        world.dsn,
+        "INSERT INTO derivd_rederivations (file_id, status, attempts, original_key,"
+        " original_version, error_code) VALUES (%s, 'rejected', 1, %s, %s, 'processing_failed')",
+        (file_id, row["original_key"], row["original_version"]),
+    )
+    sql(
+        world.dsn,
+        "INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)"
+        " VALUES (%s, 'rederive_rejected', 1, %s, 'processing_failed')",
+        (file_id, token),
+    )
+    assert world.failing() == {}

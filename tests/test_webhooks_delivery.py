@@ -214,3 +214,33 @@ def test_a_failing_endpoint_backs_off_as_a_whole_and_slows_no_other(
     assert circuit["failures"] >= 5
     assert len(good.unique()) == 8
     assert {r["status"] for r in rows(dsn, "dead")} == {"pending"}
+
+
+def test_two_hosts_never_post_one_event_at_the_same_time(dsn: str, queue: QueueDB) -> None:
+    """Two deliverers (two hosts) on one outbox: each event is POSTed once, never by
+    both at once (the claim's SKIP LOCKED and lease), and all of them are delivered."""
+    in_flight: set[str] = set()
+    overlaps: list[str] = []
+    lock = threading.Lock()
+    with receiving(SECRET) as receiver:
+        record = receiver.record
+
+        def watched(item: Any) -> None:
+            with lock:
+                if item.webhook_id in in_flight:
+                    overlaps.append(item.webhook_id)
+                in_flight.add(item.webhook_id)
+            record(item)
+            receiver.release.wait(0.05)  # hold the request open a moment: room to overlap
+            with lock:
+                in_flight.discard(item.webhook_id)
+
+        receiver.record = watched  # type: ignore[method-assign]
+        one = endpoint(receiver.url, concurrency=4)
+        with delivering(dsn, one), delivering(dsn, one):
+            ready_files(queue, 20)
+            found = settled(dsn, count=20)
+    assert {r["status"] for r in found} == {"delivered"}
+    assert overlaps == []
+    ids = [r.webhook_id for r in receiver.answered()]
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == 20

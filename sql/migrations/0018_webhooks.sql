@@ -7,10 +7,11 @@
 -- or deleted inserts one delivery per subscribed endpoint (derivd_outbox in
 -- functions.sql), in its own transaction. The endpoints are each supervisor's
 -- `[webhook:NAME]` sections, kept here by the supervisors (at start and SIGHUP): the
--- database itself knows who subscribes to what, so every path to a final state (a worker's
--- commit, the supervisor's rejections, the sweep's deletions, a host of the previous
--- release, an operator's SQL) fills the outbox with no argument to carry. Secrets and
--- URLs never come here: each host signs and POSTs with its own configuration.
+-- database itself knows who subscribes to what, so every derivd statement that ends a
+-- file (a worker's commit or failure, the supervisor's rejections, the sweep's deletions,
+-- a host of the previous release calling the same functions) fills the outbox with no
+-- argument to carry. (A hand-written UPDATE of archive_files announces nothing.) Secrets
+-- and URLs never come here: each host signs and POSTs with its own configuration.
 CREATE DOMAIN derivd_webhook_event AS text CONSTRAINT derivd_webhook_event_check CHECK (
     VALUE IN ('file.ready', 'file.rejected', 'file.rederived', 'file.deleted'));
 

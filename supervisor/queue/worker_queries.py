@@ -84,7 +84,7 @@ CLAIM_TIMEOUT_S = 10.0
 class WorkerQueries(Statements):
     """The lease protocol as a worker calls it: claim, write-ahead, fenced commit, fail, release."""
 
-    claim_bound_s: float = CLAIM_TIMEOUT_S  # tests shorten it
+    claim_bound_s: float | None = CLAIM_TIMEOUT_S  # None: unbounded (bench/bounds.py)
 
     def not_yet_due(self) -> tuple[int, float | None]:
         """(queued rows not due yet, counted to 10,000; seconds until the first is due,
