@@ -108,9 +108,11 @@ class PipelinedRun:
             elif not claimed:
                 # Nothing held and nothing claimable: rows whose worker died on their last
                 # attempt are the ExhaustedRejection duty's (derivd.processes.duties).
-                if burst:
+                due_in = self.worker.burst_wait() if burst else None
+                if burst and due_in is None:
                     return "drained"
-                idle.wait(self.worker.config.queue.poll_interval)
+                poll = self.worker.config.queue.poll_interval
+                idle.wait(due_in if due_in is not None else poll)
 
     def _held(self) -> int:
         with self.cond:

@@ -557,7 +557,7 @@ class Worker:
         finally:
             self.release_prefetched()
 
-    def _burst_wait(self) -> float | None:
+    def burst_wait(self) -> float | None:
         """With --burst and nothing claimable: how long to wait for a retry due within
         BURST_RETRY_WAIT_S (at most a poll interval at a time), or None: drained. A burst
         that left a retry due a second later would leave work nobody picks up."""
@@ -584,7 +584,7 @@ class Worker:
             if not claimed:
                 # Rows whose worker died on their last attempt are not claimable: the
                 # supervisor's ExhaustedRejection duty ends them (derivd.processes.duties).
-                due_in = self._burst_wait() if burst else None
+                due_in = self.burst_wait() if burst else None
                 if burst and due_in is None:
                     return "drained"
                 idle.wait(due_in if due_in is not None else self.config.queue.poll_interval)
