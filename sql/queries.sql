@@ -2,13 +2,40 @@
 -- follow say what the query is for. Parameters are psycopg named placeholders; `{name}`
 -- is an identifier composed with psycopg.sql.Identifier, never text pasted in. Only
 -- derivd.queue executes these (supervisor/queue/statements.py); nothing else in derivd
--- builds SQL.
+-- builds SQL. Blocks are grouped by the module of derivd.queue that sends them.
 --
 -- The lease protocol's bodies (derivd_claim, derivd_commit, ...) and the triggers' are in
 -- sql/functions.sql, the tables in sql/schema.sql. The fence is `id + lease_token`
 -- everywhere, here as in the functions: archive_files_lease_check makes a row hold a
 -- token exactly while it is `processing`, so a token match is the status check, and the
 -- plan stays on the primary key (functions.sql says more).
+
+-- == connecting: pooler detection and the supervisor's bounds (derivd.queue.session, derivd.queue.statements) ==
+
+-- name: backend_pid
+-- The server process behind this statement. Through a pooler it differs from the
+-- process id the connection was given at start-up (the pooler makes that one up).
+SELECT pg_backend_pid() AS pid;
+
+-- name: lock_timeout
+-- How long the statements after it in this transaction may wait for a lock (partition
+-- DDL takes ACCESS EXCLUSIVE on archive_events: it gives up rather than queue every
+-- job's commit behind a long reader, and is retried later).
+SELECT set_config('lock_timeout', %(timeout)s, true);
+
+-- name: session_timeouts
+-- Bounds for a direct connection of the supervisor (never sent through a pooler, where
+-- a session setting would stick to a server connection other clients share).
+SELECT set_config('statement_timeout', %(statement)s, false),
+       set_config('lock_timeout', %(lock)s, false);
+
+-- name: outbox_many
+-- The outbox of rows a statement just rejected or deleted, run right after it in the same
+-- transaction (QueueDB): one delivery per subscribed endpoint (derivd_outbox_many in
+-- sql/functions.sql; nothing without endpoints).
+SELECT derivd_outbox_many(%(ids)s::bigint[], %(event)s::text) AS n;
+
+-- == migrate and the schema check (derivd.queue.schema) ==
 
 -- name: migrations_lock
 -- Serialise `derivd migrate` across hosts: a transaction-scoped advisory lock.
@@ -40,28 +67,7 @@ SELECT s AS signature
  WHERE to_regprocedure(s) IS NULL
  ORDER BY s;
 
--- name: enqueue
--- Queue confirmed originals (key and version already stored), all at one priority and
--- tenant (NULL: none). Returns the new ids in order. Their write-ahead entries (what
--- `derivd enqueue` registered before the PUTs: enqueue_write_ahead) go in the same
--- statement: an original is either queued or still in the orphan registry, never neither.
-WITH confirmed AS (
-    DELETE FROM pending_objects WHERE key = ANY(%(keys)s::text[])
-)
-INSERT INTO archive_files (status, original_key, original_version, priority, tenant)
-SELECT 'queued', k, v, %(priority)s, %(tenant)s
-  FROM unnest(%(keys)s::text[], %(versions)s::text[]) WITH ORDINALITY AS t(k, v, n)
- ORDER BY n
-RETURNING id;
-
--- name: enqueue_write_ahead
--- Originals about to be uploaded (`derivd enqueue`), registered before their PUTs as a
--- worker registers its variants: an upload interrupted before its rows are inserted
--- leaves them to the orphan sweep (after [sweep] orphan_guard; `token` is no lease, so
--- nothing keeps them). file_id 0: no file yet. `enqueue` clears them.
-INSERT INTO pending_objects (key, file_id, lease_token)
-SELECT k, 0, %(token)s FROM unnest(%(keys)s::text[]) AS k
-ON CONFLICT (key) DO NOTHING;
+-- == LISTEN (derivd.queue.listener) ==
 
 -- name: listen
 -- Listen on `{channel}`: derivd.queue.db's QUEUED_CHANNEL (the supervisor's wake-up: the
@@ -70,8 +76,7 @@ ON CONFLICT (key) DO NOTHING;
 -- when it becomes ready, rejected, deleting or deleted, if a waiter registered it).
 LISTEN {channel};
 
--- name: unlisten
-UNLISTEN {channel};
+-- == the lease protocol, as a worker calls it (derivd.queue.worker_queries) ==
 
 -- name: claim
 -- Lease up to `limit` claimable rows (expired leases under the attempt cap first, then
@@ -153,6 +158,24 @@ SELECT status, error_code
                    %(code)s::text, %(max_attempts)s::integer, %(delay_s)s::float8,
                    %(extra_event)s::text);
 
+-- name: release
+-- Give a job back during shutdown without burning its attempt (derivd_release in
+-- sql/functions.sql; fenced, a failed fence appends `lease_lost`).
+SELECT derivd_release(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer)::int AS released;
+
+-- name: not_yet_due
+-- What a `run --burst` leaves behind once nothing is claimable: queued rows whose retry
+-- delay has not passed (counted to 10,000) and in how many seconds the first is due,
+-- both through the partial index of queued rows.
+SELECT (SELECT count(*) FROM (SELECT 1 FROM archive_files
+                               WHERE status = 'queued' AND available_at > now()
+                               LIMIT 10000) AS q)::int AS waiting,
+       extract(epoch FROM (SELECT min(available_at) FROM archive_files
+                            WHERE status = 'queued' AND available_at > now())
+                          - now())::float8 AS next_due_s;
+
+-- == the heartbeat, the host registry, a dead worker's jobs (derivd.queue.host_queries) ==
+
 -- name: worker_died
 -- A dead worker's job, returned by its supervisor (derivd_worker_died in
 -- sql/functions.sql): `worker_died`, then back to `queued` after delay_s with the attempt
@@ -161,10 +184,83 @@ SELECT status, error_code
   FROM derivd_worker_died(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer,
                           %(max_attempts)s::integer, %(delay_s)s::float8);
 
--- name: release
--- Give a job back during shutdown without burning its attempt (derivd_release in
--- sql/functions.sql; fenced, a failed fence appends `lease_lost`).
-SELECT derivd_release(%(id)s::bigint, %(token)s::uuid, %(attempt)s::integer)::int AS released;
+-- name: heartbeat
+-- One call per host every [queue] heartbeat (derivd_heartbeat in sql/functions.sql):
+-- which of the jobs this host holds (`jobs`: a JSON array of {id, token, file}, running
+-- and claimed-unstarted) still hold their lease, fenced by id + token; with `renew`,
+-- exactly those leases are extended to now() + lease_s. The host's registry row is
+-- refreshed (created if pruned), fenced on the run that owns it: with `started_at` (a
+-- supervisor's, from register_host) only the row of this pid and start; another run's
+-- row under the same name is never taken over. Returns the ids whose lease still holds,
+-- and the ids whose attempt has just ended itself (committed, failed or released by that
+-- very token); every other id sent is lost.
+SELECT id FROM derivd_heartbeat(%(jobs)s::jsonb, %(renew)s::boolean, %(lease_s)s::float8,
+                                %(host)s::text, %(pid)s::integer, %(version)s::text,
+                                %(backend)s::text, %(workers)s::integer, %(busy)s::integer,
+                                %(heartbeat_s)s::float8, %(started_at)s::timestamptz) AS id;
+
+-- name: host_holder
+-- The registry row under a name, for a supervisor about to start under it.
+SELECT pid, version, started_at, heartbeat_s,
+       extract(epoch FROM now() - last_heartbeat)::float8 AS heartbeat_age_s,
+       NOT derivd_host_stale(last_heartbeat, heartbeat_s) AS alive
+  FROM derivd_hosts
+ WHERE host = %(host)s;
+
+-- name: register_host
+-- A supervisor starts: its registry row, idle and started now. Fenced: it replaces only
+-- the row it was shown (`seen_pid` + `seen_started_at`: a stale one, or its own crashed
+-- run's), never one another run has written since; nothing returned: try again.
+INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
+VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, 0, %(heartbeat_s)s)
+ON CONFLICT (host) DO UPDATE
+   SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
+       workers = EXCLUDED.workers, busy = 0, heartbeat_s = EXCLUDED.heartbeat_s,
+       last_heartbeat = now(), started_at = now()
+ WHERE r.pid = %(seen_pid)s AND r.started_at = %(seen_started_at)s::timestamptz
+RETURNING started_at;
+
+-- name: deregister_host
+-- A clean stop. Fenced on the pid and the start: a supervisor under the same name (a
+-- newer one, or one on another machine) keeps its row.
+DELETE FROM derivd_hosts
+ WHERE host = %(host)s AND pid = %(pid)s
+   AND (%(started_at)s::timestamptz IS NULL OR started_at = %(started_at)s::timestamptz);
+
+-- name: prune_hosts
+-- Rows of hosts that stopped heartbeating (stale: derivd_host_stale) for longer than the
+-- guard.
+DELETE FROM derivd_hosts
+ WHERE derivd_host_stale(last_heartbeat, heartbeat_s)
+   AND last_heartbeat < now() - make_interval(secs => %(guard_s)s)
+RETURNING host;
+
+-- name: hosts
+-- The registry for `derivd status` and the metrics: alive = not stale (derivd_host_stale:
+-- a heartbeat within three of its intervals); in_flight = rows it holds in `processing`
+-- (via the partial indexes), re-derivations included.
+SELECT h.host, h.pid, h.version, h.backend, h.workers, h.busy, h.started_at,
+       extract(epoch FROM now() - h.last_heartbeat)::float8 AS heartbeat_age_s,
+       NOT derivd_host_stale(h.last_heartbeat, h.heartbeat_s) AS alive,
+       ((SELECT count(*) FROM archive_files AS f
+          WHERE f.status = 'processing' AND f.claimed_by = h.host)
+        + (SELECT count(*) FROM derivd_rederivations AS q
+            WHERE q.status = 'processing' AND q.claimed_by = h.host))::int AS in_flight
+  FROM derivd_hosts AS h
+ ORDER BY h.host;
+
+-- name: record_lease_lost
+-- The supervisor killed a job whose lease the heartbeat found gone: a `lease_lost`
+-- event, unless the lease is (still) this attempt's after all (the fence: id + token).
+INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+SELECT %(id)s, 'lease_lost', %(attempt)s, %(token)s
+ WHERE NOT EXISTS (SELECT 1 FROM archive_files
+                    WHERE id = %(id)s AND lease_token = %(token)s)
+   AND NOT EXISTS (SELECT 1 FROM derivd_rederivations
+                    WHERE id = %(id)s AND lease_token = %(token)s)
+RETURNING 1;
+
+-- == the duties and the sweep (derivd.queue.maintenance_queries) ==
 
 -- name: reject_exhausted
 -- Rows whose worker died on their last allowed attempt: reject instead of reclaiming, so
@@ -239,6 +335,120 @@ SELECT p.key
 -- name: forget_orphans
 DELETE FROM pending_objects WHERE key = ANY(%(keys)s::text[]);
 
+-- name: deletions_due
+-- Rows in `deleting` for longer than the guard, with the keys the cleaner must remove.
+-- A re-derivation's row has no original of its own (it shares its file's): NULL.
+SELECT id, CASE WHEN rederive_of IS NULL THEN original_key END AS original_key
+  FROM archive_files
+ WHERE status = 'deleting' AND updated_at < now() - make_interval(secs => %(guard_s)s)
+ ORDER BY updated_at
+ LIMIT %(limit)s;
+
+-- name: mark_deleted
+-- The last step of a deletion, after its objects are gone (fenced on `deleting`, so a
+-- second sweeper finds nothing to do). Write-ahead entries are kept on purpose: an
+-- attempt that was still running may PUT after this, and only the orphan sweep (whose
+-- guard exceeds the lease) is sure to see its objects.
+WITH done AS (
+    UPDATE archive_files
+       SET status = 'deleted', finished_at = now(), updated_at = now(),
+           derived_key = NULL, derived_version = NULL
+     WHERE id = %(id)s AND status = 'deleting'
+    RETURNING id, attempts
+), gone AS (
+    DELETE FROM archive_variants WHERE file_id = %(id)s AND EXISTS (SELECT 1 FROM done)
+    RETURNING 1
+), deleted_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt) SELECT id, 'deleted', attempts FROM done
+    RETURNING 1
+)
+SELECT count(*)::int AS deleted FROM done;
+
+-- name: lease_take
+-- Take (or renew, for the same holder) a named lease such as the sweep's: one statement,
+-- so it holds through a transaction-mode pooler. Another holder's lease is taken only
+-- once it has expired; two racing takers serialise on the row and the second sees the
+-- first's lease. No row returned: someone else holds it.
+INSERT INTO derivd_leases AS l (name, holder, until)
+VALUES (%(name)s, %(holder)s, now() + make_interval(secs => %(ttl_s)s))
+ON CONFLICT (name) DO UPDATE
+   SET holder = EXCLUDED.holder, until = EXCLUDED.until
+ WHERE l.until < now() OR l.holder = EXCLUDED.holder
+RETURNING holder;
+
+-- name: lease_drop
+-- Give a lease back (fenced on the holder: a lease taken over meanwhile stays).
+DELETE FROM derivd_leases WHERE name = %(name)s AND holder = %(holder)s RETURNING holder;
+
+-- name: event_partitions
+-- Create the daily archive_events partitions from `first` (default: today, UTC, database
+-- time) for `days` days (the sweep keeps a week ahead). Returns the ones created.
+SELECT derivd_event_partitions(
+           coalesce(%(first)s::date, (now() AT TIME ZONE 'UTC')::date), %(days)s) AS created;
+
+-- name: drop_event_partitions
+-- Drop whole the partitions of events older than `days` days (none when days is 0).
+SELECT derivd_drop_event_partitions(now() - make_interval(days => %(days)s)) AS dropped
+ WHERE %(days)s > 0;
+
+-- name: purge_deleted
+-- Remove `deleted` rows (no objects left, nothing to show) finished more than `days`
+-- days ago, a batch at a time; their variants are gone already, events stay.
+DELETE FROM archive_files
+ WHERE id IN (SELECT id FROM archive_files
+               WHERE status = 'deleted'
+                 AND finished_at < now() - make_interval(days => %(days)s)
+               ORDER BY finished_at
+               LIMIT %(limit)s)
+RETURNING id;
+
+-- name: retired_due
+-- Objects of variant sets a re-derivation replaced, retired longer than the guard ago.
+SELECT key FROM derivd_retired_objects
+ WHERE retired_at < now() - make_interval(secs => %(guard_s)s)
+ ORDER BY retired_at
+ LIMIT %(limit)s;
+
+-- name: forget_retired
+DELETE FROM derivd_retired_objects WHERE key = ANY(%(keys)s::text[]);
+
+-- name: rehome_default_events
+-- Move the DEFAULT partition's rows to the partitions of their days, dropping those
+-- older than `days` days (every row moves when days is 0). Returns the day partitions
+-- that received rows (derivd_rehome_default_events, sql/functions.sql).
+SELECT derivd_rehome_default_events(
+           CASE WHEN %(days)s > 0 THEN now() - make_interval(days => %(days)s) END) AS part;
+
+-- name: default_events
+-- Whether the DEFAULT partition holds events (days no partition covered: the partition
+-- duty was away longer than it creates ahead): `derivd status` warns.
+SELECT EXISTS (SELECT 1 FROM archive_events_default) AS present;
+
+-- == producers and operators (derivd.queue.operator_queries) ==
+
+-- name: enqueue
+-- Queue confirmed originals (key and version already stored), all at one priority and
+-- tenant (NULL: none). Returns the new ids in order. Their write-ahead entries (what
+-- `derivd enqueue` registered before the PUTs: enqueue_write_ahead) go in the same
+-- statement: an original is either queued or still in the orphan registry, never neither.
+WITH confirmed AS (
+    DELETE FROM pending_objects WHERE key = ANY(%(keys)s::text[])
+)
+INSERT INTO archive_files (status, original_key, original_version, priority, tenant)
+SELECT 'queued', k, v, %(priority)s, %(tenant)s
+  FROM unnest(%(keys)s::text[], %(versions)s::text[]) WITH ORDINALITY AS t(k, v, n)
+ ORDER BY n
+RETURNING id;
+
+-- name: enqueue_write_ahead
+-- Originals about to be uploaded (`derivd enqueue`), registered before their PUTs as a
+-- worker registers its variants: an upload interrupted before its rows are inserted
+-- leaves them to the orphan sweep (after [sweep] orphan_guard; `token` is no lease, so
+-- nothing keeps them). file_id 0: no file yet. `enqueue` clears them.
+INSERT INTO pending_objects (key, file_id, lease_token)
+SELECT k, 0, %(token)s FROM unnest(%(keys)s::text[]) AS k
+ON CONFLICT (key) DO NOTHING;
+
 -- name: request_delete
 -- Deletion revokes the lease: a running attempt can no longer commit or fail the row.
 -- The files' re-derivations go too, live or rejected (their attempts' commits then fail
@@ -270,35 +480,6 @@ WITH revoked AS (
     RETURNING 1
 )
 SELECT id FROM done ORDER BY id;
-
--- name: deletions_due
--- Rows in `deleting` for longer than the guard, with the keys the cleaner must remove.
--- A re-derivation's row has no original of its own (it shares its file's): NULL.
-SELECT id, CASE WHEN rederive_of IS NULL THEN original_key END AS original_key
-  FROM archive_files
- WHERE status = 'deleting' AND updated_at < now() - make_interval(secs => %(guard_s)s)
- ORDER BY updated_at
- LIMIT %(limit)s;
-
--- name: mark_deleted
--- The last step of a deletion, after its objects are gone (fenced on `deleting`, so a
--- second sweeper finds nothing to do). Write-ahead entries are kept on purpose: an
--- attempt that was still running may PUT after this, and only the orphan sweep (whose
--- guard exceeds the lease) is sure to see its objects.
-WITH done AS (
-    UPDATE archive_files
-       SET status = 'deleted', finished_at = now(), updated_at = now(),
-           derived_key = NULL, derived_version = NULL
-     WHERE id = %(id)s AND status = 'deleting'
-    RETURNING id, attempts
-), gone AS (
-    DELETE FROM archive_variants WHERE file_id = %(id)s AND EXISTS (SELECT 1 FROM done)
-    RETURNING 1
-), deleted_event AS (
-    INSERT INTO archive_events (file_id, kind, attempt) SELECT id, 'deleted', attempts FROM done
-    RETURNING 1
-)
-SELECT count(*)::int AS deleted FROM done;
 
 -- name: operator_retry
 -- Operator's retry: rejected rows (by id, or all, optionally of one code) go back to
@@ -342,49 +523,6 @@ SELECT file_id AS id FROM done ORDER BY file_id;
 -- as unknown).
 SELECT id, status FROM archive_files WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id;
 
--- name: lease_take
--- Take (or renew, for the same holder) a named lease such as the sweep's: one statement,
--- so it holds through a transaction-mode pooler. Another holder's lease is taken only
--- once it has expired; two racing takers serialise on the row and the second sees the
--- first's lease. No row returned: someone else holds it.
-INSERT INTO derivd_leases AS l (name, holder, until)
-VALUES (%(name)s, %(holder)s, now() + make_interval(secs => %(ttl_s)s))
-ON CONFLICT (name) DO UPDATE
-   SET holder = EXCLUDED.holder, until = EXCLUDED.until
- WHERE l.until < now() OR l.holder = EXCLUDED.holder
-RETURNING holder;
-
--- name: lease_drop
--- Give a lease back (fenced on the holder: a lease taken over meanwhile stays).
-DELETE FROM derivd_leases WHERE name = %(name)s AND holder = %(holder)s RETURNING holder;
-
--- name: backend_pid
--- The server process behind this statement. Through a pooler it differs from the
--- process id the connection was given at start-up (the pooler makes that one up).
-SELECT pg_backend_pid() AS pid;
-
--- name: event_partitions
--- Create the daily archive_events partitions from `first` (default: today, UTC, database
--- time) for `days` days (the sweep keeps a week ahead). Returns the ones created.
-SELECT derivd_event_partitions(
-           coalesce(%(first)s::date, (now() AT TIME ZONE 'UTC')::date), %(days)s) AS created;
-
--- name: drop_event_partitions
--- Drop whole the partitions of events older than `days` days (none when days is 0).
-SELECT derivd_drop_event_partitions(now() - make_interval(days => %(days)s)) AS dropped
- WHERE %(days)s > 0;
-
--- name: purge_deleted
--- Remove `deleted` rows (no objects left, nothing to show) finished more than `days`
--- days ago, a batch at a time; their variants are gone already, events stay.
-DELETE FROM archive_files
- WHERE id IN (SELECT id FROM archive_files
-               WHERE status = 'deleted'
-                 AND finished_at < now() - make_interval(days => %(days)s)
-               ORDER BY finished_at
-               LIMIT %(limit)s)
-RETURNING id;
-
 -- name: queue_stats
 -- Queue health whose cost does not grow with history, cached for the fleet: a result
 -- another host computed less than max_age_s ago is reused (0: compute now). Live
@@ -419,19 +557,7 @@ SELECT name, key, version, sha256, width, height, format, content_type, fingerpr
 SELECT at, kind, attempt, error_code, actor, lease_token
   FROM archive_events WHERE file_id = %(id)s ORDER BY at, id;
 
--- Replaced variant sets (migration 0014) -----------------------------------------------
-
--- name: retired_due
--- Objects of variant sets a re-derivation replaced, retired longer than the guard ago.
-SELECT key FROM derivd_retired_objects
- WHERE retired_at < now() - make_interval(secs => %(guard_s)s)
- ORDER BY retired_at
- LIMIT %(limit)s;
-
--- name: forget_retired
-DELETE FROM derivd_retired_objects WHERE key = ANY(%(keys)s::text[]);
-
--- Backfill (derivd backfill; migration 0014) -------------------------------------------
+-- == backfill runs (derivd.queue.backfill_queries) ==
 
 -- name: backfill_page
 -- Up to `limit` ready files with id in (after, last], each with its stored variant set
@@ -514,20 +640,38 @@ SELECT b.id, b.cursor, b.last_id, b.scanned, b.queued, b.started_at, b.updated_a
  ORDER BY b.id DESC
  LIMIT 1;
 
--- name: database_exists
--- Cluster administration (the embedded cluster and the test suite): run on the
--- `postgres` maintenance database. `{name}`/`{template}` below are identifiers composed
--- with psycopg.sql.Identifier, never text pasted into the query.
-SELECT 1 FROM pg_database WHERE datname = %(name)s;
+-- == the dashboard (derivd.queue.dashboard_queries) ==
 
--- name: create_database
-CREATE DATABASE {name};
+-- name: dashboard_in_flight
+-- The dashboard's jobs in flight (every host; files and re-derivations), oldest lease
+-- first, through the partial indexes on processing rows: bounded by `limit` whatever the
+-- tables' size.
+SELECT id, attempts, claimed_by,
+       extract(epoch FROM now() - claimed_at)::float8 AS age_s,
+       extract(epoch FROM lease_until - now())::float8 AS lease_left_s
+  FROM (SELECT * FROM (SELECT id, attempts, claimed_by, claimed_at, lease_until
+                         FROM archive_files WHERE status = 'processing'
+                        ORDER BY lease_until LIMIT %(limit)s) AS files
+        UNION ALL
+        SELECT * FROM (SELECT id, attempts, claimed_by, claimed_at, lease_until
+                         FROM derivd_rederivations WHERE status = 'processing'
+                        ORDER BY lease_until LIMIT %(limit)s) AS rederivations) AS p
+ ORDER BY lease_until
+ LIMIT %(limit)s;
 
--- name: create_database_from_template
-CREATE DATABASE {name} TEMPLATE {template};
+-- name: dashboard_minutes
+-- The dashboard's chart: jobs finished (ready, rejected, exhausted events) per minute
+-- over the last hour, counted from at most `cap` events, with the median duration (claim
+-- to finish) of at most `sample` of each minute's latest jobs
+-- (derivd_finished_per_minute in sql/functions.sql): its cost is bounded by the hour's
+-- window, not by the table's history.
+SELECT minutes_ago, finished, median_s
+  FROM derivd_finished_per_minute(%(cap)s::integer, %(sample)s::integer);
 
--- name: drop_database
-DROP DATABASE IF EXISTS {name} WITH (FORCE);
+-- == derivd.client, on the upload API's connection (derivd.queue.client_queries) ==
+
+-- name: unlisten
+UNLISTEN {channel};
 
 -- name: client_enqueue
 -- derivd.client.enqueue: one confirmed original (key and version id) becomes `queued`,
@@ -580,154 +724,7 @@ SELECT f.status, f.error_code,
 -- functions.sql, README).
 SELECT id FROM derivd_similar(%(id)s, %(max)s, %(limit)s) AS id;
 
--- name: not_yet_due
--- What a `run --burst` leaves behind once nothing is claimable: queued rows whose retry
--- delay has not passed (counted to 10,000) and in how many seconds the first is due,
--- both through the partial index of queued rows.
-SELECT (SELECT count(*) FROM (SELECT 1 FROM archive_files
-                               WHERE status = 'queued' AND available_at > now()
-                               LIMIT 10000) AS q)::int AS waiting,
-       extract(epoch FROM (SELECT min(available_at) FROM archive_files
-                            WHERE status = 'queued' AND available_at > now())
-                          - now())::float8 AS next_due_s;
-
--- name: dashboard_in_flight
--- The dashboard's jobs in flight (every host; files and re-derivations), oldest lease
--- first, through the partial indexes on processing rows: bounded by `limit` whatever the
--- tables' size.
-SELECT id, attempts, claimed_by,
-       extract(epoch FROM now() - claimed_at)::float8 AS age_s,
-       extract(epoch FROM lease_until - now())::float8 AS lease_left_s
-  FROM (SELECT * FROM (SELECT id, attempts, claimed_by, claimed_at, lease_until
-                         FROM archive_files WHERE status = 'processing'
-                        ORDER BY lease_until LIMIT %(limit)s) AS files
-        UNION ALL
-        SELECT * FROM (SELECT id, attempts, claimed_by, claimed_at, lease_until
-                         FROM derivd_rederivations WHERE status = 'processing'
-                        ORDER BY lease_until LIMIT %(limit)s) AS rederivations) AS p
- ORDER BY lease_until
- LIMIT %(limit)s;
-
--- name: dashboard_minutes
--- The dashboard's chart: jobs finished (ready, rejected, exhausted events) per minute
--- over the last hour, counted from at most `cap` events, with the median duration (claim
--- to finish) of at most `sample` of each minute's latest jobs
--- (derivd_finished_per_minute in sql/functions.sql): its cost is bounded by the hour's
--- window, not by the table's history.
-SELECT minutes_ago, finished, median_s
-  FROM derivd_finished_per_minute(%(cap)s::integer, %(sample)s::integer);
-
--- Host registry and heartbeat (the derivd_hosts table) --------------------------------
-
--- name: heartbeat
--- One call per host every [queue] heartbeat (derivd_heartbeat in sql/functions.sql):
--- which of the jobs this host holds (`jobs`: a JSON array of {id, token, file}, running
--- and claimed-unstarted) still hold their lease, fenced by id + token; with `renew`,
--- exactly those leases are extended to now() + lease_s. The host's registry row is
--- refreshed (created if pruned), fenced on the run that owns it: with `started_at` (a
--- supervisor's, from register_host) only the row of this pid and start; another run's
--- row under the same name is never taken over. Returns the ids whose lease still holds,
--- and the ids whose attempt has just ended itself (committed, failed or released by that
--- very token); every other id sent is lost.
-SELECT id FROM derivd_heartbeat(%(jobs)s::jsonb, %(renew)s::boolean, %(lease_s)s::float8,
-                                %(host)s::text, %(pid)s::integer, %(version)s::text,
-                                %(backend)s::text, %(workers)s::integer, %(busy)s::integer,
-                                %(heartbeat_s)s::float8, %(started_at)s::timestamptz) AS id;
-
--- name: host_holder
--- The registry row under a name, for a supervisor about to start under it.
-SELECT pid, version, started_at, heartbeat_s,
-       extract(epoch FROM now() - last_heartbeat)::float8 AS heartbeat_age_s,
-       NOT derivd_host_stale(last_heartbeat, heartbeat_s) AS alive
-  FROM derivd_hosts
- WHERE host = %(host)s;
-
--- name: register_host
--- A supervisor starts: its registry row, idle and started now. Fenced: it replaces only
--- the row it was shown (`seen_pid` + `seen_started_at`: a stale one, or its own crashed
--- run's), never one another run has written since; nothing returned: try again.
-INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
-VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, 0, %(heartbeat_s)s)
-ON CONFLICT (host) DO UPDATE
-   SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
-       workers = EXCLUDED.workers, busy = 0, heartbeat_s = EXCLUDED.heartbeat_s,
-       last_heartbeat = now(), started_at = now()
- WHERE r.pid = %(seen_pid)s AND r.started_at = %(seen_started_at)s::timestamptz
-RETURNING started_at;
-
--- name: deregister_host
--- A clean stop. Fenced on the pid and the start: a supervisor under the same name (a
--- newer one, or one on another machine) keeps its row.
-DELETE FROM derivd_hosts
- WHERE host = %(host)s AND pid = %(pid)s
-   AND (%(started_at)s::timestamptz IS NULL OR started_at = %(started_at)s::timestamptz);
-
--- name: prune_hosts
--- Rows of hosts that stopped heartbeating (stale: derivd_host_stale) for longer than the
--- guard.
-DELETE FROM derivd_hosts
- WHERE derivd_host_stale(last_heartbeat, heartbeat_s)
-   AND last_heartbeat < now() - make_interval(secs => %(guard_s)s)
-RETURNING host;
-
--- name: hosts
--- The registry for `derivd status` and the metrics: alive = not stale (derivd_host_stale:
--- a heartbeat within three of its intervals); in_flight = rows it holds in `processing`
--- (via the partial indexes), re-derivations included.
-SELECT h.host, h.pid, h.version, h.backend, h.workers, h.busy, h.started_at,
-       extract(epoch FROM now() - h.last_heartbeat)::float8 AS heartbeat_age_s,
-       NOT derivd_host_stale(h.last_heartbeat, h.heartbeat_s) AS alive,
-       ((SELECT count(*) FROM archive_files AS f
-          WHERE f.status = 'processing' AND f.claimed_by = h.host)
-        + (SELECT count(*) FROM derivd_rederivations AS q
-            WHERE q.status = 'processing' AND q.claimed_by = h.host))::int AS in_flight
-  FROM derivd_hosts AS h
- ORDER BY h.host;
-
--- name: record_lease_lost
--- The supervisor killed a job whose lease the heartbeat found gone: a `lease_lost`
--- event, unless the lease is (still) this attempt's after all (the fence: id + token).
-INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-SELECT %(id)s, 'lease_lost', %(attempt)s, %(token)s
- WHERE NOT EXISTS (SELECT 1 FROM archive_files
-                    WHERE id = %(id)s AND lease_token = %(token)s)
-   AND NOT EXISTS (SELECT 1 FROM derivd_rederivations
-                    WHERE id = %(id)s AND lease_token = %(token)s)
-RETURNING 1;
-
--- Partition upkeep and timeouts (issue 21, items 11 and 12) ---------------------------
-
--- name: lock_timeout
--- How long the statements after it in this transaction may wait for a lock (partition
--- DDL takes ACCESS EXCLUSIVE on archive_events: it gives up rather than queue every
--- job's commit behind a long reader, and is retried later).
-SELECT set_config('lock_timeout', %(timeout)s, true);
-
--- name: session_timeouts
--- Bounds for a direct connection of the supervisor (never sent through a pooler, where
--- a session setting would stick to a server connection other clients share).
-SELECT set_config('statement_timeout', %(statement)s, false),
-       set_config('lock_timeout', %(lock)s, false);
-
--- name: rehome_default_events
--- Move the DEFAULT partition's rows to the partitions of their days, dropping those
--- older than `days` days (every row moves when days is 0). Returns the day partitions
--- that received rows (derivd_rehome_default_events, sql/functions.sql).
-SELECT derivd_rehome_default_events(
-           CASE WHEN %(days)s > 0 THEN now() - make_interval(days => %(days)s) END) AS part;
-
--- name: default_events
--- Whether the DEFAULT partition holds events (days no partition covered: the partition
--- duty was away longer than it creates ahead): `derivd status` warns.
-SELECT EXISTS (SELECT 1 FROM archive_events_default) AS present;
-
--- Webhooks (issue 29; migration 0018; DESIGN.md "Webhooks") ----------------------------
-
--- name: outbox_many
--- The outbox of rows a statement just rejected or deleted, run right after it in the same
--- transaction (QueueDB): one delivery per subscribed endpoint (derivd_outbox_many in
--- sql/functions.sql; nothing without endpoints).
-SELECT derivd_outbox_many(%(ids)s::bigint[], %(event)s::text) AS n;
+-- == webhook deliveries (derivd.queue.webhook_queries) ==
 
 -- name: webhook_endpoints_sync
 -- The supervisor's `[webhook:NAME]` sections, at start and on SIGHUP: each endpoint's
@@ -913,8 +910,6 @@ DELETE FROM derivd_deliveries
                LIMIT %(limit)s)
 RETURNING status;
 
--- Files, for operators and apps (derivd files, derivd similar) ---------------------------
-
 -- name: files_page
 -- `derivd files`: files (not re-derivation jobs) newest first, by status, error code,
 -- tenant and creation time, one page at a time: `before` is the last id of the page
@@ -931,3 +926,20 @@ SELECT id, status, error_code, tenant, attempts, priority, created_at, finished_
    AND (%(before)s::bigint IS NULL OR id < %(before)s::bigint)
  ORDER BY id DESC
  LIMIT %(limit)s;
+
+-- == cluster administration (the embedded default) (derivd.queue.cluster_admin) ==
+
+-- name: database_exists
+-- Cluster administration (the embedded cluster and the test suite): run on the
+-- `postgres` maintenance database. `{name}`/`{template}` below are identifiers composed
+-- with psycopg.sql.Identifier, never text pasted into the query.
+SELECT 1 FROM pg_database WHERE datname = %(name)s;
+
+-- name: create_database
+CREATE DATABASE {name};
+
+-- name: create_database_from_template
+CREATE DATABASE {name} TEMPLATE {template};
+
+-- name: drop_database
+DROP DATABASE IF EXISTS {name} WITH (FORCE);

@@ -101,7 +101,7 @@ CREATE TABLE archive_files (
     CONSTRAINT archive_files_rejected_has_code CHECK (
         (status = 'rejected') = (error_code IS NOT NULL)),
     CONSTRAINT archive_files_attempts_check CHECK (attempts >= 0),
-    -- The worker checks the same before it commits (derivd.analysis): a handler's
+    -- The worker checks the same before it commits (derivd.analysis_rules): a handler's
     -- malformed analysis fails its own job, never the commit. colour: "#rrggbb", lower
     -- case; placeholder: ThumbHash (17-25 bytes) in base64, padding optional; format: a
     -- short lower-case name; dhash: any signed 64-bit value.

@@ -21,14 +21,14 @@ from derivd.config import (
     load_config,
     render_ini,
 )
-from derivd.states import ERROR_CODES, STATUSES
-from derivd.traffic import (
+from derivd.priorities import (
     BACKFILL_PRIORITY,
     DEFAULT_PRIORITY,
     PRIORITY_MAX,
     PRIORITY_MIN,
     TENANT_MAX_CHARS,
 )
+from derivd.states import ERROR_CODES, STATUSES
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -92,7 +92,7 @@ pass_state = click.make_pass_decorator(State)
 
 
 def priority_option(default: int, meaning: str) -> Callable[[F], F]:
-    """`--priority`, its range from derivd.traffic (checked there, one line on a bad one)."""
+    """`--priority`, its range from derivd.priorities (checked there, one line on a bad one)."""
     return click.option(
         "--priority",
         type=int,
@@ -200,9 +200,9 @@ def enqueue(
     """
     from derivd.embedded.runtime import database
     from derivd.ops.enqueue import expand_paths, upload_and_queue
+    from derivd.priorities import priority_problem, tenant_problem
     from derivd.queue.db import QueueDB
     from derivd.storage.base import open_storage
-    from derivd.traffic import priority_problem, tenant_problem
 
     problem = priority_problem(priority) or tenant_problem(tenant)
     if problem:
@@ -262,8 +262,8 @@ def backfill(state: State, apply_: bool, max_queued: int, priority: int) -> None
     from derivd.embedded.runtime import database
     from derivd.fingerprint import configured_set
     from derivd.ops.backfill import Apply, BackfillRunning, scan
+    from derivd.priorities import priority_problem
     from derivd.queue.db import QueueDB
-    from derivd.traffic import priority_problem
 
     config = state.config  # variant sections that do not validate stop here (exit 2)
     problem = priority_problem(priority)

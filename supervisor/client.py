@@ -38,10 +38,10 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
+from derivd.priorities import DEFAULT_PRIORITY, priority_problem, tenant_problem
 from derivd.queue.db import FINISHED_CHANNEL as CHANNEL
 from derivd.queue.db import QueueDB
 from derivd.storage.base import InvalidKey
-from derivd.traffic import DEFAULT_PRIORITY, priority_problem, tenant_problem
 
 # Longest a finish goes unseen when it raced the registration (see the module docstring).
 RECHECK_S = 1.0
@@ -77,7 +77,7 @@ class MissingVersion(ClientError, ValueError):
 
 
 class InvalidPriority(ClientError, ValueError):
-    """A priority outside -100..100 (derivd.traffic), or not a whole number."""
+    """A priority outside -100..100 (derivd.priorities), or not a whole number."""
 
 
 class InvalidTenant(ClientError, ValueError):

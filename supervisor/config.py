@@ -22,7 +22,7 @@ from typing import Any, get_type_hints
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
 from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn
-from derivd.variants import (
+from derivd.variant_config import (
     SECTION_PREFIX,
     build_variants,
     check_formats,
@@ -367,7 +367,7 @@ class DeriveSettings:
 
 @dataclass(frozen=True)
 class VariantSettings:
-    """`[variant:NAME]`: one named output (combinations are checked by derivd.variants)."""
+    """`[variant:NAME]`: one named output (combinations are checked by derivd.variant_config)."""
 
     size: str = setting("", "EDGE (long edge) or WxH (a box), in px", check=check_size)
     fit: str = setting(

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, TypedDict
 
-from derivd import analysis
+from derivd import analysis_rules
 from derivd.config import Config
 from derivd.errors import ErrorCode, Permanent, Transient
 from derivd.fingerprint import configured_set, set_problem, slot
@@ -147,10 +147,10 @@ def _storable(original: Analysis | None) -> Analysis | None:
     fault (`processing_failed` at once, before any PUT): the commit would refuse it."""
     if original is None:
         return None
-    problem = analysis.problem(original)
+    problem = analysis_rules.problem(original)
     if problem:
         raise Permanent("processing_failed", f"the handler's analysis is malformed: {problem}")
-    return analysis.normalised(original)
+    return analysis_rules.normalised(original)
 
 
 def _drain_fd(fd: int) -> None:

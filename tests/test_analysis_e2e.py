@@ -21,7 +21,7 @@ from configs import make_config
 from fixtures.work import make_worker, run_one
 from PIL import Image
 
-from derivd import analysis, client
+from derivd import analysis_rules, client
 from derivd.config import Config
 from derivd.handlers.registry import create_handler
 from derivd.queue.db import QueueDB
@@ -135,5 +135,5 @@ def test_a_worker_on_s3_stores_the_analysis(
     with psycopg.connect(dsn, autocommit=True) as conn:
         original = client.result(conn, file_id).original
     assert original is not None and (original.width, original.height) == (640, 480)
-    assert analysis.COLOUR.fullmatch(original.colour) and original.colour.islower()
-    assert analysis.PLACEHOLDER.fullmatch(original.placeholder)
+    assert analysis_rules.COLOUR.fullmatch(original.colour) and original.colour.islower()
+    assert analysis_rules.PLACEHOLDER.fullmatch(original.placeholder)

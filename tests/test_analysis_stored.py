@@ -19,7 +19,7 @@ from faulthandlers import Script
 from fixtures.work import claim_one, commit_one, make_worker, run_one
 from helpers import sql
 
-from derivd import analysis, client
+from derivd import analysis_rules, client
 from derivd.handlers.base import Analysis
 from derivd.queue.db import QueueDB
 from derivd.storage.fs import FsStorage
@@ -90,15 +90,15 @@ def ready(queue: QueueDB, conn: psycopg.Connection[Any], original: Analysis | No
     ],
 )
 def test_a_malformed_analysis_names_its_field(change: dict[str, Any], field: str) -> None:
-    assert analysis.problem(PHOTO) is None
-    found = analysis.problem(replace(PHOTO, **change))
+    assert analysis_rules.problem(PHOTO) is None
+    found = analysis_rules.problem(replace(PHOTO, **change))
     assert found is not None and field in found
 
 
 def test_the_colour_is_stored_in_lower_case() -> None:
     upper = replace(PHOTO, colour="#8A7F6E")
-    assert analysis.problem(upper) is None
-    assert analysis.normalised(upper) == PHOTO
+    assert analysis_rules.problem(upper) is None
+    assert analysis_rules.normalised(upper) == PHOTO
 
 
 # Values the Python rules and the table CHECK must judge alike.
@@ -122,7 +122,7 @@ def test_the_database_judges_an_analysis_as_the_worker_does(
     dsn: str, change: dict[str, Any], accepted: bool
 ) -> None:
     candidate = replace(PHOTO, **change)
-    assert (analysis.problem(candidate) is None and candidate.colour.islower()) is accepted
+    assert (analysis_rules.problem(candidate) is None and candidate.colour.islower()) is accepted
     (row,) = sql(dsn, "INSERT INTO archive_files (original_key) VALUES ('k') RETURNING id")
     assign = ", ".join(f"{c} = %s" for c in COLUMNS)
     update = f"UPDATE archive_files SET {assign} WHERE id = %s"

@@ -24,7 +24,7 @@ from test_backfill import (
     sweep,
     unreferenced,
 )
-from test_supervisor import Supervisor, supervisor  # noqa: F401  (the fixture)
+from test_supervisor import DaemonRun, supervisor  # noqa: F401  (the fixture)
 
 from derivd.queue.db import QueueDB
 from derivd.storage.base import open_storage
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.pooler
 
 
 def test_sigkill_of_the_worker_and_of_the_supervisor_mid_rederivation(
-    supervisor: Callable[..., Supervisor],  # noqa: F811
+    supervisor: Callable[..., DaemonRun],  # noqa: F811
     dsn: str,
     fs_root: Path,
     tmp_path: Path,

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from fixtures.pgproxy import PgProxy
 from helpers import wait_for
-from test_supervisor import Supervisor, supervisor  # noqa: F401  (the fixture)
+from test_supervisor import DaemonRun, supervisor  # noqa: F401  (the fixture)
 
 from derivd.queue.db import DatabaseUnavailable, QueueDB, StatementTimeout
 from derivd.queue.worker_queries import CLAIM_TIMEOUT_S
@@ -104,7 +104,7 @@ def heartbeat_during_blocked_stats(dsn: str) -> bool:
 
 
 def test_lease_renewal_keeps_its_pace_while_a_maintenance_round_hangs(
-    supervisor: Callable[..., Supervisor],  # noqa: F811
+    supervisor: Callable[..., DaemonRun],  # noqa: F811
     dsn: str,
 ) -> None:
     """The stats round of a real `derivd run` waits for rows another connection locks

@@ -15,8 +15,8 @@ import pytest
 from fixtures.work import commit_one
 from helpers import sql
 
+from derivd.priorities import CLAIM_SHARE
 from derivd.queue.db import Job, QueueDB
-from derivd.traffic import CLAIM_SHARE
 
 pytestmark = pytest.mark.pooler
 

@@ -21,7 +21,7 @@ from fixtures.cli import derivd_command
 from fixtures.faketime import clock_env, find_libfaketime
 from fixtures.pgproxy import PgProxy
 from helpers import alive, sql, wait_for
-from test_supervisor import FAST, Supervisor
+from test_supervisor import FAST, DaemonRun
 
 from derivd.config import load_config
 from derivd.ops.sweep import sweep_once
@@ -29,23 +29,23 @@ from derivd.queue.db import HostInfo, QueueDB
 
 pytestmark = pytest.mark.acceptance
 
-Fleet = Callable[..., Supervisor]
+Fleet = Callable[..., DaemonRun]
 
 
 @pytest.fixture
 def fleet(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[Fleet]:
     """Supervisors on one database and one store, each with its own directory and
     `[supervisor] host_id` (the name given)."""
-    made: list[Supervisor] = []
+    made: list[DaemonRun] = []
 
-    def make(name: str, *, home_name: str = "", **settings: dict[str, str]) -> Supervisor:
+    def make(name: str, *, home_name: str = "", **settings: dict[str, str]) -> DaemonRun:
         merged = {section: dict(values) for section, values in FAST.items()}
         for section, values in settings.items():
             merged.setdefault(section, {}).update(values)
         merged["supervisor"]["host_id"] = name
         home = tmp_path / (home_name or name)
         home.mkdir()
-        sup = Supervisor(home, dsn, fs_root, merged)
+        sup = DaemonRun(home, dsn, fs_root, merged)
         made.append(sup)
         return sup
 
@@ -61,7 +61,7 @@ def fleet(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[Fleet]:
                 os.kill(pid, signal.SIGKILL)
 
 
-def kinds(sup: Supervisor, file_id: int) -> list[str]:
+def kinds(sup: DaemonRun, file_id: int) -> list[str]:
     return [kind for kind, _, _ in sup.events(file_id)]
 
 
@@ -118,7 +118,7 @@ def test_renewal_lets_a_job_run_four_times_its_lease(fleet: Fleet) -> None:
     assert "job killed: lease lost" not in sup.log()
 
 
-def status_hosts(sup: Supervisor) -> dict[str, dict[str, object]]:
+def status_hosts(sup: DaemonRun) -> dict[str, dict[str, object]]:
     run = subprocess.run(
         [*derivd_command(), "-c", str(sup.ini), "status", "--json"],
         capture_output=True,
@@ -205,7 +205,7 @@ def test_a_clean_stop_deletes_only_its_own_run_of_the_row(dsn: str) -> None:
         assert queue.hosts() == []
 
 
-def logged(sup: Supervisor, message: str, *, after: float) -> list[dict[str, Any]]:
+def logged(sup: DaemonRun, message: str, *, after: float) -> list[dict[str, Any]]:
     """The supervisor's JSON log records of `message` stamped at or after `after`."""
     found = []
     for line in sup.log().splitlines():
@@ -288,7 +288,7 @@ def _never_waits(fleet: Fleet, proxy: PgProxy, outage: str) -> None:
 LIBFAKETIME = find_libfaketime()
 
 
-def kill_host(sup: Supervisor) -> None:
+def kill_host(sup: DaemonRun) -> None:
     """Host death: the supervisor and every process under it, SIGKILLed together."""
     for pid in [sup.pid, *sup.workers()]:
         with contextlib.suppress(ProcessLookupError):

@@ -15,7 +15,7 @@ import pytest
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION, MotoServer
 from helpers import sql, wait_for
-from test_supervisor import FAST, Supervisor, kinds, processing_rows
+from test_supervisor import FAST, DaemonRun, kinds, processing_rows
 
 from derivd.queue.db import Job, QueueDB
 from derivd.storage.base import new_original_key
@@ -24,11 +24,11 @@ from derivd.storage.s3 import S3Storage
 PIPELINED = {"supervisor": {"pipeline": "2"}}
 
 
-class S3Supervisor(Supervisor):
+class S3Supervisor(DaemonRun):
     """A `derivd run` whose store is moto's S3 through the fault proxy; originals go to
     moto directly, so the proxy's faults meet the worker only."""
 
-    def __init__(self, base: Supervisor, direct: S3Storage) -> None:
+    def __init__(self, base: DaemonRun, direct: S3Storage) -> None:
         self.__dict__.update(base.__dict__)
         self.s3 = direct
 
@@ -42,15 +42,15 @@ class S3Supervisor(Supervisor):
 
 
 @pytest.fixture
-def pipelined(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[Callable[..., Supervisor]]:
-    made: list[Supervisor] = []
+def pipelined(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[Callable[..., DaemonRun]]:
+    made: list[DaemonRun] = []
 
-    def make(**settings: dict[str, str]) -> Supervisor:
+    def make(**settings: dict[str, str]) -> DaemonRun:
         merged = {name: dict(values) for name, values in FAST.items()}
         for extra in (PIPELINED, settings):
             for name, values in extra.items():
                 merged.setdefault(name, {}).update(values)
-        sup = Supervisor(tmp_path, dsn, fs_root, merged)
+        sup = DaemonRun(tmp_path, dsn, fs_root, merged)
         made.append(sup)
         return sup
 
@@ -65,7 +65,7 @@ def pipelined(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[Callable[...,
 
 @pytest.fixture
 def on_s3(
-    pipelined: Callable[..., Supervisor],
+    pipelined: Callable[..., DaemonRun],
     s3_server: MotoServer,
     faulty_s3: tuple[str, FaultProxy],
     s3_bucket: str,
@@ -87,13 +87,13 @@ def on_s3(
     return make
 
 
-def in_flight_together(sup: Supervisor, first: int, second: int) -> None:
+def in_flight_together(sup: DaemonRun, first: int, second: int) -> None:
     """Both jobs are claimed by the one worker (the second while the first derives)."""
     for file_id in (first, second):
         wait_for(lambda f=file_id: sup.status_is(f, "processing"), f"file {file_id} claimed")
 
 
-def beats(sup: Supervisor, count: int) -> None:
+def beats(sup: DaemonRun, count: int) -> None:
     """Wait for `count` heartbeats of the supervisor's host row (events of its own)."""
     seen: set[object] = set()
 
@@ -104,14 +104,14 @@ def beats(sup: Supervisor, count: int) -> None:
     wait_for(beat, f"{count} heartbeats")
 
 
-def stopping(sup: Supervisor) -> None:
+def stopping(sup: DaemonRun) -> None:
     sup.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
     # The supervisor logs this, then passes SIGTERM on to its worker.
     wait_for(lambda: "stopping" in sup.log(), "the supervisor stopping")
 
 
 def test_sigkill_with_two_jobs_in_flight_reclaims_both_counting_each_once(
-    pipelined: Callable[..., Supervisor], tmp_path: Path
+    pipelined: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
     sup = pipelined().start()
     marker = tmp_path / "marker"
@@ -133,7 +133,7 @@ def test_sigkill_with_two_jobs_in_flight_reclaims_both_counting_each_once(
 
 
 def test_sigterm_drains_the_derive_and_releases_the_job_waiting_for_it(
-    pipelined: Callable[..., Supervisor], tmp_path: Path
+    pipelined: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
     sup = pipelined().start()
     gate, never = tmp_path / "gate", tmp_path / "never"
@@ -227,7 +227,7 @@ def test_a_storage_outage_mid_pipeline_retries_each_job_on_its_own(
 
 
 def test_heartbeat_kills_only_the_job_whose_lease_is_lost(
-    pipelined: Callable[..., Supervisor], tmp_path: Path
+    pipelined: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
     sup = pipelined(queue={"heartbeat": "0.5"}).start()
     gate = tmp_path / "gate"

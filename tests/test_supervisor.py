@@ -45,7 +45,7 @@ FAST = {
 }
 
 
-class Supervisor:
+class DaemonRun:
     """One `derivd run` under test, its INI, its log file and its database."""
 
     def __init__(self, tmp: Path, dsn: str, fs_root: Path, settings: dict[str, dict[str, str]]):
@@ -71,7 +71,7 @@ class Supervisor:
         )
         self.ini.write_text(text)
 
-    def start(self, *args: str, env_extra: dict[str, str] | None = None) -> Supervisor:
+    def start(self, *args: str, env_extra: dict[str, str] | None = None) -> DaemonRun:
         env = {**os.environ, **(env_extra or {})}
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(TESTS_DIR), env.get("PYTHONPATH", "")])
@@ -148,14 +148,14 @@ class Supervisor:
 
 
 @pytest.fixture
-def supervisor(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[Callable[..., Supervisor]]:
-    made: list[Supervisor] = []
+def supervisor(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[Callable[..., DaemonRun]]:
+    made: list[DaemonRun] = []
 
-    def make(**settings: dict[str, str]) -> Supervisor:
+    def make(**settings: dict[str, str]) -> DaemonRun:
         merged = {name: dict(values) for name, values in FAST.items()}
         for name, values in settings.items():
             merged.setdefault(name, {}).update(values)
-        sup = Supervisor(tmp_path, dsn, fs_root, merged)
+        sup = DaemonRun(tmp_path, dsn, fs_root, merged)
         made.append(sup)
         return sup
 
@@ -177,7 +177,7 @@ def processing_rows(dsn: str) -> int:
 # ----------------------------------------------------------------------------- tests
 
 
-def test_jobs_run_and_sigterm_stops_cleanly(supervisor: Callable[..., Supervisor]) -> None:
+def test_jobs_run_and_sigterm_stops_cleanly(supervisor: Callable[..., DaemonRun]) -> None:
     sup = supervisor(supervisor={"workers": "2"}).start()
     ids = sup.enqueue("ok", "ok", "sleep 0.2")
     for file_id in ids:
@@ -214,7 +214,7 @@ def claim_token(dsn: str, file_id: int) -> Any:
         return row.fetchone()[0]  # type: ignore[index]
 
 
-def test_sigkill_worker_mid_job(supervisor: Callable[..., Supervisor], tmp_path: Path) -> None:
+def test_sigkill_worker_mid_job(supervisor: Callable[..., DaemonRun], tmp_path: Path) -> None:
     """Issue 27 item 8: the supervisor returns a dead worker's job at once, fenced by its
     token, the attempt counted, with one `worker_died` event; the lease (600 s) is never
     waited for."""
@@ -249,7 +249,7 @@ def test_sigkill_worker_mid_job(supervisor: Callable[..., Supervisor], tmp_path:
 
 
 def test_sigkill_on_the_last_attempt_rejects_at_once(
-    supervisor: Callable[..., Supervisor], tmp_path: Path
+    supervisor: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
     sup = supervisor(queue={**LONG_LEASE, "max_attempts": "1"}).start()
     marker = tmp_path / "marker"
@@ -264,7 +264,7 @@ def test_sigkill_on_the_last_attempt_rejects_at_once(
     assert processing_rows(sup.dsn) == 0
 
 
-def test_hanging_job_times_out_then_rejected(supervisor: Callable[..., Supervisor]) -> None:
+def test_hanging_job_times_out_then_rejected(supervisor: Callable[..., DaemonRun]) -> None:
     # A 30 s lease: if the supervisor did not record the timeout itself the row would
     # stay `processing` far past the test's deadlines.
     sup = supervisor(
@@ -291,7 +291,7 @@ def test_hanging_job_times_out_then_rejected(supervisor: Callable[..., Superviso
     assert processing_rows(sup.dsn) == 0
 
 
-def test_job_that_kills_its_worker_ends_exhausted(supervisor: Callable[..., Supervisor]) -> None:
+def test_job_that_kills_its_worker_ends_exhausted(supervisor: Callable[..., DaemonRun]) -> None:
     # Each attempt crashes the worker; the parent respawns (with slot backoff) and gives
     # the job back counted each time: the second death rejects it, no lease expiring.
     sup = supervisor(
@@ -308,7 +308,7 @@ def test_job_that_kills_its_worker_ends_exhausted(supervisor: Callable[..., Supe
     wait_for(lambda: sup.ready_workers(1), "a worker after the crashes")
 
 
-def test_sigterm_lets_running_job_finish(supervisor: Callable[..., Supervisor]) -> None:
+def test_sigterm_lets_running_job_finish(supervisor: Callable[..., DaemonRun]) -> None:
     sup = supervisor(
         supervisor={"job_timeout": "10", "shutdown_grace": "20"}, queue={"lease": "30"}
     ).start()
@@ -320,7 +320,7 @@ def test_sigterm_lets_running_job_finish(supervisor: Callable[..., Supervisor]) 
     assert processing_rows(sup.dsn) == 0
 
 
-def test_sigterm_past_grace_releases_job(supervisor: Callable[..., Supervisor]) -> None:
+def test_sigterm_past_grace_releases_job(supervisor: Callable[..., DaemonRun]) -> None:
     sup = supervisor(
         supervisor={"job_timeout": "20", "shutdown_grace": "0.5"}, queue={"lease": "60"}
     ).start()
@@ -335,7 +335,7 @@ def test_sigterm_past_grace_releases_job(supervisor: Callable[..., Supervisor]) 
     assert "released" in [k for k, _, _ in sup.events(file_id)]
 
 
-def test_second_sigterm_escalates(supervisor: Callable[..., Supervisor]) -> None:
+def test_second_sigterm_escalates(supervisor: Callable[..., DaemonRun]) -> None:
     sup = supervisor(
         supervisor={"job_timeout": "20", "shutdown_grace": "60"}, queue={"lease": "60"}
     ).start()
@@ -350,7 +350,7 @@ def test_second_sigterm_escalates(supervisor: Callable[..., Supervisor]) -> None
 
 
 def test_sigkill_supervisor_takes_children_along(
-    supervisor: Callable[..., Supervisor],
+    supervisor: Callable[..., DaemonRun],
 ) -> None:
     sup = supervisor(supervisor={"workers": "2"}).start()
     workers = wait_for(lambda: sup.ready_workers(2), "two ready workers")
@@ -361,7 +361,7 @@ def test_sigkill_supervisor_takes_children_along(
 
 
 def test_unreachable_database_stops_run_in_one_line(
-    supervisor: Callable[..., Supervisor],
+    supervisor: Callable[..., DaemonRun],
 ) -> None:
     """The schema check at start meets it, before any worker is forked (a worker that
     cannot boot stops the supervisor too: test_unknown_handler_module_is_a_boot_error)."""
@@ -381,7 +381,7 @@ def test_unreachable_database_stops_run_in_one_line(
     assert "Traceback" not in log
 
 
-def test_unknown_handler_module_is_a_boot_error(supervisor: Callable[..., Supervisor]) -> None:
+def test_unknown_handler_module_is_a_boot_error(supervisor: Callable[..., DaemonRun]) -> None:
     sup = supervisor(derive={"backend": "faulthandlers:NoSuchHandler"}).start()
     assert sup.wait_exit() != 0
     log = sup.log()
@@ -389,7 +389,7 @@ def test_unknown_handler_module_is_a_boot_error(supervisor: Callable[..., Superv
     assert "Traceback" not in log
 
 
-def test_memory_recycle(supervisor: Callable[..., Supervisor]) -> None:
+def test_memory_recycle(supervisor: Callable[..., DaemonRun]) -> None:
     sup = supervisor(supervisor={"max_worker_rss_mb": "150"}).start()
     first = wait_for(lambda: sup.ready_workers(1), "a ready worker")[0]
     [file_id] = sup.enqueue("alloc 250")
@@ -407,7 +407,7 @@ def test_memory_recycle(supervisor: Callable[..., Supervisor]) -> None:
     wait_for(lambda: sup.status_is(small, "ready"), "the fresh worker to work")
 
 
-def test_max_jobs_recycles_worker(supervisor: Callable[..., Supervisor]) -> None:
+def test_max_jobs_recycles_worker(supervisor: Callable[..., DaemonRun]) -> None:
     sup = supervisor(supervisor={"max_jobs_per_worker": "1"}).start()
     first = wait_for(lambda: sup.ready_workers(1), "a ready worker")[0]
     ids = sup.enqueue("ok", "ok", "ok")
@@ -419,7 +419,7 @@ def test_max_jobs_recycles_worker(supervisor: Callable[..., Supervisor]) -> None
     assert first not in (sup.ready_workers(1) or [])
 
 
-def test_burst_exits_when_drained(supervisor: Callable[..., Supervisor]) -> None:
+def test_burst_exits_when_drained(supervisor: Callable[..., DaemonRun]) -> None:
     sup = supervisor(supervisor={"workers": "2"})
     ids = sup.enqueue("ok", "sleep 0.3", "ok", "ok")
     sup.start("--burst")
@@ -428,7 +428,7 @@ def test_burst_exits_when_drained(supervisor: Callable[..., Supervisor]) -> None
 
 
 def test_burst_waits_for_a_retry_due_soon_and_says_what_it_leaves(
-    supervisor: Callable[..., Supervisor], tmp_path: Path
+    supervisor: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
     """`run --burst` exited while a retry was due a moment later, and said nothing: the
     file stayed queued with no daemon to pick it up. Now it waits for retries due within
@@ -458,7 +458,7 @@ def test_burst_waits_for_a_retry_due_soon_and_says_what_it_leaves(
 
 
 def test_sighup_reloads_and_invalid_config_is_kept(
-    supervisor: Callable[..., Supervisor],
+    supervisor: Callable[..., DaemonRun],
 ) -> None:
     sup = supervisor(supervisor={"workers": "1"}).start()
     old = wait_for(lambda: sup.ready_workers(1), "a ready worker")
@@ -481,7 +481,7 @@ def test_sighup_reloads_and_invalid_config_is_kept(
 
 
 def test_supervisor_never_loads_libvips(
-    supervisor: Callable[..., Supervisor], tmp_path: Path
+    supervisor: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
     """The parent must not import pyvips: its memory map has no libvips while a child's
     (vips backend, after a job) does."""
@@ -495,7 +495,7 @@ def test_supervisor_never_loads_libvips(
     assert "libvips" not in maps(sup.pid)
 
 
-def test_pidfile_and_sd_notify(supervisor: Callable[..., Supervisor], tmp_path: Path) -> None:
+def test_pidfile_and_sd_notify(supervisor: Callable[..., DaemonRun], tmp_path: Path) -> None:
     notify = tmp_path / "notify.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
         server.bind(str(notify))
@@ -567,12 +567,12 @@ if __name__ == "__main__":  # pragma: no cover
 BATCH = {"queue": {"claim_batch": "5"}}
 
 
-def kinds(sup: Supervisor, file_id: int) -> list[str]:
+def kinds(sup: DaemonRun, file_id: int) -> list[str]:
     return [kind for kind, _, _ in sup.events(file_id)]
 
 
 def test_batch_sigkill_worker_releases_unstarted_and_reclaims_running(
-    supervisor: Callable[..., Supervisor], tmp_path: Path
+    supervisor: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
     sup = supervisor(**BATCH).start()
     marker = tmp_path / "marker"
@@ -595,7 +595,7 @@ def test_batch_sigkill_worker_releases_unstarted_and_reclaims_running(
 
 
 def test_batch_timeout_fails_running_job_and_releases_the_rest(
-    supervisor: Callable[..., Supervisor],
+    supervisor: Callable[..., DaemonRun],
 ) -> None:
     sup = supervisor(
         queue={"claim_batch": "5", "lease": "30", "retry_base": "30", "retry_max": "30"},
@@ -614,7 +614,7 @@ def test_batch_timeout_fails_running_job_and_releases_the_rest(
 
 
 def test_batch_sigterm_releases_unstarted_jobs_at_once(
-    supervisor: Callable[..., Supervisor],
+    supervisor: Callable[..., DaemonRun],
 ) -> None:
     sup = supervisor(
         queue={"claim_batch": "5", "lease": "30"},

@@ -14,8 +14,8 @@ import pytest
 from fixtures.work import commit_one
 
 from derivd import client
+from derivd.priorities import CLAIM_SHARE
 from derivd.queue.db import Job, QueueDB
-from derivd.traffic import CLAIM_SHARE
 
 pytestmark = pytest.mark.pooler
 

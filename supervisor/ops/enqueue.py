@@ -6,9 +6,9 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from derivd.priorities import DEFAULT_PRIORITY
 from derivd.queue.db import QueueDB
 from derivd.storage.base import Storage, new_original_key
-from derivd.traffic import DEFAULT_PRIORITY
 
 CONTENT_TYPE = "application/octet-stream"
 

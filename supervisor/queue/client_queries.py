@@ -5,10 +5,10 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from derivd.priorities import DEFAULT_PRIORITY
 from derivd.queue.listener import FINISHED_CHANNEL
 from derivd.queue.statements import Statements
 from derivd.storage.base import validate_key
-from derivd.traffic import DEFAULT_PRIORITY
 
 
 class ClientQueries(Statements):

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from derivd.priorities import DEFAULT_PRIORITY
 from derivd.queue.records import (
     EventWindow,
     QueueStats,
@@ -14,7 +15,6 @@ from derivd.queue.records import (
 )
 from derivd.queue.statements import Statements
 from derivd.storage.base import validate_key
-from derivd.traffic import DEFAULT_PRIORITY
 
 
 class OperatorQueries(Statements):

@@ -32,12 +32,14 @@ def parse_blocks(text: str) -> dict[str, str]:
 
 
 def _without_header(body: str) -> str:
-    """The query without its leading description comments: they are for people reading
-    sql/queries.sql, not for the server (pg_stat_activity then shows the statement, not
-    the first 1 kB of its documentation)."""
+    """The query without its description comments (nor the next group's heading): they
+    are for people reading sql/queries.sql, not for the server (pg_stat_activity then
+    shows the statement, not the first 1 kB of its documentation)."""
     lines = body.strip().splitlines()
     while lines and lines[0].lstrip().startswith("--"):
         lines.pop(0)
+    while lines and (not lines[-1].strip() or lines[-1].lstrip().startswith("--")):
+        lines.pop()  # the next group's heading
     return "\n".join(lines).strip()
 
 
