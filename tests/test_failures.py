@@ -27,6 +27,7 @@ from configs import make_config
 from fixtures.faultproxy import FaultProxy
 from fixtures.readonly import read_only_dir
 from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY
+from fixtures.stores import StorageWrapper
 from fixtures.work import make_worker, run_job, run_one
 from helpers import sql, wait_for
 from PIL import Image
@@ -164,29 +165,6 @@ def worker_cleanup() -> Iterator[list[Worker]]:
 
 
 # --------------------------------------------------------------------------- fault kit
-
-
-class StorageWrapper:
-    """Delegates to a real store; subclasses break one operation."""
-
-    def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.name = inner.name
-
-    def check(self) -> None:
-        self.inner.check()
-
-    def put(self, key: str, data: bytes, content_type: str, *, sha256: str | None = None) -> str:
-        return self.inner.put(key, data, content_type, sha256=sha256)
-
-    def get(self, key: str, version: str, *, max_bytes: int | None = None) -> bytes:
-        return self.inner.get(key, version, max_bytes=max_bytes)
-
-    def delete_all_versions(self, key: str) -> int:
-        return self.inner.delete_all_versions(key)
-
-    def list_keys(self, prefix: str = "") -> Iterator[str]:
-        return self.inner.list_keys(prefix)
 
 
 class DiesAfterFirstPut(StorageWrapper):
