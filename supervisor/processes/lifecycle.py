@@ -20,7 +20,7 @@ from derivd.config import QueueSettings
 from derivd.processes.pipe import WorkerProc
 from derivd.processes.reasons import DeadlineAction, KillReason, StopReason
 from derivd.queue.db import Job
-from derivd.queue.retry import retry_delay
+from derivd.queue.retry import delay_after
 
 EXIT_OK = 0
 EXIT_CRASH = 1
@@ -150,14 +150,9 @@ def crash_returns(
     died: it goes back without burning an attempt, as at a graceful stop."""
     died = []
     for job, _ in worker.in_flight():
-        delay = retry_delay(
-            job.attempt,
-            base=settings.retry_base,
-            cap=settings.retry_max,
-            jitter=settings.retry_jitter,
-            rng=rng,
+        died.append(
+            Returned(job, job.attempt >= settings.max_attempts, delay_after(job, settings, rng))
         )
-        died.append(Returned(job, job.attempt >= settings.max_attempts, delay))
     return CrashReturns(died, sorted(to_release(worker), key=lambda j: j.id))
 
 

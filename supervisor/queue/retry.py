@@ -32,6 +32,17 @@ def retry_delay(
     return (rng or random).uniform(0.0, ceiling)
 
 
+def delay_after(job: Job, settings: QueueSettings, rng: random.Random | None = None) -> float:
+    """The retry delay after `job`'s failed attempt, under the [queue] settings."""
+    return retry_delay(
+        job.attempt,
+        base=settings.retry_base,
+        cap=settings.retry_max,
+        jitter=settings.retry_jitter,
+        rng=rng,
+    )
+
+
 def record_failure(
     queue: QueueDB,
     job: Job,
@@ -46,13 +57,7 @@ def record_failure(
     while attempts remain (`retry`), else `rejected` with `code`. Returns the row's new
     status, or None when the lease was lost (a `lease_lost` event is recorded then).
     Raises DatabaseUnavailable; the row then stays `processing` until its lease expires."""
-    delay = retry_delay(
-        job.attempt,
-        base=settings.retry_base,
-        cap=settings.retry_max,
-        jitter=settings.retry_jitter,
-        rng=rng,
-    )
+    delay = delay_after(job, settings, rng)
     return queue.fail(
         job,
         retry=retry,
