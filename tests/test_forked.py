@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from derivd.processes.forked import become_child
+from derivd.processes.forked import become_child, exit_code, fork_child
 
 pytestmark = pytest.mark.unit
 
@@ -80,3 +80,22 @@ def test_without_a_stop_handler_sigterm_kills_as_by_default() -> None:
 
     code, report = _in_child(body)
     assert (code, report) == (-signal.SIGTERM, b"")
+
+
+def test_fork_child_runs_the_body_and_exit_code_collects_it_once_it_ends() -> None:
+    gate_r, gate_w = os.pipe()
+
+    def body(parent: int, inherited: tuple[int, ...]) -> None:
+        os.read(gate_r, 1)  # held until the test lets go
+        os._exit(7 if parent != os.getpid() and inherited == (gate_w,) else 1)
+
+    pid = fork_child(body, (gate_w,))
+    try:
+        assert exit_code(pid) is None  # still running: nothing reaped
+        os.write(gate_w, b"x")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 7
+        assert exit_code(pid) == 0  # already reaped elsewhere: a clean exit
+    finally:
+        os.close(gate_r)
+        os.close(gate_w)

@@ -1,4 +1,5 @@
-"""What every child of the supervisor does first after fork (a worker, a sweep pass):
+"""Forking the supervisor's helper children (a sweep pass, the webhook deliverer) and
+collecting them, and what every child does first after fork (workers included):
 leave the parent's process group, reset the signals it inherited, die with the parent,
 and close the parent's descriptors that are not its own."""
 
@@ -14,6 +15,9 @@ from derivd.osproc import set_pdeathsig
 from derivd.processes.lifecycle import EXIT_OK
 
 StopHandler = Callable[[int, FrameType | None], None]
+# A child's body: runs right after fork with the parent's pid and the parent's
+# descriptors to close; it must end with os._exit (never return into the parent's stack).
+ChildBody = Callable[[int, tuple[int, ...]], None]
 
 _RESET_SIGNALS = (
     signal.SIGTERM,
@@ -45,3 +49,22 @@ def become_child(
     for fd in close_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def fork_child(body: ChildBody, inherited_fds: tuple[int, ...]) -> int:
+    """Fork; the child runs `body(parent_pid, inherited_fds)`. Returns the child's pid."""
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        body(parent, inherited_fds)
+    return pid
+
+
+def exit_code(pid: int) -> int | None:
+    """The exit code of child `pid` if it has ended (it is reaped now), else None. A child
+    someone else reaped counts as a clean exit."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return 0
+    return os.waitstatus_to_exitcode(status) if done else None

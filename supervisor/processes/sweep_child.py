@@ -24,7 +24,7 @@ from derivd.config import Config
 from derivd.ops.logs import event
 from derivd.osproc import set_proctitle
 from derivd.processes.duties import Duty
-from derivd.processes.forked import become_child
+from derivd.processes.forked import become_child, exit_code, fork_child
 
 log = logging.getLogger("derivd.sweep")
 
@@ -73,24 +73,17 @@ class SweepChild(Duty[None]):
 
     def launch(self) -> None:
         self.holder = uuid.uuid4()
-        inherited = self.inherited_fds()
-        parent = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            self._child(parent, inherited)
-        self.pid, self.started = pid, time.monotonic()
+        self.pid = fork_child(self._child, self.inherited_fds())
+        self.started = time.monotonic()
 
     def reap(self) -> None:
         """Collect a finished pass; kill one that outlived two intervals."""
         if self.pid is None:
             return
-        try:
-            done, status = os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:
-            done, status = self.pid, 0
+        code = exit_code(self.pid)
         interval = self.interval
-        if done:
-            if os.waitstatus_to_exitcode(status) != 0:
+        if code is not None:
+            if code != 0:
                 event(log, "sweep pass failed", logging.WARNING, pid=self.pid)
             self.pid = None
         elif interval and time.monotonic() - self.started > 2 * interval:

@@ -30,7 +30,7 @@ from derivd.ops.metrics import Metrics
 from derivd.osproc import set_proctitle
 from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.duties import DatabaseDuty
-from derivd.processes.forked import become_child
+from derivd.processes.forked import become_child, exit_code, fork_child
 from derivd.queue.db import QueueDB
 
 log = logging.getLogger("derivd.webhooks")
@@ -122,23 +122,15 @@ class WebhookChild:
         self._stop_child(wait=False)
 
     def launch(self) -> None:
-        inherited = self.inherited_fds()
-        parent = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            self._child(parent, inherited)
-        self.pid, self.started = pid, time.monotonic()
+        self.pid = fork_child(self._child, self.inherited_fds())
+        self.started = time.monotonic()
 
     def reap(self) -> None:
         if self.pid is None:
             return
-        try:
-            done, status = os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:
-            done, status = self.pid, 0
-        if not done:
+        code = exit_code(self.pid)
+        if code is None:
             return
-        code = os.waitstatus_to_exitcode(status)
         lived = time.monotonic() - self.started
         self.pid = None
         if code != 0 and self.active:
