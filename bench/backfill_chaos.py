@@ -32,7 +32,6 @@ import configparser
 import contextlib
 import dataclasses
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -356,18 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nseed {seed}: {len(expected)} files, {tally.kills} worker kills, "
               f"{len(operator.deleted)} deleted, {operator.retries} retries, "
               f"fault switches {dict(tally.fault_switches)}")  # fmt: skip
-        for note in tally.notes:
-            print(f"note: {note}")
-        print("RESULT: " + ("all invariants hold" if ok else "INVARIANT FAILED"))
-        if not ok:
-            tail = world.log_path.read_text(errors="replace").splitlines()[-40:]
-            print("--- derivd log (last lines) ---\n" + "\n".join(tail))
+        chaos.print_verdict(ok, tally.notes, world.log_path)
     finally:
         world.close()
-        if ok and not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            print(f"kept {root}")
+        chaos.clean_up(root, ok=ok, keep=args.keep)
     return 0 if ok else 1
 
 

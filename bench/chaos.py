@@ -685,6 +685,24 @@ def _check_variant_bytes(world: World) -> Check:
 # --------------------------------------------------------------------------- main
 
 
+def print_verdict(ok: bool, notes: list[str], log_path: Path) -> None:
+    """A chaos run's last lines: its notes, the verdict, and on failure the log's tail."""
+    for note in notes:
+        print(f"note: {note}")
+    print("RESULT: " + ("all invariants hold" if ok else "INVARIANT FAILED"))
+    if not ok:
+        tail = log_path.read_text(errors="replace").splitlines()[-40:]
+        print("--- derivd log (last lines) ---\n" + "\n".join(tail))
+
+
+def clean_up(root: Path, *, ok: bool, keep: bool) -> None:
+    """A passing run's files go unless asked to keep them; a failing run's stay."""
+    if ok and not keep:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        print(f"kept {root}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")
@@ -756,18 +774,10 @@ def main(argv: list[str] | None = None) -> int:
             f"fault switches {dict(tally.fault_switches)}"
         )
         print("proxy: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items())))
-        for note in tally.notes:
-            print(f"note: {note}")
-        print("RESULT: " + ("all invariants hold" if ok else "INVARIANT FAILED"))
-        if not ok:
-            tail = world.log_path.read_text(errors="replace").splitlines()[-40:]
-            print("--- derivd log (last lines) ---\n" + "\n".join(tail))
+        print_verdict(ok, tally.notes, world.log_path)
     finally:
         world.close()
-        if ok and not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            print(f"kept {root}")
+        clean_up(root, ok=ok, keep=args.keep)
     return 0 if ok else 1
 
 

@@ -30,7 +30,6 @@ import dataclasses
 import json
 import os
 import random
-import shutil
 import signal
 import statistics
 import subprocess
@@ -370,10 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                 fleet.signal(name, signal.SIGCONT)
                 fleet.procs[name].kill()
         world.close()
-        if ok and not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            print(f"kept {root}")
+        chaos.clean_up(root, ok=ok, keep=args.keep)
     return 0 if ok else 1
 
 
