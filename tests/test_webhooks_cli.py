@@ -137,3 +137,19 @@ def test_the_dashboard_shows_each_endpoint(dsn: str, queue: QueueDB, tmp_path: P
     assert '<tr data-endpoint="app">' in page
     assert '<td class="num backlog" data-value="1">' in page
     assert "hidden" not in page and SECRET[6:20] not in page
+
+
+def test_a_webhook_url_with_user_info_is_refused_without_echoing_it(
+    dsn: str, tmp_path: Path, run_cli: RunCli
+) -> None:
+    """A receiver's basic auth in its URL (https://user:password@host/hook) would be
+    printed by every view that shows the URL: such an endpoint is refused at load in one
+    line naming file, section and key (exit 2), by every command, and no output ever
+    echoes the user or the password."""
+    path = ini(tmp_path, dsn, "http://hookuser:s3cretpass@127.0.0.1:9/hooks")
+    for args in (["webhooks", "list"], ["config", "check"], ["config", "show"], ["run"]):
+        done = run_cli("-c", str(path), *args)
+        text = done.stdout + done.stderr
+        assert done.returncode == 2, (args, text)
+        assert f"{path}: [webhook:app] url: must not carry credentials" in text, (args, text)
+        assert "s3cretpass" not in text and "hookuser" not in text, (args, text)
