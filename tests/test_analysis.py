@@ -94,6 +94,15 @@ def test_mean_colour_weights_by_alpha() -> None:
     assert mean_colour(small_of(half)) == "#ff0000"
 
 
+def test_mean_colour_of_an_opaque_image_is_its_plain_mean() -> None:
+    """Opaque pixels take the unweighted path (the reference vectors above cover ThumbHash's
+    own: `pattern(..., alpha=False)` is opaque)."""
+    small = small_of(imagegen.scene(32, 24))
+    rgb = Image.frombytes("RGBA", (small.width, small.height), small.rgba).convert("RGB")
+    expected = "#" + "".join(f"{round(v):02x}" for v in ImageStat.Stat(rgb).mean)
+    assert mean_colour(small) == expected
+
+
 @pytest.mark.parametrize("mode", ["L", "LA", "RGB", "RGBA"])
 def test_rgba_of_matches_pillows_conversion(mode: str) -> None:
     image = imagegen.scene(7, 5).convert(mode)
