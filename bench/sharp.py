@@ -25,8 +25,10 @@ orientation 6; photo-like scenes with grain from tests/imagegen.py, cached in be
   analysis), one process per core: what derivd's pixel work costs with nothing around
   it. "vs floor" is derivd's images/s over that round's floor of its backend.
 
-Each side is timed as a whole process (start to exit); CPU and peak RSS are the kernel's
-accounting of the process and its children (wait4): PostgreSQL's own CPU is not counted.
+sharp and derivd are each timed as a whole process (start to exit); CPU and peak RSS are
+the kernel's accounting of the process and its children (wait4): PostgreSQL's own CPU is
+not counted. The floor times its work alone: its lanes import first, then start together
+(wall from then to the last lane's end, CPU and peak RSS each lane's own, `run_floor`).
 Fidelity, the lowest over the distinct inputs: SSIM (tests/fidelity.py) of each derivd
 output against sharp's output for the same input, and of the backend's variant against its
 own full decode (the handler with `shrink_on_load = off`: no shrink-on-load at all, the
@@ -202,14 +204,23 @@ def run_sharp(mode: str, inputs: list[Path], workers: int, out: Path) -> Measure
 def run_floor(backend: str, inputs: list[Path], workers: int, out: Path) -> Measured:
     """The plain-library floor at derivd's decode scale (bench/steps.py `--floor`:
     libjpeg-turbo at M/8, the backend's lanczos3 at the exact scale, the centre cut, the
-    same JPEG save; nothing else), one process per core over the same inputs, timed as
-    a whole process as the other sides are: the most any program doing derivd's pixel
-    work with these libraries reaches here, in the same minutes as derivd's run."""
+    same JPEG save; nothing else), one process per core over the same inputs, in the same
+    minutes as derivd's run: the most any program doing derivd's pixel work with these
+    libraries reaches here. Unlike the other sides only the work is timed: each lane
+    imports first (bench/steps.py's own imports, psycopg and derivd among them, and the
+    libraries: ~0.5 CPU s a lane, ~8 ms an image at 120 images while it was timed),
+    then all start together."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    result = out.with_suffix(".json")
     argv = [sys.executable, str(ROOT / "bench" / "steps.py"), "--floor", backend, "--lanes",
-            str(workers), "--out", str(out), *map(str, inputs)]  # fmt: skip
-    return measured(argv, out.with_suffix(".log"))
+            str(workers), "--out", str(out), "--result", str(result),
+            *map(str, inputs)]  # fmt: skip
+    with out.with_suffix(".log").open("w") as log:
+        subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                       check=True)  # fmt: skip
+    timing = json.loads(result.read_text())
+    return Measured(timing["wall_s"], timing["cpu_s"], timing["peak_rss_mb"])
 
 
 # --- derivd -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Where one image's CPU goes in derivd, step by step, for bench/sharp.py's task.
 
     .venv/bin/python bench/steps.py [--label after] [--repeat 15] [--jobs 240]
-    .venv/bin/python bench/steps.py --floor vips|pillow [--lanes N] --out DIR INPUT...
+    .venv/bin/python bench/steps.py --floor vips|pillow [--lanes N] --out DIR --result JSON INPUT...
 
 The 720x588 cover JPEG q80 variant of bench/sharp.py, on sharp's fixture and on one 12 MP
 phone photo, both backends, one thread (as a worker). Each step is called through the
@@ -27,15 +27,18 @@ functions had other names):
 Median CPU (process_time) over `--repeat` runs after a warm-up; each step in isolation, so
 the sum is a little above the streamed pipeline. Writes bench/out/steps-<label>.json.
 `--floor` only runs the scaled floor over INPUTS in `--lanes` processes at once (one per
-core, outputs in DIR): bench/sharp.py's `floor:` sides, timed as a whole process.
+core, outputs in DIR): bench/sharp.py's `floor:` sides, the work alone timed (the lanes'
+imports are not: `floor_task`), written to `--result` as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -213,22 +216,67 @@ FLOORS = {"vips": vips_floor, "pillow": pillow_floor}
 FLOORS_SCALED = {"vips": vips_floor_scaled, "pillow": pillow_floor_scaled}
 
 
-def floor_task(backend: str, lanes: int, out: Path, inputs: list[Path]) -> None:
+def floor_task(backend: str, lanes: int, out: Path, inputs: list[Path], result: Path) -> None:
     """`lanes` processes (one per core, as sharp's per-core mode), each the scaled floor
-    over its share of `inputs` one after another, outputs written to `out` as
-    NNNN.jpg: the plain-library floor as a whole process, for bench/sharp.py."""
+    over its share of `inputs` one after another, outputs written to `out` as NNNN.jpg:
+    the plain-library floor, for bench/sharp.py. Only the work is timed: every lane
+    imports what it needs (this module, the libraries) and says so, then all start
+    together; wall is from that start to the last lane's end, CPU each lane's own from
+    its start (getrusage, its libvips threads included), peak RSS the largest lane's.
+    Written to `result` as JSON (wall_s, cpu_s, peak_rss_mb)."""
     lane = [sys.executable, __file__, "--floor", backend, "--out", str(out)]
-    children = [subprocess.Popen([*lane, "--lane", f"{k}/{lanes}", *map(str, inputs)])
+    children = [subprocess.Popen([*lane, "--lane", f"{k}/{lanes}", *map(str, inputs)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 for k in range(lanes)]  # fmt: skip
+    for child in children:  # every lane imported: nothing below waits on an import
+        if child.stdout is None or child.stdout.readline().strip() != "ready":
+            raise SystemExit("a floor lane failed before its first image")
+    started = time.perf_counter()
+    for child in children:
+        assert child.stdin is not None
+        child.stdin.write("go\n")
+        child.stdin.close()
+    # Each lane's report is its last line; its interpreter's exit after it is not timed.
+    reports = [child.stdout.readline() for child in children if child.stdout is not None]
+    wall = time.perf_counter() - started
     if any(child.wait() for child in children):
         raise SystemExit("a floor lane failed")
+    lanes_done = [json.loads(report) for report in reports]
+    result.write_text(json.dumps({
+        "wall_s": wall, "cpu_s": sum(r["cpu_s"] for r in lanes_done),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in lanes_done),
+    }))  # fmt: skip
 
 
 def floor_lane(backend: str, lane: str, out: Path, inputs: list[Path]) -> None:
+    """One lane of `floor_task`: import, say `ready`, wait for `go`, then the images;
+    its CPU from `go` to the end and its peak RSS as one JSON line on stdout."""
     index, lanes = map(int, lane.split("/"))
     floor = FLOORS_SCALED[backend]
+    _import_floor_libraries(backend)
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit("floor lane: no go")
+    before = _cpu_s()
     for n in range(index, len(inputs), lanes):
         (out / f"{n:04d}.jpg").write_bytes(floor(inputs[n].read_bytes()))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"cpu_s": _cpu_s() - before, "peak_rss_mb": usage.ru_maxrss / 1024}))
+
+
+def _import_floor_libraries(backend: str) -> None:
+    """What the floor functions import inside (numpy comes with simplejpeg)."""
+    import simplejpeg  # noqa: F401
+
+    if backend == "vips":
+        import pyvips  # noqa: F401
+    else:
+        from PIL import Image  # noqa: F401
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def handler_rows(inputs: dict[str, bytes], repeat: int, store: FsStorage) -> list[dict[str, Any]]:
@@ -290,13 +338,14 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--lane", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--result", type=Path, help="--floor: where its JSON timing goes")
     parser.add_argument("inputs", nargs="*", type=Path)
     args = parser.parse_args()
     if args.floor:
         if args.lane:
             floor_lane(args.floor, args.lane, args.out, args.inputs)
         else:
-            floor_task(args.floor, args.lanes, args.out, args.inputs)
+            floor_task(args.floor, args.lanes, args.out, args.inputs, args.result)
         return
     sys.path.insert(0, str(ROOT / "bench"))
     from sharp import FIXTURE_NAME, HOME, phone_photos
