@@ -8,7 +8,8 @@ limits, then one thumbnail to the base the largest variant needs, from which eve
 is derived (`vips_variants`). A still JPEG is decoded by libjpeg-turbo at the M/8 scale of
 `[derive] shrink_on_load` (`jpegscale`, `geometry.jpeg_eighths`) and resized, or, where
 that decoder declines it (CMYK, a warning), opened by jpegload at its shrink
-(`geometry.jpeg_shrink`); a still WebP at `webp_scale`; `thumbnail_image` does the rest.
+(`geometry.jpeg_shrink`); a still WebP at `webp_scale`; `thumbnail_image` does the rest
+(for libjpeg-turbo's pixels without an ICC profile only the orientation is left: autorot).
 PNG, GIF, TIFF, AVIF and animated WebP go through `thumbnail_source` (HEIC through
 pi-heif, `decode_heif`). Either way: EXIF autorotation, colour management to sRGB (embedded
 profile, or libvips' built-in CMYK profile for unprofiled CMYK), 16-bit to 8-bit, a
@@ -199,26 +200,33 @@ def decode_base(original: bytes, size: tuple[int, int], header: Header, all_fram
     `vips_variants.load_base`); 8-bit CIELAB TIFF takes its own path (`cielab8_as_rgb`)."""
     relabelled = header.relabelled
     if relabelled is None:
-        shrunk = None if all_frames else open_scaled(original, header, size, shrink_on_load)
-        return load_base(original, size, header.needs_icc, all_frames, shrunk)
+        scaled = None if all_frames else turbo_scaled(original, header, size, shrink_on_load)
+        if scaled is not None and header.icc is None:
+            return checked_base(scaled, size)  # resized and upright: the base (`from_scaled`)
+        if scaled is None and not all_frames:
+            scaled = open_shrunk(original, header.loader, header.upright, size, shrink_on_load)
+        return load_base(original, size, header.needs_icc, all_frames, scaled)
     image = lab_to_srgb(read_in_place("tiffload_source", relabelled, access="sequential",
                                       fail_on="error"))  # fmt: skip
     return checked_base(image.thumbnail_image(size[0], height=size[1], size="force"), size)
 
 
-def open_scaled(original: bytes, header: Header, size: tuple[int, int], mode: str) -> Any | None:
-    """A still image opened at the cheapest scale that covers `size` (None: let
-    `thumbnail_source` open it): a JPEG decoded by libjpeg-turbo at M/8 (`jpegscale`),
-    carrying the header's orientation and ICC profile for `thumbnail_image` to apply as
-    it does for jpegload's image; a JPEG it does not take, and WebP, through libvips'
-    own loaders (`open_shrunk`). `off` is libvips' full decode, the reference."""
-    if header.loader == "jpegload_buffer" and mode != "off":
-        eighths = jpeg_eighths(header.upright, size, mode)
-        scaled = decode_scaled(original, (header.width, header.height), eighths)
-        if scaled is not None:
-            stored_way = (size[1], size[0]) if header.orientation in _SIDEWAYS else size
-            return from_scaled(scaled, stored_way, header.orientation, header.icc)
-    return open_shrunk(original, header.loader, header.upright, size, mode)
+def turbo_scaled(original: bytes, header: Header, size: tuple[int, int], mode: str
+                 ) -> Any | None:  # fmt: skip
+    """A still JPEG decoded by libjpeg-turbo at M/8 (`jpegscale`) and resized to `size`
+    (`from_scaled`): upright already when it has no ICC profile, else carrying the
+    header's orientation and profile for `thumbnail_image` to apply, as it does for
+    jpegload's image. None for anything else, and for a JPEG that decoder does not take:
+    `open_shrunk` opens those through libvips' own loaders (JPEG, WebP); `off` is
+    libvips' full decode, the reference."""
+    if header.loader != "jpegload_buffer" or mode == "off":
+        return None
+    eighths = jpeg_eighths(header.upright, size, mode)
+    scaled = decode_scaled(original, (header.width, header.height), eighths)
+    if scaled is None:
+        return None
+    stored_way = (size[1], size[0]) if header.orientation in _SIDEWAYS else size
+    return from_scaled(scaled, stored_way, header.orientation, header.icc)
 
 
 _CIELAB, _RGB = 8, 2  # TIFF PhotometricInterpretation values

@@ -384,3 +384,33 @@ def test_the_fast_decode_is_the_one_that_ran(backend: str) -> None:
     for made, theirs, half in zip(fast, other, safe, strict=True):
         assert made != half
         assert ssim(theirs, made) >= 0.98
+
+
+def _sideways_p3() -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return _save(photo().transpose(Image.Transpose.ROTATE_90), quality=90,
+                 exif=exif.tobytes(), icc_profile=imagegen.p3_profile())  # fmt: skip
+
+
+@pytest.mark.parametrize("profiled", [False, True])
+def test_vips_takes_an_unprofiled_fast_decode_as_the_base(profiled: bool) -> None:
+    """libjpeg-turbo's pixels of a sideways photo without a profile come out resized and
+    upright (rendered once, no thumbnail_image after them); with a profile they still
+    carry it and the orientation for thumbnail_image to apply. Either way the variants
+    match the full decode's (the SSIM and orientation tests above)."""
+    from derivd.handlers import vips
+
+    original = _sideways_p3() if profiled else photo_sideways()
+    spec = DeriveSpec(variants=_variants(_upright(original), 3), concurrency=1)
+    create_handler("vips", spec)  # configure libvips as a worker does
+    header = vips.read_header(original, vips.sniff_loader(original))
+    size = base_size(*header.upright, spec.variants)
+    image = vips.turbo_scaled(original, header, size, "fast")
+    assert image is not None
+    if profiled:
+        assert (image.height, image.width) == size  # as stored
+        assert image.get("orientation") == 6 and image.get_typeof("icc-profile-data")
+    else:
+        assert (image.width, image.height) == size
+        assert not image.get_typeof("orientation")
