@@ -557,6 +557,23 @@ SELECT name, key, version, sha256, width, height, format, content_type, fingerpr
 SELECT at, kind, attempt, error_code, actor, lease_token
   FROM archive_events WHERE file_id = %(id)s ORDER BY at, id;
 
+-- name: files_page
+-- `derivd files`: files (not re-derivation jobs) newest first, by status, error code,
+-- tenant and creation time, one page at a time: `before` is the last id of the page
+-- before (keyset paging, stable while rows are added).
+SELECT id, status, error_code, tenant, attempts, priority, created_at, finished_at,
+       original_key
+  FROM archive_files
+ WHERE rederive_of IS NULL
+   AND (%(status)s::text IS NULL OR status = %(status)s::text)
+   AND (%(code)s::text IS NULL OR error_code = %(code)s::text)
+   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s::text)
+   AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+   AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
+   AND (%(before)s::bigint IS NULL OR id < %(before)s::bigint)
+ ORDER BY id DESC
+ LIMIT %(limit)s;
+
 -- == backfill runs (derivd.queue.backfill_queries) ==
 
 -- name: backfill_page
@@ -909,23 +926,6 @@ DELETE FROM derivd_deliveries
                ORDER BY d.created_at
                LIMIT %(limit)s)
 RETURNING status;
-
--- name: files_page
--- `derivd files`: files (not re-derivation jobs) newest first, by status, error code,
--- tenant and creation time, one page at a time: `before` is the last id of the page
--- before (keyset paging, stable while rows are added).
-SELECT id, status, error_code, tenant, attempts, priority, created_at, finished_at,
-       original_key
-  FROM archive_files
- WHERE rederive_of IS NULL
-   AND (%(status)s::text IS NULL OR status = %(status)s::text)
-   AND (%(code)s::text IS NULL OR error_code = %(code)s::text)
-   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s::text)
-   AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
-   AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
-   AND (%(before)s::bigint IS NULL OR id < %(before)s::bigint)
- ORDER BY id DESC
- LIMIT %(limit)s;
 
 -- == cluster administration (the embedded default) (derivd.queue.cluster_admin) ==
 

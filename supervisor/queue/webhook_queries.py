@@ -1,6 +1,6 @@
 """The webhook outbox's statements (sql/queries.sql, "Webhooks"): the endpoints the
-database knows, the lease protocol of deliveries, their views, replay and retention; and
-`derivd files`' page of files. Part of QueueDB like every other query API."""
+database knows, the lease protocol of deliveries, their views, replay and retention. Part
+of QueueDB like every other query API."""
 
 from __future__ import annotations
 
@@ -138,18 +138,3 @@ class WebhookQueries(Statements):
         for r in rows:
             counts[r["status"]] = counts.get(r["status"], 0) + 1
         return counts
-
-    def files_page(
-        self,
-        *,
-        status: str | None = None,
-        code: str | None = None,
-        tenant: str | None = None,
-        since: datetime | None = None,
-        until: datetime | None = None,
-        before: int | None = None,
-        limit: int = 50,
-    ) -> list[dict[str, Any]]:
-        params = {"status": status, "code": code, "tenant": tenant, "since": since,
-                  "until": until, "before": before, "limit": limit}  # fmt: skip
-        return self._all("files_page", params)
