@@ -254,7 +254,8 @@ BEGIN
                        THEN coalesce((SELECT jsonb_agg(jsonb_build_object(
                                 'name', v.name, 'format', v.format, 'key', v.key,
                                 'version', v.version, 'content_type', v.content_type,
-                                'width', v.width, 'height', v.height, 'sha256', v.sha256)
+                                'width', v.width, 'height', v.height, 'bytes', v.bytes,
+                                'sha256', v.sha256)
                               ORDER BY v.name, v.format)
                               FROM archive_variants AS v WHERE v.file_id = f.id), '[]') END,
                    'original', CASE WHEN derivd_outbox.event IN ('file.ready', 'file.rederived')
@@ -301,7 +302,9 @@ END $$;
 -- token, attempt, derived_key, derived_version, sha256, width, height, variants,
 -- original_width, original_height, original_format, original_frames, original_has_alpha,
 -- original_colour, original_placeholder, original_dhash}; the analysis keys absent, as
--- from a handler that analyses nothing or a host of a release before 0013: NULLs). Each
+-- from a handler that analyses nothing or a host of a release before 0013: NULLs; each
+-- variant {name, format, content_type, key, version, sha256, width, height, fingerprint,
+-- bytes}, `bytes` absent from a host of a release before 0019: NULL). Each
 -- row passes or fails its own fence. A file's fenced UPDATE and its `ready` event are one
 -- statement; for a row that passes, its variants are recorded and, when it stored some,
 -- its attempt's write-ahead entries cleared (an attempt registers pending objects
@@ -368,19 +371,19 @@ BEGIN
         IF jsonb_array_length(coalesce(j.variants, '[]')) > 0 THEN
             INSERT INTO archive_variants AS a (file_id, name, format, content_type, key,
                                                version, sha256, width, height, lease_token,
-                                               fingerprint)
+                                               fingerprint, bytes)
             SELECT j.id, v.name, v.format, v.content_type, v.key,
-                   v.version, v.sha256, v.width, v.height, j.token, v.fingerprint
+                   v.version, v.sha256, v.width, v.height, j.token, v.fingerprint, v.bytes
               FROM jsonb_to_recordset(j.variants)
                    AS v(name text, format text, content_type text, key text,
                         version text, sha256 text, width integer, height integer,
-                        fingerprint text)
+                        fingerprint text, bytes bigint)
             ON CONFLICT (file_id, name, format) DO UPDATE
                SET key = EXCLUDED.key, version = EXCLUDED.version,
                    sha256 = EXCLUDED.sha256, width = EXCLUDED.width,
                    height = EXCLUDED.height, content_type = EXCLUDED.content_type,
                    lease_token = EXCLUDED.lease_token, fingerprint = EXCLUDED.fingerprint,
-                   created_at = now();
+                   bytes = EXCLUDED.bytes, created_at = now();
             DELETE FROM pending_objects WHERE lease_token = j.token;
         END IF;
         IF hooks IS NULL THEN
@@ -1010,12 +1013,13 @@ BEGIN
     ON CONFLICT (key) DO NOTHING;
     DELETE FROM archive_variants AS a WHERE a.file_id = target;
     INSERT INTO archive_variants (file_id, name, format, content_type, key, version, sha256,
-                                  width, height, lease_token, fingerprint)
+                                  width, height, lease_token, fingerprint, bytes)
     SELECT target, v.name, v.format, v.content_type, v.key, v.version, v.sha256, v.width,
-           v.height, j.token, v.fingerprint
+           v.height, j.token, v.fingerprint, v.bytes
       FROM jsonb_to_recordset(j.variants)
            AS v(name text, format text, content_type text, key text, version text,
-                sha256 text, width integer, height integer, fingerprint text);
+                sha256 text, width integer, height integer, fingerprint text,
+                bytes bigint);
     UPDATE archive_files AS f
        SET derived_key = j.derived_key,
            derived_version = j.derived_version,

@@ -548,7 +548,7 @@ SELECT id, status, attempts, available_at, lease_token, lease_until, original_ke
   FROM archive_files WHERE id = %(id)s;
 
 -- name: file_variants
-SELECT name, key, version, sha256, width, height, format, content_type, fingerprint
+SELECT name, key, version, sha256, width, height, format, content_type, fingerprint, bytes
   FROM archive_variants WHERE file_id = %(id)s ORDER BY name, format;
 
 -- name: file_events
@@ -722,7 +722,8 @@ SELECT status FROM archive_files WHERE id = %(id)s;
 SELECT f.status, f.error_code,
        coalesce((SELECT jsonb_agg(jsonb_build_object(
                     'name', v.name, 'key', v.key, 'version', v.version, 'format', v.format,
-                    'width', v.width, 'height', v.height, 'sha256', v.sha256)
+                    'width', v.width, 'height', v.height, 'bytes', v.bytes,
+                    'sha256', v.sha256)
                   ORDER BY v.name, v.format)
                    FROM archive_variants AS v
                   WHERE v.file_id = f.id AND f.status = 'ready'), '[]'::jsonb) AS variants,

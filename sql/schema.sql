@@ -165,6 +165,9 @@ CREATE TABLE archive_variants (
     content_type text        NOT NULL,
     -- What spec made it (derivd.fingerprint); NULL: made before migration 0014.
     fingerprint  text,
+    -- The stored object's size; NULL: not recorded (made before migration 0019, or
+    -- committed by a host of an earlier release). No CHECK: migration 0019 says why.
+    bytes        bigint,
     PRIMARY KEY (file_id, name, format),
     CONSTRAINT archive_variants_format_check CHECK (format IN ('webp', 'avif', 'jpeg', 'png'))
 );

@@ -434,6 +434,7 @@ class Worker:
                 v.format,
                 v.content_type,
                 self.fingerprints.get(slot(v.name, v.format)),
+                len(v.data),
             )
             for key, version, v in zip(keys, versions, variants, strict=True)
         ]

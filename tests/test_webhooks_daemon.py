@@ -19,6 +19,7 @@ from fixtures.cli import derivd_command
 from fixtures.pgbouncer import DIRECT_FOR
 from fixtures.receiver import Receiver, receiving
 from helpers import proc_title, sql, stop_process, wait_for
+from imagegen import jpeg
 
 from derivd.client import enqueue
 from derivd.storage.fs import FsStorage
@@ -28,12 +29,14 @@ pytestmark = pytest.mark.pooler
 SECRET = "whsec_" + base64.b64encode(b"derivd daemon test secret 32 b!!").decode()
 
 
-def daemon_ini(root: Path, dsn: str, hooks: dict[str, str]) -> Path:
+def daemon_ini(
+    root: Path, dsn: str, hooks: dict[str, str], derive: dict[str, str] | None = None
+) -> Path:
     sections: dict[str, dict[str, Any]] = {
         "database": {"dsn": dsn, "listen_dsn": DIRECT_FOR.get(dsn, "")},
         "storage": {"backend": "fs", "root": root / "objects"},
         "supervisor": {"workers": 1, "state_dir": root / "state"},
-        "derive": {"backend": "noop"},
+        "derive": derive or {"backend": "noop"},
     }
     for name, url in hooks.items():
         sections[f"webhook:{name}"] = {"url": url, "secret": SECRET, "retry_base": "0.2"}
@@ -52,10 +55,10 @@ def daemon(root: Path, ini: Path) -> Iterator[subprocess.Popen[str]]:
             stop_process(proc)
 
 
-def queue_file(root: Path, dsn: str) -> int:
+def queue_file(root: Path, dsn: str, data: bytes = b"x") -> int:
     import psycopg
 
-    version = FsStorage(root / "objects").put("originals/a", b"x", "image/x")
+    version = FsStorage(root / "objects").put("originals/a", data, "image/x")
     with psycopg.connect(dsn, autocommit=True) as conn:
         return enqueue(conn, "originals/a", version)
 
@@ -99,3 +102,21 @@ def test_the_daemon_delivers_and_sighup_adds_and_removes_endpoints(
     assert all(r.verified for r in app.answered() + audit.answered())
     assert not sql(dsn, "SELECT 1 FROM derivd_deliveries WHERE endpoint = 'app'"
                         " AND file_id = %s", (third,))  # fmt: skip
+
+
+def test_each_variant_in_the_payload_carries_its_stored_objects_size(
+    dsn: str, tmp_path: Path
+) -> None:
+    log = lambda: (tmp_path / "derivd.log").read_text(errors="replace")  # noqa: E731
+    derive = {"backend": "pillow", "variants": "preview:64, thumb:32"}
+    with receiving(SECRET) as app:
+        with daemon(tmp_path, daemon_ini(tmp_path, dsn, {"app": app.url}, derive)):
+            file_id = queue_file(tmp_path, dsn, jpeg(96, 72))
+            wait_for(lambda: got(app, file_id), "file.ready at the app", detail=log)
+    [event] = app.unique().values()
+    variants = event.payload["data"]["variants"]
+    assert sorted(v["name"] for v in variants) == ["preview", "thumb"]
+    storage = FsStorage(tmp_path / "objects")
+    sizes = {v["key"]: len(storage.get(v["key"], v["version"])) for v in variants}
+    assert {v["key"]: v["bytes"] for v in variants} == sizes
+    assert len(set(sizes.values())) == 2  # each variant its own size, not one for all

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ from prometheus_client import CollectorRegistry
 
 from derivd.ops.metrics import Metrics
 from derivd.ops.sweep import Sweeper
-from derivd.queue.db import QueueDB, StoredVariant
+from derivd.queue.db import Finished, Job, QueueDB, StoredVariant
+from derivd.queue.worker_queries import _commit_row
 from derivd.storage.fs import FsStorage
 
 pytestmark = pytest.mark.pooler
@@ -50,7 +52,7 @@ def test_a_ready_commit_inserts_one_delivery_per_subscribed_endpoint(
     ])  # fmt: skip
     file_id = queued(queue)
     job = claim_one(queue, lease_s=30, max_attempts=3)
-    assert job is not None and commit_one(queue, job, [VARIANT])
+    assert job is not None and commit_one(queue, job, [replace(VARIANT, bytes=812)])
     rows = deliveries(dsn)
     assert sorted(r["endpoint"] for r in rows) == ["app", "audit"]
     body = json.loads(rows[0]["body"])
@@ -59,7 +61,36 @@ def test_a_ready_commit_inserts_one_delivery_per_subscribed_endpoint(
     assert (data["file_id"], data["status"], data["attempts"]) == (file_id, "ready", 1)
     assert data["variants"] == [{"name": "thumb", "format": "webp", "key": VARIANT.key,
                                  "version": "v1", "content_type": "image/webp", "width": 32,
-                                 "height": 24, "sha256": VARIANT.sha256}]  # fmt: skip
+                                 "height": 24, "bytes": 812,
+                                 "sha256": VARIANT.sha256}]  # fmt: skip
+
+
+def old_host_commit(dsn: str, job: Job, variant: StoredVariant) -> list[dict[str, Any]]:
+    """The fenced commit as a host of a release before migration 0019 sends it (the
+    `commit` query's function, its variants without `bytes`): the outcomes."""
+    row = _commit_row(Finished(job, [variant]))
+    row["variants"] = [{k: v for k, v in x.items() if k != "bytes"} for x in row["variants"]]
+    return sql(dsn, "SELECT id, outcome FROM derivd_commit_outcomes(%s::jsonb)",
+               (json.dumps([row]),))  # fmt: skip
+
+
+def test_a_commit_from_an_older_host_without_bytes_still_commits(dsn: str, queue: QueueDB) -> None:
+    subscribe(queue)
+    file_id = queued(queue)
+    job = claim_one(queue, lease_s=30, max_attempts=3)
+    assert job is not None
+    assert old_host_commit(dsn, job, VARIANT) == [{"id": file_id, "outcome": "committed"}]
+    run = queue.backfill_run("target", {"thumb.webp": "fp2"})
+    assert queue.backfill_queue([file_id], priority=-10, run=run["id"]) == [file_id]
+    again = claim_one(queue, lease_s=30, max_attempts=3)
+    assert again is not None and again.for_file == file_id
+    newer = replace(VARIANT, key="derived/1/u/thumb.webp", fingerprint="fp2")
+    assert old_host_commit(dsn, again, newer) == [{"id": again.id, "outcome": "committed"}]
+    assert [v.bytes for v in queue.file_variants(file_id)] == [None]
+    rows = deliveries(dsn)
+    assert [r["event"] for r in rows] == ["file.ready", "file.rederived"]
+    sizes = [[v["bytes"] for v in json.loads(r["body"])["data"]["variants"]] for r in rows]
+    assert sizes == [[None], [None]]
 
 
 def test_without_endpoints_a_commit_inserts_nothing(dsn: str, queue: QueueDB) -> None:
