@@ -225,14 +225,15 @@ END $$;
 -- file.ready / file.rederived every variant and the analysis}. A re-derivation's job row
 -- is no file of its own: it announces nothing (its commit announces file.rederived for
 -- the file). Wakes the delivering processes (`derivd_deliveries`, constant payload: one
--- notification per transaction). Returns the deliveries inserted.
+-- notification per transaction). Returns the deliveries inserted. An endpoint removed
+-- from the INI (removed_at: kept while deliveries of it are) subscribes to nothing.
 --
 -- Every caller checks derivd_webhooks_on() first (derivd_outbox_many does), once per
 -- call, so that without any endpoint a commit pays one probe of an empty table and no
 -- function call per row.
 CREATE OR REPLACE FUNCTION derivd_webhooks_on() RETURNS boolean
 LANGUAGE sql STABLE AS $$
-    SELECT EXISTS (SELECT 1 FROM derivd_webhook_endpoints)
+    SELECT EXISTS (SELECT 1 FROM derivd_webhook_endpoints AS e WHERE e.removed_at IS NULL)
 $$;
 
 CREATE OR REPLACE FUNCTION derivd_outbox(file_id bigint, event text)
@@ -270,6 +271,7 @@ BEGIN
       JOIN derivd_webhook_endpoints AS e
         ON derivd_outbox.event = ANY (e.events)
        AND (e.tenants IS NULL OR f.tenant = ANY (e.tenants))
+       AND e.removed_at IS NULL
      WHERE f.id = derivd_outbox.file_id AND f.rederive_of IS NULL;
     GET DIAGNOSTICS n = ROW_COUNT;
     IF n > 0 THEN

@@ -745,32 +745,68 @@ SELECT id FROM derivd_similar(%(id)s, %(max)s, %(limit)s) AS id;
 -- == webhook deliveries (derivd.queue.webhook_queries) ==
 
 -- name: webhook_endpoints_sync
--- The supervisor's `[webhook:NAME]` sections, at start and on SIGHUP: each endpoint's
--- subscription (events, tenants; NULL: every tenant) upserted, every other endpoint
--- removed (its undelivered rows stay, delivered again if it comes back). The circuit
--- columns are left as they are. Returns the names removed and the names added or changed.
+-- The supervisor's `[webhook:NAME]` sections, at start, on SIGHUP and every minute: each
+-- endpoint's subscription (events, tenants; NULL: every tenant) upserted (one removed
+-- before comes back), every other endpoint marked removed. A removed endpoint's
+-- undelivered rows end `failed` with "endpoint removed": no host claims them any more
+-- (deliveries_claim), and failed they are counted and shown under its name, and
+-- replayable once it is configured again; left `pending` they would wait for ever,
+-- counted nowhere (retention keeps undelivered rows). A row still leased is left to its
+-- POST (delivery_finish ends it `failed` too); a row a commit queued while this ran is
+-- ended by the next sync. A removed endpoint's own row goes once it has no undelivered
+-- or failed row left (retention or replay took them). The circuit columns are left as
+-- they are. Returns the names removed now, the names added or changed, and how many
+-- deliveries were ended.
 WITH given AS (
     SELECT * FROM jsonb_to_recordset(%(endpoints)s::jsonb)
                   AS g(name text, events text[], tenants text[])
-), gone AS (
-    DELETE FROM derivd_webhook_endpoints AS e
+), others AS (
+    SELECT e.name, e.removed_at FROM derivd_webhook_endpoints AS e
      WHERE NOT EXISTS (SELECT 1 FROM given AS g WHERE g.name = e.name)
+), gone AS (
+    UPDATE derivd_webhook_endpoints AS e
+       SET removed_at = now(), updated_at = now()
+      FROM others AS o
+     WHERE e.name = o.name AND o.removed_at IS NULL
     RETURNING e.name
 ), changed AS (
     INSERT INTO derivd_webhook_endpoints AS e (name, events, tenants)
     SELECT g.name, g.events, g.tenants FROM given AS g
     ON CONFLICT (name) DO UPDATE
-       SET events = EXCLUDED.events, tenants = EXCLUDED.tenants, updated_at = now()
+       SET events = EXCLUDED.events, tenants = EXCLUDED.tenants, removed_at = NULL,
+           updated_at = now()
      WHERE e.events IS DISTINCT FROM EXCLUDED.events
         OR e.tenants IS DISTINCT FROM EXCLUDED.tenants
+        OR e.removed_at IS NOT NULL
     RETURNING e.name
+), stranded AS (
+    UPDATE derivd_deliveries AS d
+       SET status = 'failed', lease_token = NULL, lease_until = NULL, finished_at = now(),
+           last_error = 'endpoint removed'
+      FROM others AS o
+     WHERE d.endpoint = o.name
+       AND (d.status = 'pending' OR (d.status = 'delivering' AND d.lease_until < now()))
+    RETURNING d.id
+), emptied AS (
+    DELETE FROM derivd_webhook_endpoints AS e
+     USING others AS o
+     WHERE e.name = o.name AND o.removed_at IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM derivd_deliveries AS d
+                        WHERE d.endpoint = e.name AND d.status = 'pending')
+       AND NOT EXISTS (SELECT 1 FROM derivd_deliveries AS d
+                        WHERE d.endpoint = e.name AND d.status = 'delivering')
+       AND NOT EXISTS (SELECT 1 FROM derivd_deliveries AS d
+                        WHERE d.endpoint = e.name AND d.status = 'failed')
+    RETURNING 1
 )
 SELECT coalesce((SELECT array_agg(name ORDER BY name) FROM gone), '{}') AS removed,
-       coalesce((SELECT array_agg(name ORDER BY name) FROM changed), '{}') AS changed;
+       coalesce((SELECT array_agg(name ORDER BY name) FROM changed), '{}') AS changed,
+       (SELECT count(*) FROM stranded)::int AS stranded,
+       (SELECT count(*) FROM emptied)::int AS emptied;
 
 -- name: webhook_endpoints
--- The endpoints the database knows (`derivd webhooks list`).
-SELECT name, events, tenants, updated_at, failures, paused_until, last_error
+-- The endpoints the database knows (`derivd webhooks list`), removed ones too.
+SELECT name, events, tenants, updated_at, failures, paused_until, last_error, removed_at
   FROM derivd_webhook_endpoints ORDER BY name;
 
 -- name: deliveries_claim
@@ -778,11 +814,13 @@ SELECT name, events, tenants, updated_at, failures, paused_until, last_error
 -- first (their process died mid-POST), then the due ones oldest first, each locked with
 -- SKIP LOCKED and given a fresh token and lease (a delivery is never POSTed by two hosts
 -- at once: the lease outlasts the POST's hard timeout). Nothing while the endpoint's
--- circuit is open (paused_until). age_s: seconds since the event (or its replay), the
--- horizon's clock; all times are the database's.
+-- circuit is open (paused_until), nor once it is removed (a host whose INI still has it
+-- while another's sync removed it posts nothing). age_s: seconds since the event (or its
+-- replay), the horizon's clock; all times are the database's.
 WITH open AS (
     SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM derivd_webhook_endpoints AS e
-                                WHERE e.name = %(endpoint)s AND e.paused_until > now())
+                                WHERE e.name = %(endpoint)s
+                                  AND (e.paused_until > now() OR e.removed_at IS NOT NULL))
 ), due AS (
     SELECT * FROM (SELECT d.id FROM derivd_deliveries AS d, open
                     WHERE d.endpoint = %(endpoint)s AND d.status = 'delivering'
@@ -812,20 +850,29 @@ RETURNING d.id, d.lease_token, d.attempts, d.event, d.file_id, d.body,
 
 -- name: delivery_finish
 -- The fenced end of one attempt (id + token): `delivered`, `failed`, or `pending` again
--- after delay_s. Zero rows: the lease was lost (another host has it now), nothing
--- changes. The endpoint's circuit, fleet-wide: a success closes it; each failure counts,
+-- after delay_s; not `pending` again once its endpoint was removed (the sync left this
+-- row to its POST): `failed`, "endpoint removed". Zero rows: the lease was lost
+-- (another host has it now), nothing changes. The endpoint's circuit, fleet-wide: a success closes it; each failure counts,
 -- and from `threshold` consecutive failures on, the endpoint's claims stop for
 -- pause_base * 2^(failures - threshold) seconds (at most pause_max), every due row of it
 -- together. Its row is written only when that changes something (a hot row otherwise).
-WITH done AS (
+WITH ending AS (
+    SELECT CASE WHEN %(status)s = 'pending'
+                 AND EXISTS (SELECT 1 FROM derivd_deliveries AS d
+                               JOIN derivd_webhook_endpoints AS e ON e.name = d.endpoint
+                              WHERE d.id = %(id)s AND e.removed_at IS NOT NULL)
+                THEN 'failed' ELSE %(status)s::text END AS status
+), done AS (
     UPDATE derivd_deliveries AS d
-       SET status = %(status)s,
+       SET status = n.status,
            available_at = now() + make_interval(secs => %(delay_s)s),
            lease_token = NULL,
            lease_until = NULL,
-           finished_at = CASE WHEN %(status)s IN ('delivered', 'failed') THEN now() END,
+           finished_at = CASE WHEN n.status IN ('delivered', 'failed') THEN now() END,
            last_status = %(http_status)s,
-           last_error = %(error)s
+           last_error = CASE WHEN n.status = %(status)s THEN %(error)s
+                             ELSE 'endpoint removed' END
+      FROM ending AS n
      WHERE d.id = %(id)s AND d.lease_token = %(token)s  -- the fence
     RETURNING d.endpoint
 ), circuit AS (
@@ -851,8 +898,10 @@ SELECT (SELECT count(*) FROM done)::int AS finished, (SELECT count(*) FROM circu
 -- Per endpoint the database knows: backlog (pending + delivering), the oldest undelivered
 -- event's age, deliveries delivered and failed in the last `window_s` seconds, failed
 -- rows kept (until replayed or past retention), and the circuit: consecutive failures,
--- paused or not, the last error and its age. Bounded by the backlog and the window.
+-- paused or not, the last error and its age; `removed`: no longer configured (listed
+-- while its failed rows are kept). Bounded by the backlog and the window.
 SELECT e.name, e.failures, coalesce(e.paused_until > now(), false) AS paused, e.last_error,
+       e.removed_at IS NOT NULL AS removed,
        extract(epoch FROM now() - e.last_error_at)::float8 AS last_error_age_s,
        (SELECT count(*) FROM derivd_deliveries AS d
          WHERE d.endpoint = e.name AND d.status = 'pending')::int
@@ -881,11 +930,14 @@ SELECT e.name, e.failures, coalesce(e.paused_until > now(), false) AS paused, e.
 -- `derivd webhooks replay`: finished deliveries (delivered or failed; `failed_only`: the
 -- failed ones) of one endpoint or all, of some files or all, of events made in
 -- [since, until) or any time, due again now with a fresh horizon and the same
--- webhook-id (receivers that saw one drop it). Wakes the delivering processes.
+-- webhook-id (receivers that saw one drop it). Wakes the delivering processes. Not the
+-- deliveries of a removed endpoint: nobody would deliver them (configure it again first).
 WITH done AS (
     UPDATE derivd_deliveries AS d
        SET status = 'pending', available_at = now(), retry_from = now(), finished_at = NULL
      WHERE d.status IN ('delivered', 'failed')
+       AND NOT EXISTS (SELECT 1 FROM derivd_webhook_endpoints AS e
+                        WHERE e.name = d.endpoint AND e.removed_at IS NOT NULL)
        AND (NOT %(failed_only)s OR d.status = 'failed')
        AND (%(endpoint)s::text IS NULL OR d.endpoint = %(endpoint)s::text)
        AND (%(ids)s::bigint[] IS NULL OR d.file_id = ANY (%(ids)s::bigint[]))

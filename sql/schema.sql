@@ -300,7 +300,9 @@ CREATE DOMAIN derivd_webhook_event AS text CONSTRAINT derivd_webhook_event_check
     VALUE IN ('file.ready', 'file.rejected', 'file.rederived', 'file.deleted'));
 
 -- One row per endpoint: its subscription, and the circuit the delivering processes of
--- every host share (consecutive failures; no claims before paused_until).
+-- every host share (consecutive failures; no claims before paused_until). removed_at:
+-- no longer configured (migration 0020): subscribed to nothing, its undelivered rows
+-- ended `failed` by the sync, the row kept while deliveries of it are.
 CREATE TABLE derivd_webhook_endpoints (
     name          text        PRIMARY KEY,
     events        text[]      NOT NULL,
@@ -309,7 +311,8 @@ CREATE TABLE derivd_webhook_endpoints (
     failures      integer     NOT NULL DEFAULT 0,
     paused_until  timestamptz,
     last_error    text,
-    last_error_at timestamptz
+    last_error_at timestamptz,
+    removed_at    timestamptz
 );
 
 -- One row per event and endpoint, delivered under the lease protocol: `pending` (due at

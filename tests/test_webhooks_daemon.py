@@ -6,9 +6,10 @@ its own); SIGHUP adds and removes endpoints. Direct and through PgBouncer."""
 from __future__ import annotations
 
 import base64
+import json
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from derivd.client import enqueue
 from derivd.storage.fs import FsStorage
 
 pytestmark = pytest.mark.pooler
+RunCli = Callable[..., subprocess.CompletedProcess[str]]
 
 SECRET = "whsec_" + base64.b64encode(b"derivd daemon test secret 32 b!!").decode()
 
@@ -94,8 +96,8 @@ def test_the_daemon_delivers_and_sighup_adds_and_removes_endpoints(
             daemon_ini(tmp_path, dsn, {"audit": audit.url})
             proc.send_signal(signal.SIGHUP)
             wait_for(lambda: not sql(dsn, "SELECT 1 FROM derivd_webhook_endpoints"
-                                          " WHERE name = 'app'"), "app removed",
-                     detail=log)  # fmt: skip
+                                          " WHERE name = 'app' AND removed_at IS NULL"),
+                     "app removed", detail=log)  # fmt: skip
             third = queue_file(tmp_path, dsn)
             wait_for(lambda: got(audit, third), "the third file at audit", detail=log)
         assert got(app, third) == []
@@ -120,3 +122,68 @@ def test_each_variant_in_the_payload_carries_its_stored_objects_size(
     sizes = {v["key"]: len(storage.get(v["key"], v["version"])) for v in variants}
     assert {v["key"]: v["bytes"] for v in variants} == sizes
     assert len(set(sizes.values())) == 2  # each variant its own size, not one for all
+
+
+def undelivered(dsn: str, endpoint: str) -> list[dict[str, Any]]:
+    return sql(dsn, "SELECT id, status FROM derivd_deliveries WHERE endpoint = %s"
+                    " AND status IN ('pending', 'delivering')", (endpoint,))  # fmt: skip
+
+
+def ended(dsn: str, endpoint: str) -> list[dict[str, Any]]:
+    return sql(dsn, "SELECT file_id, status, last_error FROM derivd_deliveries"
+                    " WHERE endpoint = %s ORDER BY id", (endpoint,))  # fmt: skip
+
+
+def test_an_endpoint_removed_by_sighup_gets_nothing_more_its_rows_end_failed(
+    dsn: str, tmp_path: Path
+) -> None:
+    log = lambda: (tmp_path / "derivd.log").read_text(errors="replace")  # noqa: E731
+    with receiving(SECRET) as app, receiving(SECRET) as gone:
+        gone.default = "500"  # its delivery stays undelivered, retried
+        ini = daemon_ini(tmp_path, dsn, {"app": app.url, "gone": gone.url})
+        with daemon(tmp_path, ini) as proc:
+            first = queue_file(tmp_path, dsn)
+            wait_for(lambda: got(app, first) and gone.answered("500"), "app got it, gone refused",
+                     detail=log)  # fmt: skip
+            daemon_ini(tmp_path, dsn, {"app": app.url})
+            proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: not undelivered(dsn, "gone"), "gone's delivery ended", detail=log)
+            asked = len(gone.answered())
+            second = queue_file(tmp_path, dsn)
+            wait_for(lambda: got(app, second), "the second file at app", detail=log)
+        assert len(gone.answered()) == asked  # nothing POSTed to it once its rows ended
+    assert ended(dsn, "gone") == [
+        {"file_id": first, "status": "failed", "last_error": "endpoint removed"}]  # fmt: skip
+    assert "removed=gone" in log()
+
+
+def test_a_restart_without_any_section_ends_the_rows_and_they_replay_when_it_is_back(
+    dsn: str, tmp_path: Path, run_cli: RunCli
+) -> None:
+    log = lambda: (tmp_path / "derivd.log").read_text(errors="replace")  # noqa: E731
+    with receiving(SECRET) as gone:
+        gone.default = "500"
+        with daemon(tmp_path, daemon_ini(tmp_path, dsn, {"gone": gone.url})):
+            file_id = queue_file(tmp_path, dsn)
+            wait_for(lambda: gone.answered("500"), "gone refused it", detail=log)
+        [refused] = {r.webhook_id for r in gone.answered("500")}
+        ini = daemon_ini(tmp_path, dsn, {})  # no [webhook:*] section: no deliverer at all
+        with daemon(tmp_path, ini):
+            wait_for(lambda: not undelivered(dsn, "gone"), "gone's delivery ended", detail=log)
+            status = json.loads(run_cli("-c", str(ini), "status", "--json").stdout)
+        [shown] = status["webhooks"]
+        assert (shown["name"], shown["removed"], shown["backlog"], shown["failed_kept"]) == (
+            "gone", True, 0, 1)  # fmt: skip
+        assert ended(dsn, "gone") == [
+            {"file_id": file_id, "status": "failed", "last_error": "endpoint removed"}]  # fmt: skip
+
+        gone.default = "ok"
+        ini = daemon_ini(tmp_path, dsn, {"gone": gone.url})
+        with daemon(tmp_path, ini):
+            wait_for(lambda: sql(dsn, "SELECT 1 FROM derivd_webhook_endpoints WHERE name ="
+                                      " 'gone' AND removed_at IS NULL"), "gone configured again",
+                     detail=log)  # fmt: skip
+            replay = run_cli("-c", str(ini), "webhooks", "replay", "--failed", "--endpoint", "gone")
+            assert replay.returncode == 0, replay.stderr
+            wait_for(lambda: got(gone, file_id), "the replay at gone", detail=log)
+    assert got(gone, file_id) == [refused]  # the same webhook-id: receivers dedupe it

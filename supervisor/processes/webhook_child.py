@@ -11,7 +11,14 @@ database was away heals): they are what the outbox subscribes. With `[webhook:NA
 sections the first workers start once the first sync has ended, so that their first
 commits find this configuration's endpoints (a fleet that starts with new sections
 announces its first files too); without any, they start at once (an endpoint removed
-from the file may get a few more deliveries queued meanwhile, which nobody claims).
+from the file may get a few more deliveries queued meanwhile: the sync ends them).
+
+An endpoint no longer in the file is removed by the sync, whether the file lost it by
+SIGHUP or the host restarted without it, with or without any section left: its
+undelivered deliveries end `failed` ("endpoint removed"), counted under its name in
+status and the metrics, replayable (`derivd webhooks replay --failed --endpoint NAME`)
+once it is configured again. Every host of a fleet syncs the set its own file holds, so
+the hosts of one database carry the same `[webhook:NAME]` sections.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.duties import DatabaseDuty
 from derivd.processes.forked import become_child, exit_code, fork_child
 from derivd.queue.db import QueueDB
+from derivd.queue.webhook_queries import EndpointSync
 
 log = logging.getLogger("derivd.webhooks")
 
@@ -40,7 +48,7 @@ RESTART_BACKOFF_S = (1.0, 30.0)  # first, most
 STOP_WAIT_S = 15.0
 
 
-class WebhookSync(DatabaseDuty[tuple[list[str], list[str]]]):
+class WebhookSync(DatabaseDuty[EndpointSync]):
     name = "webhook_sync"
 
     @property
@@ -51,17 +59,19 @@ class WebhookSync(DatabaseDuty[tuple[list[str], list[str]]]):
         super().__init__(config, thread)
         self.settled = False  # the first round has ended (either way)
 
-    def run_once(self, db: QueueDB) -> tuple[list[str], list[str]]:
+    def run_once(self, db: QueueDB) -> EndpointSync:
         return db.sync_webhook_endpoints([e.subscription() for e in self.config().webhooks])
 
-    def on_result(self, result: tuple[list[str], list[str]] | None) -> None:
+    def on_result(self, result: EndpointSync | None) -> None:
         self.settled = True
         if result is None:
             return
-        removed, changed = result
-        if removed or changed:
-            event(log, "webhook endpoints synced", removed=",".join(removed) or "-",
-                  changed=",".join(changed) or "-")  # fmt: skip
+        if result.removed or result.changed or result.stranded:
+            event(log, "webhook endpoints synced",
+                  logging.WARNING if result.stranded else logging.INFO,
+                  removed=",".join(result.removed) or "-",
+                  changed=",".join(result.changed) or "-",
+                  undelivered_failed=result.stranded)  # fmt: skip
 
     def now(self) -> None:
         """A round at the next tick (a reload)."""
@@ -69,13 +79,15 @@ class WebhookSync(DatabaseDuty[tuple[list[str], list[str]]]):
 
 
 class WebhookStats(DatabaseDuty[list[dict[str, Any]]]):
-    """The webhook gauges, every [metrics] interval, while endpoints are configured."""
+    """The webhook gauges, every [metrics] interval, while endpoints are configured or
+    the last reading listed some (removed ones whose failed rows are kept)."""
 
     name = "webhook_stats"
 
     def __init__(self, config: Callable[[], Config], thread: DatabaseThread, metrics: Metrics):
         super().__init__(config, thread)
         self.metrics = metrics
+        self.listed = True  # until a reading says otherwise: endpoints may be left over
 
     @property
     def interval(self) -> float:
@@ -83,10 +95,12 @@ class WebhookStats(DatabaseDuty[list[dict[str, Any]]]):
 
     def run_once(self, db: QueueDB) -> list[dict[str, Any]]:
         config = self.config()
-        return db.webhook_stats(window_s=config.status.window) if config.webhooks else []
+        wanted = config.webhooks or self.listed
+        return db.webhook_stats(window_s=config.status.window) if wanted else []
 
     def on_result(self, result: list[dict[str, Any]] | None) -> None:
         if result is not None:
+            self.listed = bool(result)
             self.metrics.set_webhooks(result)
 
 

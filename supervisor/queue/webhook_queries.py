@@ -35,6 +35,16 @@ class Delivery:
 
 
 @dataclass(frozen=True)
+class EndpointSync:
+    """What a sync changed: endpoints removed now, added or changed, and the undelivered
+    deliveries of removed endpoints it ended `failed`."""
+
+    removed: list[str]
+    changed: list[str]
+    stranded: int
+
+
+@dataclass(frozen=True)
 class Circuit:
     """When an endpoint backs off as a whole (consecutive failures, fleet-wide)."""
 
@@ -47,13 +57,14 @@ class WebhookQueries(Statements):
     """The outbox's endpoints, the deliveries' lease protocol, their views, replay and
     retention."""
 
-    def sync_webhook_endpoints(
-        self, subscriptions: Sequence[dict[str, Any]]
-    ) -> tuple[list[str], list[str]]:
+    def sync_webhook_endpoints(self, subscriptions: Sequence[dict[str, Any]]) -> EndpointSync:
         """Make the database's webhook endpoints these ({name, events, tenants}): the
-        outbox's subscribers. Returns the names removed and those added or changed."""
+        outbox's subscribers; every other one is removed and its undelivered rows end
+        `failed` ("endpoint removed")."""
         row = self._one("webhook_endpoints_sync", {"endpoints": json.dumps(list(subscriptions))})
-        return (list(row["removed"]), list(row["changed"])) if row else ([], [])
+        if row is None:
+            return EndpointSync([], [], 0)
+        return EndpointSync(list(row["removed"]), list(row["changed"]), int(row["stranded"]))
 
     def webhook_endpoints(self) -> list[dict[str, Any]]:
         return self._all("webhook_endpoints")
