@@ -29,6 +29,14 @@ SELECT set_config('lock_timeout', %(timeout)s, true);
 SELECT set_config('statement_timeout', %(statement)s, false),
        set_config('lock_timeout', %(lock)s, false);
 
+-- name: generic_plans
+-- A worker's direct connection plans each statement once: psycopg prepares a statement
+-- from its fifth call, and PostgreSQL would plan it again on every call whenever a
+-- custom plan for the values looks cheaper (the claim's write-ahead CTE, pruned when a
+-- noop worker registers nothing: ~6 % of a job's server CPU). Never through a pooler,
+-- where a session setting would stick to a server connection other clients share.
+SELECT set_config('plan_cache_mode', 'force_generic_plan', false);
+
 -- name: outbox_many
 -- The outbox of rows a statement just rejected or deleted, run right after it in the same
 -- transaction (QueueDB): one delivery per subscribed endpoint (derivd_outbox_many in

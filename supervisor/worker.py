@@ -203,7 +203,7 @@ class Worker:
     @classmethod
     def create(cls, config: Config, dsn: str, *, hooks: WorkerHooks | None = None) -> Worker:
         """Open everything this process needs. Raises on a bad boot (caller reports it)."""
-        queue = QueueDB.open(dsn, role=f"derivd-worker-{os.getpid()}")
+        queue = QueueDB.open(dsn, role=f"derivd-worker-{os.getpid()}", generic_plans=True)
         storage = open_storage(config)
         handler = create_handler(config.derive.backend, config.derive_spec())
         return cls(config, queue=queue, storage=storage, handler=handler, hooks=hooks)

@@ -182,6 +182,29 @@ def refused(queue: QueueDB, statement: str, *params: object) -> str | None:
     return caught.value.diag.constraint_name
 
 
+@pytest.mark.parametrize(
+    ("assignment", "constraint"),
+    [
+        ("status = 'rejected'", "archive_files_rejected_has_code"),  # without a code
+        ("error_code = 'corrupt_content'", "archive_files_rejected_has_code"),  # queued
+        ("attempts = -1", "archive_files_attempts_check"),
+        ("status = 'bogus'", "derivd_status_check"),  # the vocabulary's domain
+        ("error_code = 'bogus', status = 'rejected'", "derivd_error_code_check"),
+        ("priority = 101", "derivd_priority_check"),
+        ("tenant = ''", "derivd_tenant_check"),
+        ("original_width = 10", "archive_files_original_check"),  # all or nothing
+    ],
+)
+def test_each_rule_of_the_one_row_check_refuses_under_its_own_name(
+    queue: QueueDB, assignment: str, constraint: str
+) -> None:
+    """Migration 0020 made archive_files' CHECKs one function call: each rule still
+    refuses a row that breaks it, under the name it had as a CHECK of its own."""
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    statement = f"UPDATE archive_files SET {assignment} WHERE id = %s"
+    assert refused(queue, statement, file_id) == constraint
+
+
 def test_a_lease_token_exists_exactly_while_a_row_is_processing(queue: QueueDB) -> None:
     """The fence is `id + lease_token` (sql/functions.sql): the lease CHECK makes a token
     match mean `status = 'processing'` too. No write can break that equivalence."""
