@@ -418,10 +418,24 @@ BEGIN
         SELECT j.id, 'ready', d.attempts, j.token FROM done AS d
         RETURNING e.attempt INTO n;
         IF n IS NULL THEN
+            id := j.id;
+            -- The same commit sent again (derivd.worker, `_commit_again`: the first
+            -- sending's answer was lost) finds its attempt's work committed: the row
+            -- `ready` at this attempt (a later claim would have counted one more), with
+            -- this attempt's variants. Nothing is written twice.
+            PERFORM 1 FROM archive_files AS f
+             WHERE f.id = j.id AND f.status = 'ready' AND f.attempts = j.attempt
+               AND (jsonb_array_length(coalesce(j.variants, '[]')) = 0
+                    OR EXISTS (SELECT 1 FROM archive_variants AS v
+                                WHERE v.file_id = j.id AND v.lease_token = j.token));
+            IF FOUND THEN
+                outcome := 'committed';
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
             -- No file holds this lease: a re-derivation's (one id space), or lost (the
             -- `lease_lost` event is written there). A file pays for this only on a
             -- failed fence.
-            id := j.id;
             outcome := derivd_commit_rederivation(to_jsonb(j));
             RETURN NEXT;
             CONTINUE;
