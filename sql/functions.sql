@@ -982,24 +982,49 @@ RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
                claimable_since timestamptz, file_id bigint)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
+DECLARE
+    ids bigint[];
+    since timestamptz[];
+    tiers integer[];
+    counts integer[];
 BEGIN
+    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier), array_agg(c.n)
+      INTO ids, since, tiers, counts
+      FROM (SELECT * FROM (SELECT q.id, q.lease_until AS since, 0 AS tier, q.attempts AS n
+                             FROM derivd_rederivations AS q
+                            WHERE q.status = 'processing' AND q.lease_until < now()
+                              AND q.attempts < derivd_claim_rederivations.max_attempts
+                            ORDER BY q.lease_until
+                            LIMIT lim
+                              FOR UPDATE SKIP LOCKED) AS expired
+            UNION ALL
+            SELECT * FROM (SELECT q.id, q.available_at, 2, q.attempts
+                             FROM derivd_rederivations AS q
+                            WHERE q.status = 'queued' AND q.available_at <= now()
+                            ORDER BY q.priority DESC, q.id
+                            LIMIT lim
+                              FOR UPDATE SKIP LOCKED) AS due
+            LIMIT lim) AS c;
+    IF ids IS NULL THEN
+        RETURN;
+    END IF;
+    IF NOT derivd_claim_rederivations.max_attempts > ALL (counts) THEN
+        -- Queued jobs whose attempts are used up (max_attempts lowered since they were
+        -- queued) are rejected here, as the file claim does (derivd_claim): the job's
+        -- rejection, never its file's (`rederive_rejected` on the file). This claim
+        -- returns the others; the next one looks further.
+        WITH done AS (
+            UPDATE derivd_rederivations AS q
+               SET status = 'rejected', error_code = 'attempts_exhausted',
+                   finished_at = now(), updated_at = now()
+              FROM unnest(ids, counts) AS g(got_id, n)
+             WHERE q.id = g.got_id AND g.n >= derivd_claim_rederivations.max_attempts
+            RETURNING q.file_id, q.attempts)
+        INSERT INTO archive_events (file_id, kind, attempt, error_code)
+        SELECT d.file_id, 'rederive_rejected', d.attempts, 'attempts_exhausted'
+          FROM done AS d;
+    END IF;
     RETURN QUERY
-    WITH picked AS (
-        SELECT * FROM (SELECT q.id, q.lease_until AS since, 0 AS tier
-                         FROM derivd_rederivations AS q
-                        WHERE q.status = 'processing' AND q.lease_until < now()
-                          AND q.attempts < derivd_claim_rederivations.max_attempts
-                        ORDER BY q.lease_until
-                        LIMIT lim
-                          FOR UPDATE SKIP LOCKED) AS expired
-        UNION ALL
-        SELECT * FROM (SELECT q.id, q.available_at, 2
-                         FROM derivd_rederivations AS q
-                        WHERE q.status = 'queued' AND q.available_at <= now()
-                        ORDER BY q.priority DESC, q.id
-                        LIMIT lim
-                          FOR UPDATE SKIP LOCKED) AS due
-        LIMIT lim)
     UPDATE derivd_rederivations AS q
        SET status = 'processing',
            lease_token = gen_random_uuid(),
@@ -1009,8 +1034,8 @@ BEGIN
            claimed_at = now(),
            claimed_by = host,
            updated_at = now()
-      FROM picked AS c
-     WHERE q.id = c.id
+      FROM unnest(ids, since, tiers, counts) AS c(id, since, tier, n)
+     WHERE q.id = c.id AND c.n < derivd_claim_rederivations.max_attempts
     RETURNING 'claimed'::text, q.id, q.lease_token, q.attempts, q.original_key,
               q.original_version, extract(epoch FROM now() - c.since)::float8, c.tier,
               c.since, q.file_id;
