@@ -41,6 +41,64 @@
 -- synchronous_commit is set by the calling statement (`claim` in sql/queries.sql), not
 -- in derivd_claim.
 
+-- == archive_files' row rules ==========================================================
+
+-- archive_files' one CHECK (migration 0020): every rule a row must hold, in one
+-- function. A table CHECK is read back from its stored text and prepared again by every
+-- statement that writes the table (claims and commits included): seven of them cost
+-- ~12 % of a job's server CPU; one call of a function, compiled once per connection,
+-- costs a fraction of that. A broken rule raises check_violation under the constraint
+-- name it had as a CHECK of its own (as psycopg's diag.constraint_name reports it).
+CREATE OR REPLACE FUNCTION derivd_file_row_holds(
+    status text, error_code text, lease_token uuid, lease_until timestamptz,
+    attempts integer, priority smallint, tenant text, original_width integer,
+    original_height integer, original_format text, original_frames integer,
+    original_has_alpha boolean, original_colour text, original_placeholder text,
+    original_dhash bigint)
+RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    broken text;
+BEGIN
+    -- Each rule as its CHECK had it (NULL passes, as in a CHECK).
+    IF (status::derivd_status IS NOT NULL) IS FALSE THEN
+        broken := 'archive_files_status_check';
+    ELSIF (error_code IS NULL OR error_code::derivd_error_code IS NOT NULL) IS FALSE THEN
+        broken := 'archive_files_error_code_check';
+    -- A lease exists exactly while a row is processing: the fence relies on it (a token
+    -- match is a status check: derivd_commit_outcomes).
+    ELSIF ((status = 'processing') = (lease_token IS NOT NULL AND lease_until IS NOT NULL))
+          IS FALSE THEN
+        broken := 'archive_files_lease_check';
+    ELSIF ((status = 'rejected') = (error_code IS NOT NULL)) IS FALSE THEN
+        broken := 'archive_files_rejected_has_code';
+    ELSIF (attempts >= 0) IS FALSE THEN
+        broken := 'archive_files_attempts_check';
+    ELSIF (priority::derivd_priority IS NOT NULL
+           AND (tenant IS NULL OR tenant::derivd_tenant IS NOT NULL)) IS FALSE THEN
+        broken := 'archive_files_traffic_check';
+    -- The analysis: all eight or none. The worker checks the same before it commits
+    -- (derivd.analysis_rules): a handler's malformed analysis fails its own job, never
+    -- the commit. colour: "#rrggbb", lower case; placeholder: ThumbHash (17-25 bytes)
+    -- in base64, padding optional; format: a short lower-case name.
+    ELSIF (num_nulls(original_width, original_height, original_format, original_frames,
+                     original_has_alpha, original_colour, original_placeholder,
+                     original_dhash) = 8
+           OR (original_width > 0 AND original_height > 0 AND original_frames > 0
+               AND original_format ~ '^[a-z0-9]{1,16}$'
+               AND original_has_alpha IS NOT NULL
+               AND original_colour ~ '^#[0-9a-f]{6}$'
+               AND original_placeholder ~ '^[A-Za-z0-9+/]{16,64}={0,2}$'
+               AND original_dhash IS NOT NULL)) IS FALSE THEN
+        broken := 'archive_files_original_check';
+    ELSE
+        RETURN true;
+    END IF;
+    RAISE EXCEPTION 'new row for relation "archive_files" violates check constraint "%"',
+                    broken
+          USING ERRCODE = 'check_violation', CONSTRAINT = broken, TABLE = 'archive_files';
+END $$;
+
 -- == Triggers ===========================================================================
 
 -- archive_events is append-only: UPDATE, DELETE and TRUNCATE are refused (on every
@@ -231,10 +289,13 @@ END $$;
 -- Every caller checks derivd_webhooks_on() first (derivd_outbox_many does), once per
 -- call, so that without any endpoint a commit pays one probe of an empty table and no
 -- function call per row.
+-- (plpgsql, not sql: called from plpgsql, a SQL function's body is parsed and planned
+-- again in every transaction, ~7 % of a noop job's server CPU; plpgsql keeps its plan.)
 CREATE OR REPLACE FUNCTION derivd_webhooks_on() RETURNS boolean
-LANGUAGE sql STABLE AS $$
-    SELECT EXISTS (SELECT 1 FROM derivd_webhook_endpoints AS e WHERE e.removed_at IS NULL)
-$$;
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN EXISTS (SELECT 1 FROM derivd_webhook_endpoints AS e WHERE e.removed_at IS NULL);
+END $$;
 
 CREATE OR REPLACE FUNCTION derivd_outbox(file_id bigint, event text)
 RETURNS integer
@@ -362,10 +423,24 @@ BEGIN
         SELECT j.id, 'ready', d.attempts, j.token FROM done AS d
         RETURNING e.attempt INTO n;
         IF n IS NULL THEN
+            id := j.id;
+            -- The same commit sent again (derivd.worker, `_commit_again`: the first
+            -- sending's answer was lost) finds its attempt's work committed: the row
+            -- `ready` at this attempt (a later claim would have counted one more), with
+            -- this attempt's variants. Nothing is written twice.
+            PERFORM 1 FROM archive_files AS f
+             WHERE f.id = j.id AND f.status = 'ready' AND f.attempts = j.attempt
+               AND (jsonb_array_length(coalesce(j.variants, '[]')) = 0
+                    OR EXISTS (SELECT 1 FROM archive_variants AS v
+                                WHERE v.file_id = j.id AND v.lease_token = j.token));
+            IF FOUND THEN
+                outcome := 'committed';
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
             -- No file holds this lease: a re-derivation's (one id space), or lost (the
             -- `lease_lost` event is written there). A file pays for this only on a
             -- failed fence.
-            id := j.id;
             outcome := derivd_commit_rederivation(to_jsonb(j));
             RETURN NEXT;
             CONTINUE;
@@ -912,24 +987,49 @@ RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
                claimable_since timestamptz, file_id bigint)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
+DECLARE
+    ids bigint[];
+    since timestamptz[];
+    tiers integer[];
+    counts integer[];
 BEGIN
+    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier), array_agg(c.n)
+      INTO ids, since, tiers, counts
+      FROM (SELECT * FROM (SELECT q.id, q.lease_until AS since, 0 AS tier, q.attempts AS n
+                             FROM derivd_rederivations AS q
+                            WHERE q.status = 'processing' AND q.lease_until < now()
+                              AND q.attempts < derivd_claim_rederivations.max_attempts
+                            ORDER BY q.lease_until
+                            LIMIT lim
+                              FOR UPDATE SKIP LOCKED) AS expired
+            UNION ALL
+            SELECT * FROM (SELECT q.id, q.available_at, 2, q.attempts
+                             FROM derivd_rederivations AS q
+                            WHERE q.status = 'queued' AND q.available_at <= now()
+                            ORDER BY q.priority DESC, q.id
+                            LIMIT lim
+                              FOR UPDATE SKIP LOCKED) AS due
+            LIMIT lim) AS c;
+    IF ids IS NULL THEN
+        RETURN;
+    END IF;
+    IF NOT derivd_claim_rederivations.max_attempts > ALL (counts) THEN
+        -- Queued jobs whose attempts are used up (max_attempts lowered since they were
+        -- queued) are rejected here, as the file claim does (derivd_claim): the job's
+        -- rejection, never its file's (`rederive_rejected` on the file). This claim
+        -- returns the others; the next one looks further.
+        WITH done AS (
+            UPDATE derivd_rederivations AS q
+               SET status = 'rejected', error_code = 'attempts_exhausted',
+                   finished_at = now(), updated_at = now()
+              FROM unnest(ids, counts) AS g(got_id, n)
+             WHERE q.id = g.got_id AND g.n >= derivd_claim_rederivations.max_attempts
+            RETURNING q.file_id, q.attempts)
+        INSERT INTO archive_events (file_id, kind, attempt, error_code)
+        SELECT d.file_id, 'rederive_rejected', d.attempts, 'attempts_exhausted'
+          FROM done AS d;
+    END IF;
     RETURN QUERY
-    WITH picked AS (
-        SELECT * FROM (SELECT q.id, q.lease_until AS since, 0 AS tier
-                         FROM derivd_rederivations AS q
-                        WHERE q.status = 'processing' AND q.lease_until < now()
-                          AND q.attempts < derivd_claim_rederivations.max_attempts
-                        ORDER BY q.lease_until
-                        LIMIT lim
-                          FOR UPDATE SKIP LOCKED) AS expired
-        UNION ALL
-        SELECT * FROM (SELECT q.id, q.available_at, 2
-                         FROM derivd_rederivations AS q
-                        WHERE q.status = 'queued' AND q.available_at <= now()
-                        ORDER BY q.priority DESC, q.id
-                        LIMIT lim
-                          FOR UPDATE SKIP LOCKED) AS due
-        LIMIT lim)
     UPDATE derivd_rederivations AS q
        SET status = 'processing',
            lease_token = gen_random_uuid(),
@@ -939,8 +1039,8 @@ BEGIN
            claimed_at = now(),
            claimed_by = host,
            updated_at = now()
-      FROM picked AS c
-     WHERE q.id = c.id
+      FROM unnest(ids, since, tiers, counts) AS c(id, since, tier, n)
+     WHERE q.id = c.id AND c.n < derivd_claim_rederivations.max_attempts
     RETURNING 'claimed'::text, q.id, q.lease_token, q.attempts, q.original_key,
               q.original_version, extract(epoch FROM now() - c.since)::float8, c.tier,
               c.since, q.file_id;

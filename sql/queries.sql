@@ -29,6 +29,14 @@ SELECT set_config('lock_timeout', %(timeout)s, true);
 SELECT set_config('statement_timeout', %(statement)s, false),
        set_config('lock_timeout', %(lock)s, false);
 
+-- name: generic_plans
+-- A worker's direct connection plans each statement once: psycopg prepares a statement
+-- from its fifth call, and PostgreSQL would plan it again on every call whenever a
+-- custom plan for the values looks cheaper (the claim's write-ahead CTE, pruned when a
+-- noop worker registers nothing: ~6 % of a job's server CPU). Never through a pooler,
+-- where a session setting would stick to a server connection other clients share.
+SELECT set_config('plan_cache_mode', 'force_generic_plan', false);
+
 -- name: outbox_many
 -- The outbox of rows a statement just rejected or deleted, run right after it in the same
 -- transaction (QueueDB): one delivery per subscribed endpoint (derivd_outbox_many in
@@ -92,7 +100,8 @@ LISTEN {channel};
 -- transaction (`prefix_format`: derivd.storage.base.ATTEMPT_PREFIX_FORMAT, filled with
 -- the file and the token): no round trip of its own before the PUTs. Not flushed here:
 -- the worker registers its keys itself unless a durable statement of its connection
--- has ended since (derivd.worker, "write-ahead").
+-- has ended since (derivd.worker, "write-ahead"). `write_ahead` false: no prefix (a
+-- backend that stores no objects, noop: a row and its deletion per job for nothing).
 WITH c AS MATERIALIZED (
     SELECT c.*
       FROM set_config('synchronous_commit', 'off', true) AS no_flush_wait,
@@ -103,6 +112,7 @@ WITH c AS MATERIALIZED (
     SELECT format(%(prefix_format)s::text, coalesce(c.file_id, c.id), c.lease_token),
            c.id, c.lease_token
       FROM c
+     WHERE %(write_ahead)s::boolean
     ON CONFLICT (key) DO NOTHING
 )
 SELECT * FROM c;
@@ -133,7 +143,7 @@ SELECT c.outcome AS kind, c.id
 -- then the claim, in one function body (derivd_commit_and_claim in sql/functions.sql;
 -- derivd_commit and derivd_claim wrap it). Rows: kind = 'committed' (id) or 'claimed'
 -- (the claim's columns). Each claimed attempt's key prefix is registered write-ahead as
--- in `claim`, here flushed with the commit.
+-- in `claim` (`write_ahead` too), here flushed with the commit.
 WITH c AS MATERIALIZED (
     SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, %(limit)s::integer,
                                           %(lease_s)s::float8, %(max_attempts)s::integer,
@@ -143,7 +153,7 @@ WITH c AS MATERIALIZED (
     SELECT format(%(prefix_format)s::text, coalesce(c.file_id, c.id), c.lease_token),
            c.id, c.lease_token
       FROM c
-     WHERE c.kind = 'claimed'
+     WHERE c.kind = 'claimed' AND %(write_ahead)s::boolean
     ON CONFLICT (key) DO NOTHING
 )
 SELECT * FROM c;

@@ -271,8 +271,8 @@ def test_the_upgrade_ends_what_the_previous_releases_sync_stranded(
     # leaving the endpoint's undelivered rows to nobody.
     sql(dsn, "DELETE FROM derivd_webhook_endpoints")
     sql(dsn, "ALTER TABLE derivd_webhook_endpoints DROP COLUMN removed_at")
-    sql(dsn, "DELETE FROM derivd_migrations WHERE name = '0020_webhook_removed'")
-    assert migrate(dsn) == ["0020_webhook_removed"]
+    sql(dsn, "DELETE FROM derivd_migrations WHERE name = '0021_webhook_removed'")
+    assert migrate(dsn) == ["0021_webhook_removed"]
     assert queue.sync_webhook_endpoints([]) == EndpointSync([], [], 1)
     assert sql(dsn, "SELECT file_id, status, last_error FROM derivd_deliveries") == [
         {"file_id": stranded, "status": "failed", "last_error": "endpoint removed"}]  # fmt: skip
