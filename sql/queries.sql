@@ -962,6 +962,43 @@ SELECT c.replayed
   LEFT JOIN LATERAL (SELECT pg_notify('derivd_deliveries', '') WHERE c.replayed > 0) AS w
     ON true;
 
+-- name: deliveries_due_within
+-- `run --burst`'s last deliverer, with nothing left to claim: whether one of these
+-- endpoints still has a delivery to wait for: one leased (in flight here or on another
+-- host; an expired lease is claimable again), or one due within `within_s` seconds whose
+-- endpoint's circuit is closed by then and which is not removed. Through the partial
+-- indexes of leased and due rows.
+SELECT EXISTS (SELECT 1 FROM derivd_deliveries AS d
+                WHERE d.endpoint = ANY (%(endpoints)s::text[]) AND d.status = 'delivering')
+    OR EXISTS (SELECT 1 FROM derivd_deliveries AS d
+                 LEFT JOIN derivd_webhook_endpoints AS e ON e.name = d.endpoint
+                WHERE d.endpoint = ANY (%(endpoints)s::text[]) AND d.status = 'pending'
+                  AND d.available_at <= now() + make_interval(secs => %(within_s)s)
+                  AND e.removed_at IS NULL
+                  AND (e.paused_until IS NULL
+                       OR e.paused_until <= now() + make_interval(secs => %(within_s)s)))
+       AS waiting;
+
+-- name: deliveries_left
+-- What a `run --burst` leaves behind, per endpoint given: undelivered deliveries
+-- (pending or leased, each counted to 10,000), seconds until the first pending one is
+-- due, and until the endpoint's circuit closes (NULL: closed).
+SELECT n.name,
+       (SELECT count(*) FROM (SELECT 1 FROM derivd_deliveries AS d
+                               WHERE d.endpoint = n.name AND d.status = 'pending'
+                               LIMIT 10000) AS q)::int
+       + (SELECT count(*) FROM (SELECT 1 FROM derivd_deliveries AS d
+                                 WHERE d.endpoint = n.name AND d.status = 'delivering'
+                                 LIMIT 10000) AS q)::int AS waiting,
+       extract(epoch FROM (SELECT min(d.available_at) FROM derivd_deliveries AS d
+                            WHERE d.endpoint = n.name AND d.status = 'pending')
+                          - now())::float8 AS next_due_s,
+       extract(epoch FROM (SELECT e.paused_until FROM derivd_webhook_endpoints AS e
+                            WHERE e.name = n.name AND e.paused_until > now())
+                          - now())::float8 AS paused_s
+  FROM unnest(%(endpoints)s::text[]) AS n(name)
+ ORDER BY n.name;
+
 -- name: delivery_test
 -- `derivd webhooks test NAME`: one delivery of a `file.ready`-shaped test event (file id 0,
 -- no variants) to that endpoint, through the outbox like any other. Returns its id.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
@@ -187,3 +188,41 @@ def test_a_restart_without_any_section_ends_the_rows_and_they_replay_when_it_is_
             assert replay.returncode == 0, replay.stderr
             wait_for(lambda: got(gone, file_id), "the replay at gone", detail=log)
     assert got(gone, file_id) == [refused]  # the same webhook-id: receivers dedupe it
+
+
+def test_run_burst_delivers_what_its_commits_queued_before_it_exits(
+    dsn: str, tmp_path: Path, run_cli: RunCli
+) -> None:
+    """`run --burst` used to exit once the files were done, their events still queued.
+    Now its last deliverer POSTs them (a retry due soon included) before it ends."""
+    with receiving(SECRET) as app:
+        app.script = ["500"]  # the first POST is refused: its retry comes within a second
+        ini = daemon_ini(tmp_path, dsn, {"app": app.url})
+        ids = [queue_file(tmp_path, dsn) for _ in range(3)]
+        run = run_cli("-c", str(ini), "run", "--burst", timeout=120)
+        assert run.returncode == 0, run.stderr
+        # Right as it exits, with nothing waited for here.
+        assert sorted(r.payload["data"]["file_id"] for r in app.unique().values()) == ids
+        [refused] = app.answered("500")
+        assert refused.webhook_id in app.unique()  # retried under its id, then delivered
+    assert {r["status"] for r in ended(dsn, "app")} == {"delivered"}
+    assert "left " not in run.stderr
+
+
+def test_run_burst_names_the_deliveries_it_leaves_for_later(
+    dsn: str, tmp_path: Path, run_cli: RunCli
+) -> None:
+    with receiving(SECRET) as app:
+        app.default, app.retry_after = "429", "300"  # due again past the burst's wait
+        ini = daemon_ini(tmp_path, dsn, {"app": app.url})
+        queue_file(tmp_path, dsn)
+        run = run_cli("-c", str(ini), "run", "--burst", timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert len(app.answered("429")) == 1
+    assert [r["status"] for r in ended(dsn, "app")] == ["pending"]
+    (line,) = [line for line in run.stderr.splitlines() if line.startswith("derivd: left ")]
+    assert re.fullmatch(
+        r"derivd: left 1 webhook delivery pending for endpoint app, the next due in "
+        r"4m5\ds \(at \d\d:\d\d:\d\d\): run `derivd run --burst` again then, or `derivd run`",
+        line,
+    ), line

@@ -40,6 +40,7 @@ from derivd.processes.duties import DatabaseDuty
 from derivd.processes.forked import become_child, exit_code, fork_child
 from derivd.queue.db import QueueDB
 from derivd.queue.webhook_queries import EndpointSync
+from derivd.worker import BURST_RETRY_WAIT_S
 
 log = logging.getLogger("derivd.webhooks")
 
@@ -105,7 +106,12 @@ class WebhookStats(DatabaseDuty[list[dict[str, Any]]]):
 
 
 class WebhookChild:
-    """The delivering process: forked while endpoints exist, replaced when it dies."""
+    """The delivering process: forked while endpoints exist, replaced when it dies.
+
+    Under `run --burst` it delivers while the workers work; once they drained the queue
+    (`finish`), the running child stops and a last one delivers what is leased or due
+    within BURST_RETRY_WAIT_S (the workers' own rule for retries), then ends: `done`. What
+    it leaves is named on the way out (derivd.processes.daemon)."""
 
     def __init__(
         self,
@@ -121,6 +127,14 @@ class WebhookChild:
         self.not_before = 0.0
         self.failures = 0
         self.active = False
+        self.draining = False  # --burst: the queue is drained, the last child drains
+        self.drain_child = False  # the running child is that last one
+        self.drained = False  # and it has ended
+
+    @property
+    def done(self) -> bool:
+        """Nothing (more) to deliver from here: no endpoint, or the last child ended."""
+        return not self.config().webhooks or self.drained
 
     def start(self, now: float) -> None:
         self.active = True
@@ -128,14 +142,24 @@ class WebhookChild:
 
     def tick(self, now: float) -> None:
         self.reap()
-        if self.active and self.pid is None and now >= self.not_before and self.config().webhooks:
+        if self.drained or not (self.active and self.pid is None and now >= self.not_before):
+            return
+        if self.config().webhooks:
             self.launch()
+
+    def finish(self) -> None:
+        """`run --burst` drained the queue: the running child stops (its POSTs in flight
+        end first), then the last one starts (`tick`)."""
+        if not self.draining:
+            self.draining = True
+            self._stop_child(wait=False)
 
     def reload(self) -> None:
         """The configuration changed: the running child stops, a new one starts."""
         self._stop_child(wait=False)
 
     def launch(self) -> None:
+        self.drain_child = self.draining
         self.pid = fork_child(self._child, self.inherited_fds())
         self.started = time.monotonic()
 
@@ -147,6 +171,11 @@ class WebhookChild:
             return
         lived = time.monotonic() - self.started
         self.pid = None
+        if self.drain_child:
+            self.drained = True  # whatever its end: what it left is said on the way out
+            if code != 0:
+                event(log, "webhook deliverer died draining", logging.WARNING, code=code)
+            return
         if code != 0 and self.active:
             self.failures = 0 if lived > RESTART_BACKOFF_S[1] else self.failures + 1
             first, most = RESTART_BACKOFF_S
@@ -182,15 +211,16 @@ class WebhookChild:
         try:
             become_child(parent, close_fds=inherited_fds)  # SIGTERM: run_deliverer's own
             set_proctitle("derivd: webhooks")
-            code = run_deliverer(self.config(), self.dsn)
+            code = run_deliverer(self.config(), self.dsn, drain=self.drain_child)
         except Exception:
             log.exception("webhook deliverer failed")
         finally:
             os._exit(code)
 
 
-def run_deliverer(config: Config, dsn: str) -> int:
-    """The child's body: deliver until SIGTERM (in-flight POSTs finish first)."""
+def run_deliverer(config: Config, dsn: str, *, drain: bool = False) -> int:
+    """The child's body: deliver until SIGTERM (in-flight POSTs finish first); `drain`:
+    until nothing is leased or due within BURST_RETRY_WAIT_S, too."""
     from derivd.webhooks.deliverer import Deliverer
 
     deliverer = Deliverer(
@@ -199,6 +229,7 @@ def run_deliverer(config: Config, dsn: str) -> int:
         host=config.host_id,
         listen_dsn=config.database.listen_dsn or None,
         poll_interval=config.queue.poll_interval,
+        drain_within_s=BURST_RETRY_WAIT_S if drain else None,
     )
     signal.signal(signal.SIGTERM, lambda *_: deliverer.stop())
     try:

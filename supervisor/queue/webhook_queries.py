@@ -45,6 +45,17 @@ class EndpointSync:
 
 
 @dataclass(frozen=True)
+class DeliveriesLeft:
+    """One endpoint's undelivered deliveries (each status counted to 10,000), seconds
+    until the first pending one is due, and until its circuit closes (None: closed)."""
+
+    endpoint: str
+    waiting: int
+    next_due_s: float | None
+    paused_s: float | None
+
+
+@dataclass(frozen=True)
 class Circuit:
     """When an endpoint backs off as a whole (consecutive failures, fleet-wide)."""
 
@@ -133,6 +144,20 @@ class WebhookQueries(Statements):
         }
         row = self._one("deliveries_replay", params)
         return int(row["replayed"]) if row else 0
+
+    def deliveries_due_within(self, endpoints: Sequence[str], *, within_s: float) -> bool:
+        """Whether one of `endpoints` has a delivery leased, or one due within `within_s`
+        seconds (its circuit closed by then): what `run --burst` waits for."""
+        params = {"endpoints": list(endpoints), "within_s": within_s}
+        row = self._one("deliveries_due_within", params)
+        return bool(row and row["waiting"])
+
+    def deliveries_left(self, endpoints: Sequence[str]) -> list[DeliveriesLeft]:
+        """Per endpoint given: what `run --burst` leaves undelivered."""
+        return [
+            DeliveriesLeft(r["name"], r["waiting"], r["next_due_s"], r["paused_s"])
+            for r in self._all("deliveries_left", {"endpoints": list(endpoints)})
+        ]
 
     def add_test_delivery(self, endpoint: str, body: str) -> int:
         row = self._one("delivery_test", {"endpoint": endpoint, "body": body})
