@@ -9,6 +9,8 @@ class NoopHandler:
     name = "noop"
     # It measures the queue itself: the worker skips the GET of the original.
     reads_original = False
+    # Nor does it store any: its claims register no write-ahead prefix.
+    stores_objects = False
 
     def __init__(self, spec: DeriveSpec | None = None) -> None:
         self.spec = spec

@@ -41,6 +41,64 @@
 -- synchronous_commit is set by the calling statement (`claim` in sql/queries.sql), not
 -- in derivd_claim.
 
+-- == archive_files' row rules ==========================================================
+
+-- archive_files' one CHECK (migration 0020): every rule a row must hold, in one
+-- function. A table CHECK is read back from its stored text and prepared again by every
+-- statement that writes the table (claims and commits included): seven of them cost
+-- ~12 % of a job's server CPU; one call of a function, compiled once per connection,
+-- costs a fraction of that. A broken rule raises check_violation under the constraint
+-- name it had as a CHECK of its own (as psycopg's diag.constraint_name reports it).
+CREATE OR REPLACE FUNCTION derivd_file_row_holds(
+    status text, error_code text, lease_token uuid, lease_until timestamptz,
+    attempts integer, priority smallint, tenant text, original_width integer,
+    original_height integer, original_format text, original_frames integer,
+    original_has_alpha boolean, original_colour text, original_placeholder text,
+    original_dhash bigint)
+RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    broken text;
+BEGIN
+    -- Each rule as its CHECK had it (NULL passes, as in a CHECK).
+    IF (status::derivd_status IS NOT NULL) IS FALSE THEN
+        broken := 'archive_files_status_check';
+    ELSIF (error_code IS NULL OR error_code::derivd_error_code IS NOT NULL) IS FALSE THEN
+        broken := 'archive_files_error_code_check';
+    -- A lease exists exactly while a row is processing: the fence relies on it (a token
+    -- match is a status check: derivd_commit_outcomes).
+    ELSIF ((status = 'processing') = (lease_token IS NOT NULL AND lease_until IS NOT NULL))
+          IS FALSE THEN
+        broken := 'archive_files_lease_check';
+    ELSIF ((status = 'rejected') = (error_code IS NOT NULL)) IS FALSE THEN
+        broken := 'archive_files_rejected_has_code';
+    ELSIF (attempts >= 0) IS FALSE THEN
+        broken := 'archive_files_attempts_check';
+    ELSIF (priority::derivd_priority IS NOT NULL
+           AND (tenant IS NULL OR tenant::derivd_tenant IS NOT NULL)) IS FALSE THEN
+        broken := 'archive_files_traffic_check';
+    -- The analysis: all eight or none. The worker checks the same before it commits
+    -- (derivd.analysis_rules): a handler's malformed analysis fails its own job, never
+    -- the commit. colour: "#rrggbb", lower case; placeholder: ThumbHash (17-25 bytes)
+    -- in base64, padding optional; format: a short lower-case name.
+    ELSIF (num_nulls(original_width, original_height, original_format, original_frames,
+                     original_has_alpha, original_colour, original_placeholder,
+                     original_dhash) = 8
+           OR (original_width > 0 AND original_height > 0 AND original_frames > 0
+               AND original_format ~ '^[a-z0-9]{1,16}$'
+               AND original_has_alpha IS NOT NULL
+               AND original_colour ~ '^#[0-9a-f]{6}$'
+               AND original_placeholder ~ '^[A-Za-z0-9+/]{16,64}={0,2}$'
+               AND original_dhash IS NOT NULL)) IS FALSE THEN
+        broken := 'archive_files_original_check';
+    ELSE
+        RETURN true;
+    END IF;
+    RAISE EXCEPTION 'new row for relation "archive_files" violates check constraint "%"',
+                    broken
+          USING ERRCODE = 'check_violation', CONSTRAINT = broken, TABLE = 'archive_files';
+END $$;
+
 -- == Triggers ===========================================================================
 
 -- archive_events is append-only: UPDATE, DELETE and TRUNCATE are refused (on every
@@ -225,15 +283,19 @@ END $$;
 -- file.ready / file.rederived every variant and the analysis}. A re-derivation's job row
 -- is no file of its own: it announces nothing (its commit announces file.rederived for
 -- the file). Wakes the delivering processes (`derivd_deliveries`, constant payload: one
--- notification per transaction). Returns the deliveries inserted.
+-- notification per transaction). Returns the deliveries inserted. An endpoint removed
+-- from the INI (removed_at: kept while deliveries of it are) subscribes to nothing.
 --
 -- Every caller checks derivd_webhooks_on() first (derivd_outbox_many does), once per
 -- call, so that without any endpoint a commit pays one probe of an empty table and no
 -- function call per row.
+-- (plpgsql, not sql: called from plpgsql, a SQL function's body is parsed and planned
+-- again in every transaction, ~7 % of a noop job's server CPU; plpgsql keeps its plan.)
 CREATE OR REPLACE FUNCTION derivd_webhooks_on() RETURNS boolean
-LANGUAGE sql STABLE AS $$
-    SELECT EXISTS (SELECT 1 FROM derivd_webhook_endpoints)
-$$;
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN EXISTS (SELECT 1 FROM derivd_webhook_endpoints AS e WHERE e.removed_at IS NULL);
+END $$;
 
 CREATE OR REPLACE FUNCTION derivd_outbox(file_id bigint, event text)
 RETURNS integer
@@ -254,7 +316,8 @@ BEGIN
                        THEN coalesce((SELECT jsonb_agg(jsonb_build_object(
                                 'name', v.name, 'format', v.format, 'key', v.key,
                                 'version', v.version, 'content_type', v.content_type,
-                                'width', v.width, 'height', v.height, 'sha256', v.sha256)
+                                'width', v.width, 'height', v.height, 'bytes', v.bytes,
+                                'sha256', v.sha256)
                               ORDER BY v.name, v.format)
                               FROM archive_variants AS v WHERE v.file_id = f.id), '[]') END,
                    'original', CASE WHEN derivd_outbox.event IN ('file.ready', 'file.rederived')
@@ -269,6 +332,7 @@ BEGIN
       JOIN derivd_webhook_endpoints AS e
         ON derivd_outbox.event = ANY (e.events)
        AND (e.tenants IS NULL OR f.tenant = ANY (e.tenants))
+       AND e.removed_at IS NULL
      WHERE f.id = derivd_outbox.file_id AND f.rederive_of IS NULL;
     GET DIAGNOSTICS n = ROW_COUNT;
     IF n > 0 THEN
@@ -301,7 +365,9 @@ END $$;
 -- token, attempt, derived_key, derived_version, sha256, width, height, variants,
 -- original_width, original_height, original_format, original_frames, original_has_alpha,
 -- original_colour, original_placeholder, original_dhash}; the analysis keys absent, as
--- from a handler that analyses nothing or a host of a release before 0013: NULLs). Each
+-- from a handler that analyses nothing or a host of a release before 0013: NULLs; each
+-- variant {name, format, content_type, key, version, sha256, width, height, fingerprint,
+-- bytes}, `bytes` absent from a host of a release before 0019: NULL). Each
 -- row passes or fails its own fence. A file's fenced UPDATE and its `ready` event are one
 -- statement; for a row that passes, its variants are recorded and, when it stored some,
 -- its attempt's write-ahead entries cleared (an attempt registers pending objects
@@ -357,10 +423,24 @@ BEGIN
         SELECT j.id, 'ready', d.attempts, j.token FROM done AS d
         RETURNING e.attempt INTO n;
         IF n IS NULL THEN
+            id := j.id;
+            -- The same commit sent again (derivd.worker, `_commit_again`: the first
+            -- sending's answer was lost) finds its attempt's work committed: the row
+            -- `ready` at this attempt (a later claim would have counted one more), with
+            -- this attempt's variants. Nothing is written twice.
+            PERFORM 1 FROM archive_files AS f
+             WHERE f.id = j.id AND f.status = 'ready' AND f.attempts = j.attempt
+               AND (jsonb_array_length(coalesce(j.variants, '[]')) = 0
+                    OR EXISTS (SELECT 1 FROM archive_variants AS v
+                                WHERE v.file_id = j.id AND v.lease_token = j.token));
+            IF FOUND THEN
+                outcome := 'committed';
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
             -- No file holds this lease: a re-derivation's (one id space), or lost (the
             -- `lease_lost` event is written there). A file pays for this only on a
             -- failed fence.
-            id := j.id;
             outcome := derivd_commit_rederivation(to_jsonb(j));
             RETURN NEXT;
             CONTINUE;
@@ -368,19 +448,19 @@ BEGIN
         IF jsonb_array_length(coalesce(j.variants, '[]')) > 0 THEN
             INSERT INTO archive_variants AS a (file_id, name, format, content_type, key,
                                                version, sha256, width, height, lease_token,
-                                               fingerprint)
+                                               fingerprint, bytes)
             SELECT j.id, v.name, v.format, v.content_type, v.key,
-                   v.version, v.sha256, v.width, v.height, j.token, v.fingerprint
+                   v.version, v.sha256, v.width, v.height, j.token, v.fingerprint, v.bytes
               FROM jsonb_to_recordset(j.variants)
                    AS v(name text, format text, content_type text, key text,
                         version text, sha256 text, width integer, height integer,
-                        fingerprint text)
+                        fingerprint text, bytes bigint)
             ON CONFLICT (file_id, name, format) DO UPDATE
                SET key = EXCLUDED.key, version = EXCLUDED.version,
                    sha256 = EXCLUDED.sha256, width = EXCLUDED.width,
                    height = EXCLUDED.height, content_type = EXCLUDED.content_type,
                    lease_token = EXCLUDED.lease_token, fingerprint = EXCLUDED.fingerprint,
-                   created_at = now();
+                   bytes = EXCLUDED.bytes, created_at = now();
             DELETE FROM pending_objects WHERE lease_token = j.token;
         END IF;
         IF hooks IS NULL THEN
@@ -907,24 +987,49 @@ RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
                claimable_since timestamptz, file_id bigint)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
+DECLARE
+    ids bigint[];
+    since timestamptz[];
+    tiers integer[];
+    counts integer[];
 BEGIN
+    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier), array_agg(c.n)
+      INTO ids, since, tiers, counts
+      FROM (SELECT * FROM (SELECT q.id, q.lease_until AS since, 0 AS tier, q.attempts AS n
+                             FROM derivd_rederivations AS q
+                            WHERE q.status = 'processing' AND q.lease_until < now()
+                              AND q.attempts < derivd_claim_rederivations.max_attempts
+                            ORDER BY q.lease_until
+                            LIMIT lim
+                              FOR UPDATE SKIP LOCKED) AS expired
+            UNION ALL
+            SELECT * FROM (SELECT q.id, q.available_at, 2, q.attempts
+                             FROM derivd_rederivations AS q
+                            WHERE q.status = 'queued' AND q.available_at <= now()
+                            ORDER BY q.priority DESC, q.id
+                            LIMIT lim
+                              FOR UPDATE SKIP LOCKED) AS due
+            LIMIT lim) AS c;
+    IF ids IS NULL THEN
+        RETURN;
+    END IF;
+    IF NOT derivd_claim_rederivations.max_attempts > ALL (counts) THEN
+        -- Queued jobs whose attempts are used up (max_attempts lowered since they were
+        -- queued) are rejected here, as the file claim does (derivd_claim): the job's
+        -- rejection, never its file's (`rederive_rejected` on the file). This claim
+        -- returns the others; the next one looks further.
+        WITH done AS (
+            UPDATE derivd_rederivations AS q
+               SET status = 'rejected', error_code = 'attempts_exhausted',
+                   finished_at = now(), updated_at = now()
+              FROM unnest(ids, counts) AS g(got_id, n)
+             WHERE q.id = g.got_id AND g.n >= derivd_claim_rederivations.max_attempts
+            RETURNING q.file_id, q.attempts)
+        INSERT INTO archive_events (file_id, kind, attempt, error_code)
+        SELECT d.file_id, 'rederive_rejected', d.attempts, 'attempts_exhausted'
+          FROM done AS d;
+    END IF;
     RETURN QUERY
-    WITH picked AS (
-        SELECT * FROM (SELECT q.id, q.lease_until AS since, 0 AS tier
-                         FROM derivd_rederivations AS q
-                        WHERE q.status = 'processing' AND q.lease_until < now()
-                          AND q.attempts < derivd_claim_rederivations.max_attempts
-                        ORDER BY q.lease_until
-                        LIMIT lim
-                          FOR UPDATE SKIP LOCKED) AS expired
-        UNION ALL
-        SELECT * FROM (SELECT q.id, q.available_at, 2
-                         FROM derivd_rederivations AS q
-                        WHERE q.status = 'queued' AND q.available_at <= now()
-                        ORDER BY q.priority DESC, q.id
-                        LIMIT lim
-                          FOR UPDATE SKIP LOCKED) AS due
-        LIMIT lim)
     UPDATE derivd_rederivations AS q
        SET status = 'processing',
            lease_token = gen_random_uuid(),
@@ -934,8 +1039,8 @@ BEGIN
            claimed_at = now(),
            claimed_by = host,
            updated_at = now()
-      FROM picked AS c
-     WHERE q.id = c.id
+      FROM unnest(ids, since, tiers, counts) AS c(id, since, tier, n)
+     WHERE q.id = c.id AND c.n < derivd_claim_rederivations.max_attempts
     RETURNING 'claimed'::text, q.id, q.lease_token, q.attempts, q.original_key,
               q.original_version, extract(epoch FROM now() - c.since)::float8, c.tier,
               c.since, q.file_id;
@@ -1010,12 +1115,13 @@ BEGIN
     ON CONFLICT (key) DO NOTHING;
     DELETE FROM archive_variants AS a WHERE a.file_id = target;
     INSERT INTO archive_variants (file_id, name, format, content_type, key, version, sha256,
-                                  width, height, lease_token, fingerprint)
+                                  width, height, lease_token, fingerprint, bytes)
     SELECT target, v.name, v.format, v.content_type, v.key, v.version, v.sha256, v.width,
-           v.height, j.token, v.fingerprint
+           v.height, j.token, v.fingerprint, v.bytes
       FROM jsonb_to_recordset(j.variants)
            AS v(name text, format text, content_type text, key text, version text,
-                sha256 text, width integer, height integer, fingerprint text);
+                sha256 text, width integer, height integer, fingerprint text,
+                bytes bigint);
     UPDATE archive_files AS f
        SET derived_key = j.derived_key,
            derived_version = j.derived_version,

@@ -29,6 +29,14 @@ SELECT set_config('lock_timeout', %(timeout)s, true);
 SELECT set_config('statement_timeout', %(statement)s, false),
        set_config('lock_timeout', %(lock)s, false);
 
+-- name: generic_plans
+-- A worker's direct connection plans each statement once: psycopg prepares a statement
+-- from its fifth call, and PostgreSQL would plan it again on every call whenever a
+-- custom plan for the values looks cheaper (the claim's write-ahead CTE, pruned when a
+-- noop worker registers nothing: ~6 % of a job's server CPU). Never through a pooler,
+-- where a session setting would stick to a server connection other clients share.
+SELECT set_config('plan_cache_mode', 'force_generic_plan', false);
+
 -- name: outbox_many
 -- The outbox of rows a statement just rejected or deleted, run right after it in the same
 -- transaction (QueueDB): one delivery per subscribed endpoint (derivd_outbox_many in
@@ -92,7 +100,8 @@ LISTEN {channel};
 -- transaction (`prefix_format`: derivd.storage.base.ATTEMPT_PREFIX_FORMAT, filled with
 -- the file and the token): no round trip of its own before the PUTs. Not flushed here:
 -- the worker registers its keys itself unless a durable statement of its connection
--- has ended since (derivd.worker, "write-ahead").
+-- has ended since (derivd.worker, "write-ahead"). `write_ahead` false: no prefix (a
+-- backend that stores no objects, noop: a row and its deletion per job for nothing).
 WITH c AS MATERIALIZED (
     SELECT c.*
       FROM set_config('synchronous_commit', 'off', true) AS no_flush_wait,
@@ -103,6 +112,7 @@ WITH c AS MATERIALIZED (
     SELECT format(%(prefix_format)s::text, coalesce(c.file_id, c.id), c.lease_token),
            c.id, c.lease_token
       FROM c
+     WHERE %(write_ahead)s::boolean
     ON CONFLICT (key) DO NOTHING
 )
 SELECT * FROM c;
@@ -133,7 +143,7 @@ SELECT c.outcome AS kind, c.id
 -- then the claim, in one function body (derivd_commit_and_claim in sql/functions.sql;
 -- derivd_commit and derivd_claim wrap it). Rows: kind = 'committed' (id) or 'claimed'
 -- (the claim's columns). Each claimed attempt's key prefix is registered write-ahead as
--- in `claim`, here flushed with the commit.
+-- in `claim` (`write_ahead` too), here flushed with the commit.
 WITH c AS MATERIALIZED (
     SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, %(limit)s::integer,
                                           %(lease_s)s::float8, %(max_attempts)s::integer,
@@ -143,7 +153,7 @@ WITH c AS MATERIALIZED (
     SELECT format(%(prefix_format)s::text, coalesce(c.file_id, c.id), c.lease_token),
            c.id, c.lease_token
       FROM c
-     WHERE c.kind = 'claimed'
+     WHERE c.kind = 'claimed' AND %(write_ahead)s::boolean
     ON CONFLICT (key) DO NOTHING
 )
 SELECT * FROM c;
@@ -548,7 +558,7 @@ SELECT id, status, attempts, available_at, lease_token, lease_until, original_ke
   FROM archive_files WHERE id = %(id)s;
 
 -- name: file_variants
-SELECT name, key, version, sha256, width, height, format, content_type, fingerprint
+SELECT name, key, version, sha256, width, height, format, content_type, fingerprint, bytes
   FROM archive_variants WHERE file_id = %(id)s ORDER BY name, format;
 
 -- name: file_events
@@ -556,6 +566,23 @@ SELECT name, key, version, sha256, width, height, format, content_type, fingerpr
 -- found through its (file_id, at) index).
 SELECT at, kind, attempt, error_code, actor, lease_token
   FROM archive_events WHERE file_id = %(id)s ORDER BY at, id;
+
+-- name: files_page
+-- `derivd files`: files (not re-derivation jobs) newest first, by status, error code,
+-- tenant and creation time, one page at a time: `before` is the last id of the page
+-- before (keyset paging, stable while rows are added).
+SELECT id, status, error_code, tenant, attempts, priority, created_at, finished_at,
+       original_key
+  FROM archive_files
+ WHERE rederive_of IS NULL
+   AND (%(status)s::text IS NULL OR status = %(status)s::text)
+   AND (%(code)s::text IS NULL OR error_code = %(code)s::text)
+   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s::text)
+   AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+   AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
+   AND (%(before)s::bigint IS NULL OR id < %(before)s::bigint)
+ ORDER BY id DESC
+ LIMIT %(limit)s;
 
 -- == backfill runs (derivd.queue.backfill_queries) ==
 
@@ -705,7 +732,8 @@ SELECT status FROM archive_files WHERE id = %(id)s;
 SELECT f.status, f.error_code,
        coalesce((SELECT jsonb_agg(jsonb_build_object(
                     'name', v.name, 'key', v.key, 'version', v.version, 'format', v.format,
-                    'width', v.width, 'height', v.height, 'sha256', v.sha256)
+                    'width', v.width, 'height', v.height, 'bytes', v.bytes,
+                    'sha256', v.sha256)
                   ORDER BY v.name, v.format)
                    FROM archive_variants AS v
                   WHERE v.file_id = f.id AND f.status = 'ready'), '[]'::jsonb) AS variants,
@@ -727,32 +755,68 @@ SELECT id FROM derivd_similar(%(id)s, %(max)s, %(limit)s) AS id;
 -- == webhook deliveries (derivd.queue.webhook_queries) ==
 
 -- name: webhook_endpoints_sync
--- The supervisor's `[webhook:NAME]` sections, at start and on SIGHUP: each endpoint's
--- subscription (events, tenants; NULL: every tenant) upserted, every other endpoint
--- removed (its undelivered rows stay, delivered again if it comes back). The circuit
--- columns are left as they are. Returns the names removed and the names added or changed.
+-- The supervisor's `[webhook:NAME]` sections, at start, on SIGHUP and every minute: each
+-- endpoint's subscription (events, tenants; NULL: every tenant) upserted (one removed
+-- before comes back), every other endpoint marked removed. A removed endpoint's
+-- undelivered rows end `failed` with "endpoint removed": no host claims them any more
+-- (deliveries_claim), and failed they are counted and shown under its name, and
+-- replayable once it is configured again; left `pending` they would wait for ever,
+-- counted nowhere (retention keeps undelivered rows). A row still leased is left to its
+-- POST (delivery_finish ends it `failed` too); a row a commit queued while this ran is
+-- ended by the next sync. A removed endpoint's own row goes once it has no undelivered
+-- or failed row left (retention or replay took them). The circuit columns are left as
+-- they are. Returns the names removed now, the names added or changed, and how many
+-- deliveries were ended.
 WITH given AS (
     SELECT * FROM jsonb_to_recordset(%(endpoints)s::jsonb)
                   AS g(name text, events text[], tenants text[])
-), gone AS (
-    DELETE FROM derivd_webhook_endpoints AS e
+), others AS (
+    SELECT e.name, e.removed_at FROM derivd_webhook_endpoints AS e
      WHERE NOT EXISTS (SELECT 1 FROM given AS g WHERE g.name = e.name)
+), gone AS (
+    UPDATE derivd_webhook_endpoints AS e
+       SET removed_at = now(), updated_at = now()
+      FROM others AS o
+     WHERE e.name = o.name AND o.removed_at IS NULL
     RETURNING e.name
 ), changed AS (
     INSERT INTO derivd_webhook_endpoints AS e (name, events, tenants)
     SELECT g.name, g.events, g.tenants FROM given AS g
     ON CONFLICT (name) DO UPDATE
-       SET events = EXCLUDED.events, tenants = EXCLUDED.tenants, updated_at = now()
+       SET events = EXCLUDED.events, tenants = EXCLUDED.tenants, removed_at = NULL,
+           updated_at = now()
      WHERE e.events IS DISTINCT FROM EXCLUDED.events
         OR e.tenants IS DISTINCT FROM EXCLUDED.tenants
+        OR e.removed_at IS NOT NULL
     RETURNING e.name
+), stranded AS (
+    UPDATE derivd_deliveries AS d
+       SET status = 'failed', lease_token = NULL, lease_until = NULL, finished_at = now(),
+           last_error = 'endpoint removed'
+      FROM others AS o
+     WHERE d.endpoint = o.name
+       AND (d.status = 'pending' OR (d.status = 'delivering' AND d.lease_until < now()))
+    RETURNING d.id
+), emptied AS (
+    DELETE FROM derivd_webhook_endpoints AS e
+     USING others AS o
+     WHERE e.name = o.name AND o.removed_at IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM derivd_deliveries AS d
+                        WHERE d.endpoint = e.name AND d.status = 'pending')
+       AND NOT EXISTS (SELECT 1 FROM derivd_deliveries AS d
+                        WHERE d.endpoint = e.name AND d.status = 'delivering')
+       AND NOT EXISTS (SELECT 1 FROM derivd_deliveries AS d
+                        WHERE d.endpoint = e.name AND d.status = 'failed')
+    RETURNING 1
 )
 SELECT coalesce((SELECT array_agg(name ORDER BY name) FROM gone), '{}') AS removed,
-       coalesce((SELECT array_agg(name ORDER BY name) FROM changed), '{}') AS changed;
+       coalesce((SELECT array_agg(name ORDER BY name) FROM changed), '{}') AS changed,
+       (SELECT count(*) FROM stranded)::int AS stranded,
+       (SELECT count(*) FROM emptied)::int AS emptied;
 
 -- name: webhook_endpoints
--- The endpoints the database knows (`derivd webhooks list`).
-SELECT name, events, tenants, updated_at, failures, paused_until, last_error
+-- The endpoints the database knows (`derivd webhooks list`), removed ones too.
+SELECT name, events, tenants, updated_at, failures, paused_until, last_error, removed_at
   FROM derivd_webhook_endpoints ORDER BY name;
 
 -- name: deliveries_claim
@@ -760,11 +824,13 @@ SELECT name, events, tenants, updated_at, failures, paused_until, last_error
 -- first (their process died mid-POST), then the due ones oldest first, each locked with
 -- SKIP LOCKED and given a fresh token and lease (a delivery is never POSTed by two hosts
 -- at once: the lease outlasts the POST's hard timeout). Nothing while the endpoint's
--- circuit is open (paused_until). age_s: seconds since the event (or its replay), the
--- horizon's clock; all times are the database's.
+-- circuit is open (paused_until), nor once it is removed (a host whose INI still has it
+-- while another's sync removed it posts nothing). age_s: seconds since the event (or its
+-- replay), the horizon's clock; all times are the database's.
 WITH open AS (
     SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM derivd_webhook_endpoints AS e
-                                WHERE e.name = %(endpoint)s AND e.paused_until > now())
+                                WHERE e.name = %(endpoint)s
+                                  AND (e.paused_until > now() OR e.removed_at IS NOT NULL))
 ), due AS (
     SELECT * FROM (SELECT d.id FROM derivd_deliveries AS d, open
                     WHERE d.endpoint = %(endpoint)s AND d.status = 'delivering'
@@ -794,20 +860,29 @@ RETURNING d.id, d.lease_token, d.attempts, d.event, d.file_id, d.body,
 
 -- name: delivery_finish
 -- The fenced end of one attempt (id + token): `delivered`, `failed`, or `pending` again
--- after delay_s. Zero rows: the lease was lost (another host has it now), nothing
--- changes. The endpoint's circuit, fleet-wide: a success closes it; each failure counts,
+-- after delay_s; not `pending` again once its endpoint was removed (the sync left this
+-- row to its POST): `failed`, "endpoint removed". Zero rows: the lease was lost
+-- (another host has it now), nothing changes. The endpoint's circuit, fleet-wide: a success closes it; each failure counts,
 -- and from `threshold` consecutive failures on, the endpoint's claims stop for
 -- pause_base * 2^(failures - threshold) seconds (at most pause_max), every due row of it
 -- together. Its row is written only when that changes something (a hot row otherwise).
-WITH done AS (
+WITH ending AS (
+    SELECT CASE WHEN %(status)s = 'pending'
+                 AND EXISTS (SELECT 1 FROM derivd_deliveries AS d
+                               JOIN derivd_webhook_endpoints AS e ON e.name = d.endpoint
+                              WHERE d.id = %(id)s AND e.removed_at IS NOT NULL)
+                THEN 'failed' ELSE %(status)s::text END AS status
+), done AS (
     UPDATE derivd_deliveries AS d
-       SET status = %(status)s,
+       SET status = n.status,
            available_at = now() + make_interval(secs => %(delay_s)s),
            lease_token = NULL,
            lease_until = NULL,
-           finished_at = CASE WHEN %(status)s IN ('delivered', 'failed') THEN now() END,
+           finished_at = CASE WHEN n.status IN ('delivered', 'failed') THEN now() END,
            last_status = %(http_status)s,
-           last_error = %(error)s
+           last_error = CASE WHEN n.status = %(status)s THEN %(error)s
+                             ELSE 'endpoint removed' END
+      FROM ending AS n
      WHERE d.id = %(id)s AND d.lease_token = %(token)s  -- the fence
     RETURNING d.endpoint
 ), circuit AS (
@@ -833,8 +908,10 @@ SELECT (SELECT count(*) FROM done)::int AS finished, (SELECT count(*) FROM circu
 -- Per endpoint the database knows: backlog (pending + delivering), the oldest undelivered
 -- event's age, deliveries delivered and failed in the last `window_s` seconds, failed
 -- rows kept (until replayed or past retention), and the circuit: consecutive failures,
--- paused or not, the last error and its age. Bounded by the backlog and the window.
+-- paused or not, the last error and its age; `removed`: no longer configured (listed
+-- while its failed rows are kept). Bounded by the backlog and the window.
 SELECT e.name, e.failures, coalesce(e.paused_until > now(), false) AS paused, e.last_error,
+       e.removed_at IS NOT NULL AS removed,
        extract(epoch FROM now() - e.last_error_at)::float8 AS last_error_age_s,
        (SELECT count(*) FROM derivd_deliveries AS d
          WHERE d.endpoint = e.name AND d.status = 'pending')::int
@@ -863,11 +940,14 @@ SELECT e.name, e.failures, coalesce(e.paused_until > now(), false) AS paused, e.
 -- `derivd webhooks replay`: finished deliveries (delivered or failed; `failed_only`: the
 -- failed ones) of one endpoint or all, of some files or all, of events made in
 -- [since, until) or any time, due again now with a fresh horizon and the same
--- webhook-id (receivers that saw one drop it). Wakes the delivering processes.
+-- webhook-id (receivers that saw one drop it). Wakes the delivering processes. Not the
+-- deliveries of a removed endpoint: nobody would deliver them (configure it again first).
 WITH done AS (
     UPDATE derivd_deliveries AS d
        SET status = 'pending', available_at = now(), retry_from = now(), finished_at = NULL
      WHERE d.status IN ('delivered', 'failed')
+       AND NOT EXISTS (SELECT 1 FROM derivd_webhook_endpoints AS e
+                        WHERE e.name = d.endpoint AND e.removed_at IS NOT NULL)
        AND (NOT %(failed_only)s OR d.status = 'failed')
        AND (%(endpoint)s::text IS NULL OR d.endpoint = %(endpoint)s::text)
        AND (%(ids)s::bigint[] IS NULL OR d.file_id = ANY (%(ids)s::bigint[]))
@@ -881,6 +961,43 @@ SELECT c.replayed
   FROM counted AS c
   LEFT JOIN LATERAL (SELECT pg_notify('derivd_deliveries', '') WHERE c.replayed > 0) AS w
     ON true;
+
+-- name: deliveries_due_within
+-- `run --burst`'s last deliverer, with nothing left to claim: whether one of these
+-- endpoints still has a delivery to wait for: one leased (in flight here or on another
+-- host; an expired lease is claimable again), or one due within `within_s` seconds whose
+-- endpoint's circuit is closed by then and which is not removed. Through the partial
+-- indexes of leased and due rows.
+SELECT EXISTS (SELECT 1 FROM derivd_deliveries AS d
+                WHERE d.endpoint = ANY (%(endpoints)s::text[]) AND d.status = 'delivering')
+    OR EXISTS (SELECT 1 FROM derivd_deliveries AS d
+                 LEFT JOIN derivd_webhook_endpoints AS e ON e.name = d.endpoint
+                WHERE d.endpoint = ANY (%(endpoints)s::text[]) AND d.status = 'pending'
+                  AND d.available_at <= now() + make_interval(secs => %(within_s)s)
+                  AND e.removed_at IS NULL
+                  AND (e.paused_until IS NULL
+                       OR e.paused_until <= now() + make_interval(secs => %(within_s)s)))
+       AS waiting;
+
+-- name: deliveries_left
+-- What a `run --burst` leaves behind, per endpoint given: undelivered deliveries
+-- (pending or leased, each counted to 10,000), seconds until the first pending one is
+-- due, and until the endpoint's circuit closes (NULL: closed).
+SELECT n.name,
+       (SELECT count(*) FROM (SELECT 1 FROM derivd_deliveries AS d
+                               WHERE d.endpoint = n.name AND d.status = 'pending'
+                               LIMIT 10000) AS q)::int
+       + (SELECT count(*) FROM (SELECT 1 FROM derivd_deliveries AS d
+                                 WHERE d.endpoint = n.name AND d.status = 'delivering'
+                                 LIMIT 10000) AS q)::int AS waiting,
+       extract(epoch FROM (SELECT min(d.available_at) FROM derivd_deliveries AS d
+                            WHERE d.endpoint = n.name AND d.status = 'pending')
+                          - now())::float8 AS next_due_s,
+       extract(epoch FROM (SELECT e.paused_until FROM derivd_webhook_endpoints AS e
+                            WHERE e.name = n.name AND e.paused_until > now())
+                          - now())::float8 AS paused_s
+  FROM unnest(%(endpoints)s::text[]) AS n(name)
+ ORDER BY n.name;
 
 -- name: delivery_test
 -- `derivd webhooks test NAME`: one delivery of a `file.ready`-shaped test event (file id 0,
@@ -909,23 +1026,6 @@ DELETE FROM derivd_deliveries
                ORDER BY d.created_at
                LIMIT %(limit)s)
 RETURNING status;
-
--- name: files_page
--- `derivd files`: files (not re-derivation jobs) newest first, by status, error code,
--- tenant and creation time, one page at a time: `before` is the last id of the page
--- before (keyset paging, stable while rows are added).
-SELECT id, status, error_code, tenant, attempts, priority, created_at, finished_at,
-       original_key
-  FROM archive_files
- WHERE rederive_of IS NULL
-   AND (%(status)s::text IS NULL OR status = %(status)s::text)
-   AND (%(code)s::text IS NULL OR error_code = %(code)s::text)
-   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s::text)
-   AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
-   AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
-   AND (%(before)s::bigint IS NULL OR id < %(before)s::bigint)
- ORDER BY id DESC
- LIMIT %(limit)s;
 
 -- == cluster administration (the embedded default) (derivd.queue.cluster_admin) ==
 

@@ -91,33 +91,14 @@ CREATE TABLE archive_files (
     -- derivd_rederivations); kept, with its index, for hosts of the release before
     -- during a rolling upgrade. Always NULL.
     rederive_of      bigint,
-    CONSTRAINT archive_files_status_check CHECK (status::derivd_status IS NOT NULL),
-    CONSTRAINT archive_files_error_code_check
-        CHECK (error_code IS NULL OR error_code::derivd_error_code IS NOT NULL),
-    -- A lease exists exactly while a row is processing: the fence relies on it (a token
-    -- match is a status check: functions.sql).
-    CONSTRAINT archive_files_lease_check CHECK (
-        (status = 'processing') = (lease_token IS NOT NULL AND lease_until IS NOT NULL)),
-    CONSTRAINT archive_files_rejected_has_code CHECK (
-        (status = 'rejected') = (error_code IS NOT NULL)),
-    CONSTRAINT archive_files_attempts_check CHECK (attempts >= 0),
-    -- The worker checks the same before it commits (derivd.analysis_rules): a handler's
-    -- malformed analysis fails its own job, never the commit. colour: "#rrggbb", lower
-    -- case; placeholder: ThumbHash (17-25 bytes) in base64, padding optional; format: a
-    -- short lower-case name; dhash: any signed 64-bit value.
-    CONSTRAINT archive_files_original_check CHECK (
-        num_nulls(original_width, original_height, original_format, original_frames,
-                  original_has_alpha, original_colour, original_placeholder,
-                  original_dhash) = 8
-        OR (original_width > 0 AND original_height > 0 AND original_frames > 0
-            AND original_format ~ '^[a-z0-9]{1,16}$'
-            AND original_has_alpha IS NOT NULL
-            AND original_colour ~ '^#[0-9a-f]{6}$'
-            AND original_placeholder ~ '^[A-Za-z0-9+/]{16,64}={0,2}$'
-            AND original_dhash IS NOT NULL)),
-    CONSTRAINT archive_files_traffic_check CHECK (
-        priority::derivd_priority IS NOT NULL
-        AND (tenant IS NULL OR tenant::derivd_tenant IS NOT NULL))
+    -- Every rule of a row (its status and error code from the vocabularies, a lease
+    -- exactly while processing, a code exactly when rejected, the analysis all or
+    -- nothing and well-formed, priority and tenant within their domains) in one CHECK:
+    -- derivd_file_row_holds in functions.sql says why one, and each rule.
+    CONSTRAINT archive_files_row_check CHECK (derivd_file_row_holds(
+        status, error_code, lease_token, lease_until, attempts, priority, tenant,
+        original_width, original_height, original_format, original_frames,
+        original_has_alpha, original_colour, original_placeholder, original_dhash))
 ) WITH (
     fillfactor = 70,
     autovacuum_vacuum_scale_factor = 0.01,
@@ -165,6 +146,9 @@ CREATE TABLE archive_variants (
     content_type text        NOT NULL,
     -- What spec made it (derivd.fingerprint); NULL: made before migration 0014.
     fingerprint  text,
+    -- The stored object's size; NULL: not recorded (made before migration 0019, or
+    -- committed by a host of an earlier release). No CHECK: migration 0019 says why.
+    bytes        bigint,
     PRIMARY KEY (file_id, name, format),
     CONSTRAINT archive_variants_format_check CHECK (format IN ('webp', 'avif', 'jpeg', 'png'))
 );
@@ -297,7 +281,9 @@ CREATE DOMAIN derivd_webhook_event AS text CONSTRAINT derivd_webhook_event_check
     VALUE IN ('file.ready', 'file.rejected', 'file.rederived', 'file.deleted'));
 
 -- One row per endpoint: its subscription, and the circuit the delivering processes of
--- every host share (consecutive failures; no claims before paused_until).
+-- every host share (consecutive failures; no claims before paused_until). removed_at:
+-- no longer configured (migration 0021): subscribed to nothing, its undelivered rows
+-- ended `failed` by the sync, the row kept while deliveries of it are.
 CREATE TABLE derivd_webhook_endpoints (
     name          text        PRIMARY KEY,
     events        text[]      NOT NULL,
@@ -306,7 +292,8 @@ CREATE TABLE derivd_webhook_endpoints (
     failures      integer     NOT NULL DEFAULT 0,
     paused_until  timestamptz,
     last_error    text,
-    last_error_at timestamptz
+    last_error_at timestamptz,
+    removed_at    timestamptz
 );
 
 -- One row per event and endpoint, delivered under the lease protocol: `pending` (due at

@@ -137,7 +137,9 @@ def main(ctx: click.Context, config_path: Path | None, log_level: str | None) ->
 
 
 @main.command()
-@click.option("--burst", is_flag=True, help="Exit 0 once nothing is claimable.")
+@click.option(
+    "--burst", is_flag=True, help="Exit 0 once nothing is claimable and the webhooks due are sent."
+)
 @click.option(
     "--workers",
     type=click.IntRange(min=0),

@@ -101,6 +101,7 @@ class Variant:
     width: int
     height: int
     sha256: str
+    bytes: int | None = None  # the stored object's size; None: not recorded (migration 0019)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from enum import StrEnum
 class Stage(StrEnum):
     FETCHING = "fetching"  # claimed; its original's GET is in flight or done
     DERIVING = "deriving"  # the worker's one derive
-    STORING = "storing"  # write-ahead, its variants' PUTs, then its fenced commit
+    STORING = "storing"  # write-ahead, then its variants' PUTs
+    COMMITTING = "committing"  # its fenced commit is sent: its place is free (claim_room)
 
 
 def claim_room(
@@ -27,17 +28,32 @@ def claim_room(
     claiming: int,
     stopping: bool,
     jobs_left: int | None = None,
+    folded: bool = False,
 ) -> int:
-    """How many jobs to claim now (0 or 1). A job is claimed only when the pipeline has
-    room for it and no other job is waiting to be derived: claimed earlier, it would wait
-    for a derive with its lease running (claims as late as the pipeline allows), claimed
-    later, its GET would not overlap the derive before it. `jobs_left`: how many jobs the
-    worker may still start (max_jobs_per_worker; None: no limit)."""
-    if stopping or claiming:
+    """How many jobs to claim now, within the pipeline's room. `stages`: the jobs held;
+    a committing one holds no place (the claim riding on its commit takes it).
+    `claiming`: jobs asked for by claims not yet answered. `jobs_left`: how many jobs the
+    worker may still start (max_jobs_per_worker; None: no limit).
+
+    A `folded` claim rides on a commit that is sent anyway (derivd_commit_and_claim):
+    it takes all the room there is. In the steady state every claim is such a one, and
+    a job costs the database one statement, as with a one-job worker; with a pipeline of
+    3 the job it claims is two ahead, so its GET has a whole derive to arrive in.
+
+    A claim of its own (a round trip and a transaction of its own) takes one job, and
+    only when no claim is on its way, no commit is about to carry it (a job stored and
+    committing; one whose PUTs are out may take long) and no job waits for its derive
+    (claimed earlier, it would wait with its lease running): a derive starts, or a job's
+    PUTs, and the next job's GET overlaps them."""
+    places = sum(stage is not Stage.COMMITTING for stage in stages)
+    room = depth - places - claiming
+    if jobs_left is not None:
+        room = min(room, jobs_left - len(stages) - claiming)
+    if stopping or room < 1:
         return 0
-    if Stage.FETCHING in stages or len(stages) >= depth:
-        return 0
-    if jobs_left is not None and jobs_left <= len(stages):
+    if folded:
+        return room
+    if claiming or Stage.FETCHING in stages or Stage.COMMITTING in stages:
         return 0
     return 1
 

@@ -121,14 +121,16 @@ class PipelinedRun:
     def _jobs_left(self) -> int | None:
         return self.max_jobs - self.worker.jobs_done if self.max_jobs else None
 
-    def _claim_limit(self) -> int:
-        """Under `cond`: 0 or 1, reserved (`claiming`) when 1."""
+    def _claim_limit(self, *, folded: bool = False) -> int:
+        """Under `cond`: how many to claim (`claim_room`), reserved (`claiming`).
+        `folded`: the claim goes with a commit."""
         limit = claim_room(
             [j.stage for j in self.jobs],
             depth=self.depth,
             claiming=self.claiming,
             stopping=self.stopping,
             jobs_left=self._jobs_left(),
+            folded=folded,
         )
         self.claiming += limit
         return limit
@@ -197,7 +199,8 @@ class PipelinedRun:
         del original  # the original's bytes go before the next derive
         entry.original = _done(b"")
         with self.cond:
-            entry.stage = Stage.STORING
+            # Nothing to PUT (noop): its commit is next, and carries the next claim.
+            entry.stage = Stage.STORING if derivation else Stage.COMMITTING
             entry.store = self.lanes.submit(self._store_and_commit, entry, derivation)
 
     def _wait_for_a_place(self, should_stop: Callable[[], bool], *, claimed: bool) -> None:
@@ -294,9 +297,8 @@ class PipelinedRun:
         """The fenced commit; with room in the pipeline once this job leaves, the next
         claim goes in the same statement (derivd_commit_and_claim)."""
         with self.cond:
-            self.jobs.remove(entry)  # its place is free from here: the claim may take it
-            limit = self._claim_limit()
-            self.jobs.append(entry)  # still reported as held until its outcome is known
+            entry.stage = Stage.COMMITTING  # its place is free: the claim may take it
+            limit = self._claim_limit(folded=True)
         sent = time.monotonic()
         claimed: list[Job] = []
         queue = self.worker.queue

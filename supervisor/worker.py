@@ -50,6 +50,7 @@ class ClaimTerms(TypedDict):
     max_attempts: int
     host: str | None
     tenant_cap: int
+    write_ahead: bool
 
 
 log = logging.getLogger("derivd.worker")
@@ -182,6 +183,9 @@ class Worker:
         self._count_lock = threading.Lock()  # a pipelined worker finishes jobs on two threads
         # `noop` (reads_original = False) measures the queue itself: no GET.
         self.reads_original = bool(getattr(handler, "reads_original", True))
+        # Nor a write-ahead prefix at each claim (stores_objects = False): the worker
+        # registers the keys of any variant such a handler returns itself, durably.
+        self.stores_objects = bool(getattr(handler, "stores_objects", True))
         self._pending: list[_Derived] = []
         # Jobs claimed by the last commit (commit_and_claim), with when it was sent.
         self._prefetched: tuple[list[Job], float] | None = None
@@ -199,7 +203,7 @@ class Worker:
     @classmethod
     def create(cls, config: Config, dsn: str, *, hooks: WorkerHooks | None = None) -> Worker:
         """Open everything this process needs. Raises on a bad boot (caller reports it)."""
-        queue = QueueDB.open(dsn, role=f"derivd-worker-{os.getpid()}")
+        queue = QueueDB.open(dsn, role=f"derivd-worker-{os.getpid()}", generic_plans=True)
         storage = open_storage(config)
         handler = create_handler(config.derive.backend, config.derive_spec())
         return cls(config, queue=queue, storage=storage, handler=handler, hooks=hooks)
@@ -220,6 +224,7 @@ class Worker:
             max_attempts=q.max_attempts,
             host=self.config.host_id,
             tenant_cap=q.max_in_flight_per_tenant,
+            write_ahead=self.stores_objects,
         )
 
     def claim_many(self, limit: int) -> list[Job]:
@@ -413,10 +418,11 @@ class Worker:
     def _store(self, job: Job, variants: Sequence[DerivedVariant]) -> list[StoredVariant]:
         # Under the file's prefix: a re-derivation's objects belong to the file it serves.
         keys = [derived_key(job.for_file, job.token, v.name, v.extension) for v in variants]
-        if keys and not self.queue.write_ahead_durable(job):
+        if keys and not (self.stores_objects and self.queue.write_ahead_durable(job)):
             # Write-ahead: a crash after a PUT leaves a record for the orphan sweep. The
             # claim registered the attempt's prefix; this is its flush when no durable
-            # statement has ended since (the first job after an idle claim).
+            # statement has ended since (the first job after an idle claim), or the
+            # record itself when the claim registered none (stores_objects = False).
             self.queue.register_pending(job, keys)
         puts = [
             Put(key, v.data, v.content_type, v.sha256)
@@ -434,6 +440,7 @@ class Worker:
                 v.format,
                 v.content_type,
                 self.fingerprints.get(slot(v.name, v.format)),
+                len(v.data),
             )
             for key, version, v in zip(keys, versions, variants, strict=True)
         ]

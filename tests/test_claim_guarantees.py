@@ -160,3 +160,41 @@ def test_a_capped_claim_holds_the_attempt_cap_too(queue: QueueDB, dsn: str) -> N
     assert claim(queue, cap=1, max_attempts=1) == []
     [row] = sql(dsn, "SELECT status, attempts FROM archive_files WHERE id = %s", (tired,))
     assert row == {"status": "rejected", "attempts": 1}
+
+
+def test_a_queued_rederivation_past_a_lowered_attempt_cap_is_rejected_not_claimed(
+    queue: QueueDB, dsn: str
+) -> None:
+    """As a file's: a re-derivation queued with 2 attempts used, claimed under
+    max_attempts = 2, is rejected `attempts_exhausted` (the job's rejection: its file
+    keeps its set and gets `rederive_rejected`); the next one is claimed."""
+    (tired_file, tired), (fresh_file, fresh) = (
+        rederivation_of_a_ready_file(dsn, attempts) for attempts in (2, 0)
+    )
+    jobs = claim(queue, limit=2, max_attempts=2)
+    assert [(j.id, j.attempt, j.for_file) for j in jobs] == [(fresh, 1, fresh_file)]
+    [row] = sql(
+        dsn,
+        "SELECT status, attempts, error_code FROM derivd_rederivations WHERE id = %s",
+        (tired,),
+    )
+    assert row == {"status": "rejected", "attempts": 2, "error_code": "attempts_exhausted"}
+    events = sql(dsn, "SELECT kind, error_code FROM archive_events WHERE file_id = %s",
+                 (tired_file,))  # fmt: skip
+    assert events == [{"kind": "rederive_rejected", "error_code": "attempts_exhausted"}]
+
+
+def rederivation_of_a_ready_file(dsn: str, attempts: int) -> tuple[int, int]:
+    """(file id, job id): a ready file and a queued re-derivation of it."""
+    [file] = sql(
+        dsn,
+        "INSERT INTO archive_files (status, original_key, original_version)"
+        " VALUES ('ready', 'originals/r', 'v') RETURNING id",
+    )
+    [job] = sql(
+        dsn,
+        "INSERT INTO derivd_rederivations (file_id, original_key, original_version,"
+        " attempts) VALUES (%s, 'originals/r', 'v', %s) RETURNING id",
+        (file["id"], attempts),
+    )
+    return file["id"], job["id"]

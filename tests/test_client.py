@@ -26,7 +26,10 @@ def conn(dsn: str) -> Iterator[psycopg.Connection[Any]]:
 
 def _variants(file_id: int) -> list[StoredVariant]:
     return [
-        StoredVariant("large", f"derived/{file_id}/t/large.webp", "v-large", "cd" * 32, 800, 600),
+        StoredVariant(
+            "large", f"derived/{file_id}/t/large.webp", "v-large", "cd" * 32, 800, 600, bytes=5120
+        ),
+        # No size recorded: as stored before migration 0019.
         StoredVariant(
             "thumb",
             f"derived/{file_id}/t/thumb.avif",
@@ -259,7 +262,14 @@ def test_result_lists_every_variant(conn: psycopg.Connection[Any], queue: QueueD
     assert (done.id, done.status, done.error_code) == (file_id, "ready", None)
     assert done.variants == (
         client.Variant(
-            "large", f"derived/{file_id}/t/large.webp", "v-large", "webp", 800, 600, "cd" * 32
+            "large",
+            f"derived/{file_id}/t/large.webp",
+            "v-large",
+            "webp",
+            800,
+            600,
+            "cd" * 32,
+            5120,
         ),
         client.Variant(
             "thumb", f"derived/{file_id}/t/thumb.avif", "v-thumb", "avif", 200, 150, "ab" * 32

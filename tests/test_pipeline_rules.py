@@ -14,7 +14,7 @@ from derivd.processes.lifecycle import Exit, deadline_action, next_deadline, ove
 from derivd.processes.pipe import PROGRESS, WorkerProc
 from derivd.queue.db import Job
 
-F, D, S = Stage.FETCHING, Stage.DERIVING, Stage.STORING
+F, D, S, C = Stage.FETCHING, Stage.DERIVING, Stage.STORING, Stage.COMMITTING
 
 
 @pytest.mark.parametrize(
@@ -23,18 +23,52 @@ F, D, S = Stage.FETCHING, Stage.DERIVING, Stage.STORING
         ([], 0, False, None, 1),  # empty: claim
         ([F], 0, False, None, 0),  # one waits for its derive already
         ([D], 0, False, None, 1),  # a derive starts: the next GET overlaps it
-        ([S], 0, False, None, 1),  # storing only: the derive lane is free
+        ([S], 0, False, None, 1),  # PUTs out (may take long): the derive lane is free
         ([S, D], 0, False, None, 0),  # full
         ([D], 1, False, None, 0),  # a claim is on its way
         ([D], 0, True, None, 0),  # stopping: nothing new
         ([D], 0, False, 1, 0),  # max_jobs: the one in flight is the last
         ([D], 0, False, 2, 1),
+        ([C], 0, False, None, 0),  # a commit is on its way: it carries the claim
     ],
 )
-def test_a_job_is_claimed_only_with_room_and_nothing_waiting(
+def test_a_claim_of_its_own_waits_for_room_and_nothing_else_to_carry_it(
     stages: list[Stage], claiming: int, stopping: bool, left: int | None, expected: int
 ) -> None:
     got = claim_room(stages, depth=2, claiming=claiming, stopping=stopping, jobs_left=left)
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("stages", "depth", "claiming", "stopping", "left", "expected"),
+    [
+        ([], 2, 0, False, None, 2),  # the last job committed: all the room
+        ([F], 2, 0, False, None, 1),  # one waiting for its derive does not hold it back
+        ([S], 2, 0, False, None, 1),  # another job's store neither
+        ([D], 3, 0, False, None, 2),  # pipeline 3: fill it, the next but one too
+        ([D, F], 3, 0, False, None, 1),  # the steady state: one claim per commit
+        ([D, F], 2, 0, False, None, 0),  # full
+        ([D], 3, 1, False, None, 1),  # a claim on its way holds its place only
+        ([D, F], 2, 1, False, None, 0),
+        ([C], 2, 1, False, None, 1),  # two commits at once: each claims one
+        ([C, C], 2, 0, False, None, 2),  # a committing job holds no place
+        ([C, D], 2, 0, False, 2, 0),  # ... but it is not done yet: max_jobs counts it
+        ([D], 3, 0, True, None, 0),  # stopping
+        ([D], 3, 0, False, 2, 1),  # max_jobs bounds it
+        ([D], 3, 0, False, 1, 0),
+    ],
+)
+def test_a_claim_that_rides_on_a_commit_takes_the_room_there_is(
+    stages: list[Stage],
+    depth: int,
+    claiming: int,
+    stopping: bool,
+    left: int | None,
+    expected: int,
+) -> None:
+    got = claim_room(
+        stages, depth=depth, claiming=claiming, stopping=stopping, jobs_left=left, folded=True
+    )
     assert got == expected
 
 

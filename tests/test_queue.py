@@ -81,8 +81,23 @@ def test_fencing_late_commit_of_expired_attempt_changes_nothing(queue: QueueDB) 
     assert row["derived_key"] == "derived/1/B/preview.webp"
     assert [v.key for v in queue.file_variants(file_id)] == ["derived/1/B/preview.webp"]
     assert events(queue, file_id) == [("lease_lost", 1), ("ready", 2)]
-    # A second commit by the winner is fenced too: a row is committed once.
-    assert commit_one(queue, attempt_b, [variant()]) is False
+    # The winner's commit sent again (its first answer lost: Worker._commit_again) is
+    # told it committed, and nothing is written twice: a row is committed once.
+    assert commit_one(queue, attempt_b, [variant(key="derived/1/B/other.webp")]) is True
+    assert queue.file_row(file_id)["derived_key"] == "derived/1/B/preview.webp"  # type: ignore[index]
+    assert [v.key for v in queue.file_variants(file_id)] == ["derived/1/B/preview.webp"]
+    assert events(queue, file_id) == [("lease_lost", 1), ("ready", 2)]
+    # The loser's, after the winner's: still lost.
+    assert commit_one(queue, attempt_a, [variant(key="derived/1/A/preview.webp")]) is False
+
+
+def test_a_noop_commit_sent_again_is_committed_once(queue: QueueDB) -> None:
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    job = claim_one(queue, lease_s=LONG, max_attempts=3)
+    assert job is not None
+    assert commit_one(queue, job, []) is True
+    assert commit_one(queue, job, []) is True  # no variants: the attempt number tells
+    assert events(queue, file_id) == [("ready", 1)]
 
 
 def test_fail_and_release_are_fenced(queue: QueueDB) -> None:
@@ -180,6 +195,29 @@ def refused(queue: QueueDB, statement: str, *params: object) -> str | None:
     with pytest.raises(psycopg.errors.CheckViolation) as caught:
         queue.conn.execute(statement, params)
     return caught.value.diag.constraint_name
+
+
+@pytest.mark.parametrize(
+    ("assignment", "constraint"),
+    [
+        ("status = 'rejected'", "archive_files_rejected_has_code"),  # without a code
+        ("error_code = 'corrupt_content'", "archive_files_rejected_has_code"),  # queued
+        ("attempts = -1", "archive_files_attempts_check"),
+        ("status = 'bogus'", "derivd_status_check"),  # the vocabulary's domain
+        ("error_code = 'bogus', status = 'rejected'", "derivd_error_code_check"),
+        ("priority = 101", "derivd_priority_check"),
+        ("tenant = ''", "derivd_tenant_check"),
+        ("original_width = 10", "archive_files_original_check"),  # all or nothing
+    ],
+)
+def test_each_rule_of_the_one_row_check_refuses_under_its_own_name(
+    queue: QueueDB, assignment: str, constraint: str
+) -> None:
+    """Migration 0020 made archive_files' CHECKs one function call: each rule still
+    refuses a row that breaks it, under the name it had as a CHECK of its own."""
+    (file_id,) = queue.enqueue([("originals/a", "1")])
+    statement = f"UPDATE archive_files SET {assignment} WHERE id = %s"
+    assert refused(queue, statement, file_id) == constraint
 
 
 def test_a_lease_token_exists_exactly_while_a_row_is_processing(queue: QueueDB) -> None:

@@ -112,7 +112,10 @@ def test_show_lists_every_variant(
         job = claim_one(queue, lease_s=60, max_attempts=3)
         assert job is not None
         variants = [
-            StoredVariant("large", f"derived/{file_id}/t/large.webp", "v1", "cd" * 32, 800, 600),
+            StoredVariant(
+                "large", f"derived/{file_id}/t/large.webp", "v1", "cd" * 32, 800, 600, bytes=4096
+            ),
+            # As a host of a release before migration 0019 commits it: no size recorded.
             StoredVariant(
                 "thumb", f"derived/{file_id}/t/thumb.avif", "v2", "ab" * 32, 200, 150, "avif"
             ),
@@ -120,18 +123,19 @@ def test_show_lists_every_variant(
         assert commit_one(queue, job, variants)
     lines = cli("show", str(file_id)).stdout.splitlines()
     start = lines.index("variants (2)")
-    assert lines[start + 1].split() == ["name", "format", "size", "sha256", "key", "version"]
+    header = ["name", "format", "size", "bytes", "sha256", "key", "version"]
+    assert lines[start + 1].split() == header
     assert lines[start + 2].split() == [
-        "large", "webp", "800x600", "cd" * 8, f"derived/{file_id}/t/large.webp", "v1"
+        "large", "webp", "800x600", "4096", "cd" * 8, f"derived/{file_id}/t/large.webp", "v1"
     ]  # fmt: skip
-    assert lines[start + 3].split()[:3] == ["thumb", "avif", "200x150"]
+    assert lines[start + 3].split()[:4] == ["thumb", "avif", "200x150", "-"]
     assert f"primary      derived/{file_id}/t/large.webp  800x600  sha256 {'cd' * 32}" in "\n".join(
         lines
     )
     shown = json.loads(cli("show", "--json", str(file_id)).stdout)
-    assert [(v["name"], v["format"], v["version"]) for v in shown["variants"]] == [
-        ("large", "webp", "v1"),
-        ("thumb", "avif", "v2"),
+    assert [(v["name"], v["format"], v["version"], v["bytes"]) for v in shown["variants"]] == [
+        ("large", "webp", "v1", 4096),
+        ("thumb", "avif", "v2", None),
     ]
     # The row keeps its own columns named like an analysis field (the primary's size).
     assert (shown["row"]["width"], shown["row"]["height"]) == (800, 600)

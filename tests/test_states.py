@@ -25,11 +25,12 @@ CONSTRAINTS = {
 }
 # table CHECK -> the domain its column is cast to
 COLUMN_CHECKS = {
-    "archive_files_status_check": "derivd_status",
-    "archive_files_error_code_check": "derivd_error_code",
     "archive_events_kind_check": "derivd_event_kind",
     "archive_events_error_code_check": "derivd_error_code",
 }
+# archive_files' rules are one CHECK, a call of this function (migration 0020): the
+# casts it makes of each vocabulary column
+ROW_CHECK_CASTS = ("status::derivd_status", "error_code::derivd_error_code")
 
 
 def constraint_values(dsn: str) -> dict[str, set[str]]:
@@ -55,6 +56,19 @@ def test_each_table_check_casts_its_column_to_the_vocabulary_domain(dsn: str) ->
     assert set(found) == set(COLUMN_CHECKS), "a table CHECK was renamed or dropped"
     for name, domain in COLUMN_CHECKS.items():
         assert f"::{domain} IS NOT NULL" in found[name], (name, found[name])
+
+
+def test_the_file_row_check_casts_its_columns_to_the_vocabulary_domains(dsn: str) -> None:
+    (row,) = sql(
+        dsn,
+        "SELECT pg_get_constraintdef(c.oid) AS def,"
+        " pg_get_functiondef('derivd_file_row_holds'::regproc) AS body"
+        " FROM pg_constraint AS c"
+        " WHERE c.conrelid = 'archive_files'::regclass AND c.contype = 'c'",
+    )
+    assert "derivd_file_row_holds(status, error_code" in row["def"]
+    for cast in ROW_CHECK_CASTS:
+        assert cast in row["body"], cast
 
 
 def test_the_python_vocabulary_is_the_databases(dsn: str) -> None:

@@ -57,7 +57,9 @@ def test_every_variant_and_format_is_stored_and_recorded(  # type: ignore[no-unt
         head = s3_client.head_object(Bucket=s3_bucket, Key=f"t/{v.key}", VersionId=v.version)
         assert head["ContentType"] == content_type
         assert head["CacheControl"] == "public, max-age=31536000, immutable"
-        with Image.open(io.BytesIO(worker.storage.get(v.key, v.version))) as im:
+        data = worker.storage.get(v.key, v.version)
+        assert v.bytes == len(data)  # the stored object's size, recorded at commit
+        with Image.open(io.BytesIO(data)) as im:
             assert (im.format, im.size) == (PIL_FORMAT[fmt], (width, height))
     row = worker.queue.file_row(file_id)
     assert row is not None and row["derived_key"] == stored[("card", "avif")].key  # primary

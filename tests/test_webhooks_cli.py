@@ -129,6 +129,7 @@ def test_the_dashboard_shows_each_endpoint(dsn: str, queue: QueueDB, tmp_path: P
     from derivd.ops.dashboard import Snapshot
     from derivd.ops.dashboard_page import render
     from derivd.ops.status import collect
+    from derivd.ops.webhook_view import endpoint_lines
 
     config = load_config(ini(tmp_path, dsn), env={})
     queue.sync_webhook_endpoints([{"name": "app", "events": ["file.ready"], "tenants": None}])
@@ -136,7 +137,13 @@ def test_the_dashboard_shows_each_endpoint(dsn: str, queue: QueueDB, tmp_path: P
     page = render(Snapshot.taken(config, collect(queue, config.status)))
     assert '<tr data-endpoint="app">' in page
     assert '<td class="num backlog" data-value="1">' in page
+    assert '<td class="state ok">closed</td>' in page
     assert "hidden" not in page and SECRET[6:20] not in page
+    queue.sync_webhook_endpoints([])  # removed: its one undelivered row ends failed, kept
+    page = render(Snapshot.taken(config, collect(queue, config.status)))
+    assert '<td class="num kept" data-value="1">' in page
+    assert '<td class="state bad">removed</td>' in page
+    assert "removed" in "\n".join(endpoint_lines(queue.webhook_stats(window_s=60), "1m"))
 
 
 def test_a_webhook_url_with_user_info_is_refused_without_echoing_it(

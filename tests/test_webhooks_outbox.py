@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,9 @@ from prometheus_client import CollectorRegistry
 
 from derivd.ops.metrics import Metrics
 from derivd.ops.sweep import Sweeper
-from derivd.queue.db import QueueDB, StoredVariant
+from derivd.queue.db import Finished, Job, QueueDB, StoredVariant, migrate
+from derivd.queue.webhook_queries import EndpointSync
+from derivd.queue.worker_queries import _commit_row
 from derivd.storage.fs import FsStorage
 
 pytestmark = pytest.mark.pooler
@@ -50,7 +53,7 @@ def test_a_ready_commit_inserts_one_delivery_per_subscribed_endpoint(
     ])  # fmt: skip
     file_id = queued(queue)
     job = claim_one(queue, lease_s=30, max_attempts=3)
-    assert job is not None and commit_one(queue, job, [VARIANT])
+    assert job is not None and commit_one(queue, job, [replace(VARIANT, bytes=812)])
     rows = deliveries(dsn)
     assert sorted(r["endpoint"] for r in rows) == ["app", "audit"]
     body = json.loads(rows[0]["body"])
@@ -59,7 +62,36 @@ def test_a_ready_commit_inserts_one_delivery_per_subscribed_endpoint(
     assert (data["file_id"], data["status"], data["attempts"]) == (file_id, "ready", 1)
     assert data["variants"] == [{"name": "thumb", "format": "webp", "key": VARIANT.key,
                                  "version": "v1", "content_type": "image/webp", "width": 32,
-                                 "height": 24, "sha256": VARIANT.sha256}]  # fmt: skip
+                                 "height": 24, "bytes": 812,
+                                 "sha256": VARIANT.sha256}]  # fmt: skip
+
+
+def old_host_commit(dsn: str, job: Job, variant: StoredVariant) -> list[dict[str, Any]]:
+    """The fenced commit as a host of a release before migration 0019 sends it (the
+    `commit` query's function, its variants without `bytes`): the outcomes."""
+    row = _commit_row(Finished(job, [variant]))
+    row["variants"] = [{k: v for k, v in x.items() if k != "bytes"} for x in row["variants"]]
+    return sql(dsn, "SELECT id, outcome FROM derivd_commit_outcomes(%s::jsonb)",
+               (json.dumps([row]),))  # fmt: skip
+
+
+def test_a_commit_from_an_older_host_without_bytes_still_commits(dsn: str, queue: QueueDB) -> None:
+    subscribe(queue)
+    file_id = queued(queue)
+    job = claim_one(queue, lease_s=30, max_attempts=3)
+    assert job is not None
+    assert old_host_commit(dsn, job, VARIANT) == [{"id": file_id, "outcome": "committed"}]
+    run = queue.backfill_run("target", {"thumb.webp": "fp2"})
+    assert queue.backfill_queue([file_id], priority=-10, run=run["id"]) == [file_id]
+    again = claim_one(queue, lease_s=30, max_attempts=3)
+    assert again is not None and again.for_file == file_id
+    newer = replace(VARIANT, key="derived/1/u/thumb.webp", fingerprint="fp2")
+    assert old_host_commit(dsn, again, newer) == [{"id": again.id, "outcome": "committed"}]
+    assert [v.bytes for v in queue.file_variants(file_id)] == [None]
+    rows = deliveries(dsn)
+    assert [r["event"] for r in rows] == ["file.ready", "file.rederived"]
+    sizes = [[v["bytes"] for v in json.loads(r["body"])["data"]["variants"]] for r in rows]
+    assert sizes == [[None], [None]]
 
 
 def test_without_endpoints_a_commit_inserts_nothing(dsn: str, queue: QueueDB) -> None:
@@ -141,15 +173,55 @@ def test_a_rederivation_announces_file_rederived_for_the_file(dsn: str, queue: Q
 
 def test_sync_removes_endpoints_no_longer_configured(dsn: str, queue: QueueDB) -> None:
     subscribe(queue, "old")
-    removed, changed = queue.sync_webhook_endpoints([{"name": "new", "events": ALL,
-                                                       "tenants": None}])  # fmt: skip
-    assert (removed, changed) == (["old"], ["new"])
-    assert queue.sync_webhook_endpoints([{"name": "new", "events": ALL, "tenants": None}]) == (
-        [], [])  # fmt: skip
+    new = [{"name": "new", "events": ALL, "tenants": None}]
+    assert queue.sync_webhook_endpoints(new) == EndpointSync(["old"], ["new"], 0)
+    # Marked removed (nothing of it to keep: the next round drops its row), never again.
+    assert [(e["name"], e["removed_at"] is not None) for e in queue.webhook_endpoints()] == [
+        ("new", False), ("old", True)]  # fmt: skip
+    assert queue.sync_webhook_endpoints(new) == EndpointSync([], [], 0)
+    assert [e["name"] for e in queue.webhook_endpoints()] == ["new"]
     queued(queue)
     job = claim_one(queue, lease_s=30, max_attempts=3)
     assert job is not None and commit_one(queue, job, [VARIANT])
     assert [r["endpoint"] for r in deliveries(dsn)] == ["new"]
+
+
+def ready_file(queue: QueueDB) -> int:
+    file_id = queued(queue)
+    job = claim_one(queue, lease_s=30, max_attempts=3)
+    assert job is not None and commit_one(queue, job, [VARIANT])
+    return file_id
+
+
+def test_a_removed_endpoints_undelivered_rows_end_failed_and_come_back_with_it(
+    dsn: str, queue: QueueDB
+) -> None:
+    both = [{"name": n, "events": ALL, "tenants": None} for n in ("app", "gone")]
+    queue.sync_webhook_endpoints(both)
+    ready_file(queue)
+    [in_flight] = queue.claim_deliveries("gone", limit=1, lease_s=60, host="h")
+    waiting = ready_file(queue)
+    synced = queue.sync_webhook_endpoints(both[:1])
+    # The pending row ends now; the leased one is its POST's, which cannot requeue it.
+    assert synced == EndpointSync(["gone"], [], 1)
+    assert queue.finish_delivery(in_flight, status="pending", delay_s=1, error="http 500")
+    gone = sql(dsn, "SELECT status, last_error, last_status FROM derivd_deliveries"
+                    " WHERE endpoint = 'gone' ORDER BY id")  # fmt: skip
+    assert gone == [{"status": "failed", "last_error": "endpoint removed", "last_status": None}] * 2
+    [stats] = [r for r in queue.webhook_stats(window_s=3600) if r["name"] == "gone"]
+    assert (stats["removed"], stats["backlog"], stats["failed_kept"]) == (True, 0, 2)
+    # Nothing more is queued for it, claimed from it, or replayed to it while it is gone.
+    ready_file(queue)
+    assert [r["endpoint"] for r in deliveries(dsn)].count("gone") == 2
+    assert queue.replay_deliveries(endpoint="gone", failed_only=True) == 0
+    assert queue.claim_deliveries("gone", limit=10, lease_s=60, host="h") == []
+    assert queue.sync_webhook_endpoints(both[:1]) == EndpointSync([], [], 0)  # kept: 2 rows
+    # Configured again: replayable, with the same webhook-ids.
+    assert queue.sync_webhook_endpoints(both) == EndpointSync([], ["gone"], 0)
+    assert queue.replay_deliveries(endpoint="gone", failed_only=True) == 2
+    again = queue.claim_deliveries("gone", limit=10, lease_s=60, host="h")
+    assert len(again) == 2 and in_flight.id in {d.id for d in again}
+    assert waiting in {d.file_id for d in again}
 
 
 def test_retention_drops_finished_deliveries_of_old_events_and_keeps_undelivered(
@@ -179,11 +251,30 @@ def test_retention_drops_finished_deliveries_of_old_events_and_keeps_undelivered
 def test_the_webhook_gauges_follow_the_endpoints() -> None:
     metrics = Metrics(CollectorRegistry())
     row = {"name": "app", "backlog": 3, "oldest_undelivered_age_s": 12.5, "delivered_recent": 7,
-           "failed_recent": 1, "failed_kept": 2, "paused": True}  # fmt: skip
+           "failed_recent": 1, "failed_kept": 2, "paused": True, "removed": True}  # fmt: skip
     metrics.set_webhooks([row])
     text = metrics.render().decode()
     assert 'derivd_webhook_backlog{endpoint="app"} 3.0' in text
+    assert 'derivd_webhook_removed{endpoint="app"} 1.0' in text
     assert 'derivd_webhook_oldest_undelivered_seconds{endpoint="app"} 12.5' in text
     assert 'derivd_webhook_paused{endpoint="app"} 1.0' in text
     metrics.set_webhooks([])
     assert 'endpoint="app"' not in metrics.render().decode()
+
+
+def test_the_upgrade_ends_what_the_previous_releases_sync_stranded(
+    dsn: str, queue: QueueDB
+) -> None:
+    subscribe(queue, "old")
+    stranded = ready_file(queue)
+    # The previous release: no removed_at, and its sync deleted a removed endpoint's row,
+    # leaving the endpoint's undelivered rows to nobody.
+    sql(dsn, "DELETE FROM derivd_webhook_endpoints")
+    sql(dsn, "ALTER TABLE derivd_webhook_endpoints DROP COLUMN removed_at")
+    sql(dsn, "DELETE FROM derivd_migrations WHERE name = '0021_webhook_removed'")
+    assert migrate(dsn) == ["0021_webhook_removed"]
+    assert queue.sync_webhook_endpoints([]) == EndpointSync([], [], 1)
+    assert sql(dsn, "SELECT file_id, status, last_error FROM derivd_deliveries") == [
+        {"file_id": stranded, "status": "failed", "last_error": "endpoint removed"}]  # fmt: skip
+    [stats] = queue.webhook_stats(window_s=3600)
+    assert (stats["name"], stats["removed"], stats["failed_kept"]) == ("old", True, 1)

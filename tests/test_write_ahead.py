@@ -17,6 +17,8 @@ from fixtures.work import claim_one, make_worker, run_one
 from helpers import sql
 from PIL import Image
 
+from derivd.handlers.base import Derivation, DeriveSpec, Handler
+from derivd.handlers.registry import create_handler
 from derivd.ops.enqueue import upload_and_queue
 from derivd.ops.sweep import Sweeper
 from derivd.queue.db import QueueDB
@@ -120,3 +122,61 @@ def test_small_puts_take_one_round_trip_and_large_ones_wait_for_continue(
     assert proxy.snapshot().get("expect_continue", 0) == 0
     storage.put("derived/1/t/large.webp", b"l" * 1001, "image/webp")
     assert proxy.snapshot()["expect_continue"] == 1
+
+
+@pytest.mark.parametrize(("backend", "registers"), [("pillow", True), ("noop", False)])
+def test_a_claim_registers_the_attempt_prefix_only_for_a_backend_that_stores_objects(
+    dsn: str, fs_root: Path, tmp_path: Path, backend: str, registers: bool
+) -> None:
+    """noop stores nothing: its claims add no registry row (a row and its deletion per
+    job for nothing, ~560 B of WAL)."""
+    config = make_config(dsn, fs_root=fs_root, derive={"backend": backend})
+    (file_id,) = enqueue(tmp_path, FsStorage(fs_root), dsn, 1)
+    worker = make_worker(config, dsn)
+    try:
+        [job] = worker.claim_many(1)
+    finally:
+        worker.close()
+    rows = sql(dsn, "SELECT key FROM pending_objects WHERE lease_token = %s", (job.token,))
+    expected = [attempt_prefix(file_id, job.token)] if registers else []
+    assert [r["key"] for r in rows] == expected
+
+
+class _StoresUndeclared:
+    """A handler that says it stores nothing (as noop does) and returns variants anyway."""
+
+    stores_objects = False
+
+    def __init__(self, inner: Handler) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def derive(self, original: bytes, spec: DeriveSpec) -> Derivation:
+        return Derivation.of(self.inner.derive(original, spec))
+
+
+def test_variants_of_a_handler_that_declared_none_are_registered_before_their_puts(
+    dsn: str, fs_root: Path, tmp_path: Path
+) -> None:
+    config = make_config(dsn, fs_root=fs_root, derive={"backend": "pillow"})
+    pending: dict[str, list[str]] = {}
+
+    def look(key: str) -> None:
+        token = key.split("/")[2]
+        rows = sql(dsn, "SELECT key FROM pending_objects WHERE lease_token = %s", (token,))
+        pending.setdefault(key, [r["key"] for r in rows])
+
+    enqueue(tmp_path, FsStorage(fs_root), dsn, 2)
+    handler = _StoresUndeclared(create_handler("pillow", config.derive_spec()))
+    worker = make_worker(config, dsn, BeforePut(FsStorage(fs_root), look), handler)
+    try:
+        assert worker.run_batch(lambda: False) == 1
+        assert worker._prefetched is not None  # the second, claimed by a durable commit
+        assert worker.run_batch(lambda: False) == 1
+    finally:
+        worker.close()
+    rows = sql(dsn, "SELECT status FROM archive_files ORDER BY id")
+    assert [r["status"] for r in rows] == ["ready", "ready"]
+    assert len({key.split("/")[2] for key in pending}) == 2  # both jobs PUT
+    for key, registered in pending.items():
+        assert key in registered  # its own key, durable before its PUT

@@ -54,6 +54,7 @@ WEBHOOK_GAUGES = {
     "failed_recent": "Deliveries failed over the [status] window, per endpoint",
     "failed_kept": "Failed deliveries kept (until replayed or past retention), per endpoint",
     "paused": "1 while the endpoint's circuit is open (its claims pause), per endpoint",
+    "removed": "1 once the endpoint left the INI (listed while its failed rows are kept)",
 }
 WEBHOOK_COLUMNS = {"oldest_undelivered_seconds": "oldest_undelivered_age_s"}
 
@@ -232,7 +233,7 @@ class Metrics:
             gauge.clear()
             column = WEBHOOK_COLUMNS.get(key, key)
             for row in rows:
-                gauge.labels(row["name"]).set(float(row[column] or 0))
+                gauge.labels(row["name"]).set(float(row.get(column) or 0))
 
     def serve(self, listen: str, *, dashboard: Route | None = None, where: str = "startup") -> None:
         """Start the HTTP endpoint on host:port (a daemon thread in the supervisor):

@@ -141,10 +141,11 @@ def _variant_lines(variants: list[StoredVariant]) -> list[str]:
     if not variants:
         return ["variants: none"]
     rows = [
-        [v.name, v.format, f"{v.width}x{v.height}", v.sha256[:16], v.key, v.version]
+        [v.name, v.format, f"{v.width}x{v.height}", "-" if v.bytes is None else str(v.bytes),
+         v.sha256[:16], v.key, v.version]
         for v in variants
-    ]
-    headers = ["name", "format", "size", "sha256", "key", "version"]
+    ]  # fmt: skip
+    headers = ["name", "format", "size", "bytes", "sha256", "key", "version"]
     return [f"variants ({len(variants)})", *_table(headers, rows)]
 
 

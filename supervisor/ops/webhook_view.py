@@ -26,6 +26,7 @@ def endpoint_json(row: dict[str, Any]) -> dict[str, Any]:
         "failed_kept": row["failed_kept"],
         "consecutive_failures": row["failures"],
         "paused": row["paused"],
+        "removed": bool(row.get("removed")),  # from the INI; listed while rows are kept
         "last_error": row["last_error"],
         "last_error_age_s": row["last_error_age_s"],
     }
@@ -53,6 +54,8 @@ def endpoint_lines(rows: Sequence[dict[str, Any]], window: str) -> list[str]:
     ]
     for r in rows:
         circuit = "paused" if r["paused"] else ("ok" if not r["failures"] else "failing")
+        if r.get("removed"):
+            circuit = "removed"  # its undelivered rows ended failed ("endpoint removed")
         error = (
             f" / {r['last_error']} ({_age(r['last_error_age_s'])} ago)" if r["last_error"] else ""
         )

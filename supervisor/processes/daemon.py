@@ -24,6 +24,7 @@ from derivd.processes.duties import host_info, listen_problem
 from derivd.processes.hostclaim import claim_host
 from derivd.processes.supervisor import RunResult, Supervisor
 from derivd.queue.db import DatabaseUnavailable, HostInfo, QueueDB
+from derivd.queue.webhook_queries import DeliveriesLeft
 from derivd.redact import redact
 
 log = logging.getLogger("derivd")
@@ -87,7 +88,7 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
         finally:
             metrics.close()
         if burst and result.code == 0:
-            _say_what_is_left(dsn)
+            _say_what_is_left(dsn, [e.name for e in supervisor.config.webhooks])
         return result
     finally:
         if pidfile:
@@ -106,15 +107,34 @@ def left_behind(waiting: int, due_s: float | None) -> str | None:
     )
 
 
-def _say_what_is_left(dsn: str) -> None:
+def deliveries_left_behind(left: DeliveriesLeft) -> str | None:
+    """The line a `run --burst` ends with for an endpoint whose deliveries it could not
+    make: retries due later than it waits, a circuit open longer, a deliverer that died."""
+    if not left.waiting:
+        return None
+    count = f"{left.waiting:,}" if left.waiting < 10_000 else "10,000 or more"
+    noun = "delivery" if left.waiting == 1 else "deliveries"
+    due = max(0.0, left.next_due_s or 0.0)
+    when = time.strftime("%H:%M:%S", time.localtime(time.time() + due))
+    circuit = f", its circuit open for {duration(left.paused_s)}" if left.paused_s else ""
+    return (
+        f"left {count} webhook {noun} pending for endpoint {left.endpoint}, the next "
+        f"due in {duration(due)} (at {when}){circuit}: run `derivd run --burst` again then, "
+        "or `derivd run`"
+    )
+
+
+def _say_what_is_left(dsn: str, endpoints: list[str]) -> None:
     try:
         with QueueDB.open(dsn, role="derivd-supervisor") as queue:
-            line = left_behind(*queue.not_yet_due())
+            lines = [left_behind(*queue.not_yet_due())]
+            if endpoints:
+                lines += [deliveries_left_behind(d) for d in queue.deliveries_left(endpoints)]
     except DatabaseUnavailable as error:
-        line = f"could not tell what is left: {error}"
-    if line:
+        lines = [f"could not tell what is left: {error}"]
+    for line in filter(None, lines):
         sys.stderr.write(f"derivd: {line}\n")
-        sys.stderr.flush()
+    sys.stderr.flush()
 
 
 def _claim_host_id(config: Config, dsn: str) -> HostInfo | str:

@@ -514,9 +514,11 @@ class Supervisor:
             return
         for duty in self.duties:
             duty.tick(now)
-        if self.burst or self.stop_deadline is not None:
+        if self.stop_deadline is not None:
             self.webhooks.reap()
         else:
+            if self.drained():  # --burst: its commits' deliveries go out before it ends
+                self.webhooks.finish()
             self.webhooks.tick(now)
         if now >= self.status_at:
             self.status_at = now + self.config.metrics.interval
@@ -546,13 +548,19 @@ class Supervisor:
         for lane in self.lanes:  # last: the workers' own news is read first
             lane.poll()
 
+    def drained(self) -> bool:
+        """--burst: every slot's worker ended with nothing left to claim."""
+        if not self.burst or self.workers:
+            return False
+        slots = range(1, self.config.worker_count + 1)
+        return all(self.slots.get(n, Slot()).drained for n in slots)
+
     def finished(self) -> bool:
         if self.workers:
             return False
         if self.outcome is not None or self.stop_deadline is not None:
             return True
-        slots = range(1, self.config.worker_count + 1)
-        return self.burst and all(self.slots.get(n, Slot()).drained for n in slots)
+        return self.drained() and self.webhooks.done
 
     def run(self) -> RunResult:
         """Supervise until stopped (or drained, or halted on a boot error)."""
@@ -570,8 +578,7 @@ class Supervisor:
         now = self.clock()
         for duty in self.duties:
             duty.start(now)
-        if not self.burst:
-            self.webhooks.start(now)
+        self.webhooks.start(now)
         try:
             while True:
                 self.handle_signals()

@@ -11,7 +11,14 @@ database was away heals): they are what the outbox subscribes. With `[webhook:NA
 sections the first workers start once the first sync has ended, so that their first
 commits find this configuration's endpoints (a fleet that starts with new sections
 announces its first files too); without any, they start at once (an endpoint removed
-from the file may get a few more deliveries queued meanwhile, which nobody claims).
+from the file may get a few more deliveries queued meanwhile: the sync ends them).
+
+An endpoint no longer in the file is removed by the sync, whether the file lost it by
+SIGHUP or the host restarted without it, with or without any section left: its
+undelivered deliveries end `failed` ("endpoint removed"), counted under its name in
+status and the metrics, replayable (`derivd webhooks replay --failed --endpoint NAME`)
+once it is configured again. Every host of a fleet syncs the set its own file holds, so
+the hosts of one database carry the same `[webhook:NAME]` sections.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.duties import DatabaseDuty
 from derivd.processes.forked import become_child, exit_code, fork_child
 from derivd.queue.db import QueueDB
+from derivd.queue.webhook_queries import EndpointSync
+from derivd.worker import BURST_RETRY_WAIT_S
 
 log = logging.getLogger("derivd.webhooks")
 
@@ -40,7 +49,7 @@ RESTART_BACKOFF_S = (1.0, 30.0)  # first, most
 STOP_WAIT_S = 15.0
 
 
-class WebhookSync(DatabaseDuty[tuple[list[str], list[str]]]):
+class WebhookSync(DatabaseDuty[EndpointSync]):
     name = "webhook_sync"
 
     @property
@@ -51,17 +60,19 @@ class WebhookSync(DatabaseDuty[tuple[list[str], list[str]]]):
         super().__init__(config, thread)
         self.settled = False  # the first round has ended (either way)
 
-    def run_once(self, db: QueueDB) -> tuple[list[str], list[str]]:
+    def run_once(self, db: QueueDB) -> EndpointSync:
         return db.sync_webhook_endpoints([e.subscription() for e in self.config().webhooks])
 
-    def on_result(self, result: tuple[list[str], list[str]] | None) -> None:
+    def on_result(self, result: EndpointSync | None) -> None:
         self.settled = True
         if result is None:
             return
-        removed, changed = result
-        if removed or changed:
-            event(log, "webhook endpoints synced", removed=",".join(removed) or "-",
-                  changed=",".join(changed) or "-")  # fmt: skip
+        if result.removed or result.changed or result.stranded:
+            event(log, "webhook endpoints synced",
+                  logging.WARNING if result.stranded else logging.INFO,
+                  removed=",".join(result.removed) or "-",
+                  changed=",".join(result.changed) or "-",
+                  undelivered_failed=result.stranded)  # fmt: skip
 
     def now(self) -> None:
         """A round at the next tick (a reload)."""
@@ -69,13 +80,15 @@ class WebhookSync(DatabaseDuty[tuple[list[str], list[str]]]):
 
 
 class WebhookStats(DatabaseDuty[list[dict[str, Any]]]):
-    """The webhook gauges, every [metrics] interval, while endpoints are configured."""
+    """The webhook gauges, every [metrics] interval, while endpoints are configured or
+    the last reading listed some (removed ones whose failed rows are kept)."""
 
     name = "webhook_stats"
 
     def __init__(self, config: Callable[[], Config], thread: DatabaseThread, metrics: Metrics):
         super().__init__(config, thread)
         self.metrics = metrics
+        self.listed = True  # until a reading says otherwise: endpoints may be left over
 
     @property
     def interval(self) -> float:
@@ -83,15 +96,22 @@ class WebhookStats(DatabaseDuty[list[dict[str, Any]]]):
 
     def run_once(self, db: QueueDB) -> list[dict[str, Any]]:
         config = self.config()
-        return db.webhook_stats(window_s=config.status.window) if config.webhooks else []
+        wanted = config.webhooks or self.listed
+        return db.webhook_stats(window_s=config.status.window) if wanted else []
 
     def on_result(self, result: list[dict[str, Any]] | None) -> None:
         if result is not None:
+            self.listed = bool(result)
             self.metrics.set_webhooks(result)
 
 
 class WebhookChild:
-    """The delivering process: forked while endpoints exist, replaced when it dies."""
+    """The delivering process: forked while endpoints exist, replaced when it dies.
+
+    Under `run --burst` it delivers while the workers work; once they drained the queue
+    (`finish`), the running child stops and a last one delivers what is leased or due
+    within BURST_RETRY_WAIT_S (the workers' own rule for retries), then ends: `done`. What
+    it leaves is named on the way out (derivd.processes.daemon)."""
 
     def __init__(
         self,
@@ -107,6 +127,14 @@ class WebhookChild:
         self.not_before = 0.0
         self.failures = 0
         self.active = False
+        self.draining = False  # --burst: the queue is drained, the last child drains
+        self.drain_child = False  # the running child is that last one
+        self.drained = False  # and it has ended
+
+    @property
+    def done(self) -> bool:
+        """Nothing (more) to deliver from here: no endpoint, or the last child ended."""
+        return not self.config().webhooks or self.drained
 
     def start(self, now: float) -> None:
         self.active = True
@@ -114,14 +142,24 @@ class WebhookChild:
 
     def tick(self, now: float) -> None:
         self.reap()
-        if self.active and self.pid is None and now >= self.not_before and self.config().webhooks:
+        if self.drained or not (self.active and self.pid is None and now >= self.not_before):
+            return
+        if self.config().webhooks:
             self.launch()
+
+    def finish(self) -> None:
+        """`run --burst` drained the queue: the running child stops (its POSTs in flight
+        end first), then the last one starts (`tick`)."""
+        if not self.draining:
+            self.draining = True
+            self._stop_child(wait=False)
 
     def reload(self) -> None:
         """The configuration changed: the running child stops, a new one starts."""
         self._stop_child(wait=False)
 
     def launch(self) -> None:
+        self.drain_child = self.draining
         self.pid = fork_child(self._child, self.inherited_fds())
         self.started = time.monotonic()
 
@@ -133,6 +171,11 @@ class WebhookChild:
             return
         lived = time.monotonic() - self.started
         self.pid = None
+        if self.drain_child:
+            self.drained = True  # whatever its end: what it left is said on the way out
+            if code != 0:
+                event(log, "webhook deliverer died draining", logging.WARNING, code=code)
+            return
         if code != 0 and self.active:
             self.failures = 0 if lived > RESTART_BACKOFF_S[1] else self.failures + 1
             first, most = RESTART_BACKOFF_S
@@ -168,15 +211,16 @@ class WebhookChild:
         try:
             become_child(parent, close_fds=inherited_fds)  # SIGTERM: run_deliverer's own
             set_proctitle("derivd: webhooks")
-            code = run_deliverer(self.config(), self.dsn)
+            code = run_deliverer(self.config(), self.dsn, drain=self.drain_child)
         except Exception:
             log.exception("webhook deliverer failed")
         finally:
             os._exit(code)
 
 
-def run_deliverer(config: Config, dsn: str) -> int:
-    """The child's body: deliver until SIGTERM (in-flight POSTs finish first)."""
+def run_deliverer(config: Config, dsn: str, *, drain: bool = False) -> int:
+    """The child's body: deliver until SIGTERM (in-flight POSTs finish first); `drain`:
+    until nothing is leased or due within BURST_RETRY_WAIT_S, too."""
     from derivd.webhooks.deliverer import Deliverer
 
     deliverer = Deliverer(
@@ -185,6 +229,7 @@ def run_deliverer(config: Config, dsn: str) -> int:
         host=config.host_id,
         listen_dsn=config.database.listen_dsn or None,
         poll_interval=config.queue.poll_interval,
+        drain_within_s=BURST_RETRY_WAIT_S if drain else None,
     )
     signal.signal(signal.SIGTERM, lambda *_: deliverer.stop())
     try:

@@ -1,10 +1,11 @@
 """Producers and operators: enqueue, delete, retry, statuses, queue health, one file's
-row, variants and events."""
+row, variants and events, and `derivd files`' pages."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from derivd.priorities import DEFAULT_PRIORITY
@@ -102,3 +103,20 @@ class OperatorQueries(Statements):
         """The file's events (at, kind, attempt, error_code, actor, lease_token), oldest
         first."""
         return self._all("file_events", {"id": file_id})
+
+    def files_page(
+        self,
+        *,
+        status: str | None = None,
+        code: str | None = None,
+        tenant: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        before: int | None = None,
+        limit: int = 50,
+    ) -> list[dict[str, Any]]:
+        """`derivd files`: files newest first, filtered; `before`: the last id of the
+        page before (keyset paging)."""
+        params = {"status": status, "code": code, "tenant": tenant, "since": since,
+                  "until": until, "before": before, "limit": limit}  # fmt: skip
+        return self._all("files_page", params)

@@ -53,6 +53,7 @@ class StoredVariant:
     format: str = "webp"
     content_type: str = "image/webp"
     fingerprint: str | None = None  # of the spec that made it (derivd.fingerprint)
+    bytes: int | None = None  # the stored object's size; None: not recorded (before 0019)
 
 
 @dataclass(frozen=True)

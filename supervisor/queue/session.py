@@ -66,9 +66,11 @@ def connect(
 
 
 def open_connection(
-    dsn: str, *, application_name: str, bound_s: float | None
+    dsn: str, *, application_name: str, bound_s: float | None, generic_plans: bool = False
 ) -> tuple[psycopg.Connection[Any], bool]:
-    """`connect`, and whether the connection goes through a pooler."""
+    """`connect`, and whether the connection goes through a pooler. `generic_plans`
+    (a worker's connection): a direct connection plans each prepared statement once
+    (`generic_plans` in sql/queries.sql)."""
     try:
         conn = psycopg.connect(
             dsn,
@@ -89,8 +91,12 @@ def open_connection(
             pooled = is_pooled(conn)
             if pooled:
                 conn.prepare_threshold = None
-            elif bound_s is not None:
-                conn.execute(query("session_timeouts"), _session_timeouts(bound_s), prepare=False)
+            else:
+                if bound_s is not None:
+                    timeouts = _session_timeouts(bound_s)
+                    conn.execute(query("session_timeouts"), timeouts, prepare=False)
+                if generic_plans:
+                    conn.execute(query("generic_plans"), prepare=False)
     except psycopg.Error as error:
         conn.close()
         raise bound.unavailable(error) from None

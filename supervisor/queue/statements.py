@@ -37,6 +37,7 @@ class Statements:
         self.dsn = dsn
         self.application_name = "derivd"
         self.bound_s: float | None = None  # the supervisor's connections: see `connect`
+        self.generic_plans = False  # a worker's connection: see `open_connection`
         self._pooled: bool | None = None  # found when this handle opened `conn`
         # One statement at a time: a pipelined worker's threads share this handle.
         self._lock = threading.RLock()
@@ -47,14 +48,25 @@ class Statements:
         self._unflushed: set[uuid.UUID] = set()
 
     @classmethod
-    def open(cls, dsn: str, *, role: str = "derivd", bound_s: float | None = None) -> Self:
+    def open(
+        cls,
+        dsn: str,
+        *,
+        role: str = "derivd",
+        bound_s: float | None = None,
+        generic_plans: bool = False,
+    ) -> Self:
         """`bound_s`: every statement waits at most that long (the supervisor's own
-        connections; a worker's statements are bounded by its job's deadline)."""
+        connections; a worker's statements are bounded by its job's deadline).
+        `generic_plans`: a worker's connection (`open_connection`)."""
         name = f"{role}@{socket.gethostname()}"
-        conn, pooled = open_connection(dsn, application_name=name, bound_s=bound_s)
+        conn, pooled = open_connection(
+            dsn, application_name=name, bound_s=bound_s, generic_plans=generic_plans
+        )
         queue = cls(conn, dsn)
         queue.application_name = name
         queue.bound_s = bound_s
+        queue.generic_plans = generic_plans
         queue._pooled = pooled
         return queue
 
@@ -63,7 +75,10 @@ class Statements:
         # one (or DatabaseUnavailable, which the caller treats as transient).
         if (self.conn.closed or self.conn.broken) and self.dsn is not None:
             self.conn, self._pooled = open_connection(
-                self.dsn, application_name=self.application_name, bound_s=self.bound_s
+                self.dsn,
+                application_name=self.application_name,
+                bound_s=self.bound_s,
+                generic_plans=self.generic_plans,
             )
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """The webhook outbox's statements (sql/queries.sql, "Webhooks"): the endpoints the
-database knows, the lease protocol of deliveries, their views, replay and retention; and
-`derivd files`' page of files. Part of QueueDB like every other query API."""
+database knows, the lease protocol of deliveries, their views, replay and retention. Part
+of QueueDB like every other query API."""
 
 from __future__ import annotations
 
@@ -35,6 +35,27 @@ class Delivery:
 
 
 @dataclass(frozen=True)
+class EndpointSync:
+    """What a sync changed: endpoints removed now, added or changed, and the undelivered
+    deliveries of removed endpoints it ended `failed`."""
+
+    removed: list[str]
+    changed: list[str]
+    stranded: int
+
+
+@dataclass(frozen=True)
+class DeliveriesLeft:
+    """One endpoint's undelivered deliveries (each status counted to 10,000), seconds
+    until the first pending one is due, and until its circuit closes (None: closed)."""
+
+    endpoint: str
+    waiting: int
+    next_due_s: float | None
+    paused_s: float | None
+
+
+@dataclass(frozen=True)
 class Circuit:
     """When an endpoint backs off as a whole (consecutive failures, fleet-wide)."""
 
@@ -47,13 +68,14 @@ class WebhookQueries(Statements):
     """The outbox's endpoints, the deliveries' lease protocol, their views, replay and
     retention."""
 
-    def sync_webhook_endpoints(
-        self, subscriptions: Sequence[dict[str, Any]]
-    ) -> tuple[list[str], list[str]]:
+    def sync_webhook_endpoints(self, subscriptions: Sequence[dict[str, Any]]) -> EndpointSync:
         """Make the database's webhook endpoints these ({name, events, tenants}): the
-        outbox's subscribers. Returns the names removed and those added or changed."""
+        outbox's subscribers; every other one is removed and its undelivered rows end
+        `failed` ("endpoint removed")."""
         row = self._one("webhook_endpoints_sync", {"endpoints": json.dumps(list(subscriptions))})
-        return (list(row["removed"]), list(row["changed"])) if row else ([], [])
+        if row is None:
+            return EndpointSync([], [], 0)
+        return EndpointSync(list(row["removed"]), list(row["changed"]), int(row["stranded"]))
 
     def webhook_endpoints(self) -> list[dict[str, Any]]:
         return self._all("webhook_endpoints")
@@ -123,6 +145,20 @@ class WebhookQueries(Statements):
         row = self._one("deliveries_replay", params)
         return int(row["replayed"]) if row else 0
 
+    def deliveries_due_within(self, endpoints: Sequence[str], *, within_s: float) -> bool:
+        """Whether one of `endpoints` has a delivery leased, or one due within `within_s`
+        seconds (its circuit closed by then): what `run --burst` waits for."""
+        params = {"endpoints": list(endpoints), "within_s": within_s}
+        row = self._one("deliveries_due_within", params)
+        return bool(row and row["waiting"])
+
+    def deliveries_left(self, endpoints: Sequence[str]) -> list[DeliveriesLeft]:
+        """Per endpoint given: what `run --burst` leaves undelivered."""
+        return [
+            DeliveriesLeft(r["name"], r["waiting"], r["next_due_s"], r["paused_s"])
+            for r in self._all("deliveries_left", {"endpoints": list(endpoints)})
+        ]
+
     def add_test_delivery(self, endpoint: str, body: str) -> int:
         row = self._one("delivery_test", {"endpoint": endpoint, "body": body})
         assert row is not None
@@ -138,18 +174,3 @@ class WebhookQueries(Statements):
         for r in rows:
             counts[r["status"]] = counts.get(r["status"], 0) + 1
         return counts
-
-    def files_page(
-        self,
-        *,
-        status: str | None = None,
-        code: str | None = None,
-        tenant: str | None = None,
-        since: datetime | None = None,
-        until: datetime | None = None,
-        before: int | None = None,
-        limit: int = 50,
-    ) -> list[dict[str, Any]]:
-        params = {"status": status, "code": code, "tenant": tenant, "since": since,
-                  "until": until, "before": before, "limit": limit}  # fmt: skip
-        return self._all("files_page", params)

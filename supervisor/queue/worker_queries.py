@@ -18,7 +18,12 @@ from derivd.storage.base import ATTEMPT_PREFIX_FORMAT
 
 
 def _claim_params(
-    limit: int, lease_s: float, max_attempts: int, host: str | None, tenant_cap: int
+    limit: int,
+    lease_s: float,
+    max_attempts: int,
+    host: str | None,
+    tenant_cap: int,
+    write_ahead: bool,
 ) -> dict[str, Any]:
     """The claim's named parameters, shared by `claim` and `commit_and_claim`."""
     return {
@@ -28,6 +33,7 @@ def _claim_params(
         "host": host,
         "tenant_cap": tenant_cap,
         "prefix_format": ATTEMPT_PREFIX_FORMAT,
+        "write_ahead": write_ahead,
     }
 
 
@@ -100,11 +106,14 @@ class WorkerQueries(Statements):
         max_attempts: int,
         host: str | None = None,
         tenant_cap: int = 0,
+        write_ahead: bool = True,
     ) -> list[Job]:
         """Lease up to `limit` rows in one statement, in claim order; each row gets its
         own token and lease, and records `host` as its holder. `tenant_cap`: at most that
-        many rows in flight per tenant (0: no cap)."""
-        params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
+        many rows in flight per tenant (0: no cap). `write_ahead`: register each attempt's
+        key prefix (not flushed: `write_ahead_durable`); false for a worker that stores
+        no objects."""
+        params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap, write_ahead)
         with self._lock:
             jobs = _jobs(self._all("claim", params, bound_s=self.claim_bound_s))
             self._unflushed.update(j.token for j in jobs)
@@ -149,11 +158,12 @@ class WorkerQueries(Statements):
         max_attempts: int,
         host: str | None = None,
         tenant_cap: int = 0,
+        write_ahead: bool = True,
     ) -> tuple[Committed, list[Job]]:
         """`commit_many` and `claim_many` in one durable statement (one round trip, one
         transaction): the ids that committed, and the newly claimed jobs in claim order.
         Every fence is the same as in the two separate calls."""
-        params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap)
+        params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap, write_ahead)
         params["jobs"] = json.dumps([_commit_row(f) for f in results])
         with self._lock:
             rows = self._all("commit_and_claim", params, bound_s=self.claim_bound_s)

@@ -9,6 +9,13 @@ sleeps on the `derivd_deliveries` notification (any new delivery, any replay), a
 coming free, or `poll_interval` at most; a database outage is waited out (every
 statement retries with the next round) and a delivery whose end could not be recorded
 comes back when its lease expires: delivered at least once, with the same webhook-id.
+
+`drain_within_s` (the last deliverer of `run --burst`): instead of waiting for more, it
+ends once nothing is claimable, none of its POSTs is in flight and none of its endpoints
+has a delivery leased or due within that many seconds (a retry due later, or behind a
+circuit open longer, is left for the next run). Bounded: each POST ends within its
+endpoint's timeout, and an endpoint that keeps failing opens its circuit for longer
+and longer (5 s, doubling), past the wait within a few attempts.
 """
 
 from __future__ import annotations
@@ -51,8 +58,10 @@ class Deliverer:
         listen_dsn: str | None = None,
         poll_interval: float = 1.0,
         clock: Callable[[], float] = time.time,
+        drain_within_s: float | None = None,
     ) -> None:
         self.endpoints = {e.name: e for e in endpoints}
+        self.drain_within_s = drain_within_s
         self.dsn = dsn
         self.host = host
         self.poll_interval = poll_interval
@@ -75,6 +84,8 @@ class Deliverer:
             self.listener.connect()
             try:
                 claimed = self.claim_round()
+                if not claimed and self.drained():
+                    break
             except Transient as error:
                 event(log, "webhooks: database unavailable", logging.WARNING, error=str(error))
                 self.wait(OUTAGE_WAIT_S)
@@ -82,6 +93,20 @@ class Deliverer:
             if not claimed:
                 self.wait(self.poll_interval)
         self.pool.shutdown(wait=True)
+
+    def drained(self) -> bool:
+        """Draining (`drain_within_s`), nothing of ours in flight, and nothing leased or
+        due soon for our endpoints."""
+        if self.drain_within_s is None:
+            return False
+        with self.busy_lock:
+            if any(self.busy.values()):
+                return False
+        with self.db_lock:
+            waiting = self.db.deliveries_due_within(
+                list(self.endpoints), within_s=self.drain_within_s
+            )
+        return not waiting
 
     def claim_round(self) -> int:
         """Claim into every endpoint's free slots; returns how many were claimed."""

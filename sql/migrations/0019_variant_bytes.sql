@@ -1,0 +1,13 @@
+-- Each variant's size in bytes (issue 29: the webhook payload lists it with the rest of
+-- the variant; `derivd show` and derivd.client.result() too): what the worker PUT, the
+-- length of the encoded object. The fenced commit records it from the job's JSON
+-- (derivd_commit_outcomes, derivd_commit_rederivation in sql/functions.sql).
+--
+-- Nullable, no default: ADD COLUMN neither rewrites nor scans archive_variants (the
+-- fleet's history) under its ACCESS EXCLUSIVE lock. NULL is "not recorded": variants
+-- stored before this migration, and commits from hosts of an earlier release during a
+-- rolling upgrade (their JSON has no `bytes`; the commit takes the absent key as NULL).
+-- No CHECK (bytes >= 0): PostgreSQL re-reads a table's CHECKs for every statement that
+-- writes it (schema.sql, "Vocabularies"), and the one writer is the worker, which
+-- records len() of the object it stored.
+ALTER TABLE archive_variants ADD COLUMN bytes bigint;
