@@ -73,7 +73,7 @@ from derivd.osproc import children_of
 from derivd.queue.db import QueueDB, migrate
 from derivd.storage.base import new_original_key
 from harness.history import load as load_history
-from harness.invariants import Rules
+from harness.invariants import Rules, unrecorded_deaths
 from harness.invariants import check as check_history
 from harness.listing import s3_objects
 
@@ -353,6 +353,8 @@ class World:
 @dataclasses.dataclass
 class Tally:
     kills: int = 0
+    # (job id, time.time()) of each worker killed in the middle of a job (its title's)
+    busy_kills: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     stunts: int = 0
     stunt_tokens: list[str] = dataclasses.field(default_factory=list)
     pg_restarts: int = 0
@@ -403,6 +405,9 @@ class Chaos:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
             self.tally.kills += 1
+            job = job_of(fleet[pid])
+            if job is not None:
+                self.tally.busy_kills.append((job, time.time()))
             say(f"SIGKILL worker pid {pid} ({fleet[pid]})")
 
     def restart_postgres(self) -> None:
@@ -640,10 +645,28 @@ def check_all(
             f"exit code {exit_code}",
         )
     )
+    checks.append(_check_deaths_recorded(world, tally))
     checks += history_checks(world, tally)
     checks += [Check(*c) for c in webhook_checks(world.query, world.hooks)]
     tally.notes.append("events: " + ", ".join(f"{k}={n}" for k, n in sorted(kinds.items())))
     return checks
+
+
+def _check_deaths_recorded(world: World, tally: Tally) -> Check:
+    jobs = [job for job, _ in tally.busy_kills]
+    events = world.query(
+        "SELECT file_id, kind, extract(epoch FROM at)::float8 FROM archive_events"
+        " WHERE file_id = ANY(%s)",
+        (jobs,),
+    )
+    missing = unrecorded_deaths(
+        tally.busy_kills, [(int(f), str(k), float(a)) for f, k, a in events]
+    )
+    return Check(
+        "each busy worker killed: worker_died for its job",
+        not missing,
+        f"{len(tally.busy_kills)} busy kill(s); without worker_died: {missing}",
+    )
 
 
 def history_checks(world: World, tally: Tally) -> list[Check]:

@@ -401,4 +401,36 @@ def table_rows(verdicts: list[Verdict]) -> list[tuple[str, str, str]]:
     return [(v.name, "PASS" if v.ok else "FAIL", v.summary()) for v in verdicts]
 
 
-__all__ = ["INVARIANTS", "Rules", "StoredObject", "Verdict", "check", "table_rows"]
+# A chaos run reads a worker's process title a moment before it kills it: the job the
+# title names may have ended in between.
+TITLE_LAG_S = 0.5
+
+
+def unrecorded_deaths(
+    kills: list[tuple[int, float]], events: list[tuple[int, str, float]]
+) -> list[int]:
+    """The jobs of busy workers killed (job id, when) with neither a `worker_died` event
+    after the kill (the supervisor returns a dead worker's jobs at once: DESIGN.md) nor
+    an end of their attempt just before it (the title was a moment old)."""
+    missing = []
+    for job, killed_at in kills:
+        mine = [(kind, at) for file_id, kind, at in events if file_id == job]
+        died = any(kind == "worker_died" and at >= killed_at - TITLE_LAG_S for kind, at in mine)
+        ended = any(
+            kind in ENDS_ATTEMPT and killed_at - TITLE_LAG_S <= at <= killed_at + TITLE_LAG_S
+            for kind, at in mine
+        )
+        if not (died or ended):
+            missing.append(job)
+    return missing
+
+
+__all__ = [
+    "INVARIANTS",
+    "Rules",
+    "StoredObject",
+    "Verdict",
+    "check",
+    "table_rows",
+    "unrecorded_deaths",
+]

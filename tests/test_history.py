@@ -20,7 +20,7 @@ from derivd.queue.db import QueueDB
 from derivd.storage.base import derived_key, new_original_key
 from derivd.storage.fs import FsStorage
 from harness.history import load
-from harness.invariants import Rules, Verdict, check
+from harness.invariants import Rules, Verdict, check, unrecorded_deaths
 from harness.listing import fs_objects
 
 MAX_ATTEMPTS = 3
@@ -338,3 +338,15 @@ def test_a_rejected_rederivation_is_its_files_event_not_a_violation(world: World
         (file_id, token),
     )
     assert world.failing() == {}
+
+
+def test_a_busy_worker_killed_must_leave_worker_died_or_have_just_ended_its_job() -> None:
+    kills = [(1, 100.0), (2, 100.0), (3, 100.0), (4, 100.0)]
+    events = [
+        (1, "worker_died", 100.2),  # the supervisor returned it
+        (2, "ready", 99.8),  # committed as the title was read
+        (3, "ready", 90.0),  # an earlier attempt's: the kill left no record
+        (4, "lease_lost", 130.0),  # waited out its lease: not at once
+    ]
+    assert unrecorded_deaths(kills, events) == [3, 4]
+    assert unrecorded_deaths([], events) == []
