@@ -18,7 +18,7 @@ class Stage(StrEnum):
     FETCHING = "fetching"  # claimed; its original's GET is in flight or done
     DERIVING = "deriving"  # the worker's one derive
     STORING = "storing"  # write-ahead, then its variants' PUTs
-    COMMITTING = "committing"  # its fenced commit is sent: its place is free (claim_room)
+    COMMITTING = "committing"  # its fenced commit is sent (and may carry the next claim)
 
 
 def claim_room(
@@ -27,26 +27,30 @@ def claim_room(
     depth: int,
     claiming: int,
     stopping: bool,
+    replaced: int = 0,
     jobs_left: int | None = None,
     folded: bool = False,
 ) -> int:
-    """How many jobs to claim now, within the pipeline's room. `stages`: the jobs held;
-    a committing one holds no place (the claim riding on its commit takes it).
-    `claiming`: jobs asked for by claims not yet answered. `jobs_left`: how many jobs the
-    worker may still start (max_jobs_per_worker; None: no limit).
+    """How many jobs to claim now. `stages`: the jobs held, committing ones included.
+    `claiming`: jobs asked for by claims not yet answered; `replaced`: committing jobs
+    whose commit carries one of those claims (each leaves before what its claim takes
+    arrives: the worker reports an outcome before it admits the next job). So the
+    pipeline will hold len(stages) - replaced + claiming jobs, never more than `depth`
+    at any moment, as its supervisor counts them. `jobs_left`: how many jobs the worker
+    may still start (max_jobs_per_worker; None: no limit).
 
-    A `folded` claim rides on a commit that is sent anyway (derivd_commit_and_claim):
-    it takes all the room there is. In the steady state every claim is such a one, and
-    a job costs the database one statement, as with a one-job worker; with a pipeline of
-    3 the job it claims is two ahead, so its GET has a whole derive to arrive in.
+    A `folded` claim rides on a commit that is sent anyway (derivd_commit_and_claim), its
+    own committing job among `stages`: it takes that job's place and any free one. In
+    the steady state every claim is such a one, and a job costs the database one
+    statement, as with a one-job worker.
 
     A claim of its own (a round trip and a transaction of its own) takes one job, and
-    only when no claim is on its way, no commit is about to carry it (a job stored and
-    committing; one whose PUTs are out may take long) and no job waits for its derive
-    (claimed earlier, it would wait with its lease running): a derive starts, or a job's
-    PUTs, and the next job's GET overlaps them."""
-    places = sum(stage is not Stage.COMMITTING for stage in stages)
-    room = depth - places - claiming
+    only when no claim is on its way, no commit is about to carry it (a job committing;
+    one whose PUTs are out may take long) and no job waits for its derive (claimed
+    earlier, it would wait with its lease running): a derive starts, or a job's PUTs,
+    and the next job's GET overlaps them."""
+    held_then = len(stages) - replaced + claiming
+    room = depth - held_then + (1 if folded else 0)
     if jobs_left is not None:
         room = min(room, jobs_left - len(stages) - claiming)
     if stopping or room < 1:

@@ -54,6 +54,7 @@ class InFlight:
     started: float  # monotonic, when its claim was sent: its deadline counts from here
     original: Future[bytes]
     prefetched: bool = False  # claimed while other jobs were in the pipeline
+    replaced: bool = False  # its commit carries a claim that takes its place
     stage: Stage = Stage.FETCHING
     store: Future[None] | None = field(default=None, repr=False)
 
@@ -128,6 +129,7 @@ class PipelinedRun:
             [j.stage for j in self.jobs],
             depth=self.depth,
             claiming=self.claiming,
+            replaced=sum(j.replaced for j in self.jobs),
             stopping=self.stopping,
             jobs_left=self._jobs_left(),
             folded=folded,
@@ -297,8 +299,9 @@ class PipelinedRun:
         """The fenced commit; with room in the pipeline once this job leaves, the next
         claim goes in the same statement (derivd_commit_and_claim)."""
         with self.cond:
-            entry.stage = Stage.COMMITTING  # its place is free: the claim may take it
+            entry.stage = Stage.COMMITTING
             limit = self._claim_limit(folded=True)
+            entry.replaced = limit > 0  # what the claim takes arrives after it leaves
         sent = time.monotonic()
         claimed: list[Job] = []
         queue = self.worker.queue

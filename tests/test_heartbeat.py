@@ -154,9 +154,11 @@ class ReportsHeldBack:
                 self.proc.held[job.id] = job
 
     def job_started(self, job: Job) -> None:
-        with self.lock:  # what read_progress keeps: the last `depth` starts
-            self.proc.starts = [*self.proc.starts, (job.token, time.monotonic())]
-            del self.proc.starts[: -self.proc.depth]
+        with self.lock:  # what read_progress keeps: the last `depth` starts, and held ones
+            starts = [*self.proc.starts, (job.token, time.monotonic())]
+            held = {j.token for j in self.proc.held.values()}
+            older, latest = starts[: -self.proc.depth], starts[-self.proc.depth :]
+            self.proc.starts = [s for s in older if s[0] in held] + latest
 
     def jobs_finished(self, results: Sequence[JobResult]) -> None:
         with self.lock:

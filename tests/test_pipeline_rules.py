@@ -4,6 +4,7 @@ functions (derivd.pipeline, derivd.processes.lifecycle, derivd.processes.duties)
 from __future__ import annotations
 
 import os
+import random
 import uuid
 
 import pytest
@@ -40,36 +41,81 @@ def test_a_claim_of_its_own_waits_for_room_and_nothing_else_to_carry_it(
 
 
 @pytest.mark.parametrize(
-    ("stages", "depth", "claiming", "stopping", "left", "expected"),
+    ("stages", "depth", "claiming", "replaced", "left", "expected"),
     [
-        ([], 2, 0, False, None, 2),  # the last job committed: all the room
-        ([F], 2, 0, False, None, 1),  # one waiting for its derive does not hold it back
-        ([S], 2, 0, False, None, 1),  # another job's store neither
-        ([D], 3, 0, False, None, 2),  # pipeline 3: fill it, the next but one too
-        ([D, F], 3, 0, False, None, 1),  # the steady state: one claim per commit
-        ([D, F], 2, 0, False, None, 0),  # full
-        ([D], 3, 1, False, None, 1),  # a claim on its way holds its place only
-        ([D, F], 2, 1, False, None, 0),
-        ([C], 2, 1, False, None, 1),  # two commits at once: each claims one
-        ([C, C], 2, 0, False, None, 2),  # a committing job holds no place
-        ([C, D], 2, 0, False, 2, 0),  # ... but it is not done yet: max_jobs counts it
-        ([D], 3, 0, True, None, 0),  # stopping
-        ([D], 3, 0, False, 2, 1),  # max_jobs bounds it
-        ([D], 3, 0, False, 1, 0),
+        ([C], 2, 0, 0, None, 2),  # the last job commits: its place and the free one
+        ([C, F], 2, 0, 0, None, 1),  # one waiting for its derive does not hold it back
+        ([C, S], 2, 0, 0, None, 1),  # another job's store neither
+        ([C, D], 3, 0, 0, None, 2),  # pipeline 3: fill it, the next but one too
+        ([C, D, F], 3, 0, 0, None, 1),  # the steady state: one claim per commit
+        ([C, D, F], 2, 0, 0, None, 0),  # full (a commit without a claim)
+        ([C, C], 2, 1, 1, None, 1),  # two commits at once, the other's claim on its way
+        ([C, C], 2, 1, 0, None, 0),  # ... a claim of its own on its way instead
+        ([C, D], 2, 1, 0, None, 0),
+        ([C], 2, 0, 0, 1, 0),  # max_jobs: the committing job is not done yet
+        ([C, D], 3, 0, 0, 3, 1),  # max_jobs bounds it
     ],
 )
-def test_a_claim_that_rides_on_a_commit_takes_the_room_there_is(
+def test_a_claim_that_rides_on_a_commit_takes_its_place_and_the_free_ones(
     stages: list[Stage],
     depth: int,
     claiming: int,
-    stopping: bool,
+    replaced: int,
     left: int | None,
     expected: int,
 ) -> None:
     got = claim_room(
-        stages, depth=depth, claiming=claiming, stopping=stopping, jobs_left=left, folded=True
+        stages,
+        depth=depth,
+        claiming=claiming,
+        replaced=replaced,
+        stopping=False,
+        jobs_left=left,
+        folded=True,
     )
     assert got == expected
+    stopped = claim_room(stages, depth=depth, claiming=claiming, stopping=True, folded=True)
+    assert stopped == 0
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_a_pipeline_never_holds_more_than_its_depth_as_its_supervisor_counts(seed: int) -> None:
+    """Random interleavings of derives, commits (each reporting its job before admitting
+    what its claim took) and claims of their own, at depths 2 and 3: the jobs held,
+    committing ones included, never exceed the depth."""
+    rng = random.Random(seed)
+    depth = rng.choice((2, 3))
+    held: list[list[object]] = []  # [stage, replaced, claimed rows]
+    claims: list[tuple[list[object] | None, int]] = []  # (committing job or None, rows)
+    for _ in range(60):
+        claiming = sum(rows for _, rows in claims)
+        replaced = sum(1 for job in held if job[1])
+        moves = ["claim", "derive", "commit", "answer"]
+        move = rng.choice(moves)
+        stages = [job[0] for job in held]
+        if move == "claim":
+            rows = claim_room(stages, depth=depth, claiming=claiming, replaced=replaced,
+                              stopping=False)  # fmt: skip
+            if rows:
+                claims.append((None, rows))
+        elif move == "derive" and held:
+            job = rng.choice(held)
+            job[0] = {F: D, D: rng.choice((S, C)), S: C}.get(job[0], job[0])  # type: ignore[call-overload]
+        elif move == "commit":
+            ready = [job for job in held if job[0] is C and not job[1] and job not in
+                     [c for c, _ in claims]]  # fmt: skip
+            if ready:
+                job = rng.choice(ready)
+                rows = claim_room(stages, depth=depth, claiming=claiming, replaced=replaced,
+                                  stopping=False, folded=True)  # fmt: skip
+                job[1] = rows > 0
+                claims.append((job, rows))
+        elif move == "answer" and claims:
+            committing, rows = claims.pop(rng.randrange(len(claims)))
+            if committing is not None:
+                held.remove(committing)  # its outcome is reported first
+            held.extend([F, False, 0] for _ in range(rng.randint(0, rows)))
+        assert len(held) <= depth, (seed, held)
 
 
 def test_depth_one_claims_only_when_empty() -> None:
@@ -99,24 +145,38 @@ def proc(depth: int, *jobs: Job) -> WorkerProc:
     return worker
 
 
-def test_the_supervisor_reads_the_last_depth_starts_from_the_pipe() -> None:
-    a, b, c = job(1), job(2), job(3)
-    worker = proc(2, a, b, c)
+def read_starts(worker: WorkerProc, *jobs: Job) -> None:
     read, write = os.pipe()
     os.set_blocking(read, False)
     worker.progress_r = read
     try:
-        for n, j in enumerate((a, b, c)):
+        for n, j in enumerate(jobs):
             os.write(write, PROGRESS.pack(j.token.bytes, float(n)))
         worker.read_progress()
     finally:
         os.close(read)
         os.close(write)
+
+
+def test_the_supervisor_reads_the_last_depth_starts_from_the_pipe() -> None:
+    a, b, c = job(1), job(2), job(3)
+    worker = proc(2, b, c)  # a was done with
+    read_starts(worker, a, b, c)
     assert [(j.id, at) for j, at in worker.in_flight()] == [(2, 1.0), (3, 2.0)]
     assert worker.running() == (c, 2.0)
     worker.depth = 1
     worker.starts = worker.starts[-1:]
     assert [j.id for j, _ in worker.in_flight()] == [3]
+
+
+def test_a_job_held_past_newer_starts_keeps_its_start() -> None:
+    """A committing job while the pipeline's other place ran a job and started the next
+    one (depth 2, three starts): its deadline still counts from its own start."""
+    committing, done, deriving = job(1), job(2), job(3)
+    worker = proc(2, committing, deriving)
+    read_starts(worker, committing, done, deriving)
+    assert [(j.id, at) for j, at in worker.in_flight()] == [(1, 0.0), (3, 2.0)]
+    assert worker.running() == (deriving, 2.0)
 
 
 def test_each_job_in_flight_has_its_own_deadline() -> None:

@@ -148,7 +148,8 @@ class WorkerProc:
     # Jobs the child may have in flight at once: its [supervisor] pipeline (1: the job it
     # started last is the one running; a batch's earlier jobs are done or waiting).
     depth: int = 1
-    starts: list[tuple[uuid.UUID, float]] = field(default_factory=list)  # last `depth`
+    # the last `depth` starts, and older ones of jobs still held (`read_progress`)
+    starts: list[tuple[uuid.UUID, float]] = field(default_factory=list)
     timed_out: set[uuid.UUID] = field(default_factory=set)  # why kill_reason = timeout
     lost: set[uuid.UUID] = field(default_factory=set)  # why kill_reason = lease_lost
     progress_buffer: bytes = b""
@@ -228,7 +229,7 @@ class WorkerProc:
 
     def in_flight(self) -> list[tuple[Job, float]]:
         """The jobs the child is working on, oldest start first, each with its start: of
-        its last `depth` starts, those it still holds. A job's deadline runs from its
+        its recorded starts, those it still holds. A job's deadline runs from its
         start (a pipelined child starts each job as it claims it)."""
         by_token = {job.token: job for job in self.held.values()}
         return [(by_token[t], at) for t, at in self.starts if t in by_token]
@@ -270,7 +271,7 @@ class WorkerProc:
         return messages
 
     def read_progress(self) -> None:
-        """The latest `depth` job starts the child recorded. They are matched against the
+        """The job starts the child recorded (`starts`). They are matched against the
         jobs held by token whenever they are needed (`in_flight`, `running`), so the order
         in which the two pipes are read does not matter."""
         while True:
@@ -283,12 +284,16 @@ class WorkerProc:
             self.progress_buffer += chunk
         size = PROGRESS.size
         whole = len(self.progress_buffer) // size * size
-        first = max(0, whole - self.depth * size)  # older records are done with
-        for offset in range(first, whole, size):
+        for offset in range(0, whole, size):
             token, started = PROGRESS.unpack_from(self.progress_buffer, offset)
             # CLOCK_MONOTONIC is system-wide: the child's start time is comparable.
             self.starts.append((uuid.UUID(bytes=token), min(started, time.monotonic())))
-        del self.starts[: -self.depth]
+        # The last `depth` starts (a start may come before the claim that holds it is
+        # read), and any older one whose job is still held: a job whose commit waits
+        # while the pipeline's other places run job after job keeps its deadline.
+        held = {job.token for job in self.held.values()}
+        older, latest = self.starts[: -self.depth], self.starts[-self.depth :]
+        self.starts = [start for start in older if start[0] in held] + latest
         self.progress_buffer = self.progress_buffer[whole:]
 
     def apply(self, message: dict[str, Any]) -> list[list[Any]]:
