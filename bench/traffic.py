@@ -20,7 +20,8 @@
 Scenarios 1 and 2 run the real daemon (`derivd run`, noop backend, `--workers`).
 
     .venv/bin/python bench/traffic.py [--backfill 100000] [--queued 1000000]
-    .venv/bin/python bench/traffic.py --only drain [--drain-refs 48206ad^] [--repeat 5]
+    .venv/bin/python bench/traffic.py --only drain [--drain-refs 48206ad^] [--repeat 5] \
+        [--drain-pipelines 1]
     .venv/bin/python bench/traffic.py --only capped   # 6: a capped tenant's rows ahead
 """
 
@@ -452,16 +453,25 @@ class CpuSampler:
 
 
 def drain_once(
-    pg: EmbeddedCluster, work: Path, derivd: Path, jobs: int, workers: int, tenants: int, cap: int
+    pg: EmbeddedCluster,
+    work: Path,
+    derivd: Path,
+    jobs: int,
+    workers: int,
+    tenants: int,
+    cap: int,
+    pipeline: int | None = None,
 ) -> dict[str, float]:
     """One `derivd run --burst` over `jobs` queued noop rows on a fresh database that
-    `derivd` migrated itself."""
+    `derivd` migrated itself (`pipeline`: that [supervisor] pipeline, else the build's
+    default; a build before it refuses the key)."""
     dsn = fresh_db(pg, "traffic_drain", derivd_schema=False)
     ini = work / "drain.ini"
     ini.write_text(
         f"[database]\ndsn = {dsn}\n[storage]\nbackend = fs\nroot = {work / 'objects'}\n"
         f"[supervisor]\nworkers = {workers}\nstate_dir = {work / 'state'}\n"
-        "[derive]\nbackend = noop\n[logging]\nlevel = warning\n"
+        + (f"pipeline = {pipeline}\n" if pipeline else "")
+        + "[derive]\nbackend = noop\n[logging]\nlevel = warning\n"
         + (f"[queue]\nmax_in_flight_per_tenant = {cap}\n" if cap else ""),
         encoding="utf-8",
     )
@@ -498,15 +508,19 @@ def drain_once(
 
 def drain(args: argparse.Namespace) -> None:
     """Scenario 5 alone: its table, and bench/out/traffic-drain.json."""
-    builds: list[tuple[str, Path, int, int]] = [
-        (f"{ref} ({_git('rev-parse', '--short', ref).strip()})", built(ref), 0, 0)
+    builds: list[tuple[str, Path, int, int, int | None]] = [
+        (f"{ref} ({_git('rev-parse', '--short', ref).strip()})", built(ref), 0, 0, None)
         for ref in args.drain_refs
     ]
     builds += [
-        ("this build, no tenants, no cap", DERIVD, 0, 0),
+        ("this build, no tenants, no cap", DERIVD, 0, 0, None),
         (f"this build, {args.drain_tenants} tenants, cap {args.drain_cap}", DERIVD,
-         args.drain_tenants, args.drain_cap),
+         args.drain_tenants, args.drain_cap, None),
     ]  # fmt: skip
+    builds += [
+        (f"this build, pipeline {depth}, no tenants", DERIVD, 0, 0, depth)
+        for depth in args.drain_pipelines
+    ]
     load = [load_average()]
     runs: dict[str, list[dict[str, float]]] = {label: [] for label, *_ in builds}
     with cluster() as pg, tempfile.TemporaryDirectory(prefix="derivd-drain-") as tmp:
@@ -514,12 +528,12 @@ def drain(args: argparse.Namespace) -> None:
         os.chmod(work, 0o755)
         for n in range(args.repeat):
             # Each round in another order: no build always runs right after another.
-            for label, derivd, tenants, cap in (
+            for label, derivd, tenants, cap, depth in (
                 builds[n % len(builds) :] + builds[: n % len(builds)]
             ):
                 _step(f"drain, {label}, run {n + 1}")
                 runs[label].append(
-                    drain_once(pg, work, derivd, args.drain_jobs, args.workers, tenants, cap)
+                    drain_once(pg, work, derivd, args.drain_jobs, args.workers, tenants, cap, depth)
                 )
         lines = machine(pg.dsn())
     load.append(load_average())
@@ -625,6 +639,13 @@ def main() -> None:
     parser.add_argument("--drain-refs", nargs="*", default=["48206ad^"])
     parser.add_argument("--drain-tenants", type=int, default=10)
     parser.add_argument("--drain-cap", type=int, default=2)
+    parser.add_argument(
+        "--drain-pipelines",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also this build at these [supervisor] pipeline depths (no tenants)",
+    )
     args = parser.parse_args()
     if args.only == "drain":
         drain(args)
