@@ -24,7 +24,9 @@ FILES = 150  # more than one batch of 100
 def blocked_in_insert(dsn: str) -> bool:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
+            # This database's enqueue only: the suite's other tests share the cluster.
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND datname = current_database() AND application_name LIKE 'derivd-enqueue%%'"
             " AND query LIKE '%%INSERT INTO archive_files%%')"
         ).fetchone()
     return bool(row and row[0])
