@@ -33,6 +33,14 @@ def blocked_in_insert(dsn: str) -> bool:
     return bool(row and row[0])
 
 
+def _ctrl_c_as_a_terminal_gives_it() -> None:
+    """The enqueue gets SIGINT as from a shell: default disposition, not blocked, whatever
+    the pytest worker that starts it inherited (in full parallel suites a second SIGINT
+    was ignored too, so the child never saw them)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def keys_of(dsn: str, query: str) -> set[str]:
     with psycopg.connect(dsn) as conn:
         return {row[0] for row in conn.execute(query)}  # type: ignore[arg-type]
@@ -59,6 +67,7 @@ def test_an_interrupted_enqueue_leaves_its_originals_to_the_orphan_sweep(
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            preexec_fn=_ctrl_c_as_a_terminal_gives_it,
         )
         try:
             wait_for(lambda: blocked_in_insert(dsn), "enqueue blocked in its INSERT")
