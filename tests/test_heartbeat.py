@@ -21,7 +21,7 @@ from helpers import sql
 from derivd.config import Config, ConfigError, load_config
 from derivd.ops.metrics import Metrics
 from derivd.processes.duties import Heartbeat, held_jobs, lost_tokens, to_kill
-from derivd.processes.pipe import WorkerProc
+from derivd.processes.pipe import WorkerProc, kept_starts
 from derivd.queue.db import HostInfo, Job, QueueDB
 from derivd.worker import JobResult
 
@@ -154,11 +154,9 @@ class ReportsHeldBack:
                 self.proc.held[job.id] = job
 
     def job_started(self, job: Job) -> None:
-        with self.lock:  # what read_progress keeps: the last `depth` starts, and held ones
+        with self.lock:  # what read_progress keeps
             starts = [*self.proc.starts, (job.token, time.monotonic())]
-            held = {j.token for j in self.proc.held.values()}
-            older, latest = starts[: -self.proc.depth], starts[-self.proc.depth :]
-            self.proc.starts = [s for s in older if s[0] in held] + latest
+            self.proc.starts = kept_starts(starts, self.proc.held.values(), self.proc.depth)
 
     def jobs_finished(self, results: Sequence[JobResult]) -> None:
         with self.lock:

@@ -32,7 +32,7 @@ import signal
 import struct
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -288,12 +288,7 @@ class WorkerProc:
             token, started = PROGRESS.unpack_from(self.progress_buffer, offset)
             # CLOCK_MONOTONIC is system-wide: the child's start time is comparable.
             self.starts.append((uuid.UUID(bytes=token), min(started, time.monotonic())))
-        # The last `depth` starts (a start may come before the claim that holds it is
-        # read), and any older one whose job is still held: a job whose commit waits
-        # while the pipeline's other places run job after job keeps its deadline.
-        held = {job.token for job in self.held.values()}
-        older, latest = self.starts[: -self.depth], self.starts[-self.depth :]
-        self.starts = [start for start in older if start[0] in held] + latest
+        self.starts = kept_starts(self.starts, self.held.values(), self.depth)
         self.progress_buffer = self.progress_buffer[whole:]
 
     def apply(self, message: dict[str, Any]) -> list[list[Any]]:
@@ -334,3 +329,15 @@ def job_from_message(data: dict[str, Any]) -> Job:
         wait_s=float(data.get("wait_s") or 0.0),
         file_id=int(data["file_id"]) if data.get("file_id") is not None else None,
     )
+
+
+def kept_starts(
+    starts: list[tuple[uuid.UUID, float]], held: Iterable[Job], depth: int
+) -> list[tuple[uuid.UUID, float]]:
+    """The job starts a supervisor keeps (WorkerProc.read_progress): the last `depth`
+    (a start may come before the claim that holds it is read), and any older one whose
+    job is still held, so a job whose commit waits while the pipeline's other places run
+    job after job keeps its deadline."""
+    tokens = {job.token for job in held}
+    older, latest = starts[:-depth], starts[-depth:]
+    return [start for start in older if start[0] in tokens] + latest
