@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from derivd.derive_clock import DeriveClock, Spent
 from derivd.errors import ErrorCode
 from derivd.handlers.base import Derivation
 from derivd.ops.logs import event
@@ -72,6 +73,7 @@ class PipelinedRun:
         self.max_jobs = 0
         self.lanes = ThreadPoolExecutor(depth, thread_name_prefix="derivd-store")
         self.report_lock = threading.Lock()  # outcomes reach the supervisor in order
+        self.clock = DeriveClock()  # the main thread's derives and waits
 
     # -- the main thread -----------------------------------------------------------------
 
@@ -86,6 +88,7 @@ class PipelinedRun:
             self._stop()
             self._drain()
             self.lanes.shutdown(wait=True)
+            event(log, "pipeline time", logging.INFO, depth=self.depth, **self.clock.fields())
 
     def _loop(self, should_stop: Callable[[], bool], idle: IdleWait, *, burst: bool) -> str:
         while True:
@@ -173,7 +176,8 @@ class PipelinedRun:
         """Derive `entry` here (once its GET is in), then hand it to a store lane. A stop
         before its derive starts releases it instead."""
         try:
-            original = entry.original.result()
+            with self.clock.spending(Spent.ORIGINAL):
+                original = entry.original.result()
         except Exception as error:  # the GET failed: classified like any failure
             self._fail(entry, error)
             return
@@ -194,7 +198,8 @@ class PipelinedRun:
         except DatabaseUnavailable as error:
             log.warning("claim failed: %s", error)
         try:
-            derivation = self.worker.derive_original(original)
+            with self.clock.spending(Spent.DERIVE):
+                derivation = self.worker.derive_original(original)
         except Exception as error:  # classified in _failed
             self._fail(entry, error)
             return
@@ -211,7 +216,7 @@ class PipelinedRun:
         the next claim to look again."""
         poll = self.worker.config.queue.poll_interval
         until = time.monotonic() + (poll if not claimed else float("inf"))
-        with self.cond:
+        with self.clock.spending(Spent.PLACE), self.cond:
             before = len(self.jobs)
             while len(self.jobs) == before and not self.stopping:
                 left = until - time.monotonic()
