@@ -21,6 +21,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"  # machine-readable results (bench/plots.py draws from them)
 DERIVD = Path(sys.executable).parent / "derivd"
+BUILDS = ROOT / "bench" / ".builds"  # other commits' trees, each with its own venv
 sys.path.insert(0, str(ROOT))
 
 from derivd.embedded.pgcluster import EmbeddedCluster  # noqa: E402
@@ -208,10 +209,13 @@ def compile_derivd() -> None:
         compileall.compile_dir(tree, quiet=1)
 
 
-def burst_drain(ini: Path, log: Path, dsn: str, env: dict[str, str] | None = None) -> Burst:
-    """`derivd -c INI run --burst` to its end (output to `log`), measured as a whole."""
+def burst_drain(
+    ini: Path, log: Path, dsn: str, env: dict[str, str] | None = None, derivd: Path = DERIVD
+) -> Burst:
+    """`derivd -c INI run --burst` to its end (output to `log`), measured as a whole;
+    `derivd`: another build's (`built`)."""
     compile_derivd()
-    run = measured([str(DERIVD), "-c", str(ini), "run", "--burst"], log, env)
+    run = measured([str(derivd), "-c", str(ini), "run", "--burst"], log, env)
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
             "SELECT count(*) FILTER (WHERE status = 'ready'),"
@@ -220,3 +224,31 @@ def burst_drain(ini: Path, log: Path, dsn: str, env: dict[str, str] | None = Non
         ).fetchone()
     assert row is not None
     return Burst(int(row[0]), float(row[1] or 0.0), *run)
+
+
+def git(*args: str) -> str:
+    """`git -C ROOT ARGS...`'s output."""
+    return subprocess.run(
+        ["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True
+    ).stdout
+
+
+def built(ref: str) -> Path:
+    """The `derivd` of `ref`: its tree from git (bench/.builds/<commit>), with a venv of
+    its own, made on first use (a benchmark's side-by-side build)."""
+    commit = git("rev-parse", "--verify", f"{ref}^{{commit}}").strip()
+    tree = BUILDS / commit[:12]
+    derivd = tree / ".venv" / "bin" / "derivd"
+    if derivd.exists():
+        return derivd
+    print(f"-- building {ref} ({commit[:12]}) in {tree}", file=sys.stderr, flush=True)
+    tree.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(tree / ".venv")], check=True)
+    subprocess.run(
+        [str(tree / ".venv" / "bin" / "pip"), "install", "-q", str(tree)], check=True, cwd=tree
+    )
+    return derivd

@@ -44,9 +44,10 @@ from typing import Any
 import psycopg
 from common import (
     DERIVD,
-    ROOT,
+    built,
     cluster,
     fresh_db,
+    git,
     machine,
     median_run,
     percentile,
@@ -322,23 +323,17 @@ def enqueue_cost(pg: EmbeddedCluster, baseline: str, n: int) -> dict[str, float]
 # -- 4: server CPU per job, this build vs the baseline --------------------------------------
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(
-        ["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True
-    ).stdout
-
-
 def baseline_db(pg: EmbeddedCluster, name: str, ref: str) -> str:
     """A database built from `ref`'s migrations and functions.sql (read from git)."""
     dsn = fresh_db(pg, name, derivd_schema=False)
-    names = sorted(_git("ls-tree", "--name-only", ref, "sql/migrations/").split())
+    names = sorted(git("ls-tree", "--name-only", ref, "sql/migrations/").split())
     with psycopg.connect(dsn) as conn:
         for path in names:
             if path.endswith(".sql"):
-                conn.execute(_git("show", f"{ref}:{path}"))  # type: ignore[arg-type]
+                conn.execute(git("show", f"{ref}:{path}"))  # type: ignore[arg-type]
         # Before functions.sql (issue 22) the migrations held every body.
-        if "sql/functions.sql" in _git("ls-tree", "--name-only", ref, "sql/").split():
-            conn.execute(_git("show", f"{ref}:sql/functions.sql"))  # type: ignore[arg-type]
+        if "sql/functions.sql" in git("ls-tree", "--name-only", ref, "sql/").split():
+            conn.execute(git("show", f"{ref}:sql/functions.sql"))  # type: ignore[arg-type]
     return dsn
 
 
@@ -387,7 +382,6 @@ def cpu_per_job(pg: EmbeddedCluster, label: str, baseline: str, jobs: int) -> tu
 
 # -- 5: the drain, whole daemons: server CPU per job -------------------------------------
 
-BUILDS = ROOT / "bench" / ".builds"
 DRAIN_SEED = """
 INSERT INTO archive_files (status, original_key, original_version)
 SELECT 'queued', 'originals/bench', 'v1' FROM generate_series(1, %(n)s)
@@ -398,27 +392,6 @@ INSERT INTO archive_files (status, original_key, original_version, tenant)
 SELECT 'queued', 'originals/bench', 'v1', 't' || (g %% %(tenants)s)
   FROM generate_series(1, %(n)s) AS g
 """
-
-
-def built(ref: str) -> Path:
-    """The `derivd` of `ref`: its tree from git (bench/.builds/<commit>), with a venv of
-    its own, made on first use."""
-    commit = _git("rev-parse", "--verify", f"{ref}^{{commit}}").strip()
-    tree = BUILDS / commit[:12]
-    derivd = tree / ".venv" / "bin" / "derivd"
-    if derivd.exists():
-        return derivd
-    _step(f"building {ref} ({commit[:12]}) in {tree}")
-    tree.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", commit], check=True, capture_output=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    subprocess.run([sys.executable, "-m", "venv", str(tree / ".venv")], check=True)
-    subprocess.run(
-        [str(tree / ".venv" / "bin" / "pip"), "install", "-q", str(tree)], check=True, cwd=tree
-    )
-    return derivd
 
 
 class CpuSampler:
@@ -509,7 +482,7 @@ def drain_once(
 def drain(args: argparse.Namespace) -> None:
     """Scenario 5 alone: its table, and bench/out/traffic-drain.json."""
     builds: list[tuple[str, Path, int, int, int | None]] = [
-        (f"{ref} ({_git('rev-parse', '--short', ref).strip()})", built(ref), 0, 0, None)
+        (f"{ref} ({git('rev-parse', '--short', ref).strip()})", built(ref), 0, 0, None)
         for ref in args.drain_refs
     ]
     builds += [
