@@ -277,12 +277,17 @@ def claim_events(data: Data) -> tuple[Figure, str]:
 
 def store_latency(data: Data) -> tuple[Figure, str]:
     """images/s per store, grouped by workers and pipeline, each bar with its ratio to
-    the file store's."""
+    the file store's; a tick on each S3 bar where the rig's CPU bounds it (moto's and the
+    proxy's CPU on the same cores). Other builds of the run (--refs) are not drawn."""
     rows = data["results"]
+    this = rows[0].get("build") if rows else None
+    rows = [r for r in rows if r.get("build") == this]
     stores = list(dict.fromkeys(r["store"] for r in rows))
     groups = list(dict.fromkeys((r["workers"], r["pipeline"]) for r in rows))
+    fs = {(r["workers"], r["pipeline"]): r["images_per_s"] for r in rows if r["store"] == "fs"}
     fig, ax = plt.subplots(figsize=(7, 3.4))
     width = 0.8 / len(stores)
+    bound_label = "the rig's CPU bound"
     for n, store in enumerate(stores):
         by_group = {(r["workers"], r["pipeline"]): r for r in rows if r["store"] == store}
         xs = [g + (n - (len(stores) - 1) / 2) * width for g in range(len(groups))]
@@ -293,6 +298,11 @@ def store_latency(data: Data) -> tuple[Figure, str]:
             if ratio is not None and store != "fs":
                 ax.text(x, by_group[g]["images_per_s"], f"{ratio:.2f}x", ha="center",
                         va="bottom", fontsize=7)  # fmt: skip
+            bound = by_group.get(g, {}).get("rig_bound")
+            if bound is not None and g in fs:
+                ax.hlines(fs[g] * bound, x - width / 2, x + width / 2, colors="black",
+                          linewidth=1, label=bound_label)  # fmt: skip
+                bound_label = "_nolegend_"
     ax.set_xticks(range(len(groups)), [f"{w} workers\npipeline {p}" for w, p in groups])
     ax.set_ylabel("images/s")
     ax.grid(axis="y", alpha=0.3)
@@ -300,7 +310,7 @@ def store_latency(data: Data) -> tuple[Figure, str]:
     delay = data.get("delay_ms_each_way", 20)
     title = f"Store latency: {data.get('images', '?')} phone JPEGs, S3 +{2 * delay:g} ms"
     ax.set_title(data.get("note") or title, fontsize=9 if data.get("note") else None)
-    return fig, "A far store against a near one, pipeline 1 and 2 (bench/store_latency.py)"
+    return fig, "A far store against a near one, by pipeline depth (bench/store_latency.py)"
 
 
 def webhooks(data: Data) -> tuple[Figure, str]:
