@@ -14,6 +14,16 @@ from collections.abc import Sequence
 from enum import StrEnum
 
 
+def worker_depth(configured: int, *, reads_original: bool, stores_objects: bool) -> int:
+    """How many jobs a worker holds at once: `configured` (Config.pipeline_depth), or 1
+    for a backend that neither reads an original nor stores a variant (`noop`). A
+    pipeline overlaps a job's store round trips with the next one's derive; with no
+    round trip there is nothing to overlap, and a second job held would only keep its
+    row claimed longer and double the worker's transactions in flight (+25 % server CPU
+    per noop job: bench/RESULTS.md, "Sitting of 2026-12-03")."""
+    return configured if reads_original or stores_objects else 1
+
+
 class Stage(StrEnum):
     FETCHING = "fetching"  # claimed; its original's GET is in flight or done
     DERIVING = "deriving"  # the worker's one derive

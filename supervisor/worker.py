@@ -26,6 +26,7 @@ from derivd.fingerprint import configured_set, set_problem, slot
 from derivd.handlers.base import Analysis, Derivation, DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
 from derivd.ops.logs import event
+from derivd.pipeline import worker_depth
 from derivd.queue.db import (
     Committed,
     DatabaseUnavailable,
@@ -553,7 +554,11 @@ class Worker:
         """Work until told to stop. Returns why it stopped: stopped, drained, max_jobs.
         Jobs claimed for a batch that will not run are given back on the way out. With
         `[supervisor] pipeline` above 1 the jobs overlap (derivd.pipelined)."""
-        depth = self.config.pipeline_depth
+        depth = worker_depth(
+            self.config.pipeline_depth,
+            reads_original=self.reads_original,
+            stores_objects=self.stores_objects,
+        )
         if depth > 1:
             from derivd.pipelined import PipelinedRun
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 from pathlib import Path
 
 import pytest
@@ -150,4 +151,29 @@ def test_noop_commits_ready_without_objects(dsn: str, fs_root: Path, tmp_path: P
     assert worker.run(lambda: False, burst=True) == "drained"
     row = worker.queue.file_row(file_id)
     assert row is not None and row["status"] == "ready" and row["derived_key"] is None
+    worker.close()
+
+
+@pytest.mark.parametrize(
+    ("backend", "pipelined"), [("noop", False), ("faulthandlers:Stamped", True)]
+)
+def test_a_pipeline_holds_jobs_only_for_a_backend_with_round_trips_to_overlap(
+    dsn: str,
+    fs_root: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    backend: str,
+    pipelined: bool,
+) -> None:
+    """At `pipeline = 2`, `noop` (no GET, no PUT) runs the one-job loop; a backend that
+    stores runs the pipelined one, which logs where its time went as it stops."""
+    config = make_config(
+        dsn, fs_root=fs_root, derive={"backend": backend}, supervisor={"pipeline": 2}
+    )
+    worker = make_worker(config, dsn)
+    ids = enqueue_bytes(tmp_path, worker.storage, dsn, {f"{n}.txt": b"ok" for n in range(3)})
+    with caplog.at_level(logging.INFO, logger="derivd"):
+        assert worker.run(lambda: False, burst=True) == "drained"
+    assert [worker.queue.file_row(i)["status"] for i in ids] == ["ready"] * 3  # type: ignore[index]
+    assert any("pipeline time" in r.getMessage() for r in caplog.records) is pipelined
     worker.close()

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from derivd.pipeline import OnStop, Stage, claim_room, on_stop
+from derivd.pipeline import OnStop, Stage, claim_room, on_stop, worker_depth
 from derivd.processes.duties import to_kill
 from derivd.processes.lifecycle import Exit, deadline_action, next_deadline, overdue, to_release
 from derivd.processes.pipe import PROGRESS, WorkerProc
@@ -211,3 +211,15 @@ def test_a_lost_lease_of_any_job_in_flight_kills_its_worker() -> None:
     assert to_kill([worker], {unstarted.token}) == []  # it would fail its own commit
     worker.kill_reason = "lease_lost"
     assert to_kill([worker], {waiting.token}) == []  # being killed already
+
+
+@pytest.mark.parametrize(
+    ("reads_original", "stores_objects", "expected"),
+    [(True, True, 3), (True, False, 3), (False, True, 3), (False, False, 1)],
+)
+def test_a_backend_with_no_round_trip_to_overlap_runs_one_job_at_a_time(
+    reads_original: bool, stores_objects: bool, expected: int
+) -> None:
+    """`noop` (no GET, no PUT) has nothing for a pipeline to overlap: depth 1."""
+    depth = worker_depth(3, reads_original=reads_original, stores_objects=stores_objects)
+    assert depth == expected

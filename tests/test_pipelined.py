@@ -31,6 +31,14 @@ class S3Supervisor(DaemonRun):
     def __init__(self, base: DaemonRun, direct: S3Storage) -> None:
         self.__dict__.update(base.__dict__)
         self.s3 = direct
+        self.base = base
+
+    def start(self, *args: str, env_extra: dict[str, str] | None = None) -> DaemonRun:
+        super().start(*args, env_extra=env_extra)
+        # The fixture that made `base` stops what it started: this process too (a copy
+        # that kept its own `proc` left daemons running after their test).
+        self.base.proc = self.proc
+        return self
 
     def enqueue(self, *scripts: str) -> list[int]:
         originals = []
