@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from derivd.pipeline import OnStop, Stage, claim_room, on_stop, worker_depth
+from derivd.processes.child import crash_summary
 from derivd.processes.duties import to_kill
 from derivd.processes.lifecycle import Exit, deadline_action, next_deadline, overdue, to_release
 from derivd.processes.pipe import PROGRESS, WorkerProc
@@ -223,3 +224,9 @@ def test_a_backend_with_no_round_trip_to_overlap_runs_one_job_at_a_time(
     """`noop` (no GET, no PUT) has nothing for a pipeline to overlap: depth 1."""
     depth = worker_depth(3, reads_original=reads_original, stores_objects=stores_objects)
     assert depth == expected
+
+
+def test_a_worker_crash_names_the_module_it_could_not_import_and_no_user_text() -> None:
+    missing = ModuleNotFoundError("No module named 'derivd.gone'", name="derivd.gone")
+    assert crash_summary(missing) == "ModuleNotFoundError (module derivd.gone)"
+    assert crash_summary(ValueError("secret=hunter2 in a path")) == "ValueError"

@@ -7,6 +7,7 @@ supervisor's child runs the same loop (test_webhooks_daemon)."""
 from __future__ import annotations
 
 import base64
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -167,12 +168,15 @@ def test_a_30_mb_answer_is_read_no_further_than_the_cap(dsn: str, queue: QueueDB
 
 
 def test_a_receiver_that_is_down_fails_past_the_horizon(dsn: str, queue: QueueDB) -> None:
-    receiver = Receiver(SECRET).start()
-    url = receiver.url
-    receiver.stop()  # nothing listens on its port now
-    with delivering(dsn, endpoint(url)):
-        ready_files(queue, 1)
-        [row] = settled(dsn)
+    # A port bound and never listened on: connections are refused, and no other test's
+    # receiver can take the port meanwhile (one stopped and its port freed was, under
+    # pytest -n 2, sometimes another test's receiver answering 500).
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{held.getsockname()[1]}/hooks"
+        with delivering(dsn, endpoint(url)):
+            ready_files(queue, 1)
+            [row] = settled(dsn)
     assert (row["status"], row["last_error"]) == ("failed", "connection refused")
 
 

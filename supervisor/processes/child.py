@@ -60,6 +60,16 @@ class ChildStop:
             os.write(self.wake_w, b"x")
 
 
+def crash_summary(error: BaseException) -> str:
+    """A worker crash's one line at ERROR: the exception's type only (its text may echo
+    user content), and for a failed import the module it could not find, so that a
+    broken install says what is missing instead of a restart every 30 s saying nothing."""
+    name = type(error).__name__
+    if isinstance(error, ImportError) and error.name:
+        return f"{name} (module {error.name})"
+    return name
+
+
 def run_child(spec: ChildSpec) -> NoReturn:
     """Entry point right after fork. Never returns into the parent's stack: the parent's
     `finally` blocks (stopping the embedded database!) must not run in a child."""
@@ -68,8 +78,7 @@ def run_child(spec: ChildSpec) -> NoReturn:
         code = _main(spec)
     except BaseException as error:  # the last line of defence; the parent respawns
         with contextlib.suppress(BaseException):
-            # The type only at ERROR: the text may echo user content.
-            log.error("worker %s crashed: %s", spec.slot, type(error).__name__)
+            log.error("worker %s crashed: %s", spec.slot, crash_summary(error))
             log.debug("worker crash detail: %s", error, exc_info=True)
     finally:
         with contextlib.suppress(BaseException):
