@@ -111,7 +111,7 @@ BEGIN
     FOR i IN 1 .. n LOOP
         hooks := NULL;
         IF check_it AND hooks IS NULL THEN
-            hooks := derivd_webhooks_on();  -- the probe derivd_commit_batch makes once per call
+            hooks := derivd_webhooks_on();  -- what derivd_commit_outcomes does once per call
         END IF;
     END LOOP;
 END $$"""

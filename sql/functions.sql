@@ -68,7 +68,7 @@ BEGIN
         WHEN (error_code IS NULL OR error_code::derivd_error_code IS NOT NULL) IS FALSE
             THEN 'archive_files_error_code_check'
         -- A lease exists exactly while a row is processing: the fence relies on it (a
-        -- token match is a status check: derivd_commit_batch).
+        -- token match is a status check: derivd_commit_outcomes).
         WHEN ((status = 'processing') = (lease_token IS NOT NULL AND lease_until IS NOT NULL))
              IS FALSE THEN 'archive_files_lease_check'
         WHEN ((status = 'rejected') = (error_code IS NOT NULL)) IS FALSE
@@ -289,8 +289,7 @@ END $$;
 --
 -- Every caller checks derivd_webhooks_on() first (derivd_outbox_many does), once per
 -- call, so that without any endpoint a commit pays one probe of an empty table and no
--- function call per row. (derivd_commit_batch asks the same inside its fence's
--- statement: a statement of its own per transaction cost a noop job ~2 %.)
+-- function call per row.
 -- (plpgsql, not sql: called from plpgsql, a SQL function's body is parsed and planned
 -- again in every transaction, ~7 % of a noop job's server CPU; plpgsql keeps its plan.)
 CREATE OR REPLACE FUNCTION derivd_webhooks_on() RETURNS boolean
@@ -378,20 +377,15 @@ END $$;
 -- configured set or rejects the job; else `lease_lost`). Returns each id with its
 -- outcome: 'committed', 'rejected' (a re-derivation whose set was refused) or 'lost'.
 -- Durable: its caller leaves synchronous_commit alone.
--- Returned as two arrays (ids[i] has outcomes[i]), not as rows: a plpgsql caller gets
--- them from one expression, without a query and a function scan of its own
--- (derivd_commit_and_claim); derivd_commit_outcomes gives them as rows.
-CREATE OR REPLACE FUNCTION derivd_commit_batch(jobs jsonb, OUT ids bigint[],
-                                               OUT outcomes text[])
+CREATE OR REPLACE FUNCTION derivd_commit_outcomes(jobs jsonb)
+RETURNS TABLE (id bigint, outcome text)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
 DECLARE
     j record;
     n integer;
-    hooks boolean;  -- any webhook endpoint: read by the first fence that passes
+    hooks boolean;  -- any webhook endpoint: asked once, after the first commit passes
 BEGIN
-    ids := '{}';
-    outcomes := '{}';
     FOR j IN
         SELECT *
           FROM jsonb_to_recordset(jobs)
@@ -428,14 +422,9 @@ BEGIN
             RETURNING f.attempts)
         INSERT INTO archive_events AS e (file_id, kind, attempt, lease_token)
         SELECT j.id, 'ready', d.attempts, j.token FROM done AS d
-        RETURNING e.attempt,
-                  -- derivd_webhooks_on's probe, here a subquery of the fence's statement
-                  -- rather than a statement of its own (run once: an InitPlan)
-                  coalesce(hooks, EXISTS (SELECT 1 FROM derivd_webhook_endpoints AS w
-                                           WHERE w.removed_at IS NULL))
-             INTO n, hooks;
+        RETURNING e.attempt INTO n;
         IF n IS NULL THEN
-            ids := ids || j.id;
+            id := j.id;
             -- The same commit sent again (derivd.worker, `_commit_again`: the first
             -- sending's answer was lost) finds its attempt's work committed: the row
             -- `ready` at this attempt (a later claim would have counted one more), with
@@ -446,13 +435,15 @@ BEGIN
                     OR EXISTS (SELECT 1 FROM archive_variants AS v
                                 WHERE v.file_id = j.id AND v.lease_token = j.token));
             IF FOUND THEN
-                outcomes := outcomes || 'committed'::text;
+                outcome := 'committed';
+                RETURN NEXT;
                 CONTINUE;
             END IF;
             -- No file holds this lease: a re-derivation's (one id space), or lost (the
             -- `lease_lost` event is written there). A file pays for this only on a
             -- failed fence.
-            outcomes := outcomes || derivd_commit_rederivation(to_jsonb(j));
+            outcome := derivd_commit_rederivation(to_jsonb(j));
+            RETURN NEXT;
             CONTINUE;
         END IF;
         IF jsonb_array_length(coalesce(j.variants, '[]')) > 0 THEN
@@ -473,21 +464,17 @@ BEGIN
                    bytes = EXCLUDED.bytes, created_at = now();
             DELETE FROM pending_objects WHERE lease_token = j.token;
         END IF;
+        IF hooks IS NULL THEN
+            hooks := derivd_webhooks_on();
+        END IF;
         IF hooks THEN
             PERFORM derivd_outbox(j.id, 'file.ready');
         END IF;
-        ids := ids || j.id;
-        outcomes := outcomes || 'committed'::text;
+        id := j.id;
+        outcome := 'committed';
+        RETURN NEXT;
     END LOOP;
 END $$;
-
--- derivd_commit_batch's outcomes as rows, one per id.
-CREATE OR REPLACE FUNCTION derivd_commit_outcomes(jobs jsonb)
-RETURNS TABLE (id bigint, outcome text)
-LANGUAGE sql AS $$
-    SELECT o.id, o.outcome
-      FROM derivd_commit_batch(jobs) AS b, unnest(b.ids, b.outcomes) AS o(id, outcome)
-$$;
 
 -- The claim's queued rows under [queue] max_in_flight_per_tenant = tenant_cap: up to
 -- `wanted` due rows in claim order (by priority DESC, fair_rank, id; `oldest`: by
@@ -778,16 +765,12 @@ RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
                original_key text, original_version text, wait_s float8, tier integer,
                claimable_since timestamptz, file_id bigint)
 LANGUAGE plpgsql AS $$
-DECLARE
-    done record;
 BEGIN
-    done := derivd_commit_batch(jobs);
-    FOR i IN 1 .. cardinality(done.ids) LOOP
-        CONTINUE WHEN done.outcomes[i] = 'lost';
-        kind := done.outcomes[i];
-        id := done.ids[i];
-        RETURN NEXT;
-    END LOOP;
+    RETURN QUERY
+    SELECT c.outcome, c.id, NULL::uuid, NULL::integer, NULL::text, NULL::text,
+           NULL::float8, NULL::integer, NULL::timestamptz, NULL::bigint
+      FROM derivd_commit_outcomes(jobs) AS c
+     WHERE c.outcome <> 'lost';
     RETURN QUERY
     SELECT 'claimed'::text, c.*
       FROM derivd_claim(lim, lease_s, max_attempts, host, tenant_cap) AS c;

@@ -425,35 +425,27 @@ def test_query_blocks_lose_their_description_but_keep_inline_comments() -> None:
 def test_the_commit_and_the_claim_each_have_one_body_the_others_compose_them(
     queue: QueueDB,
 ) -> None:
-    """One copy of each: derivd_commit_batch holds the commit (each id's outcome:
+    """One copy of each: derivd_commit_outcomes holds the commit (each id's outcome:
     committed, a re-derivation rejected, lost; issue 27), derivd_claim (with the tenant
     cap, migration 0014) the claim, the expired-lease rule written once in it;
-    derivd_commit_and_claim composes the two and the older signatures (derivd_commit and
-    derivd_commit_outcomes included) wrap them, with no statement of their own on the
-    tables. The statements call the function that fits."""
+    derivd_commit_and_claim composes the two and the older signatures (derivd_commit
+    included) wrap them, with no statement of their own on the tables. The statements
+    call the function that fits."""
     assert "derivd_commit_and_claim(" in queries()["commit_and_claim"]
     assert "derivd_commit_outcomes(" in queries()["commit"]
     assert "derivd_claim(" in queries()["claim"]
     rows = queue.conn.execute(
         "SELECT proname, pronargs, prosrc FROM pg_proc WHERE proname = ANY(%s)",
-        (
-            [
-                "derivd_commit_and_claim",
-                "derivd_commit",
-                "derivd_commit_outcomes",
-                "derivd_commit_batch",
-                "derivd_claim",
-            ],
-        ),
+        (["derivd_commit_and_claim", "derivd_commit", "derivd_commit_outcomes", "derivd_claim"],),
     ).fetchall()
     body = {(str(name), int(n)): str(src) for name, n, src in rows}
-    commit = body.pop(("derivd_commit_batch", 1))
+    commit = body.pop(("derivd_commit_outcomes", 1))
     claim = body.pop(("derivd_claim", 5))
     assert "UPDATE archive_files" in commit and "derivd_claim" not in commit
     assert "UPDATE archive_files" in claim and "derivd_commit" not in claim
     assert claim.count("lease_until < now()") == 1
     composed = body.pop(("derivd_commit_and_claim", 6))
-    assert composed.index("derivd_commit_batch(") < composed.index("derivd_claim(")
+    assert composed.index("derivd_commit_outcomes(") < composed.index("derivd_claim(")
     for wrapper, src in [(("derivd_commit_and_claim", 6), composed), *body.items()]:
         assert "derivd_commit" in src or "derivd_claim(" in src, wrapper
         assert "archive_" not in src, wrapper
