@@ -571,6 +571,10 @@ $$;
 -- under whose prefix the worker stores them). Its caller decides durability (`claim` in
 -- sql/queries.sql waits for no WAL flush; after a commit it is durable anyway).
 -- `tenant_cap`: [queue] max_in_flight_per_tenant (0: none; derivd_pick_capped).
+-- `prefix_format`: each claimed attempt's key prefix goes to the write-ahead registry in
+-- the same transaction (derivd.storage.base.ATTEMPT_PREFIX_FORMAT, filled with the file
+-- and the token), so that no round trip of its own comes before the PUTs; NULL: none (a
+-- backend that stores no objects, noop, pays no statement for it).
 --
 -- Claim order: expired leases under the attempt cap (the one statement that knows the
 -- rule); then due queued rows by priority DESC, fair_rank, id; every 20th call
@@ -578,7 +582,7 @@ $$;
 -- up (max_attempts lowered since it was queued) is rejected `attempts_exhausted` when the
 -- claim reaches it, as its expired lease would be: no claim takes a row past the cap.
 CREATE OR REPLACE FUNCTION derivd_claim(lim integer, lease_s float8, max_attempts integer,
-                                        host text, tenant_cap integer)
+                                        host text, tenant_cap integer, prefix_format text)
 RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
                original_version text, wait_s float8, tier integer,
                claimable_since timestamptz, file_id bigint)
@@ -611,7 +615,8 @@ BEGIN
         RETURN QUERY
         SELECT r.id, r.lease_token, r.attempts, r.original_key, r.original_version,
                r.wait_s, r.tier, r.claimable_since, r.file_id
-          FROM derivd_claim_rederivations(lim, lease_s, max_attempts, host) AS r;
+          FROM derivd_claim_rederivations(lim, lease_s, max_attempts, host,
+                                          prefix_format) AS r;
         GET DIAGNOSTICS got = ROW_COUNT;
         lim := lim - got;
         IF lim < 1 THEN
@@ -726,6 +731,14 @@ BEGIN
          WHERE f.id = c.id
         RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
                   extract(epoch FROM now() - c.since)::float8, c.tier, c.since, f.id;
+        IF prefix_format IS NOT NULL THEN
+            -- Each row the UPDATE above leased, with its new token.
+            INSERT INTO pending_objects (key, file_id, lease_token)
+            SELECT format(prefix_format, f.id, f.lease_token), f.id, f.lease_token
+              FROM archive_files AS f
+             WHERE f.id = ANY (ids)
+            ON CONFLICT (key) DO NOTHING;
+        END IF;
     END IF;
     -- What the files leave of the limit goes to re-derivations. (A claim that found its
     -- rows, the steady state, stops at this comparison.)
@@ -734,7 +747,7 @@ BEGIN
         SELECT r.id, r.lease_token, r.attempts, r.original_key, r.original_version,
                r.wait_s, r.tier, r.claimable_since, r.file_id
           FROM derivd_claim_rederivations(lim - coalesce(cardinality(ids), 0), lease_s,
-                                          max_attempts, host) AS r;
+                                          max_attempts, host, prefix_format) AS r;
     END IF;
     -- Under a tenant cap each claim records itself, with its row's tenant (migration
     -- 0015): the history in which a checker sees every tenant's rows in flight at every
@@ -750,14 +763,14 @@ BEGIN
     END IF;
 END $$;
 
--- A worker's steady state in one round trip and one durable transaction: the fenced
--- commit of its finished attempts (derivd_commit), then the claim of up to `lim` next
--- rows (derivd_claim; lim = 0: commit only). The claim comes second and sees the commit:
--- a committed row is no longer claimable, a committed tenant's row no longer counts
--- against its cap. Rows: kind = 'committed' or 'rejected' (id only: derivd_commit_outcomes)
--- or 'claimed' (the claim's columns).
--- The signature without tenant_cap and file_id (below) stays, as a wrapper, for hosts
--- still on a release before 0014.
+-- The commit and then the claim in one call and one durable transaction, for hosts of the
+-- releases before this one (their `commit_and_claim` calls it). This release's
+-- statement of that name in sql/queries.sql composes the same two calls in its own
+-- query, without this function's layer (one function scan, two RETURN QUERY and their
+-- tuplestores: ~2 % of a noop job's server instructions, bench/RESULTS.md). Rows: kind =
+-- 'committed' or 'rejected' (id only: derivd_commit_outcomes) or 'claimed' (the claim's
+-- columns). The claim comes second and sees the commit: a committed row is no longer
+-- claimable, a committed tenant's row no longer counts against its cap.
 CREATE OR REPLACE FUNCTION derivd_commit_and_claim(jobs jsonb, lim integer, lease_s float8,
                                                    max_attempts integer, host text,
                                                    tenant_cap integer)
@@ -773,7 +786,7 @@ BEGIN
      WHERE c.outcome <> 'lost';
     RETURN QUERY
     SELECT 'claimed'::text, c.*
-      FROM derivd_claim(lim, lease_s, max_attempts, host, tenant_cap) AS c;
+      FROM derivd_claim(lim, lease_s, max_attempts, host, tenant_cap, NULL) AS c;
 END $$;
 
 -- The contracts of 0008/0010, for hosts on the previous release: no cap, no file id.
@@ -798,7 +811,18 @@ RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
 LANGUAGE sql AS $$
     SELECT c.id, c.lease_token, c.attempts, c.original_key, c.original_version, c.wait_s,
            c.tier, c.claimable_since
-      FROM derivd_claim(lim, lease_s, max_attempts, host, 0) AS c
+      FROM derivd_claim(lim, lease_s, max_attempts, host, 0, NULL) AS c
+$$;
+
+-- The claim of the releases between 0014 and this one: their statements register the
+-- write-ahead prefixes themselves.
+CREATE OR REPLACE FUNCTION derivd_claim(lim integer, lease_s float8, max_attempts integer,
+                                        host text, tenant_cap integer)
+RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
+               original_version text, wait_s float8, tier integer,
+               claimable_since timestamptz, file_id bigint)
+LANGUAGE sql AS $$
+    SELECT * FROM derivd_claim(lim, lease_s, max_attempts, host, tenant_cap, NULL)
 $$;
 
 -- The fenced failure. retry: back to `queued` after delay_s unless the attempts are used
@@ -981,8 +1005,13 @@ END $$;
 -- (re-derivations come after every due file, whatever its priority: a file without
 -- variants waits less than a file whose old ones are readable) and, on its share of the
 -- oldest-first turns, before them (the starvation bound).
+-- `prefix_format` as in derivd_claim: the key prefix is the file's (where the variants
+-- go), the registry row the job's.
+-- (Its signature before `prefix_format`, called by derivd_claim alone, is gone.)
+DROP FUNCTION IF EXISTS derivd_claim_rederivations(integer, float8, integer, text);
 CREATE OR REPLACE FUNCTION derivd_claim_rederivations(lim integer, lease_s float8,
-                                                      max_attempts integer, host text)
+                                                      max_attempts integer, host text,
+                                                      prefix_format text)
 RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
                original_key text, original_version text, wait_s float8, tier integer,
                claimable_since timestamptz, file_id bigint)
@@ -1045,6 +1074,14 @@ BEGIN
     RETURNING 'claimed'::text, q.id, q.lease_token, q.attempts, q.original_key,
               q.original_version, extract(epoch FROM now() - c.since)::float8, c.tier,
               c.since, q.file_id;
+    IF prefix_format IS NOT NULL THEN
+        -- The jobs the UPDATE above leased (those it rejected are `rejected` now).
+        INSERT INTO pending_objects (key, file_id, lease_token)
+        SELECT format(prefix_format, q.file_id, q.lease_token), q.id, q.lease_token
+          FROM derivd_rederivations AS q
+         WHERE q.id = ANY (ids) AND q.status = 'processing'
+        ON CONFLICT (key) DO NOTHING;
+    END IF;
 END $$;
 
 -- The fenced commit of a re-derivation (`job`: one element of the commit's `jobs`), for

@@ -92,30 +92,17 @@ LISTEN {channel};
 -- most `tenant_cap` in flight per tenant, 0: no cap), each with its own fresh token and
 -- lease, and the file each works for (derivd_claim in sql/functions.sql). The claim
 -- alone commits without waiting for its WAL flush (synchronous_commit off for this one
--- transaction only): a claim lost in
--- a server crash just leaves the rows as they were, and each attempt's fenced commit,
--- fail or release, all durable, flush it anyway. That halves the flushes a job waits
--- for; the fence (the token) is untouched.
--- Each claimed attempt's key prefix goes to the write-ahead registry in the same
--- transaction (`prefix_format`: derivd.storage.base.ATTEMPT_PREFIX_FORMAT, filled with
--- the file and the token): no round trip of its own before the PUTs. Not flushed here:
--- the worker registers its keys itself unless a durable statement of its connection
--- has ended since (derivd.worker, "write-ahead"). `write_ahead` false: no prefix (a
--- backend that stores no objects, noop: a row and its deletion per job for nothing).
-WITH c AS MATERIALIZED (
-    SELECT c.*
-      FROM set_config('synchronous_commit', 'off', true) AS no_flush_wait,
-           derivd_claim(%(limit)s::integer, %(lease_s)s::float8, %(max_attempts)s::integer,
-                        %(host)s::text, %(tenant_cap)s::integer) AS c
-), registered AS (
-    INSERT INTO pending_objects (key, file_id, lease_token)
-    SELECT format(%(prefix_format)s::text, coalesce(c.file_id, c.id), c.lease_token),
-           c.id, c.lease_token
-      FROM c
-     WHERE %(write_ahead)s::boolean
-    ON CONFLICT (key) DO NOTHING
-)
-SELECT * FROM c;
+-- transaction only): a claim lost in a server crash just leaves the rows as they were,
+-- and each attempt's fenced commit, fail or release, all durable, flush it anyway. That
+-- halves the flushes a job waits for; the fence (the token) is untouched.
+-- `prefix_format`: each claimed attempt's key prefix goes to the write-ahead registry
+-- in the same transaction (derivd_claim), not flushed here: the worker registers its
+-- keys itself unless a durable statement of its connection has ended since
+-- (derivd.worker, "write-ahead"). NULL: no prefix (a backend that stores no objects).
+SELECT c.*
+  FROM set_config('synchronous_commit', 'off', true) AS no_flush_wait,
+       derivd_claim(%(limit)s::integer, %(lease_s)s::float8, %(max_attempts)s::integer,
+                    %(host)s::text, %(tenant_cap)s::integer, %(prefix_format)s::text) AS c;
 
 -- name: register_pending
 -- Write-ahead: the keys an attempt is about to PUT, so a crash leaves a trail to sweep,
@@ -139,24 +126,23 @@ SELECT c.outcome AS kind, c.id
  WHERE c.outcome <> 'lost';
 
 -- name: commit_and_claim
--- A worker's steady state in one round trip and one durable transaction: the commit,
--- then the claim, in one function body (derivd_commit_and_claim in sql/functions.sql;
--- derivd_commit and derivd_claim wrap it). Rows: kind = 'committed' (id) or 'claimed'
--- (the claim's columns). Each claimed attempt's key prefix is registered write-ahead as
--- in `claim` (`write_ahead` too), here flushed with the commit.
-WITH c AS MATERIALIZED (
-    SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, %(limit)s::integer,
-                                          %(lease_s)s::float8, %(max_attempts)s::integer,
-                                          %(host)s::text, %(tenant_cap)s::integer)
-), registered AS (
-    INSERT INTO pending_objects (key, file_id, lease_token)
-    SELECT format(%(prefix_format)s::text, coalesce(c.file_id, c.id), c.lease_token),
-           c.id, c.lease_token
-      FROM c
-     WHERE c.kind = 'claimed' AND %(write_ahead)s::boolean
-    ON CONFLICT (key) DO NOTHING
-)
-SELECT * FROM c;
+-- A worker's steady state in one round trip and one durable transaction: the fenced
+-- commit (as `commit`), then the claim (as `claim`, `prefix_format` too, here flushed
+-- with the commit). Rows: kind = 'committed' or 'rejected' (id) or 'claimed' (the
+-- claim's columns). The two function scans run in the order written (an Append runs its
+-- children one after the other), so the claim sees the commit: a committed row is no
+-- longer claimable, a committed tenant's row no longer counts against its cap.
+-- (derivd_commit_and_claim in sql/functions.sql composes the same two for hosts of
+-- earlier releases, with a layer this statement does without.)
+SELECT o.outcome AS kind, o.id, NULL::uuid AS lease_token, NULL::integer AS attempts,
+       NULL::text AS original_key, NULL::text AS original_version, NULL::float8 AS wait_s,
+       NULL::integer AS tier, NULL::timestamptz AS claimable_since, NULL::bigint AS file_id
+  FROM derivd_commit_outcomes(%(jobs)s::jsonb) AS o
+ WHERE o.outcome <> 'lost'
+UNION ALL
+SELECT 'claimed', c.*
+  FROM derivd_claim(%(limit)s::integer, %(lease_s)s::float8, %(max_attempts)s::integer,
+                    %(host)s::text, %(tenant_cap)s::integer, %(prefix_format)s::text) AS c;
 
 -- name: fail
 -- The fenced failure (derivd_fail in sql/functions.sql). retry = true: back to `queued`

@@ -427,11 +427,13 @@ def test_the_commit_and_the_claim_each_have_one_body_the_others_compose_them(
 ) -> None:
     """One copy of each: derivd_commit_outcomes holds the commit (each id's outcome:
     committed, a re-derivation rejected, lost; issue 27), derivd_claim (with the tenant
-    cap, migration 0014) the claim, the expired-lease rule written once in it;
-    derivd_commit_and_claim composes the two and the older signatures (derivd_commit
-    included) wrap them, with no statement of their own on the tables. The statements
-    call the function that fits."""
-    assert "derivd_commit_and_claim(" in queries()["commit_and_claim"]
+    cap, migration 0014, and the write-ahead prefix) the claim, the expired-lease rule
+    written once in it; the worker's `commit_and_claim` composes the two in one
+    statement, commit first, and the older signatures (derivd_commit_and_claim and
+    derivd_commit included) wrap them, with no statement of their own on the tables."""
+    composed = queries()["commit_and_claim"]
+    assert composed.index("derivd_commit_outcomes(") < composed.index("derivd_claim(")
+    assert "derivd_commit_and_claim" not in composed
     assert "derivd_commit_outcomes(" in queries()["commit"]
     assert "derivd_claim(" in queries()["claim"]
     rows = queue.conn.execute(
@@ -440,13 +442,19 @@ def test_the_commit_and_the_claim_each_have_one_body_the_others_compose_them(
     ).fetchall()
     body = {(str(name), int(n)): str(src) for name, n, src in rows}
     commit = body.pop(("derivd_commit_outcomes", 1))
-    claim = body.pop(("derivd_claim", 5))
+    claim = body.pop(("derivd_claim", 6))
     assert "UPDATE archive_files" in commit and "derivd_claim" not in commit
     assert "UPDATE archive_files" in claim and "derivd_commit" not in claim
     assert claim.count("lease_until < now()") == 1
-    composed = body.pop(("derivd_commit_and_claim", 6))
-    assert composed.index("derivd_commit_outcomes(") < composed.index("derivd_claim(")
-    for wrapper, src in [(("derivd_commit_and_claim", 6), composed), *body.items()]:
+    wrapped = body.pop(("derivd_commit_and_claim", 6))
+    assert wrapped.index("derivd_commit_outcomes(") < wrapped.index("derivd_claim(")
+    assert set(body) == {
+        ("derivd_commit_and_claim", 5),
+        ("derivd_commit", 1),
+        ("derivd_claim", 4),
+        ("derivd_claim", 5),
+    }
+    for wrapper, src in [(("derivd_commit_and_claim", 6), wrapped), *body.items()]:
         assert "derivd_commit" in src or "derivd_claim(" in src, wrapper
         assert "archive_" not in src, wrapper
 

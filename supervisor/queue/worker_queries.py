@@ -32,8 +32,7 @@ def _claim_params(
         "max_attempts": max_attempts,
         "host": host,
         "tenant_cap": tenant_cap,
-        "prefix_format": ATTEMPT_PREFIX_FORMAT,
-        "write_ahead": write_ahead,
+        "prefix_format": ATTEMPT_PREFIX_FORMAT if write_ahead else None,
     }
 
 
