@@ -43,18 +43,17 @@
 
 -- == archive_files' row rules ==========================================================
 
--- archive_files' one CHECK (migration 0020): every rule a row must hold, in one
--- function. A table CHECK is read back from its stored text and prepared again by every
--- statement that writes the table (claims and commits included): seven of them cost
--- ~12 % of a job's server CPU; one call of a function, compiled once per connection,
--- costs a fraction of that. A broken rule raises check_violation under the constraint
--- name it had as a CHECK of its own (as psycopg's diag.constraint_name reports it).
-CREATE OR REPLACE FUNCTION derivd_file_row_holds(
-    status text, error_code text, lease_token uuid, lease_until timestamptz,
-    attempts integer, priority smallint, tenant text, original_width integer,
-    original_height integer, original_format text, original_frames integer,
-    original_has_alpha boolean, original_colour text, original_placeholder text,
-    original_dhash bigint)
+-- archive_files' one CHECK (migrations 0020, 0022): every rule a row must hold, in one
+-- function of the whole row. A table CHECK is read back from its stored text and
+-- prepared again by every statement that writes the table (claims and commits included):
+-- seven of them cost ~12 % of a job's server CPU; one call of a function, compiled once
+-- per connection, costs a fraction of that, and one whole-row argument instead of the
+-- fifteen columns a fraction again (~3 % of a noop job's server instructions: a column
+-- reference is a long node in that text). `record`, not archive_files: this file is read
+-- before the table exists when the schema is built from the files (tests/test_schema.py).
+-- A broken rule raises check_violation under the constraint name it had as a CHECK of
+-- its own (as psycopg's diag.constraint_name reports it).
+CREATE OR REPLACE FUNCTION derivd_file_row_holds(r record)
 RETURNS boolean
 LANGUAGE plpgsql IMMUTABLE AS $$
 DECLARE
@@ -64,32 +63,33 @@ BEGIN
     -- named. One CASE, not one IF per rule: a plpgsql expression is prepared again in
     -- every transaction, and each of a job's two UPDATEs calls this.
     broken := CASE
-        WHEN (status::derivd_status IS NOT NULL) IS FALSE THEN 'archive_files_status_check'
-        WHEN (error_code IS NULL OR error_code::derivd_error_code IS NOT NULL) IS FALSE
+        WHEN (r.status::derivd_status IS NOT NULL) IS FALSE THEN 'archive_files_status_check'
+        WHEN (r.error_code IS NULL OR r.error_code::derivd_error_code IS NOT NULL) IS FALSE
             THEN 'archive_files_error_code_check'
         -- A lease exists exactly while a row is processing: the fence relies on it (a
         -- token match is a status check: derivd_commit_outcomes).
-        WHEN ((status = 'processing') = (lease_token IS NOT NULL AND lease_until IS NOT NULL))
-             IS FALSE THEN 'archive_files_lease_check'
-        WHEN ((status = 'rejected') = (error_code IS NOT NULL)) IS FALSE
+        WHEN ((r.status = 'processing')
+              = (r.lease_token IS NOT NULL AND r.lease_until IS NOT NULL)) IS FALSE
+            THEN 'archive_files_lease_check'
+        WHEN ((r.status = 'rejected') = (r.error_code IS NOT NULL)) IS FALSE
             THEN 'archive_files_rejected_has_code'
-        WHEN (attempts >= 0) IS FALSE THEN 'archive_files_attempts_check'
-        WHEN (priority::derivd_priority IS NOT NULL
-              AND (tenant IS NULL OR tenant::derivd_tenant IS NOT NULL)) IS FALSE
+        WHEN (r.attempts >= 0) IS FALSE THEN 'archive_files_attempts_check'
+        WHEN (r.priority::derivd_priority IS NOT NULL
+              AND (r.tenant IS NULL OR r.tenant::derivd_tenant IS NOT NULL)) IS FALSE
             THEN 'archive_files_traffic_check'
         -- The analysis: all eight or none. The worker checks the same before it commits
         -- (derivd.analysis_rules): a handler's malformed analysis fails its own job,
         -- never the commit. colour: "#rrggbb", lower case; placeholder: ThumbHash (17-25
         -- bytes) in base64, padding optional; format: a short lower-case name.
-        WHEN (num_nulls(original_width, original_height, original_format, original_frames,
-                        original_has_alpha, original_colour, original_placeholder,
-                        original_dhash) = 8
-              OR (original_width > 0 AND original_height > 0 AND original_frames > 0
-                  AND original_format ~ '^[a-z0-9]{1,16}$'
-                  AND original_has_alpha IS NOT NULL
-                  AND original_colour ~ '^#[0-9a-f]{6}$'
-                  AND original_placeholder ~ '^[A-Za-z0-9+/]{16,64}={0,2}$'
-                  AND original_dhash IS NOT NULL)) IS FALSE
+        WHEN (num_nulls(r.original_width, r.original_height, r.original_format,
+                        r.original_frames, r.original_has_alpha, r.original_colour,
+                        r.original_placeholder, r.original_dhash) = 8
+              OR (r.original_width > 0 AND r.original_height > 0 AND r.original_frames > 0
+                  AND r.original_format ~ '^[a-z0-9]{1,16}$'
+                  AND r.original_has_alpha IS NOT NULL
+                  AND r.original_colour ~ '^#[0-9a-f]{6}$'
+                  AND r.original_placeholder ~ '^[A-Za-z0-9+/]{16,64}={0,2}$'
+                  AND r.original_dhash IS NOT NULL)) IS FALSE
             THEN 'archive_files_original_check'
     END;
     IF broken IS NULL THEN

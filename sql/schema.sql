@@ -95,10 +95,8 @@ CREATE TABLE archive_files (
     -- exactly while processing, a code exactly when rejected, the analysis all or
     -- nothing and well-formed, priority and tenant within their domains) in one CHECK:
     -- derivd_file_row_holds in functions.sql says why one, and each rule.
-    CONSTRAINT archive_files_row_check CHECK (derivd_file_row_holds(
-        status, error_code, lease_token, lease_until, attempts, priority, tenant,
-        original_width, original_height, original_format, original_frames,
-        original_has_alpha, original_colour, original_placeholder, original_dhash))
+    -- The whole row (archive_files), not its columns: migration 0022 says why.
+    CONSTRAINT archive_files_row_check CHECK (derivd_file_row_holds(archive_files))
 ) WITH (
     fillfactor = 70,
     autovacuum_vacuum_scale_factor = 0.01,
