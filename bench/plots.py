@@ -13,6 +13,7 @@ machine-readable outputs (bench/out/*.json), and the charts section of RESULTS.m
     claim_events.json (bench/claim_events.py) -> chart-claim_events.png: the claimed event
     store_latency.json (bench/store_latency.py) -> chart-store_latency.png: far vs near store
     webhooks.json    (bench/webhooks.py)     -> chart-webhooks.png: outbox cost, delivery
+    server_instructions.json (bench/server_instructions.py) -> chart-server_instructions.png
 
 A chart whose input is absent is skipped (and said so); the others are still drawn.
 matplotlib comes with the `bench` extra (`pip install -e '.[bench]'`), never with
@@ -342,6 +343,22 @@ def webhooks(data: Data) -> tuple[Figure, str]:
     return fig, "Webhooks: the commit's cost, delivery latency and rate (bench/webhooks.py)"
 
 
+def server_instructions(data: Data) -> tuple[Figure, str]:
+    """Issue 27: the server's instructions per noop job (commit + next claim) per build."""
+    kir = data["kir"]
+    names = list(kir)
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    ax.bar(range(len(names)), [kir[n] for n in names], color="#4a7bd0")
+    for i, n in enumerate(names):
+        ax.text(i, kir[n], f"{kir[n]:,.0f}k ({100 * (kir[n] / kir[names[0]] - 1):+.1f} %)",
+                ha="center", va="bottom", fontsize=7)  # fmt: skip
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_ylabel("thousand instructions per job")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(f"commit + next claim, callgrind, {data['clients']} client(s)", fontsize=9)
+    return fig, "Server instructions per noop job, by build (bench/server_instructions.py)"
+
+
 CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "throughput": throughput,
     "latency": latency,
@@ -355,6 +372,7 @@ CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "claim_events": claim_events,
     "store_latency": store_latency,
     "webhooks": webhooks,
+    "server_instructions": server_instructions,
 }
 
 
