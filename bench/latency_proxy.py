@@ -17,7 +17,10 @@ import socket
 import threading
 import time
 
-_CHUNK = 65536
+# Read up to this much at a time: each chunk costs a queue handoff between two threads
+# and a sleep; 1 MiB chunks cost the proxy ~25 % less CPU than 64 KiB ones (200 MB
+# through it: 0.24 vs 0.33 s, sender and receiver included) at the same delay.
+_CHUNK = 1 << 20
 
 
 class LatencyProxy:
