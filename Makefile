@@ -93,6 +93,8 @@ bench: install
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/claim_scale.py
 	$(BIN)/python bench/similar.py
+	@if command -v valgrind >/dev/null; then $(BIN)/python bench/server_instructions.py; \
+	else echo "bench/server_instructions.py: skipped (valgrind is not installed)"; fi
 	$(BIN)/python bench/plots.py
 
 # As root, the demo's cluster may live outside var/ (see supervisor/embedded/pghome.py):
