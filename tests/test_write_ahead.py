@@ -142,6 +142,33 @@ def test_a_claim_registers_the_attempt_prefix_only_for_a_backend_that_stores_obj
     assert [r["key"] for r in rows] == expected
 
 
+@pytest.mark.parametrize("write_ahead", [True, False])
+def test_a_rederivations_claim_registers_its_prefix_under_the_file_it_derives_for(
+    queue: QueueDB, write_ahead: bool
+) -> None:
+    """A re-derivation's variants go under its file's prefix (the job's own id is not a
+    file's): its claim registers that prefix, for the job's row, and nothing for a
+    backend that stores nothing."""
+    dsn = queue.dsn or ""
+    [file] = sql(
+        dsn,
+        "INSERT INTO archive_files (status, original_key, original_version)"
+        " VALUES ('ready', 'originals/r', 'v') RETURNING id",
+    )
+    [row] = sql(
+        dsn,
+        "INSERT INTO derivd_rederivations (file_id, original_key, original_version)"
+        " VALUES (%s, 'originals/r', 'v') RETURNING id",
+        (file["id"],),
+    )
+    [job] = queue.claim_many(limit=1, lease_s=60.0, max_attempts=3, write_ahead=write_ahead)
+    assert (job.id, job.file_id) == (row["id"], file["id"])
+    registered = sql(dsn, "SELECT key, file_id, lease_token FROM pending_objects")
+    expected = [{"key": attempt_prefix(file["id"], job.token), "file_id": job.id,
+                 "lease_token": job.token}]  # fmt: skip
+    assert registered == (expected if write_ahead else [])
+
+
 class _StoresUndeclared:
     """A handler that says it stores nothing (as noop does) and returns variants anyway."""
 
