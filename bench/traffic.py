@@ -57,6 +57,7 @@ from common import (
 from fleet import _times, load_average, server_cpu_s, wal_lsn
 
 from derivd.embedded.pgcluster import EmbeddedCluster
+from derivd.queue.sqlfiles import query
 
 LIVE_RATE = 10  # live uploads per second while a backfill drains
 LIVE_SECONDS = 15.0
@@ -241,7 +242,7 @@ BLOCK = 100
 CLAIM = {
     label: "SELECT c.* FROM set_config('synchronous_commit', 'off', true) AS no_flush_wait,"
     f" derivd_claim(1, 120, 3, 'b'{args}) AS c"
-    for label, args in (("baseline", ""), (0, ", 0"), (10, ", 10"))
+    for label, args in (("baseline", ""), (0, ", 0, NULL"), (10, ", 10, NULL"))
 }
 
 
@@ -337,10 +338,14 @@ def baseline_db(pg: EmbeddedCluster, name: str, ref: str) -> str:
     return dsn
 
 
+# Each as its worker sends it: this build's statement composes the commit and the claim
+# itself (sql/queries.sql); the baseline's called its one function.
 COMMIT_AND_CLAIM = {
-    "this build": "SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, 1, 120, 3, 'b', 0)",
+    "this build": query("commit_and_claim"),
     "baseline": "SELECT * FROM derivd_commit_and_claim(%(jobs)s::jsonb, 1, 120, 3, 'b')",
 }
+CLAIM_PARAMS = {"limit": 1, "lease_s": 120.0, "max_attempts": 3, "host": "b", "tenant_cap": 0,
+                "prefix_format": None}  # fmt: skip
 SEED_QUEUED = """
 INSERT INTO archive_files (status, original_key, original_version)
 SELECT 'queued', 'originals/bench', 'v1' FROM generate_series(1, %(n)s)
@@ -365,7 +370,8 @@ def cpu_per_job(pg: EmbeddedCluster, label: str, baseline: str, jobs: int) -> tu
             jobs_json = json.dumps(
                 [{"id": r[1], "token": str(r[2]), "attempt": r[3], "variants": []} for r in held]
             )
-            rows = conn.execute(statement, {"jobs": jobs_json}, prepare=True).fetchall()  # type: ignore[arg-type]
+            params = {**CLAIM_PARAMS, "jobs": jobs_json}
+            rows = conn.execute(statement, params, prepare=True).fetchall()  # type: ignore[arg-type]
             held[:] = [r for r in rows if r[0] == "claimed"]
 
         for _ in range(200):
