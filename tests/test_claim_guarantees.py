@@ -16,7 +16,7 @@ from fixtures.work import commit_one
 from helpers import sql
 
 from derivd.priorities import CLAIM_SHARE
-from derivd.queue.db import Job, QueueDB
+from derivd.queue.db import Finished, Job, QueueDB
 
 pytestmark = pytest.mark.pooler
 
@@ -45,6 +45,22 @@ def tenants(dsn: str, jobs: list[Job]) -> list[str | None]:
     )
     by_id = {r["id"]: r["tenant"] for r in rows}
     return [by_id[j.id] for j in jobs]
+
+
+def test_the_claim_in_a_commits_statement_sees_that_commit(queue: QueueDB, dsn: str) -> None:
+    """The worker's one statement commits, then claims (sql/queries.sql, commit_and_claim):
+    under a cap of 1 the commit of tenant a's only row in flight frees its place for a's
+    next row in the same statement. A claim run before the commit, or on a snapshot taken
+    before it, sees a at its cap and claims nothing."""
+    enqueue(queue, 2, tenant="a")
+    [first] = claim(queue, cap=1)
+    assert claim(queue, cap=1) == []  # a is at its cap
+    committed, [second] = queue.commit_and_claim(
+        [Finished(first, [])], limit=1, lease_s=LONG, max_attempts=3, tenant_cap=1
+    )
+    assert set(committed) == {first.id} and second.id != first.id
+    rows = sql(dsn, "SELECT id, status FROM archive_files ORDER BY id")
+    assert {r["id"]: r["status"] for r in rows} == {first.id: "ready", second.id: "processing"}
 
 
 # -- item 2: tenant locks are tried, never waited for ------------------------------------
