@@ -79,6 +79,7 @@ def explain_claim(dsn: str) -> str:
                 "limit": 1,
                 "host": "claim-scale",
                 "tenant_cap": 0,
+                "prefix_format": None,
             },
         ).fetchall()
         conn.rollback()
