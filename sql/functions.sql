@@ -732,7 +732,9 @@ BEGIN
         RETURNING f.id, f.lease_token, f.attempts, f.original_key, f.original_version,
                   extract(epoch FROM now() - c.since)::float8, c.tier, c.since, f.id;
         IF prefix_format IS NOT NULL THEN
-            -- Each row the UPDATE above leased, with its new token.
+            -- Each row the UPDATE above leased, with its new token, read back by primary
+            -- key: an INSERT in the UPDATE's own statement (a data-modifying CTE) would be
+            -- prepared for every claim, noop's too, where this IF costs noop one test.
             INSERT INTO pending_objects (key, file_id, lease_token)
             SELECT format(prefix_format, f.id, f.lease_token), f.id, f.lease_token
               FROM archive_files AS f
@@ -1075,7 +1077,8 @@ BEGIN
               q.original_version, extract(epoch FROM now() - c.since)::float8, c.tier,
               c.since, q.file_id;
     IF prefix_format IS NOT NULL THEN
-        -- The jobs the UPDATE above leased (those it rejected are `rejected` now).
+        -- The jobs the UPDATE above leased (those it rejected are `rejected` now), read
+        -- back as the files' claim does (derivd_claim says why).
         INSERT INTO pending_objects (key, file_id, lease_token)
         SELECT format(prefix_format, q.file_id, q.lease_token), q.id, q.lease_token
           FROM derivd_rederivations AS q
