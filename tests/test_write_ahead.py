@@ -169,6 +169,30 @@ def test_a_rederivations_claim_registers_its_prefix_under_the_file_it_derives_fo
     assert registered == (expected if write_ahead else [])
 
 
+def test_a_rederivation_rejected_at_its_claim_registers_nothing(queue: QueueDB) -> None:
+    """A queued re-derivation whose attempts are used up (max_attempts lowered) is
+    rejected by the claim, not leased: no prefix of an attempt that never ran goes to the
+    registry, and the claim goes on to the next job."""
+    dsn = queue.dsn or ""
+    [file] = sql(
+        dsn,
+        "INSERT INTO archive_files (status, original_key, original_version)"
+        " VALUES ('ready', 'originals/r', 'v') RETURNING id",
+    )
+    [tired, fresh] = sql(
+        dsn,
+        "INSERT INTO derivd_rederivations (file_id, original_key, original_version, attempts)"
+        " VALUES (%s, 'originals/r', 'v', 3), (%s, 'originals/s', 'v', 0) RETURNING id",
+        (file["id"], file["id"] + 1000),
+    )
+    jobs = queue.claim_many(limit=2, lease_s=60.0, max_attempts=3)
+    assert [j.id for j in jobs] == [fresh["id"]]
+    registered = sql(dsn, "SELECT file_id FROM pending_objects")
+    assert registered == [{"file_id": fresh["id"]}]
+    [row] = sql(dsn, "SELECT status FROM derivd_rederivations WHERE id = %s", (tired["id"],))
+    assert row["status"] == "rejected"
+
+
 class _StoresUndeclared:
     """A handler that says it stores nothing (as noop does) and returns variants anyway."""
 
