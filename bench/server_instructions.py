@@ -35,21 +35,16 @@ from typing import Any
 import psycopg
 from common import cluster, fresh_db, git, machine, save_results, table
 from psycopg.rows import dict_row
-from traffic import baseline_db
+from traffic import CLAIM_PARAMS, baseline_db
 
+from derivd.embedded.pgcluster import EmbeddedCluster
 from derivd.embedded.pghome import RunAs
 from derivd.queue.sqlfiles import parse_blocks, queries
 
-# Every parameter any release's commit_and_claim names; each takes the ones it uses.
-PARAMS: dict[str, Any] = {
-    "limit": 1,
-    "lease_s": 45.0,
-    "max_attempts": 5,
-    "host": "bench",
-    "tenant_cap": 0,
-    "prefix_format": None,  # noop stores nothing: no write-ahead prefix
-    "write_ahead": False,
-}
+# Every parameter any release's commit_and_claim names (traffic.py's, and the
+# `write_ahead` of the releases before the claim took `prefix_format`); each takes the
+# ones it uses.
+PARAMS: dict[str, Any] = {**CLAIM_PARAMS, "write_ahead": False}
 SEED = """
 INSERT INTO archive_files (status, original_key, original_version)
 SELECT 'queued', 'originals/bench', 'v1' FROM generate_series(1, %(n)s)
@@ -66,7 +61,7 @@ class Build:
         self.setup = blocks.get("generic_plans")  # a worker connection's own setting
 
 
-def builds(pg: Any, refs: list[str], rows: int) -> list[Build]:
+def builds(pg: EmbeddedCluster, refs: list[str], rows: int) -> list[Build]:
     out = [
         Build(
             f"{ref} ({git('rev-parse', '--short', ref).strip()})",
@@ -115,15 +110,19 @@ def instructions(out: Path, pid: int) -> int:
     raise SystemExit(f"callgrind wrote no totals for server process {pid}")
 
 
-def under_callgrind(pg: Any, out: Path) -> subprocess.Popen[bytes]:
+def as_server_user(argv: list[str]) -> list[str]:
+    """`argv` run as the user the cluster's server runs as (`postgres` when we are root)."""
+    who = RunAs.detect()
+    return ["runuser", "-u", who.name, "--", *argv] if who.switch else argv
+
+
+def under_callgrind(pg: EmbeddedCluster, out: Path) -> subprocess.Popen[bytes]:
     """The cluster's postmaster again, under callgrind (every backend it forks too)."""
     pg.stop("fast")
-    who = RunAs.detect()
-    prefix = ["runuser", "-u", who.name, "--"] if who.switch else []
-    argv = [*prefix, "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/callgrind.%p",
+    argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/callgrind.%p",
             f"--log-file={out}/valgrind.log", str(pg.bindir / "postgres"), "-D",
             str(pg.data_dir), "-c", "autovacuum=off"]  # fmt: skip
-    server = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    server = subprocess.Popen(as_server_user(argv), stdin=subprocess.DEVNULL)
     for _ in range(600):
         try:
             psycopg.connect(pg.dsn(), connect_timeout=2).close()
@@ -133,11 +132,9 @@ def under_callgrind(pg: Any, out: Path) -> subprocess.Popen[bytes]:
     raise SystemExit(f"the server did not start under valgrind: see {out}/valgrind.log")
 
 
-def stop(pg: Any, server: subprocess.Popen[bytes]) -> None:
-    who = RunAs.detect()
-    prefix = ["runuser", "-u", who.name, "--"] if who.switch else []
+def stop(pg: EmbeddedCluster, server: subprocess.Popen[bytes]) -> None:
     pg_ctl = [str(pg.bindir / "pg_ctl"), "-D", str(pg.data_dir), "stop", "-m", "fast"]
-    subprocess.run([*prefix, *pg_ctl], check=True, capture_output=True)
+    subprocess.run(as_server_user(pg_ctl), check=True, capture_output=True)
     server.wait()
 
 
