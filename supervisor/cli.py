@@ -156,12 +156,15 @@ def run(state: State, burst: bool, workers: int | None) -> None:
                        without burning an attempt. A second signal does that at once.
     SIGHUP             re-read the config file and replace the workers gracefully.
     """
+    from derivd.osproc import boot_without_gc, exit_without_teardown
+
+    boot_without_gc()
     from derivd.processes.daemon import run_daemon
 
     if workers is not None:
         # Through the environment, so that a SIGHUP reload keeps the override.
         os.environ["DERIVD_SUPERVISOR_WORKERS"] = str(workers)
-    sys.exit(run_daemon(state.config, burst=burst))
+    exit_without_teardown(run_daemon(state.config, burst=burst))
 
 
 @main.command()

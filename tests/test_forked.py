@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -99,3 +101,74 @@ def test_fork_child_runs_the_body_and_exit_code_collects_it_once_it_ends() -> No
     finally:
         os.close(gate_r)
         os.close(gate_w)
+
+
+def _python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+# Reports, from the parent and from its child, whether the GC runs and how many objects
+# the boot left frozen; the second fork's child tells the later, plain forks apart.
+_FORK_AFTER_A_QUIET_BOOT = """
+import gc, os, sys
+from derivd.osproc import boot_without_gc, fork
+boot_without_gc()
+assert not gc.isenabled()
+for n in (1, 2):
+    read_end, write_end = os.pipe()
+    pid = fork()
+    if pid == 0:
+        os.write(write_end, f"child{n} {gc.isenabled()} {gc.get_freeze_count()}".encode())
+        os._exit(0)
+    os.close(write_end)
+    print(os.read(read_end, 100).decode(), f"parent{n} {gc.isenabled()}", gc.get_freeze_count())
+    os.waitpid(pid, 0)
+    kept = [[] for _ in range(5000)]  # made after the boot: never frozen
+"""
+
+
+def test_the_first_fork_after_a_quiet_boot_freezes_the_boot_and_turns_the_gc_back_on() -> None:
+    ran = _python(_FORK_AFTER_A_QUIET_BOOT)
+    assert ran.returncode == 0, ran.stderr
+    first, second = (line.split() for line in ran.stdout.splitlines())
+    frozen = int(first[2])
+    assert frozen > 1000  # the interpreter's and derivd's objects, out of every collection
+    assert first[:3] == ["child1", "True", str(frozen)]
+    assert first[3] == "parent1" and first[4] == "True"
+    # Later forks freeze nothing more: the boot's objects only, not the 5,000 lists made
+    # between the two forks (the count moves by the few frozen objects freed since).
+    assert second[0:2] == ["child2", "True"] and second[3:5] == ["parent2", "True"]
+    assert abs(int(second[2]) - frozen) < 100 and abs(int(second[5]) - frozen) < 100
+
+
+_EXIT_WITH = """
+import atexit, sys, threading, time
+from derivd.osproc import exit_without_teardown
+atexit.register(lambda: print("atexit ran", flush=True))
+class Noisy:
+    def __del__(self) -> None:
+        print("torn down", flush=True)
+kept = Noisy()  # a module global: the interpreter's teardown deletes it
+sys.stdout.write("buffered, not flushed ")
+if sys.argv[1] == "thread":
+    done = threading.Event()
+    def late() -> None:
+        done.wait(5)
+        print("the thread finished", flush=True)
+    threading.Thread(target=late).start()
+    threading.Timer(0.05, done.set).start()
+exit_without_teardown(3)
+"""
+
+
+@pytest.mark.parametrize("with_thread", [False, True])
+def test_an_exit_without_teardown_keeps_the_exit_code_output_and_atexit(with_thread: bool) -> None:
+    """Without the teardown, but with a thread still running it waits for it as a plain
+    exit does (and then tears down)."""
+    ran = _python(_EXIT_WITH, "thread" if with_thread else "alone")
+    assert ran.returncode == 3, ran.stderr
+    assert ran.stdout.startswith("buffered, not flushed ")
+    assert "atexit ran" in ran.stdout
+    assert ("the thread finished" in ran.stdout) is with_thread
+    assert ("torn down" in ran.stdout) is with_thread

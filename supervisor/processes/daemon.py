@@ -16,7 +16,6 @@ from pathlib import Path
 
 from derivd.config import DEFAULTS, Config, load_config
 from derivd.embedded.runtime import database
-from derivd.ops.dashboard import Dashboard
 from derivd.ops.metrics import Metrics, listening_line
 from derivd.ops.status import duration
 from derivd.osproc import Pidfile, PidfileError
@@ -75,6 +74,8 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
             config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config), host=host
         )
         if config.metrics.listen:
+            from derivd.ops.dashboard import Dashboard  # ~20 ms of imports: only to serve it
+
             # The dashboard follows the supervisor's current config (SIGHUP reloads it).
             dashboard = Dashboard(dsn, lambda: supervisor.config, metrics)
             metrics.serve(

@@ -11,7 +11,7 @@ import signal
 from collections.abc import Callable, Iterable
 from types import FrameType
 
-from derivd.osproc import set_pdeathsig
+from derivd.osproc import fork, set_pdeathsig
 from derivd.processes.lifecycle import EXIT_OK
 
 StopHandler = Callable[[int, FrameType | None], None]
@@ -54,7 +54,7 @@ def become_child(
 def fork_child(body: ChildBody, inherited_fds: tuple[int, ...]) -> int:
     """Fork; the child runs `body(parent_pid, inherited_fds)`. Returns the child's pid."""
     parent = os.getpid()
-    pid = os.fork()
+    pid = fork()
     if pid == 0:
         body(parent, inherited_fds)
     return pid

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from derivd.osproc import rss_mb, set_proctitle
+from derivd.osproc import fork, rss_mb, set_proctitle
 from derivd.processes.reasons import KillReason, StopReason
 from derivd.queue.db import Job
 
@@ -171,7 +171,7 @@ class WorkerProc:
         status_r, status_w = os.pipe()
         progress_r, progress_w = os.pipe()
         cmd_r, cmd_w = os.pipe()
-        pid = os.fork()
+        pid = fork()
         if pid == 0:
             start(status_w, progress_w, cmd_r, (status_r, progress_r, cmd_w))
         for fd in (status_w, progress_w, cmd_r):
