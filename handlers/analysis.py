@@ -16,8 +16,9 @@ for every backend:
   bit first, as a signed 64-bit integer (PostgreSQL `bigint`). Re-encodes and rescales of
   one picture stay within a few bits; unrelated pictures differ by about 32.
 
-Pure Python on 32 px: 1-2.5 CPU ms a file inside a worker (the bits the same as the
-plain per-pixel port: table look-ups and cached bases, not other arithmetic).
+Array arithmetic (numpy) on 32 px: ~0.1 CPU ms a file. The pure-Python port it replaced
+took ~0.9 ms alone, and ~2.5 ms of user and system CPU inside a busy worker: its Python
+held the GIL against the worker's store-and-commit thread (bench/RESULTS.md, issue 28).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import base64
 import math
 from dataclasses import dataclass
 from functools import cache
-from operator import mul
+from typing import Any
 
 from derivd.handlers.base import Analysis
+from derivd.handlers.lazy_numpy import numpy
 
 THUMBHASH_MAX = 100  # ThumbHash's own bound on its input
 # What backends shrink to. ThumbHash keeps at most 7 x 7 DCT terms and dhash 9 x 8 cells:
@@ -89,17 +91,27 @@ def analyse(
 
 
 def mean_colour(small: Small) -> str:
-    """`#rrggbb`: the alpha-weighted mean; an entirely transparent image is black."""
-    px = small.rgba
-    alpha = px[3::4]
-    total = sum(alpha)
+    """`#rrggbb`: the alpha-weighted mean; an entirely transparent image is black. Integer
+    sums (exact), then one division per channel."""
+    np = numpy()
+    px = _pixels(small).astype(np.int64)
+    alpha = px[..., 3]
+    total = int(alpha.sum())
     if total == 0:
         return "#000000"
-    if total == 255 * len(alpha):  # opaque: integer sums, the same values as weighted ones
-        channels = (255 * sum(px[c::4]) / total for c in range(3))
-    else:
-        channels = (sum(map(mul, px[c::4], alpha)) / total for c in range(3))
-    return "#" + "".join(f"{min(255, round(v)):02x}" for v in channels)
+    sums = (px[..., :3] * alpha[..., None]).sum(axis=(0, 1))
+    return "#" + "".join(f"{min(255, round(int(v) / total)):02x}" for v in sums)
+
+
+def _pixels(small: Small) -> Any:
+    """The small copy as a height x width x 4 uint8 array (no copy)."""
+    np = numpy()
+    return np.frombuffer(small.rgba, np.uint8).reshape(small.height, small.width, 4)
+
+
+# Below this, a difference of sums is rounding noise (the values are at most 255, the
+# float64 error of a few hundred additions ~1e-13 of that).
+_TIE = 1e-9
 
 
 # --- dhash -------------------------------------------------------------------------------
@@ -109,90 +121,68 @@ def dhash(small: Small) -> int:
     """The 64-bit difference hash as a signed integer (see the module docstring)."""
     grey = _grey_area(small, 9, 8)
     bits = 0
-    for y in range(8):
-        row = grey[y * 9 : y * 9 + 9]
-        for x in range(8):
-            bits = (bits << 1) | (row[x] > row[x + 1])
+    # A tie (flat areas, synthetic gradients) is not brighter, whatever the last bits of
+    # the sums: the order of additions must not decide a bit.
+    for brighter in (grey[:, :-1] > grey[:, 1:] + _TIE).flat:
+        bits = (bits << 1) | int(brighter)
     return bits - (1 << 64) if bits >= 1 << 63 else bits
 
 
-def _grey_area(small: Small, out_w: int, out_h: int) -> list[float]:
-    """Luma (BT.601, composited on white) of each cell of an out_w x out_h grid, as the
-    area-weighted mean of the pixels it covers (exact box filter, also when enlarging)."""
-    w, h, px = small.width, small.height, small.rgba
-    luma = [
-        (0.299 * r + 0.587 * g + 0.114 * b) * a / 255 + 255 - a
-        for r, g, b, a in zip(px[0::4], px[1::4], px[2::4], px[3::4], strict=True)
-    ]
-    xs, ys = _weights(w, out_w), _weights(h, out_h)
-    out = []
-    for wy in ys:
-        for wx in xs:
-            acc = 0.0
-            for y, fy in wy:
-                row = y * w
-                acc += fy * sum(luma[row + x] * fx for x, fx in wx)
-            out.append(acc)
-    return out
+def _grey_area(small: Small, out_w: int, out_h: int) -> Any:
+    """Luma (BT.601, composited on white) of each cell of an out_w x out_h grid (an
+    out_h x out_w array), as the area-weighted mean of the pixels it covers (exact box
+    filter, also when enlarging): two products with the cells' weight matrices."""
+    px = _pixels(small).astype(float)
+    r, g, b, a = (px[..., c] for c in range(4))
+    luma = (0.299 * r + 0.587 * g + 0.114 * b) * a / 255 + 255 - a
+    return _weights(small.height, out_h) @ luma @ _weights(small.width, out_w).T
 
 
 @cache
-def _weights(size: int, cells: int) -> tuple[tuple[tuple[int, float], ...], ...]:
-    """For each of `cells` output cells, the source indices it covers with their weights
-    (summing to 1): cell i spans [i * size / cells, (i + 1) * size / cells)."""
-    out = []
+def _weights(size: int, cells: int) -> Any:
+    """A cells x size matrix: row i holds the weights (summing to 1) with which source
+    index j counts in cell i, which spans [i * size / cells, (i + 1) * size / cells)."""
+    np = numpy()
+    out = np.zeros((cells, size))
     for i in range(cells):
         lo, hi = i * size / cells, (i + 1) * size / cells
-        span = []
         for j in range(math.floor(lo), min(size, math.ceil(hi))):
             overlap = min(hi, j + 1) - max(lo, j)
             if overlap > 0:
-                span.append((j, overlap / (hi - lo)))
-        out.append(tuple(span))
-    return tuple(out)
+                out[i, j] = overlap / (hi - lo)
+    out.flags.writeable = False  # cached: shared by every call
+    return out
 
 
 # --- ThumbHash (port of evanw/thumbhash's rgbaToThumbHash) -----------------------------
 
 
 def thumbhash(small: Small) -> bytes:
-    """ThumbHash bytes of the image; the reference encoder, step for step (JavaScript's
-    Math.round, which rounds halves up, where the reference rounds)."""
-    w, h, px = small.width, small.height, small.rgba
-    n = w * h
-    # Table look-ups for v / 255, an opaque image's weights skipped, the DCT basis cached
-    # (`_cosines`): the reference's float operations in its order, so the same bits.
-    red, green, blue = (list(map(_UNIT, px[c::4])) for c in range(3))
-    alpha_bytes = px[3::4]
-    if alpha_bytes.count(255) == n:  # opaque: every weight is 1.0, every product the value
-        alpha = [1.0] * n
-        avg_a = float(n)
-        avg = [sum(channel) for channel in (red, green, blue)]
-    else:
-        alpha = list(map(_UNIT, alpha_bytes))
-        avg_a = sum(alpha)
-        avg = [sum(map(mul, alpha, channel)) for channel in (red, green, blue)]
+    """ThumbHash bytes of the image: the reference encoder's arithmetic, as arrays
+    (JavaScript's Math.round, which rounds halves up, where the reference rounds)."""
+    w, h = small.width, small.height
+    px = _pixels(small) / 255
+    alpha = px[..., 3]
+    avg_a = float(alpha.sum())
+    avg = (px[..., :3] * alpha[..., None]).sum(axis=(0, 1))
     if avg_a:
-        avg = [v / avg_a for v in avg]
-    has_alpha = avg_a < n
+        avg = avg / avg_a
+    has_alpha = avg_a < w * h
     l_limit = 5 if has_alpha else 7  # fewer luminance bits when alpha needs some
     lx = max(1, _round(l_limit * w / max(w, h)))
     ly = max(1, _round(l_limit * h / max(w, h)))
 
     # RGBA to LPQA, composited atop the average colour.
-    if has_alpha:
-        red, green, blue = (
-            [m * (1 - a) + a * v for a, v in zip(alpha, channel, strict=True)]
-            for m, channel in zip(avg, (red, green, blue), strict=True)
-        )
-    lum = [(r + g + b) / 3 for r, g, b in zip(red, green, blue, strict=True)]
-    p = [(r + g) / 2 - b for r, g, b in zip(red, green, blue, strict=True)]
-    q = [r - g for r, g in zip(red, green, strict=True)]
+    rgb = avg * (1 - alpha[..., None]) + alpha[..., None] * px[..., :3]
+    red, green, blue = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+    lum = (red + green + blue) / 3
+    p = (red + green) / 2 - blue
+    q = red - green
 
-    l_dc, l_ac, l_scale = _encode_channel(lum, w, h, max(3, lx), max(3, ly))
-    p_dc, p_ac, p_scale = _encode_channel(p, w, h, 3, 3)
-    q_dc, q_ac, q_scale = _encode_channel(q, w, h, 3, 3)
-    a_dc, a_ac, a_scale = _encode_channel(alpha, w, h, 5, 5) if has_alpha else (0.0, [], 0.0)
+    l_dc, l_ac, l_scale = _encode_channel(lum, max(3, lx), max(3, ly))
+    p_dc, p_ac, p_scale = _encode_channel(p, 3, 3)
+    q_dc, q_ac, q_scale = _encode_channel(q, 3, 3)
+    a_dc, a_ac, a_scale = _encode_channel(alpha, 5, 5) if has_alpha else (0.0, [], 0.0)
 
     landscape = w > h
     header24 = (
@@ -224,38 +214,34 @@ def _round(value: float) -> int:
     return math.floor(value + 0.5)
 
 
-def _encode_channel(
-    channel: list[float], w: int, h: int, nx: int, ny: int
-) -> tuple[float, list[float], float]:
+def _encode_channel(channel: Any, nx: int, ny: int) -> tuple[float, list[float], float]:
     """DC, normalised AC terms and their scale for the triangle of DCT terms the reference
-    keeps (cx * ny < nx * (ny - cy)). Separable: each row is folded with each x basis once,
-    then the column sums with the y basis."""
-    fx = _cosines(w, nx)  # cx ranges below nx for cy = 0, fewer for higher cy
-    rows = [channel[y * w : y * w + w] for y in range(h)]
-    folded = [[sum(map(mul, row, basis)) for row in rows] for basis in fx]  # [cx][y]
-    fys = _cosines(h, ny)
-    dc, ac, scale = 0.0, [], 0.0
+    keeps (cx * ny < nx * (ny - cy)), all terms at once: cos_y @ channel @ cos_x.T."""
+    h, w = channel.shape
+    terms = (_cosines(h, ny) @ channel @ _cosines(w, nx).T) / (w * h)  # [cy, cx]
+    # A term that is zero in exact arithmetic (a symmetric image) is zero, not the
+    # rounding noise of the sums, which would pick its nibble's side of the 7.5 tie.
+    terms[abs(terms) < _TIE] = 0.0
+    dc, ac = 0.0, []
     for cy in range(ny):
-        fy = fys[cy]
         cx = 0
         while cx * ny < nx * (ny - cy):
-            f = sum(map(mul, folded[cx], fy)) / (w * h)
             if cx or cy:
-                ac.append(f)
-                scale = max(scale, abs(f))
+                ac.append(float(terms[cy, cx]))
             else:
-                dc = f
+                dc = float(terms[0, 0])
             cx += 1
+    scale = max(map(abs, ac), default=0.0)
     if scale:
         ac = [0.5 + 0.5 / scale * f for f in ac]
     return dc, ac, scale
 
 
 @cache
-def _cosines(size: int, terms: int) -> tuple[tuple[float, ...], ...]:
-    """The DCT basis: cos(pi / size * k * (i + 0.5)) for each term k and index i."""
-    return tuple(tuple(math.cos(math.pi / size * k * (i + 0.5)) for i in range(size))
-                 for k in range(terms))  # fmt: skip
-
-
-_UNIT = tuple(v / 255 for v in range(256)).__getitem__  # v / 255, as the reference divides
+def _cosines(size: int, terms: int) -> Any:
+    """The DCT basis, a terms x size matrix: cos(pi / size * k * (i + 0.5))."""
+    np = numpy()
+    k = np.arange(terms)[:, None]
+    out = np.cos(np.pi / size * k * (np.arange(size)[None, :] + 0.5))
+    out.flags.writeable = False  # cached: shared by every call
+    return out

@@ -24,10 +24,11 @@ worker decodes, never in the supervisor (tests/test_boot.py).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
+
+from derivd.handlers.lazy_numpy import numpy
 
 # The most bytes one fast decode may hold: a 12 MP phone photo whole (36 MiB) fits, so
 # a 1600 px preview of it (decoded whole: the shrink, 2.5, leaves no DCT scale room) is
@@ -66,11 +67,9 @@ class Scaled:
 
 @cache
 def simplejpeg() -> Any:  # simplejpeg carries no py.typed
-    """simplejpeg, loaded with the first JPEG, not at the worker's boot. numpy comes with
-    it, and numpy maps OpenBLAS, which starts a thread per core with its buffers (12 MiB
-    more RSS on this machine): derivd does no linear algebra, so one thread unless the
-    operator asked for more."""
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    """simplejpeg, loaded with the first JPEG, not at the worker's boot; numpy (which it
+    imports) through `lazy_numpy`, which tunes it first."""
+    numpy()
     import simplejpeg as module
 
     return module

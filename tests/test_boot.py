@@ -1,9 +1,9 @@
 """What the supervisor and a worker load. The supervisor forks its workers, and libvips
 (its threads and caches) must never cross a fork (DESIGN "Fork safety"), so it imports no
 image library, before or after it forked workers that did. A vips worker loads libvips
-alone until a JPEG (simplejpeg and numpy), a HEIC (pi-heif) or an animated AVIF or smart
-crop (Pillow) needs more: each library costs boot time and resident memory in every
-worker."""
+alone until its first analysis (numpy), a JPEG (simplejpeg), a HEIC (pi-heif) or an
+animated AVIF or smart crop (Pillow) needs more: each library costs boot time and
+resident memory in every worker."""
 
 from __future__ import annotations
 
@@ -94,13 +94,22 @@ def test_a_vips_worker_loads_neither_pillow_nor_libheif_for_a_jpeg(tmp_path: Pat
     assert not loaded & {"PIL", "pi_heif"}
 
 
-def test_a_vips_worker_loads_simplejpeg_and_numpy_with_its_first_jpeg(tmp_path: Path) -> None:
-    """Not at boot: a worker that gets no JPEG never maps numpy (~80 ms, ~4 MiB)."""
+def test_a_vips_worker_boots_without_numpy() -> None:
+    """The handler made, nothing derived: numpy (~40 ms, ~4 MiB) waits for the first
+    analysis, simplejpeg for the first JPEG."""
+    loaded = _loaded_by_a_vips_worker()
+    assert "pyvips" in loaded
+    assert not loaded & {"simplejpeg", "numpy", "PIL", "pi_heif"}
+
+
+def test_a_vips_worker_loads_numpy_for_the_analysis_and_simplejpeg_only_for_a_jpeg(
+    tmp_path: Path,
+) -> None:
     picture = tmp_path / "picture.png"
     picture.write_bytes(png_rgb())
     loaded = _loaded_by_a_vips_worker(picture)
-    assert "pyvips" in loaded
-    assert not loaded & {"simplejpeg", "numpy", "PIL", "pi_heif"}
+    assert {"pyvips", "numpy"} <= loaded  # the analysis' arithmetic
+    assert not loaded & {"simplejpeg", "PIL", "pi_heif"}
 
 
 def test_a_vips_worker_loads_libheif_with_its_first_heic() -> None:
