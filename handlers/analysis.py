@@ -1,9 +1,9 @@
 """The analysis of an original, from a small copy of its decoded pixels (both backends).
 
 A backend decodes the original once; it hands this module the first frame as it will be
-shown (upright, 8-bit sRGB, straight alpha), shrunk to `SMALL_EDGE` px on its long
-edge, and the facts it read from the header. Everything else is computed here, the same way
-for every backend:
+shown (upright, 8-bit sRGB, straight alpha), box-shrunk to `SMALL_EDGE` px or under on
+its long edge by whole factors (`shrink_factor`), and the facts it read from the header.
+Everything else is computed here, the same way for every backend:
 
 - `has_alpha` (the backend's): some pixel of the first frame is less than opaque.
 - `colour`: the representative colour, the alpha-weighted mean of the sRGB pixels
@@ -68,10 +68,13 @@ def rgba_of(pixels: bytes, bands: int) -> bytes:
     return bytes(out)
 
 
-def small_size(width: int, height: int) -> tuple[int, int]:
-    """The size a backend shrinks the first frame to (aspect kept, both sides >= 1)."""
-    scale = min(1.0, SMALL_EDGE / max(width, height))
-    return max(1, round(width * scale)), max(1, round(height * scale))
+def shrink_factor(width: int, height: int, side: int) -> int:
+    """The whole factor a backend box-shrinks one `side` of the first frame by: the one
+    that brings its long edge to SMALL_EDGE px or under, no more than the side itself
+    (a 1 x 5000 line stays 1 px wide). The partial blocks at the right and bottom edges
+    are left out (under 1/32 of each side): a fractional factor, each backend's resize to
+    an exact size, costs 2-3x as much in either library."""
+    return min(side, max(1, math.ceil(max(width, height) / SMALL_EDGE)))
 
 
 def analyse(

@@ -31,7 +31,7 @@ from PIL import (
 )
 
 from derivd.handlers import heif
-from derivd.handlers.analysis import Small, analyse, small_size
+from derivd.handlers.analysis import Small, analyse, shrink_factor
 from derivd.handlers.base import (
     Analysis,
     CorruptContent,
@@ -323,12 +323,22 @@ def _to_base(image: Image.Image, base: tuple[int, int],
 
 
 def small_copy(frame: Image.Image) -> Small:
-    """The analysis' intermediate: the first frame, RGBA, SMALL_EDGE px."""
-    size = small_size(*frame.size)
-    # Shrunk first, then given an alpha band: the same pixels as the other way round
-    # (Pillow premultiplies RGBA around a resize), without an RGBA copy of the base.
-    small = frame.resize(size, Image.Resampling.BOX) if frame.size != size else frame
-    return Small(size[0], size[1], small.convert("RGBA").tobytes())
+    """The analysis' intermediate: the first frame, RGBA, at most SMALL_EDGE px: box-shrunk
+    by whole factors (`shrink_factor`), the partial blocks at the right and bottom edges
+    left out, as the vips backend does."""
+    width, height = frame.size
+    across = shrink_factor(width, height, width)
+    down = shrink_factor(width, height, height)
+    small = frame
+    if (across, down) != (1, 1):
+        box = (0, 0, width // across * across, height // down * down)
+        # Alpha is premultiplied around the averaging, as a resize does by itself.
+        straight = {"RGBA": "RGBa", "LA": "La"}.get(frame.mode)
+        source = frame.convert(straight) if straight else frame
+        small = source.reduce((across, down), box)
+        if straight:
+            small = small.convert(frame.mode)
+    return Small(small.width, small.height, small.convert("RGBA").tobytes())
 
 
 def analysis_of(decoded: Decoded, fmt: str, frames: int) -> Analysis:

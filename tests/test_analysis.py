@@ -21,15 +21,17 @@ from PIL import Image, ImageStat
 from test_handlers import BACKENDS, CMYK_UNPROFILED, READY_CASES, SPEC
 
 from derivd.handlers.analysis import (
+    SMALL_EDGE,
     Small,
     analyse,
     dhash,
     mean_colour,
     rgba_of,
-    small_size,
+    shrink_factor,
     thumbhash,
 )
 from derivd.handlers.base import Analysis, Derivation, Handler
+from derivd.handlers.pillow import small_copy as pillow_small_copy
 
 COLOUR_LEVELS = 2
 DHASH_PARITY_BITS = 4
@@ -55,8 +57,7 @@ def pattern(width: int, height: int, alpha: bool) -> Small:
 
 
 def small_of(image: Image.Image) -> Small:
-    rgba = image.convert("RGBA").resize(small_size(*image.size), Image.Resampling.BOX)
-    return Small(*rgba.size, rgba.tobytes())
+    return pillow_small_copy(image)  # what the Pillow backend hands the analysis
 
 
 # --- the pure functions --------------------------------------------------------------------
@@ -98,6 +99,38 @@ def test_a_flat_image_has_no_difference_bits_and_no_varying_terms(
     assert (header24 >> 18) & 31 == 0  # the luminance AC scale
     assert hashed[3] >> 3 == 0 and hashed[4] & 0x7F == 0  # the P and Q AC scales
     assert set(hashed[5:]) == {0}  # no AC term
+
+
+@pytest.mark.parametrize(
+    ("size", "factors"),
+    [((720, 588), (23, 23)), ((32, 20), (1, 1)), ((33, 33), (2, 2)), ((1, 5000), (1, 157)),
+     ((5000, 3), (157, 3)), ((4032, 3024), (126, 126))],
+)  # fmt: skip
+def test_the_shrink_factor_brings_the_long_edge_to_32_px_or_under(
+    size: tuple[int, int], factors: tuple[int, int]
+) -> None:
+    width, height = size
+    assert (shrink_factor(width, height, width), shrink_factor(width, height, height)) == factors
+    assert max(width // factors[0], height // factors[1]) <= SMALL_EDGE
+
+
+@pytest.mark.parametrize("size", [(637, 401), (33, 47), (1, 300), (100, 100)])
+def test_both_backends_hand_the_analysis_the_same_blocks(
+    both: dict[str, Handler], size: tuple[int, int]
+) -> None:
+    """Whole blocks, the partial ones left out: the same small copy size, and the same
+    mean of the same pixels (one colour per block column: no resampler can blur it)."""
+    width, height = size
+    stripes = Image.new("RGB", size)
+    stripes.putdata([((x * 37) % 256, (x * 11) % 256, 90) for _ in range(height)
+                     for x in range(width)])  # fmt: skip
+    buf = io.BytesIO()
+    stripes.save(buf, "PNG")
+    got = {b: Derivation.of(both[b].derive(buf.getvalue(), SPEC)).original for b in BACKENDS}
+    vips, pillow = (got[b] for b in BACKENDS)
+    assert vips is not None and pillow is not None
+    assert vips.colour == pillow.colour
+    assert vips.dhash == pillow.dhash
 
 
 def test_dhash_is_a_signed_64_bit_integer() -> None:
