@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/sharp.py [--images 240] [--sets sharp phone]
         [--backends vips pillow] [--workers N] [--rounds 1] [--fixture PATH]
-        [--baseline REF] [--label LABEL]
+        [--baseline REF] [--build REF ...] [--label LABEL]
 
 sharp's published benchmark (test/bench/perf.js in lovell/sharp) resizes its 2725 x 2225
 JPEG fixture to 720 x 588 (sharp's default fit: cover, centred) and writes JPEG quality 80.
@@ -18,7 +18,9 @@ orientation 6; photo-like scenes with grain from tests/imagegen.py, cached in be
   `derivd run --burst` with one worker per core and `[variant:bench] size = 720x588,
   fit = cover, format = jpeg, quality = 80`: boot, queue, store (fsync), fenced commits.
   With `--baseline REF`, the same again with REF's handlers (the rest this tree), right
-  after: a change to the pixels against the commit before it, in the same minutes.
+  after: a change to the pixels against the commit before it, in the same minutes. With
+  `--build REF` (repeatable), the same again with REF's whole build (side
+  `derivd:BACKEND#REF`): a change to the boot, the worker or the queue, likewise.
 - floor, per backend right after derivd's run: the plain-library pipeline at derivd's
   decode scale (bench/steps.py `--floor`: libjpeg-turbo at M/8, lanczos3 at the exact
   scale, the centre cut, the same JPEG save; no queue, limits, colour checks or
@@ -63,9 +65,11 @@ from typing import Any
 
 import psycopg
 from common import (
+    DERIVD,
     ROOT,
     Burst,
     Measured,
+    built,
     burst_drain,
     cluster,
     fresh_db,
@@ -244,10 +248,11 @@ def baseline_tree(ref: str, work: Path) -> dict[str, str]:
 
 
 def run_derivd(pg: Any, backend: str, inputs: list[Path], workers: int, work: Path,
-               tag: str, env: dict[str, str] | None = None
+               tag: str, env: dict[str, str] | None = None, derivd: Path = DERIVD
                ) -> tuple[Burst, list[bytes]]:  # fmt: skip
     """Store and queue `inputs` (not timed), then one `run --burst` (in `env`: a
-    `--baseline`). Returns the run and each input's output bytes, in input order."""
+    `--baseline`; `derivd`: a `--build`'s). Returns the run and each input's output
+    bytes, in input order."""
     dsn = fresh_db(pg, f"sharp_{tag}")
     store = work / f"objects-{tag}"
     store_and_queue(dsn, store, [(f"originals/{n:04d}", path) for n, path in enumerate(inputs)])
@@ -260,7 +265,7 @@ def run_derivd(pg: Any, backend: str, inputs: list[Path], workers: int, work: Pa
         f"quality = {QUALITY}\n",
         encoding="utf-8",
     )
-    burst = burst_drain(ini, work / f"derivd-{tag}.log", dsn, env)
+    burst = burst_drain(ini, work / f"derivd-{tag}.log", dsn, env, derivd)
     if burst.ready != len(inputs):
         raise SystemExit(f"derivd ({tag}) left {len(inputs) - burst.ready} images unfinished")
     with psycopg.connect(dsn) as conn:
@@ -330,6 +335,15 @@ def one_set(pg: Any, name: str, distinct: list[Path], args: argparse.Namespace, 
                     runs.append(Run(name, f"derivd:{backend}@{args.baseline}", len(inputs),
                                     burst.wall_s, burst.cpu_s, burst.peak_rss_mb,
                                     os.getloadavg()[0], round=rnd))  # fmt: skip
+                for ref, derivd in args.build_commands.items():
+                    print(f"{name}: derivd {backend} as built at {ref} ...", file=sys.stderr,
+                          flush=True)  # fmt: skip
+                    tag = f"{name}_{backend}_{rnd}_{derivd.parent.parent.parent.name}"
+                    burst, _ = run_derivd(pg, backend, inputs, args.workers, work, tag,
+                                          derivd=derivd)  # fmt: skip
+                    runs.append(Run(name, f"derivd:{backend}#{ref}", len(inputs), burst.wall_s,
+                                    burst.cpu_s, burst.peak_rss_mb, os.getloadavg()[0],
+                                    round=rnd))  # fmt: skip
                 print(f"{name}: floor {backend} ...", file=sys.stderr, flush=True)
                 wall, cpu, rss = run_floor(backend, inputs, args.workers, work / "floor")
                 runs.append(Run(name, f"floor:{backend}", len(inputs), wall, cpu, rss,
@@ -384,7 +398,17 @@ def main() -> None:
     parser.add_argument("--fixture", type=Path, help=f"a local copy of sharp's {FIXTURE_NAME}")
     parser.add_argument("--label", default="", help="written as bench/out/sharp-LABEL.json")
     parser.add_argument("--baseline", help="also derivd with the handlers of this git ref")
+    parser.add_argument(
+        "--build",
+        action="append",
+        default=[],
+        metavar="REF",
+        help="also derivd whole as REF builds it (its own tree and venv, bench/common.built), "
+        "in the same rounds: a change outside the handlers (boot, worker, queue) against the "
+        "commit before it; repeatable",
+    )
     args = parser.parse_args()
+    args.build_commands = {ref: built(ref) for ref in args.build}
     with_sharp = install_sharp()
     sets: dict[str, list[Path]] = {}
     if "sharp" in args.sets and (fixture := sharp_fixture(args.fixture)) is not None:
