@@ -149,7 +149,8 @@ def fleet(data: Data) -> tuple[Figure, str]:
 
 def sharp(data: Data) -> tuple[Figure, str]:
     """Per set of images: images/s and CPU per image of each side (sharp's two ways to use
-    the cores, derivd's backends, their plain-library floors and a `--baseline`, in grey):
+    the cores, derivd's backends, their plain-library floors and a `--baseline` or
+    `--build`, in grey):
     the median over the rounds, whiskers from the lowest to the highest round, the rounds'
     median load under each bar."""
     runs = data["runs"]
@@ -163,7 +164,7 @@ def sharp(data: Data) -> tuple[Figure, str]:
         labels = [f"{side}\nload {statistics.median(r['load_1min'] for r in these):.1f}"
                   for side, these in by_side.items()]  # fmt: skip
         colours = ["#d9822b" if side.startswith("sharp") else "#999999"
-                   if side.startswith("floor") or "@" in side else "#4a7bd0"
+                   if side.startswith("floor") or "@" in side or "#" in side else "#4a7bd0"
                    for side in sides]  # fmt: skip
         for row, (key, unit) in enumerate((("images_per_s", "images/s"),
                                            ("cpu_ms_per_image", "CPU ms per image"))):  # fmt: skip
@@ -180,7 +181,9 @@ def sharp(data: Data) -> tuple[Figure, str]:
                 ax.text(i, value, f"{value:.1f}", ha="left", va="bottom", fontsize=7)
         axes[0][col].set_title(f"{name} set ({runs[0]['images']} images, {rounds} rounds)",
                                fontsize=9)  # fmt: skip
-    fig.suptitle("derivd whole (run --burst, boot included) vs sharp, 720x588 cover JPEG q80")
+    fig.suptitle(
+        "derivd whole (run --burst, boot included) vs sharp, 720x588 cover JPEG q80", fontsize=9
+    )
     return fig, "derivd vs sharp on sharp's task and phone photos (bench/sharp.py)"
 
 
