@@ -338,7 +338,8 @@ def one_set(pg: Any, name: str, distinct: list[Path], args: argparse.Namespace, 
                 for ref, derivd in args.build_commands.items():
                     print(f"{name}: derivd {backend} as built at {ref} ...", file=sys.stderr,
                           flush=True)  # fmt: skip
-                    tag = f"{name}_{backend}_{rnd}_{derivd.parent.parent.parent.name}"
+                    commit = derivd.parents[2].name  # bench/.builds/<commit>/.venv/bin/derivd
+                    tag = f"{name}_{backend}_{rnd}_{commit}"  # a database name: not the ref
                     burst, _ = run_derivd(pg, backend, inputs, args.workers, work, tag,
                                           derivd=derivd)  # fmt: skip
                     runs.append(Run(name, f"derivd:{backend}#{ref}", len(inputs), burst.wall_s,

@@ -2,7 +2,7 @@
 
 A backend decodes the original once; it hands this module the first frame as it will be
 shown (upright, 8-bit sRGB, straight alpha), box-shrunk to `SMALL_EDGE` px or under on
-its long edge by whole factors (`shrink_factor`), and the facts it read from the header.
+its long edge by whole factors (`whole_blocks`), and the facts it read from the header.
 Everything else is computed here, the same way for every backend:
 
 - `has_alpha` (the backend's): some pixel of the first frame is less than opaque.
@@ -68,13 +68,26 @@ def rgba_of(pixels: bytes, bands: int) -> bytes:
     return bytes(out)
 
 
-def shrink_factor(width: int, height: int, side: int) -> int:
-    """The whole factor a backend box-shrinks one `side` of the first frame by: the one
-    that brings its long edge to SMALL_EDGE px or under, no more than the side itself
-    (a 1 x 5000 line stays 1 px wide). The partial blocks at the right and bottom edges
-    are left out (under 1/32 of each side): a fractional factor, each backend's resize to
-    an exact size, costs 2-3x as much in either library."""
-    return min(side, max(1, math.ceil(max(width, height) / SMALL_EDGE)))
+@dataclass(frozen=True)
+class Blocks:
+    """How a backend box-shrinks the first frame: blocks of `across` x `down` pixels over
+    the `width` x `height` area they fill whole (the partial blocks at the right and bottom
+    edges are left out)."""
+
+    across: int
+    down: int
+    width: int
+    height: int
+
+
+def whole_blocks(width: int, height: int) -> Blocks:
+    """The blocks that bring the long edge of a width x height frame to SMALL_EDGE px or
+    under, no wider or taller than the frame (a 1 x 5000 line stays 1 px wide). What is
+    left out is under 1/32 of each side; a fractional factor, each library's resize to an
+    exact size, costs 2-3x as much in either backend."""
+    factor = max(1, math.ceil(max(width, height) / SMALL_EDGE))
+    across, down = min(width, factor), min(height, factor)
+    return Blocks(across, down, width // across * across, height // down * down)
 
 
 def analyse(

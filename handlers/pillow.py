@@ -31,7 +31,7 @@ from PIL import (
 )
 
 from derivd.handlers import heif
-from derivd.handlers.analysis import Small, analyse, shrink_factor
+from derivd.handlers.analysis import Small, analyse, whole_blocks
 from derivd.handlers.base import (
     Analysis,
     CorruptContent,
@@ -324,19 +324,15 @@ def _to_base(image: Image.Image, base: tuple[int, int],
 
 def small_copy(frame: Image.Image) -> Small:
     """The analysis' intermediate: the first frame, RGBA, at most SMALL_EDGE px: box-shrunk
-    by whole factors (`shrink_factor`), the partial blocks at the right and bottom edges
-    left out, as the vips backend does."""
-    width, height = frame.size
-    across = shrink_factor(width, height, width)
-    down = shrink_factor(width, height, height)
+    by `whole_blocks`, as the vips backend does."""
+    blocks = whole_blocks(*frame.size)
     small = frame
-    if (across, down) != (1, 1):
-        box = (0, 0, width // across * across, height // down * down)
+    if (blocks.across, blocks.down) != (1, 1):
         # Alpha is premultiplied around the averaging, as a resize does by itself.
-        straight = {"RGBA": "RGBa", "LA": "La"}.get(frame.mode)
-        source = frame.convert(straight) if straight else frame
-        small = source.reduce((across, down), box)
-        if straight:
+        premultiplied = {"RGBA": "RGBa", "LA": "La"}.get(frame.mode)
+        source = frame.convert(premultiplied) if premultiplied else frame
+        small = source.reduce((blocks.across, blocks.down), (0, 0, blocks.width, blocks.height))
+        if premultiplied:
             small = small.convert(frame.mode)
     return Small(small.width, small.height, small.convert("RGBA").tobytes())
 

@@ -28,7 +28,7 @@ from typing import Any
 import pyvips
 
 from derivd.handlers import heif
-from derivd.handlers.analysis import Small, analyse, rgba_of, shrink_factor
+from derivd.handlers.analysis import Small, analyse, rgba_of, whole_blocks
 from derivd.handlers.base import (
     Analysis,
     CorruptContent,
@@ -358,19 +358,17 @@ def small_copy(decoded: Decoded) -> Small:
 
 
 def _box_shrunk(image: Any) -> Any:
-    """`image` (8-bit sRGB, already the base) box-shrunk by whole factors (`shrink_factor`):
-    each pixel the mean of a block, the partial blocks at the right and bottom edges left
-    out (under 1/32 of each side). A fractional factor would add a lanczos3 reduce to the
-    exact size (the base of sharp's task, 720 x 588: 1.10 -> 0.60 CPU ms with the crop). Alpha is
+    """`image` (8-bit sRGB, already the base) box-shrunk by `whole_blocks`: each pixel
+    the mean of a block. A fractional factor would add a lanczos3 reduce to the exact size
+    (the base of sharp's task, 720 x 588: 1.10 -> 0.60 CPU ms with the crop). Alpha is
     premultiplied around it, as thumbnail_image does."""
-    across = shrink_factor(image.width, image.height, image.width)
-    down = shrink_factor(image.width, image.height, image.height)
-    if across == down == 1:
+    blocks = whole_blocks(image.width, image.height)
+    if (blocks.across, blocks.down) == (1, 1):
         return image
     alpha = image.hasalpha()
-    whole = image.crop(0, 0, image.width // across * across, image.height // down * down)
+    whole = image.crop(0, 0, blocks.width, blocks.height)  # libvips would round its size
     source = whole.premultiply() if alpha else whole
-    small = source.shrink(across, down)  # of whole blocks only: libvips rounds its size
+    small = source.shrink(blocks.across, blocks.down)
     return small.unpremultiply() if alpha else small
 
 

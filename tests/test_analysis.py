@@ -27,8 +27,8 @@ from derivd.handlers.analysis import (
     dhash,
     mean_colour,
     rgba_of,
-    shrink_factor,
     thumbhash,
+    whole_blocks,
 )
 from derivd.handlers.base import Analysis, Derivation, Handler
 from derivd.handlers.pillow import small_copy as pillow_small_copy
@@ -106,12 +106,17 @@ def test_a_flat_image_has_no_difference_bits_and_no_varying_terms(
     [((720, 588), (23, 23)), ((32, 20), (1, 1)), ((33, 33), (2, 2)), ((1, 5000), (1, 157)),
      ((5000, 3), (157, 3)), ((4032, 3024), (126, 126))],
 )  # fmt: skip
-def test_the_shrink_factor_brings_the_long_edge_to_32_px_or_under(
+def test_the_whole_blocks_bring_the_long_edge_to_32_px_or_under(
     size: tuple[int, int], factors: tuple[int, int]
 ) -> None:
     width, height = size
-    assert (shrink_factor(width, height, width), shrink_factor(width, height, height)) == factors
+    blocks = whole_blocks(width, height)
+    assert (blocks.across, blocks.down) == factors
     assert max(width // factors[0], height // factors[1]) <= SMALL_EDGE
+    # The area they fill whole: at most one partial block less on each side.
+    assert (blocks.width % blocks.across, blocks.height % blocks.down) == (0, 0)
+    assert 0 <= width - blocks.width < blocks.across
+    assert 0 <= height - blocks.height < blocks.down
 
 
 @pytest.mark.parametrize("size", [(637, 401), (33, 47), (1, 300), (100, 100)])
