@@ -255,6 +255,37 @@ def test_two_processes_starting_one_state_dir_initdb_once(pg_root: Path) -> None
         cluster.stop("immediate")
 
 
+def test_a_clean_run_stops_the_server_it_started_itself(pg_root: Path) -> None:
+    """`derivd run` exits without the interpreter's teardown (derivd.osproc
+    exit_without_teardown): that must never skip the embedded database's own stop and
+    leave it to the watchdog. A `run --burst` derives its one queued job, exits 0, and the
+    server it started is down when it has exited, stopped by it."""
+    state = pg_root / f"clean-{os.getpid()}"
+    state.mkdir()
+    ini = state / "derivd.ini"
+    ini.write_text(
+        f"[supervisor]\nstate_dir = {state}\nworkers = 2\n[derive]\nbackend = noop\n",
+        encoding="utf-8",
+    )
+    cluster = EmbeddedCluster(state / "pg")
+    try:
+        with database(Config().replace("supervisor", state_dir=str(state))) as dsn:
+            sql(dsn, "INSERT INTO archive_files (status, original_key, original_version)"
+                     " VALUES ('queued', 'k', 'v1')")  # fmt: skip
+        ran = subprocess.run(
+            [*derivd_command(), "-c", str(ini), "run", "--burst"], capture_output=True,
+            text=True, timeout=120, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert ran.returncode == 0, ran.stderr
+        assert "supervisor stopped code=0" in ran.stderr + ran.stdout
+        assert not cluster.is_running()
+        assert "derivd watchdog" not in cluster.log_file.read_text()
+        with database(Config().replace("supervisor", state_dir=str(state)), read_only=True) as dsn:
+            assert sql(dsn, "SELECT status FROM archive_files") == [{"status": "ready"}]
+    finally:
+        discard(state / "pg")
+
+
 def test_the_embedded_server_stops_when_its_owner_is_killed(pg_root: Path) -> None:
     """After kill -9 of `derivd run`, the embedded PostgreSQL it started stayed up with
     no owner. Its watchdog now stops it once no derivd process uses the cluster."""
