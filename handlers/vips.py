@@ -107,9 +107,33 @@ def limit_malloc_arenas(arenas: int = 1) -> None:
         ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, arenas)
 
 
+def log_problems_only() -> None:
+    """Hand libvips' INFO and DEBUG lines to GLib's default handler, not to Python.
+
+    pyvips routes every level of libvips' log into Python logging, and libvips logs ~10
+    INFO lines a derive ("threadpool completed with 1 workers", "reducev: 9 point mask"):
+    each one a call from C into Python that takes the GIL, often from a libvips thread,
+    to build a line the `pyvips` logger then drops (`derivd.ops.logs`). GLib's handler
+    drops them in C unless G_MESSAGES_DEBUG asks for them; MESSAGE and above still reach
+    Python as before. Uses pyvips' own callback and handler id (its exit hook removes that
+    id), and leaves everything as it was where a pyvips lacks them.
+    """
+    callback = getattr(pyvips, "_log_handler_cb", None)
+    handler_id = getattr(pyvips, "_log_handler_id", None)
+    if callback is None or not handler_id:
+        return
+    levels = pyvips.GLogLevelFlags
+    problems = (levels.LEVEL_MESSAGE | levels.LEVEL_WARNING | levels.LEVEL_CRITICAL
+                | levels.LEVEL_ERROR | levels.FLAG_FATAL | levels.FLAG_RECURSION)  # fmt: skip
+    glib = pyvips.glib_lib
+    glib.g_log_remove_handler(b"VIPS", handler_id)
+    pyvips._log_handler_id = glib.g_log_set_handler(b"VIPS", problems, callback, pyvips.ffi.NULL)
+
+
 def configure(concurrency: int) -> None:
     """Tune libvips for a long-lived worker that derives one image at a time."""
     limit_malloc_arenas()
+    log_problems_only()
     # The operation cache would keep decoded originals alive between unrelated jobs.
     pyvips.cache_set_max(0)
     pyvips.cache_set_max_mem(_CACHE_MAX_MEM)

@@ -8,6 +8,7 @@ module holds what differs per backend and the shared guard itself.
 from __future__ import annotations
 
 import io
+import logging
 import struct
 
 import imagegen
@@ -224,3 +225,22 @@ def test_the_original_read_in_place_lives_as_long_as_an_image_that_reads_it() ->
     del shrunk
     gc.collect()
     assert alive() is None
+
+
+def test_libvips_info_lines_stay_in_c_and_its_warnings_reach_python(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """libvips' INFO lines (~10 a derive) are left to GLib, which drops them; a warning
+    about the user's file still reaches the `pyvips` logger (vips.log_problems_only)."""
+    spec = DeriveSpec(variants=(VariantSpec("only", 320),))
+    handler = create_handler("vips", spec)
+    jpeg = imagegen.jpeg(640, 480)
+    with caplog.at_level(logging.DEBUG, logger="pyvips"):
+        handler.derive(jpeg, spec)
+        clean = [r.getMessage() for r in caplog.records if r.getMessage().startswith("VIPS:")]
+        caplog.clear()
+        with pytest.raises(CorruptContent):
+            handler.derive(jpeg[: len(jpeg) // 2], spec)
+        truncated = [r for r in caplog.records if r.getMessage().startswith("VIPS:")]
+    assert clean == []
+    assert truncated and all(r.levelno >= logging.WARNING for r in truncated)
