@@ -14,6 +14,7 @@ machine-readable outputs (bench/out/*.json), and the charts section of RESULTS.m
     store_latency.json (bench/store_latency.py) -> chart-store_latency.png: far vs near store
     webhooks.json    (bench/webhooks.py)     -> chart-webhooks.png: outbox cost, delivery
     server_instructions.json (bench/server_instructions.py) -> chart-server_instructions.png
+    anatomy.json     (bench/anatomy.py)      -> chart-anatomy.png: a burst's CPU by role
 
 A chart whose input is absent is skipped (and said so); the others are still drawn.
 matplotlib comes with the `bench` extra (`pip install -e '.[bench]'`), never with
@@ -362,6 +363,39 @@ def server_instructions(data: Data) -> tuple[Figure, str]:
     return fig, "Server instructions per noop job, by build (bench/server_instructions.py)"
 
 
+def anatomy(data: Data) -> tuple[Figure, str]:
+    """One stacked bar per side: CPU ms per image by role (the median over the rounds),
+    images/s and the boot in the side's label."""
+    runs, roles = data["runs"], data["roles"]
+    sides = list(dict.fromkeys(r["side"] for r in runs))
+    fig, ax = plt.subplots(figsize=(9, 2.2 + 0.5 * len(sides)))
+    colours = plt.get_cmap("tab10").colors
+    for row, side in enumerate(sides):
+        mine = [r for r in runs if r["side"] == side]
+        left = 0.0
+        for n, role in enumerate(roles):
+            value = statistics.median(r["cpu_s"][role] / r["images"] * 1000 for r in mine)
+            ax.barh(row, value, left=left, color=colours[n % len(colours)],
+                    label=role if row == 0 else None)  # fmt: skip
+            if value >= 1.0:
+                ax.text(left + value / 2, row, f"{value:.1f}", ha="center", va="center",
+                        fontsize=7)  # fmt: skip
+            left += value
+    labels = []
+    for side in sides:
+        rate = statistics.median(r["images_per_s"] for r in runs if r["side"] == side)
+        boot = statistics.median(r["boot_s"] for r in runs if r["side"] == side)
+        labels.append(f"{side}\n{rate:.1f} images/s, boot {1000 * boot:.0f} ms")
+    ax.set_yticks(range(len(sides)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("CPU ms per image (the cores' whole time: idle included)")
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.45)  # room on the right for the legend
+    ax.legend(fontsize=6, loc="center right")
+    ax.set_title(f"derivd run --burst, sharp's task, {data.get('backend', '?')}: where the "
+                 "cores' time goes", fontsize=9)  # fmt: skip
+    return fig, "A burst's CPU by role, per image (bench/anatomy.py)"
+
+
 CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "throughput": throughput,
     "latency": latency,
@@ -376,6 +410,7 @@ CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "store_latency": store_latency,
     "webhooks": webhooks,
     "server_instructions": server_instructions,
+    "anatomy": anatomy,
 }
 
 

@@ -247,6 +247,23 @@ def baseline_tree(ref: str, work: Path) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(tree))
 
 
+def queued_task(dsn: str, store: Path, inputs: list[Path], backend: str, workers: int,
+                ini: Path) -> Path:  # fmt: skip
+    """`inputs` stored in the fs store at `store` and queued in `dsn` (not timed), and
+    `ini`, the configuration of a `run --burst` doing sharp's task on them: what every
+    derivd run of this benchmark (and bench/anatomy.py) drains."""
+    store_and_queue(dsn, store, [(f"originals/{n:04d}", path) for n, path in enumerate(inputs)])
+    ini.write_text(
+        f"[database]\ndsn = {dsn}\n[storage]\nbackend = fs\nroot = {store}\n"
+        f"[supervisor]\nworkers = {workers}\nstate_dir = {ini.parent / 'state'}\n"
+        f"[derive]\nbackend = {backend}\nvariants = bench\n"
+        f"[variant:bench]\nsize = {BOX[0]}x{BOX[1]}\nfit = cover\nformat = jpeg\n"
+        f"quality = {QUALITY}\n",
+        encoding="utf-8",
+    )
+    return ini
+
+
 def run_derivd(pg: Any, backend: str, inputs: list[Path], workers: int, work: Path,
                tag: str, env: dict[str, str] | None = None, derivd: Path = DERIVD
                ) -> tuple[Burst, list[bytes]]:  # fmt: skip
@@ -255,16 +272,7 @@ def run_derivd(pg: Any, backend: str, inputs: list[Path], workers: int, work: Pa
     bytes, in input order."""
     dsn = fresh_db(pg, f"sharp_{tag}")
     store = work / f"objects-{tag}"
-    store_and_queue(dsn, store, [(f"originals/{n:04d}", path) for n, path in enumerate(inputs)])
-    ini = work / f"derivd-{tag}.ini"
-    ini.write_text(
-        f"[database]\ndsn = {dsn}\n[storage]\nbackend = fs\nroot = {store}\n"
-        f"[supervisor]\nworkers = {workers}\nstate_dir = {work / 'state'}\n"
-        f"[derive]\nbackend = {backend}\nvariants = bench\n"
-        f"[variant:bench]\nsize = {BOX[0]}x{BOX[1]}\nfit = cover\nformat = jpeg\n"
-        f"quality = {QUALITY}\n",
-        encoding="utf-8",
-    )
+    ini = queued_task(dsn, store, inputs, backend, workers, work / f"derivd-{tag}.ini")
     burst = burst_drain(ini, work / f"derivd-{tag}.log", dsn, env, derivd)
     if burst.ready != len(inputs):
         raise SystemExit(f"derivd ({tag}) left {len(inputs) - burst.ready} images unfinished")

@@ -49,6 +49,11 @@ def test_charts_for_what_is_present_and_one_section(tmp_path: Path) -> None:
     (out / "sharp.json").write_text(json.dumps({"runs": sides}))
     sizes = [["10,000", "scan", 15.2, 25.3, 15], ["10,000", "GIN band index", 4.9, 16.7, 15]]
     (out / "similar.json").write_text(json.dumps({"similar": sizes}))
+    roles = ["worker main thread", "PostgreSQL", "idle or elsewhere"]
+    bursts = [{"side": side, "images": 240, "images_per_s": 66.0, "boot_s": 0.25,
+               "cpu_s": {"worker main thread": 4.0, "PostgreSQL": 0.3, "idle or elsewhere": 0.5}}
+              for side in ("this tree", "#HEAD~1")]  # fmt: skip
+    (out / "anatomy.json").write_text(json.dumps({"roles": roles, "runs": bursts}))
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\ntext\n")
 
@@ -58,6 +63,7 @@ def test_charts_for_what_is_present_and_one_section(tmp_path: Path) -> None:
         "chart-latency.png",
         "chart-sharp.png",
         "chart-similar.png",
+        "chart-anatomy.png",
     ]
     for png, _ in made:
         assert (tmp_path / png).read_bytes().startswith(b"\x89PNG")
