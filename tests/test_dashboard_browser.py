@@ -99,14 +99,9 @@ def screenshot(url: str, profile: Path, out: Path) -> None:
 @pytest.fixture
 def daemon(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[tuple[str, Path]]:
     """`derivd run` with the fault-script backend, 2 workers, the dashboard refreshing
-    every second; jobs: 3 ok, 2 rejected (an unknown script), 1 hanging (in flight)."""
+    every second; jobs: 3 ok, 2 rejected (an unknown script), then 1 hanging (in flight)."""
     storage = FsStorage(fs_root)
-    originals = []
-    for script in ("ok", "ok", "ok", "bogus", "bogus", "hang"):
-        key = new_original_key()
-        originals.append((key, storage.put(key, script.encode(), "text/plain")))
-    with QueueDB.open(dsn, role="test") as queue:
-        queue.enqueue(originals)
+    _enqueue(dsn, storage, ("ok", "ok", "ok", "bogus", "bogus"))
     listen = f"127.0.0.1:{free_port()}"
     ini = tmp_path / "derivd.ini"
     ini.write_text(
@@ -130,15 +125,34 @@ def daemon(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[tuple[str, Path]
         stdin=subprocess.DEVNULL,
     )
     try:
+        # The hanging job is queued once the others are final: claimed while one of them
+        # was still queued, it could have a pipelined worker claim that one behind it (a
+        # claim skips the rows another claim is locking), to wait there for the hang.
+        wait_for(lambda: _counts(dsn) == {"ready": 3, "rejected": 2}, "the quick jobs final",
+                 timeout=120)  # fmt: skip
+        _enqueue(dsn, storage, ("hang",))
         yield f"http://{listen}/", ini
     finally:
         stop_process(proc)
         log.close()
 
 
-def _settled(dsn: str) -> bool:
+def _enqueue(dsn: str, storage: FsStorage, scripts: tuple[str, ...]) -> None:
+    originals = []
+    for script in scripts:
+        key = new_original_key()
+        originals.append((key, storage.put(key, script.encode(), "text/plain")))
+    with QueueDB.open(dsn, role="test") as queue:
+        queue.enqueue(originals)
+
+
+def _counts(dsn: str) -> dict[str, int]:
     rows = sql(dsn, "SELECT status, count(*) n FROM archive_files GROUP BY 1")
-    return {r["status"]: r["n"] for r in rows} == {"ready": 3, "rejected": 2, "processing": 1}
+    return {r["status"]: r["n"] for r in rows}
+
+
+def _settled(dsn: str) -> bool:
+    return _counts(dsn) == {"ready": 3, "rejected": 2, "processing": 1}
 
 
 def test_the_rendered_dashboard_matches_the_database(
