@@ -43,24 +43,31 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import psycopg
-from common import DERIVD, built, cluster, fresh_db, machine, save_results, table
+from common import (
+    DERIVD,
+    built,
+    cluster,
+    compile_derivd,
+    drained,
+    fresh_db,
+    machine,
+    save_results,
+    table,
+)
 from sharp import BOX, QUALITY, queued_task, sharp_fixture
 
 from derivd.embedded.pgcluster import EmbeddedCluster
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-ROLES = (
+# derivd's own (their sum is checked against the kernel's total at the exit), then the rest.
+DERIVD_ROLES = (
     "supervisor",
     "worker main thread",
     "libvips threads",
     "worker's other threads",
     "other children",
-    "PostgreSQL",
-    "this sampler",
-    "not attributed",
-    "idle or elsewhere",
 )
+ROLES = (*DERIVD_ROLES, "PostgreSQL", "this sampler", "not attributed", "idle or elsewhere")
 
 
 def thread_cpu_s(pid: int, tid: int) -> float | None:
@@ -230,6 +237,7 @@ def one_run(pg: EmbeddedCluster, derivd: Path, side: str, rnd: int, fixture: Pat
     ini = queued_task(dsn, work / f"objects-{tag}", [fixture] * args.images, args.backend,
                       args.workers, work / f"{tag}.ini")  # fmt: skip
     postmaster = int((pg.data_dir / "postmaster.pid").read_text().split()[0])
+    compile_derivd()  # as burst_drain does: no run pays for writing bytecode
     load = os.getloadavg()[0]
     log = work / f"{tag}.log"
     started = time.time()
@@ -238,20 +246,12 @@ def one_run(pg: EmbeddedCluster, derivd: Path, side: str, rnd: int, fixture: Pat
     wall = time.time() - started
     if code != 0:
         raise SystemExit(f"derivd ({side}) exited {code}: see {log}")
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute(
-            "SELECT count(*) FILTER (WHERE status = 'ready'), extract(epoch FROM min(claimed_at)),"
-            "       extract(epoch FROM max(finished_at)) FROM archive_files"
-        ).fetchone()
-    assert row is not None
-    ready, first, last = int(row[0]), float(row[1]), float(row[2])
+    ready, first, last = drained(dsn)
     if ready != args.images:
         raise SystemExit(f"derivd ({side}) left {args.images - ready} images unfinished")
     cpu = threads.by_role()
     cpu["this sampler"] = sampler_s
-    derivd_roles = ("supervisor", "worker main thread", "libvips threads",
-                    "worker's other threads", "other children")  # fmt: skip
-    cpu["not attributed"] = max(0.0, own - sum(cpu[r] for r in derivd_roles))
+    cpu["not attributed"] = max(0.0, own - sum(cpu[r] for r in DERIVD_ROLES))
     used = sum(cpu[r] for r in ROLES if r != "idle or elsewhere")
     cpu["idle or elsewhere"] = max(0.0, args.workers * wall - used)
     return Run(side, rnd, args.images, wall, first - started, last - first, started + wall - last,

@@ -216,14 +216,22 @@ def burst_drain(
     `derivd`: another build's (`built`)."""
     compile_derivd()
     run = measured([str(derivd), "-c", str(ini), "run", "--burst"], log, env)
+    ready, first, last = drained(dsn)
+    return Burst(ready, last - first, *run)
+
+
+def drained(dsn: str) -> tuple[int, float, float]:
+    """After a burst: (rows `ready`, the first claim, the last finish), the times as Unix
+    seconds of the database's clock (0.0 when there was none)."""
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
             "SELECT count(*) FILTER (WHERE status = 'ready'),"
-            "       extract(epoch FROM max(finished_at) - min(claimed_at))::float8"
+            "       coalesce(extract(epoch FROM min(claimed_at)), 0)::float8,"
+            "       coalesce(extract(epoch FROM max(finished_at)), 0)::float8"
             "  FROM archive_files"
         ).fetchone()
     assert row is not None
-    return Burst(int(row[0]), float(row[1] or 0.0), *run)
+    return int(row[0]), float(row[1]), float(row[2])
 
 
 def git(*args: str) -> str:

@@ -756,7 +756,7 @@ def webhooks_list(state: State, as_json: bool) -> None:
     import json
 
     from derivd.embedded.runtime import database
-    from derivd.ops.status import duration
+    from derivd.ops.durations import duration
     from derivd.ops.webhook_view import configured_json, endpoint_json, endpoint_lines
     from derivd.queue.db import QueueDB
 

@@ -231,8 +231,10 @@ def test_libvips_info_lines_stay_in_c_and_its_warnings_reach_python(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """libvips' INFO lines (~10 a derive) are left to GLib, which drops them; a warning
-    about the user's file still reaches the `pyvips` logger (vips.log_problems_only)."""
+    about the user's file still reaches the `pyvips` logger (vips.log_problems_only), also
+    after a second handler re-registered it (a worker's handler after a reload)."""
     spec = DeriveSpec(variants=(VariantSpec("only", 320),))
+    create_handler("vips", spec)
     handler = create_handler("vips", spec)
     jpeg = imagegen.jpeg(640, 480)
     with caplog.at_level(logging.DEBUG, logger="pyvips"):

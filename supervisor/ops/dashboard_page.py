@@ -15,7 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from derivd.ops.dashboard import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
-from derivd.ops.status import Report, duration, reading_age
+from derivd.ops.durations import duration
+from derivd.ops.status import Report, reading_age
 
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#1d2430;background:#fafafa}

@@ -33,6 +33,7 @@ import psycopg
 from derivd.config import Config, StatusSettings
 from derivd.ops.backfill import Progress
 from derivd.ops.budget import connection_budget
+from derivd.ops.durations import duration
 from derivd.ops.webhook_view import endpoint_json, endpoint_lines
 from derivd.queue.db import (
     NO_SCHEMA,
@@ -316,19 +317,6 @@ def reading_age(seconds: float) -> str:
     if seconds < 0.5:
         return "counts read now"
     return f"counts read {duration(seconds)} ago by the fleet ([status] max_age)"
-
-
-def duration(seconds: float | None) -> str:
-    """A short human duration: 850ms, 42s, 3m12s, 2h05m."""
-    if seconds is None:
-        return "-"
-    if seconds < 1:
-        return f"{seconds * 1000:.0f}ms"
-    if seconds < 60:
-        return f"{seconds:.0f}s"
-    if seconds < 3600:
-        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
 
 
 def _percent(value: float | None) -> str:

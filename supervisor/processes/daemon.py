@@ -16,6 +16,7 @@ from pathlib import Path
 
 from derivd.config import DEFAULTS, Config, load_config
 from derivd.embedded.runtime import database
+from derivd.ops.durations import duration
 from derivd.ops.metrics import Metrics, listening_line
 from derivd.osproc import Pidfile, PidfileError
 from derivd.processes.duties import host_info, listen_problem
@@ -99,8 +100,6 @@ def left_behind(waiting: int, due_s: float | None) -> str | None:
     """The line a drained `run --burst` ends with when retries wait for their delay."""
     if not waiting or due_s is None:
         return None
-    from derivd.ops.status import duration  # ~6 ms of imports a burst's boot need not pay
-
     count = f"{waiting:,}" if waiting < 10_000 else "10,000 or more"
     when = time.strftime("%H:%M:%S", time.localtime(time.time() + due_s))
     return (
@@ -114,8 +113,6 @@ def deliveries_left_behind(left: DeliveriesLeft) -> str | None:
     make: retries due later than it waits, a circuit open longer, a deliverer that died."""
     if not left.waiting:
         return None
-    from derivd.ops.status import duration  # as in left_behind
-
     count = f"{left.waiting:,}" if left.waiting < 10_000 else "10,000 or more"
     noun = "delivery" if left.waiting == 1 else "deliveries"
     due = max(0.0, left.next_due_s or 0.0)
