@@ -38,6 +38,34 @@ def set_pdeathsig(sig: int = signal.SIGKILL) -> bool:
         return False
 
 
+# mallopt(3) parameters (glibc's malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+# glibc maps every chunk above 128 KiB on its own and unmaps it when freed, raising that
+# threshold only as big chunks come back (up to 32 MiB), and it trims the heap's free top
+# beyond twice the threshold. A worker allocates and frees buffers of a few MB for every
+# image (decoded pixels, Pillow's images), and in a worker that heuristic often did not
+# settle: each buffer was mapped anew and faulted in page by page (bench/RESULTS.md: the
+# Pillow backend ~1,900 minor faults and ~2.5 CPU ms per image of sharp's task). Pinned at
+# its ceiling, such buffers are reused from the heap; up to 64 MiB of freed heap top stays
+# with the process (the RSS recycle bound still counts it).
+WORKER_MMAP_THRESHOLD = 32 << 20
+WORKER_TRIM_THRESHOLD = 64 << 20
+
+
+def keep_freed_heap(mmap_threshold: int = WORKER_MMAP_THRESHOLD,
+                    trim_threshold: int = WORKER_TRIM_THRESHOLD) -> bool:  # fmt: skip
+    """Pin glibc malloc's mmap and trim thresholds (see above). False where the C library
+    has no mallopt or refuses (musl has a mallopt that does nothing and says so)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(
+        mallopt(M_TRIM_THRESHOLD, trim_threshold)
+    )
+
+
 def boot_without_gc() -> None:
     """Hold the cyclic GC off while a prefork parent boots, up to its first `fork`. Its
     imports allocate hundreds of thousands of objects and no garbage to speak of: the

@@ -4,6 +4,7 @@ checked in real forked children that report back through a pipe."""
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -172,3 +173,36 @@ def test_an_exit_without_teardown_keeps_the_exit_code_output_and_atexit(with_thr
     assert "atexit ran" in ran.stdout
     assert ("the thread finished" in ran.stdout) is with_thread
     assert ("torn down" in ran.stdout) is with_thread
+
+
+# A chunk's size word, just below it, carries glibc's IS_MMAPPED bit (malloc/malloc.c).
+_MAPPED_OR_NOT = """
+import ctypes, sys
+from derivd.osproc import keep_freed_heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+def mapped(size: int) -> bool:
+    chunk = libc.malloc(size)
+    word = ctypes.c_size_t.from_address(chunk - ctypes.sizeof(ctypes.c_size_t)).value
+    libc.free(ctypes.c_void_p(chunk))
+    return bool(word & 2)
+before = mapped(3 << 20)
+pinned = keep_freed_heap() if sys.argv[1] == "pinned" else None
+print(before, pinned, mapped(5 << 20), mapped(40 << 20))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_worker_keeps_freed_buffers_of_a_few_mb_in_its_heap(pinned: bool) -> None:
+    """By default glibc maps a fresh 3 MB or 5 MB buffer on its own (and unmaps it when
+    freed: faulted in anew next time); with keep_freed_heap, as a worker boots, it comes
+    from the heap, and only buffers above the pinned 32 MiB are mapped."""
+    ran = _python(_MAPPED_OR_NOT, "pinned" if pinned else "default")
+    assert ran.returncode == 0, ran.stderr
+    before, said, five_mb, forty_mb = ran.stdout.split()
+    assert before == "True"
+    if pinned:
+        assert (said, five_mb, forty_mb) == ("True", "False", "True")
+    else:
+        assert five_mb == "True"  # 3 MB freed raised the threshold to 3 MB only

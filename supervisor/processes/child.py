@@ -20,7 +20,7 @@ from types import FrameType
 from typing import NoReturn
 
 from derivd.config import Config
-from derivd.osproc import set_proctitle
+from derivd.osproc import keep_freed_heap, set_proctitle
 from derivd.processes.forked import become_child
 from derivd.processes.lifecycle import EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK
 from derivd.processes.pipe import Reporter
@@ -113,6 +113,7 @@ def _jittered(n: int, rng: random.Random) -> int:
 def _main(spec: ChildSpec) -> int:
     stop = ChildStop()
     _after_fork(spec, stop)
+    keep_freed_heap()
     config = spec.config
     reporter = Reporter(
         spec.status_w,
