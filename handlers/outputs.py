@@ -7,7 +7,8 @@ Encoder parameters are pinned here so that `vips` and `pillow` write comparable 
 - avif: quality mapped by `AVIF_QUALITY` (libavif's scale is not WebP's: calibrated so the
   same number gives the same fidelity); `avif_effort` e as libvips `effort` (0-9) and
   Pillow `speed` 9 - e, which are the same aom `cpu-used` (9 - e); 8-bit, 4:2:0.
-- jpeg: quality; 4:2:0, optimised Huffman tables, alpha flattened onto white.
+- jpeg: quality; 4:2:0, optimised Huffman tables, alpha flattened onto white; written by
+  one writer on both backends, libjpeg-turbo's (`pillow_variants.save_jpeg`).
 - png: zlib level 6 (lossless, so no quality).
 
 AVIF is an order of magnitude slower to encode than WebP at equal effort (bench/RESULTS.md):

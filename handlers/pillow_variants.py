@@ -108,11 +108,19 @@ def encode(
         first.save(buf, "AVIF", quality=avif_quality(quality), speed=avif_speed(spec),
                    subsampling="4:2:0", max_threads=spec.concurrency, **animation)  # fmt: skip
     elif fmt == "jpeg":
-        _flatten(first).save(buf, "JPEG", quality=quality, subsampling=2, optimize=True)
+        return save_jpeg(_flatten(first), quality)
     elif fmt == "png":
         first.save(buf, "PNG", compress_level=PNG_COMPRESSION)
     else:  # pragma: no cover - formats are validated with the config
         raise ValueError(f"unknown format {fmt!r}")
+    return buf.getvalue()
+
+
+def save_jpeg(image: Image.Image, quality: int) -> bytes:
+    """The JPEG writer of both backends: libjpeg-turbo (Pillow's), 4:2:0, optimised Huffman
+    tables, no metadata. An L image stays greyscale."""
+    buf = io.BytesIO()
+    image.save(buf, "JPEG", quality=quality, subsampling=2, optimize=True)
     return buf.getvalue()
 
 

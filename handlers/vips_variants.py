@@ -11,7 +11,7 @@ Each variant is then shaped from the base (`thumbnail_image` to resize, `crop` o
 `smartcrop` for cover) and encoded with the parameters pinned in `derivd.handlers.outputs`.
 libvips writes AVIF through libheif, which stores the pages of an animation as separate
 still images; an animated AVIF is therefore encoded by Pillow (a dependency of derivd
-anyway) from the frames libvips shaped.
+anyway) from the frames libvips shaped, and JPEG by Pillow's libjpeg-turbo (`_jpeg`).
 """
 
 from __future__ import annotations
@@ -254,13 +254,22 @@ def encode(image: Any, frames: list[Any], fmt: str, variant: VariantSpec, spec: 
                                      keep="none")  # fmt: skip
     elif fmt == "jpeg":
         flat = image.flatten(background=list(JPEG_BACKGROUND)) if image.hasalpha() else image
-        data = flat.jpegsave_buffer(Q=quality, subsample_mode="on", optimize_coding=True,
-                                    keep="none")  # fmt: skip
+        data = _jpeg(flat, quality)
     elif fmt == "png":
         data = image.pngsave_buffer(compression=PNG_COMPRESSION, keep="none")
     else:  # pragma: no cover - formats are validated with the config
         raise ValueError(f"unknown format {fmt!r}")
     return data
+
+
+def _jpeg(image: Any, quality: int) -> bytes:
+    # pyvips-binary's libvips writes JPEG with mozjpeg, which takes ~1.5x libjpeg-turbo's
+    # CPU for the same settings and about the same bytes (bench/steps.py: crop_encode_ms);
+    # libjpeg-turbo decodes the originals already (jpegscale, simplejpeg's build), and
+    # Pillow's build writes them: simplejpeg has no optimised Huffman tables.
+    from derivd.handlers.pillow_variants import save_jpeg
+
+    return save_jpeg(to_pillow(image), quality)
 
 
 def _timing(image: Any, count: int) -> tuple[list[int], int]:
@@ -271,7 +280,8 @@ def _timing(image: Any, count: int) -> tuple[list[int], int]:
 
 
 def to_pillow(image: Any) -> Image.Image:
-    """An 8-bit libvips image as a Pillow image (for the smart-crop measure, AVIF frames)."""
+    """An 8-bit libvips image as a Pillow image (for the smart-crop measure, AVIF frames,
+    the JPEG writer)."""
     from PIL import Image
 
     mode = _PIL_MODES[image.bands]

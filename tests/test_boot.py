@@ -64,34 +64,43 @@ def test_the_supervisor_imports_no_image_library(dsn: str, tmp_path: Path) -> No
 
 
 # A worker's imports after fork, in a fresh interpreter: create the handler and derive.
+# argv: the formats of the first variant (comma-separated), then the originals.
 _DERIVE_AND_LIST = """
 import json, sys
 from derivd.handlers.base import DeriveSpec, VariantSpec
 from derivd.handlers.registry import create_handler
-spec = DeriveSpec(variants=(VariantSpec("thumb", long_edge=64, formats=("jpeg", "webp")),
+formats = tuple(sys.argv[1].split(","))
+spec = DeriveSpec(variants=(VariantSpec("thumb", long_edge=64, formats=formats),
                             VariantSpec("cover", box=(32, 32), fit="cover", formats=("avif",))))
 handler = create_handler("vips", spec)
-for path in sys.argv[1:]:
+for path in sys.argv[2:]:
     handler.derive(open(path, "rb").read(), spec)
 print("MODULES " + json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
 """
 
 
-def _loaded_by_a_vips_worker(*originals: Path) -> set[str]:
+def _loaded_by_a_vips_worker(*originals: Path, formats: str = "webp") -> set[str]:
     ran = subprocess.run(
-        [sys.executable, "-c", _DERIVE_AND_LIST, *map(str, originals)],
+        [sys.executable, "-c", _DERIVE_AND_LIST, formats, *map(str, originals)],
         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     return _top_level_modules(ran.stdout)
 
 
-def test_a_vips_worker_loads_neither_pillow_nor_libheif_for_a_jpeg(tmp_path: Path) -> None:
+def test_a_vips_worker_loads_pillow_only_to_write_a_jpeg_and_never_libheif_for_one(
+    tmp_path: Path,
+) -> None:
+    """Pillow's libjpeg-turbo writes JPEG variants (vips_variants._jpeg); reading a JPEG
+    original needs simplejpeg only."""
     photo = tmp_path / "photo.jpg"
     photo.write_bytes(jpeg())
     loaded = _loaded_by_a_vips_worker(photo)
     assert {"pyvips", "simplejpeg"} <= loaded  # libjpeg-turbo's scaled decode (jpegscale)
     assert not loaded & {"PIL", "pi_heif"}
+    writing = _loaded_by_a_vips_worker(photo, formats="jpeg,webp")
+    assert "PIL" in writing
+    assert "pi_heif" not in writing
 
 
 def test_a_vips_worker_boots_without_numpy() -> None:

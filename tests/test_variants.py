@@ -335,3 +335,30 @@ def test_avif_at_the_default_quality_is_no_larger_than_webp_on_a_photo(backend: 
     webp, avif = create_handler(backend, spec).derive(CORPUS_PHOTO.read_bytes(), spec)
     assert avif.format == "avif"
     assert len(avif.data) < len(webp.data), (len(avif.data), len(webp.data))
+
+
+# --- the JPEG writer --------------------------------------------------------------------------
+
+JPEG_AND_PNG = spec_of(VariantSpec("v", box=(160, 120), fit="cover", formats=("jpeg", "png")))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["jpeg_baseline", "jpeg_grey", "png_rgb16"])
+def test_jpeg_variants_are_libjpeg_turbos_writing_of_the_variants_pixels(backend: str, case: str
+                                                                         ) -> None:  # fmt: skip
+    """Both backends write JPEG with one writer (`save_jpeg`: Pillow's libjpeg-turbo, 4:2:0,
+    optimised Huffman tables): the JPEG variant is byte for byte that writer's output for
+    the pixels of the PNG variant beside it (lossless: the same shaped image). libvips'
+    own jpegsave (mozjpeg in pyvips-binary) writes other bytes. Grey stays one channel on
+    the vips backend."""
+    from derivd.handlers.pillow_variants import save_jpeg
+
+    out = create_handler(backend, JPEG_AND_PNG).derive(imagegen.case(case), JPEG_AND_PNG)
+    of = {v.format: v.data for v in out}
+    with Image.open(io.BytesIO(of["png"])) as shaped:
+        expected = save_jpeg(shaped.convert(shaped.mode), 80)
+        grey = shaped.mode == "L"
+    assert of["jpeg"] == expected
+    with Image.open(io.BytesIO(of["jpeg"])) as written:
+        assert written.mode == ("L" if grey else "RGB")
+        assert grey == (backend == "vips" and case == "jpeg_grey")
