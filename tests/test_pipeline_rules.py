@@ -12,7 +12,14 @@ import pytest
 from derivd.pipeline import OnStop, Stage, claim_room, on_stop, worker_depth
 from derivd.processes.child import crash_summary
 from derivd.processes.duties import to_kill
-from derivd.processes.lifecycle import Exit, deadline_action, next_deadline, overdue, to_release
+from derivd.processes.lifecycle import (
+    Exit,
+    deadline_action,
+    next_deadline,
+    overdue,
+    timed_out,
+    to_release,
+)
 from derivd.processes.pipe import PROGRESS, WorkerProc
 from derivd.queue.db import Job
 
@@ -191,6 +198,24 @@ def test_each_job_in_flight_has_its_own_deadline() -> None:
     assert overdue(worker, 14.0, job_timeout=3.0) == [first, second]
     del worker.held[1]  # the first finished: only the second's deadline is left
     assert next_deadline(worker, 12.0, job_timeout=3.0, poll=5.0) == 14.0
+
+
+def test_a_timeout_kill_fails_the_oldest_overdue_job_only() -> None:
+    """The job claimed behind a hanging one waited in the pipeline: when the supervisor
+    looks late, its deadline has passed too, but the kill is the first one's."""
+    hanging, behind = job(1), job(2)
+    worker = proc(2, hanging, behind)
+    worker.starts = [(hanging.token, 10.0), (behind.token, 10.004)]
+    assert timed_out(worker, 12.9, job_timeout=3.0) is None
+    assert timed_out(worker, 13.0, job_timeout=3.0) == hanging
+    assert overdue(worker, 13.5, job_timeout=3.0) == [hanging, behind]
+    assert timed_out(worker, 13.5, job_timeout=3.0) == hanging
+    # Claimed in one statement, the same start: the first claimed is the one running.
+    worker.starts = [(hanging.token, 10.0), (behind.token, 10.0)]
+    assert timed_out(worker, 13.0, job_timeout=3.0) == hanging
+    # Once the first is done, a job that hangs on its own is charged itself.
+    del worker.held[1]
+    assert timed_out(worker, 13.5, job_timeout=3.0) == behind
 
 
 def test_a_crash_keeps_every_job_in_flight_and_a_kill_for_one_releases_the_others() -> None:

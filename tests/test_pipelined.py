@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -101,17 +102,6 @@ def in_flight_together(sup: DaemonRun, first: int, second: int) -> None:
         wait_for(lambda f=file_id: sup.status_is(f, "processing"), f"file {file_id} claimed")
 
 
-def beats(sup: DaemonRun, count: int) -> None:
-    """Wait for `count` heartbeats of the supervisor's host row (events of its own)."""
-    seen: set[object] = set()
-
-    def beat() -> bool:
-        seen.update(r["last_heartbeat"] for r in sql(sup.dsn, "SELECT * FROM derivd_hosts"))
-        return len(seen) > count
-
-    wait_for(beat, f"{count} heartbeats")
-
-
 def stopping(sup: DaemonRun) -> None:
     sup.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
     # The supervisor logs this, then passes SIGTERM on to its worker.
@@ -159,6 +149,37 @@ def test_sigterm_drains_the_derive_and_releases_the_job_waiting_for_it(
     assert processing_rows(sup.dsn) == 0
 
 
+def test_a_late_deadline_check_fails_the_hanging_job_and_releases_the_one_behind_it(
+    pipelined: Callable[..., DaemonRun], tmp_path: Path
+) -> None:
+    """The supervisor looks at the deadlines late (stopped with SIGSTOP, as a host under
+    load may leave it) until both jobs are past their own: the kill is the hanging job's,
+    failed `timeout`; the job claimed behind it only waited in the pipeline and goes back
+    unburned. Fails with every overdue job charged (both `timeout`)."""
+    # A lease that outlasts the freeze, the kill's grace and the release: the job behind
+    # must go back by its release, not by its lease running out.
+    sup = pipelined(queue={"lease": "20", "retry_base": "30", "retry_max": "30"}).start()
+    marker = tmp_path / "marker"
+    hanging, behind = sup.enqueue(f"hang-once {marker}", "ok")
+    wait_for(marker.exists, "the first job's derive to hang")
+    in_flight_together(sup, hanging, behind)
+    both_started_by = time.monotonic()
+    job_timeout = float(FAST["supervisor"]["job_timeout"])
+    sup.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+    try:
+        wait_for(
+            lambda: time.monotonic() > both_started_by + job_timeout + 0.5,
+            "both deadlines past while the supervisor is stopped",
+        )
+    finally:
+        sup.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+    row = wait_for(lambda: sup.status_is(hanging, "queued"), "the hanging job failed")
+    assert row["attempts"] == 1 and sorted(kinds(sup, hanging)) == ["retry", "timeout"]
+    row = wait_for(lambda: sup.status_is(behind, "ready"), "the job behind it ready")
+    assert row["attempts"] == 1  # released unburned, then derived once
+    assert "released" in kinds(sup, behind) and "timeout" not in kinds(sup, behind)
+
+
 def test_sigterm_lets_the_job_being_stored_and_the_one_deriving_finish(
     on_s3: Callable[..., tuple[S3Supervisor, FaultProxy]], tmp_path: Path
 ) -> None:
@@ -189,9 +210,6 @@ def test_job_timeout_of_the_job_being_stored_fails_it_and_releases_the_other(
     gate = tmp_path / "gate"
     [storing] = sup.enqueue("ok")
     wait_for(lambda: proxy.snapshot().get("held", 0) >= 1, "the first job's PUTs held")
-    # Two heartbeats of the host (~1 s) between the two claims: the second job's
-    # deadline comes that much after the first's, whatever the supervisor's loop lag.
-    beats(sup, 2)
     [deriving] = sup.enqueue(f"gate {gate}")
     wait_for(Path(f"{gate}.started").exists, "the second job deriving")
     timed_out = wait_for(

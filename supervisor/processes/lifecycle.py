@@ -37,6 +37,17 @@ def overdue(worker: WorkerProc, now: float, *, job_timeout: float) -> list[Job]:
     return [job for job, started in worker.in_flight() if now - started >= job_timeout]
 
 
+def timed_out(worker: WorkerProc, now: float, *, job_timeout: float) -> Job | None:
+    """The job a TIMEOUT kill fails: the first overdue job, oldest start first. A job
+    claimed behind it waits in the pipeline while that one runs, so its own deadline may
+    also have passed when the supervisor looks (a late wake-up, the same start): it did
+    nothing wrong and goes back unburned with the rest (`to_release`). A job that hangs
+    on its own is the oldest in flight once the ones before it are done, so it is still
+    charged, and attempts stay bounded."""
+    late = overdue(worker, now, job_timeout=job_timeout)
+    return late[0] if late else None
+
+
 def deadline_action(worker: WorkerProc, now: float, *, job_timeout: float) -> DeadlineAction | None:
     """What the worker's deadlines call for now (None: nothing due): KILL, a TERM sent
     earlier has had its grace; TIMEOUT, a job in flight passed `job_timeout` (`overdue`

@@ -52,7 +52,7 @@ from derivd.processes.lifecycle import (
     exit_text,
     next_deadline,
     on_boot_failure,
-    overdue,
+    timed_out,
     to_release,
 )
 from derivd.processes.pipe import WorkerProc
@@ -474,8 +474,8 @@ class Supervisor:
             if action is DeadlineAction.KILL:
                 worker.signal_group(signal.SIGKILL)
             elif action is DeadlineAction.TIMEOUT:
-                late = overdue(worker, now, job_timeout=sup.job_timeout)
-                worker.timed_out = {job.token for job in late}
+                late = timed_out(worker, now, job_timeout=sup.job_timeout)
+                worker.timed_out = {late.token} if late else set()
                 worker.kill(KillReason.TIMEOUT, sup.kill_grace)
         if self.stop_deadline is not None and now >= self.stop_deadline:
             for worker in self.workers.values():
