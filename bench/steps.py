@@ -56,6 +56,7 @@ os.environ.setdefault("VIPS_CONCURRENCY", "1")
 from derivd.handlers.base import DeriveSpec, VariantSpec
 from derivd.handlers.geometry import base_size, jpeg_eighths, jpeg_shrink
 from derivd.handlers.registry import create_handler
+from derivd.osproc import keep_freed_heap
 from derivd.storage.fs import FsStorage
 
 VARIANT = VariantSpec("bench", box=(720, 588), fit="cover", formats=("jpeg",), quality=80)
@@ -164,9 +165,14 @@ def _turbo(data: bytes, colour: str, turn: int
 def vips_floor_scaled(data: bytes) -> bytes:
     """`vips_floor` at derivd's scale: libjpeg-turbo at M/8 (3/8 for sharp's fixture,
     where sharp decodes at 1/2), then libvips' lanczos3 at the exact scale, turned
-    upright, the centre cut, the same JPEG save. What derivd's vips handler does to the
-    pixels, and nothing else (no sniffing, limits, colour management or analysis)."""
+    upright, the centre cut, and derivd's vips backend's JPEG writer: libjpeg-turbo's,
+    through Pillow (since 5d0c83a; pyvips-binary's jpegsave is mozjpeg, ~1.5x the CPU),
+    with sharp's settings. What derivd's vips handler does to the pixels, and nothing
+    else (no sniffing, limits, colour management or analysis)."""
+    import io
+
     import pyvips
+    from PIL import Image
 
     head = pyvips.Image.new_from_buffer(data, "", access="sequential")
     turn = head.get("orientation") if head.get_typeof("orientation") else 1
@@ -180,8 +186,11 @@ def vips_floor_scaled(data: bytes) -> bytes:
     image = image.autorot()
     box = VARIANT.bounds
     image = image.crop((image.width - box[0]) // 2, (image.height - box[1]) // 2, *box)
-    return bytes(image.jpegsave_buffer(Q=80, subsample_mode="on", optimize_coding=True,
-                                       keep="none"))  # fmt: skip
+    out = io.BytesIO()
+    Image.frombytes("RGB", box, image.write_to_memory()).save(
+        out, "JPEG", quality=80, subsampling=2, optimize=True
+    )
+    return out.getvalue()
 
 
 _TURNS = {3: 3, 6: 4, 8: 2}  # EXIF orientation -> PIL.Image.Transpose (180, 270, 90)
@@ -253,6 +262,10 @@ def floor_lane(backend: str, lane: str, out: Path, inputs: list[Path]) -> None:
     its CPU from `go` to the end and its peak RSS as one JSON line on stdout."""
     index, lanes = map(int, lane.split("/"))
     floor = FLOORS_SCALED[backend]
+    # The allocator setting every derivd worker runs with (8258933): a process setting,
+    # not work around the pixels; without it the floor maps and faults in each image's
+    # buffers anew (~15 % of plain Pillow's CPU here), which derivd does not.
+    keep_freed_heap()
     _import_floor_libraries(backend)
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
@@ -267,11 +280,10 @@ def floor_lane(backend: str, lane: str, out: Path, inputs: list[Path]) -> None:
 def _import_floor_libraries(backend: str) -> None:
     """What the floor functions import inside (numpy comes with simplejpeg)."""
     import simplejpeg  # noqa: F401
+    from PIL import Image  # noqa: F401
 
     if backend == "vips":
         import pyvips  # noqa: F401
-    else:
-        from PIL import Image  # noqa: F401
 
 
 def _cpu_s() -> float:
