@@ -259,8 +259,13 @@ class PipelinedRun:
         self._end(entry, outcome, code)
 
     def _release(self, entry: InFlight) -> None:
-        """Give a job that never reached its derive back: fenced, no attempt burned."""
+        """Give a job that never reached its derive back: fenced, no attempt burned. Not
+        while a claim is on its way: one decided before the stop (a store lane's, folded
+        into its commit) would take the released row straight back, to be released again."""
         entry.original.cancel()
+        with self.cond:
+            while self.claiming:
+                self.cond.wait()
         try:
             released = self.worker.queue.release(entry.job)
         except DatabaseUnavailable:
@@ -323,6 +328,9 @@ class PipelinedRun:
             self._end(entry, "unknown", None)
             self._admit([], sent, reserved=limit)
             return
+        except BaseException:
+            self._admit([], sent, reserved=limit)  # the reservation ends with the claim
+            raise
         if entry.job.id in committed:
             self._end(entry, "ready", None)
         else:

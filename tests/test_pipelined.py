@@ -11,10 +11,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from configs import make_config
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION, MotoServer
+from fixtures.work import Recorder, make_worker
 from helpers import sql, wait_for
 from test_supervisor import FAST, DaemonRun, kinds, processing_rows
 
@@ -23,6 +26,7 @@ from derivd.storage.base import new_original_key
 from derivd.storage.s3 import S3Storage
 
 PIPELINED = {"supervisor": {"pipeline": "2"}}
+STATUS = "SELECT status, attempts, lease_token FROM archive_files WHERE id = %s"
 
 
 class S3Supervisor(DaemonRun):
@@ -178,6 +182,80 @@ def test_a_late_deadline_check_fails_the_hanging_job_and_releases_the_one_behind
     row = wait_for(lambda: sup.status_is(behind, "ready"), "the job behind it ready")
     assert row["attempts"] == 1  # released unburned, then derived once
     assert "released" in kinds(sup, behind) and "timeout" not in kinds(sup, behind)
+
+
+def test_a_stop_releases_the_waiting_job_only_once_the_lanes_claim_is_answered(
+    dsn: str, fs_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store lane folds a claim into its commit, decided before the stop came; the
+    stop then releases the job waiting for its derive. Released while that claim is on
+    its way, the row is free for the claim to take straight back, and the stop releases
+    it a second time (seen in CI: `['released', 'released']`). In one process, the
+    lane's claim and the waiting job's GET held until the stop is requested, the claim
+    then until the release is sent, for at most 2 s: the release must wait for the
+    claim's answer."""
+    config = make_config(
+        dsn, fs_root=fs_root, derive={"backend": "faulthandlers:Script"}, supervisor={"pipeline": 2}
+    )
+    worker = make_worker(config, dsn)
+    worker.hooks = Recorder()
+    gate = tmp_path / "gate"
+    originals = []
+    for script in (f"gate {gate}", "ok"):
+        key = new_original_key()
+        originals.append((key, worker.storage.put(key, script.encode(), "text/plain")))
+    with QueueDB.open(dsn, role="test") as queue:
+        deriving, waiting = queue.enqueue(originals)
+
+    calls: list[str] = []
+    claim_held, stop, release_sent = threading.Event(), threading.Event(), threading.Event()
+    commit_and_claim, release = worker.queue.commit_and_claim, worker.queue.release
+
+    def held_commit_and_claim(*args: Any, **kwargs: Any) -> Any:
+        claim_held.set()
+        stop.wait(60)
+        release_sent.wait(2)  # the order the fix forbids shows within this bound
+        answer = commit_and_claim(*args, **kwargs)
+        calls.append("claim answered")
+        return answer
+
+    def recorded_release(job: Job) -> bool:
+        calls.append(f"release {job.id}")
+        release_sent.set()
+        return release(job)
+
+    fetch = worker.fetch
+
+    def held_fetch(job: Job) -> bytes:
+        if job.id == waiting:  # it waits for its derive until the stop comes
+            stop.wait(60)
+        return fetch(job)
+
+    monkeypatch.setattr(worker.queue, "commit_and_claim", held_commit_and_claim)
+    monkeypatch.setattr(worker.queue, "release", recorded_release)
+    monkeypatch.setattr(worker, "fetch", held_fetch)
+    outcome: list[str] = []
+    loop = threading.Thread(target=lambda: outcome.append(worker.run(stop.is_set, burst=True)))
+    loop.start()
+    try:
+        wait_for(Path(f"{gate}.started").exists, "the first job deriving")
+        wait_for(lambda: sql(dsn, STATUS, (waiting,))[0]["status"] == "processing", "claimed")
+        gate.touch()
+        wait_for(claim_held.is_set, "the lane's commit with its claim")
+        stop.set()
+        loop.join(60)
+    finally:
+        stop.set()
+        release_sent.set()
+        loop.join(60)
+        worker.close()
+    assert outcome == ["stopped"]
+    assert calls == ["claim answered", f"release {waiting}"]
+    row = sql(dsn, STATUS, (waiting,))[0]
+    assert (row["status"], row["attempts"], row["lease_token"]) == ("queued", 0, None)
+    events = sql(dsn, "SELECT kind FROM archive_events WHERE file_id = %s", (waiting,))
+    assert [e["kind"] for e in events] == ["released"]
+    assert sql(dsn, STATUS, (deriving,))[0]["status"] == "ready"
 
 
 def test_sigterm_lets_the_job_being_stored_and_the_one_deriving_finish(
