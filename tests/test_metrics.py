@@ -241,6 +241,9 @@ def test_running_supervisor_serves_its_metrics(
         "DERIVD_SUPERVISOR_WORKERS": "2",
         "DERIVD_QUEUE_POLL_INTERVAL": "0.2",
         "DERIVD_METRICS_LISTEN": listen,
+        # The queue gauges come from a query every [metrics] interval (15 s by default):
+        # the scrape below waits for the first one after the drain.
+        "DERIVD_METRICS_INTERVAL": "0.5",
     }
     queued = run_cli("enqueue", str(originals), env=env)
     assert queued.returncode == 0, queued.stderr
