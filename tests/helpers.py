@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,8 +20,21 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 
 from derivd.osproc import children_of
+from derivd.queue.db import QueueDB
+from derivd.storage.base import Storage, new_original_key
 
 T = TypeVar("T")
+
+
+def enqueue_scripts(dsn: str, storage: Storage, scripts: Iterable[str]) -> list[int]:
+    """Each fault handler's script (tests/faulthandlers.py) stored in `storage` as an
+    original and queued in `dsn`, in order: their file ids."""
+    originals = []
+    for script in scripts:
+        key = new_original_key()
+        originals.append((key, storage.put(key, script.encode(), "text/plain")))
+    with QueueDB.open(dsn, role="test") as queue:
+        return queue.enqueue(originals)
 
 
 def sql(dsn: str, query: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from configs import make_config
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION, MotoServer
 from fixtures.work import Recorder, make_worker
-from helpers import sql, wait_for
+from helpers import enqueue_scripts, sql, wait_for
 from test_supervisor import FAST, DaemonRun, kinds, processing_rows
 
 from derivd.queue.db import Job, QueueDB
@@ -26,7 +27,6 @@ from derivd.storage.base import new_original_key
 from derivd.storage.s3 import S3Storage
 
 PIPELINED = {"supervisor": {"pipeline": "2"}}
-STATUS = "SELECT status, attempts, lease_token FROM archive_files WHERE id = %s"
 
 
 class S3Supervisor(DaemonRun):
@@ -46,12 +46,7 @@ class S3Supervisor(DaemonRun):
         return self
 
     def enqueue(self, *scripts: str) -> list[int]:
-        originals = []
-        for script in scripts:
-            key = new_original_key()
-            originals.append((key, self.s3.put(key, script.encode(), "text/plain")))
-        with QueueDB.open(self.dsn, role="test") as queue:
-            return queue.enqueue(originals)
+        return enqueue_scripts(self.dsn, self.s3, scripts)
 
 
 @pytest.fixture
@@ -184,78 +179,135 @@ def test_a_late_deadline_check_fails_the_hanging_job_and_releases_the_one_behind
     assert "released" in kinds(sup, behind) and "timeout" not in kinds(sup, behind)
 
 
-def test_a_stop_releases_the_waiting_job_only_once_the_lanes_claim_is_answered(
-    dsn: str, fs_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The store lane folds a claim into its commit, decided before the stop came; the
-    stop then releases the job waiting for its derive. Released while that claim is on
-    its way, the row is free for the claim to take straight back, and the stop releases
-    it a second time (seen in CI: `['released', 'released']`). In one process, the
-    lane's claim and the waiting job's GET held until the stop is requested, the claim
-    then until the release is sent, for at most 2 s: the release must wait for the
-    claim's answer."""
+@dataclass
+class StopMidClaim:
+    """What `stop_mid_claim` saw: the lane's claim and the releases in the order they
+    were sent, the loop's return, and the two jobs."""
+
+    deriving: int
+    waiting: int
+    calls: list[str] = field(default_factory=list)
+    outcome: list[str] = field(default_factory=list)
+    released: threading.Event = field(default_factory=threading.Event)
+
+
+def stop_mid_claim(
+    dsn: str,
+    fs_root: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    before_claim: Callable[[StopMidClaim], None],
+) -> StopMidClaim:
+    """One pipelined worker in this process, two jobs: the first derives behind a gate,
+    the second waits for its GET, held until the stop. The gate opens; the store lane
+    sends the first job's commit with the next claim folded in, decided before any stop,
+    and is held there while the stop is requested; then `before_claim` runs (it may wait,
+    or raise as a bug would) and the claim is sent."""
     config = make_config(
         dsn, fs_root=fs_root, derive={"backend": "faulthandlers:Script"}, supervisor={"pipeline": 2}
     )
     worker = make_worker(config, dsn)
     worker.hooks = Recorder()
     gate = tmp_path / "gate"
-    originals = []
-    for script in (f"gate {gate}", "ok"):
-        key = new_original_key()
-        originals.append((key, worker.storage.put(key, script.encode(), "text/plain")))
-    with QueueDB.open(dsn, role="test") as queue:
-        deriving, waiting = queue.enqueue(originals)
-
-    calls: list[str] = []
-    claim_held, stop, release_sent = threading.Event(), threading.Event(), threading.Event()
-    commit_and_claim, release = worker.queue.commit_and_claim, worker.queue.release
+    seen = StopMidClaim(*enqueue_scripts(dsn, worker.storage, [f"gate {gate}", "ok"]))
+    claim_held, stop = threading.Event(), threading.Event()
+    commit_and_claim, release, fetch = (
+        worker.queue.commit_and_claim,
+        worker.queue.release,
+        worker.fetch,
+    )
 
     def held_commit_and_claim(*args: Any, **kwargs: Any) -> Any:
         claim_held.set()
         stop.wait(60)
-        release_sent.wait(2)  # the order the fix forbids shows within this bound
+        before_claim(seen)
         answer = commit_and_claim(*args, **kwargs)
-        calls.append("claim answered")
+        seen.calls.append("claim answered")
         return answer
 
     def recorded_release(job: Job) -> bool:
-        calls.append(f"release {job.id}")
-        release_sent.set()
+        seen.calls.append(f"release {job.id}")
+        seen.released.set()
         return release(job)
 
-    fetch = worker.fetch
-
     def held_fetch(job: Job) -> bytes:
-        if job.id == waiting:  # it waits for its derive until the stop comes
+        if job.id == seen.waiting:
             stop.wait(60)
         return fetch(job)
 
     monkeypatch.setattr(worker.queue, "commit_and_claim", held_commit_and_claim)
     monkeypatch.setattr(worker.queue, "release", recorded_release)
     monkeypatch.setattr(worker, "fetch", held_fetch)
-    outcome: list[str] = []
-    loop = threading.Thread(target=lambda: outcome.append(worker.run(stop.is_set, burst=True)))
+    loop = threading.Thread(
+        target=lambda: seen.outcome.append(worker.run(stop.is_set, burst=True)), daemon=True
+    )
     loop.start()
     try:
         wait_for(Path(f"{gate}.started").exists, "the first job deriving")
-        wait_for(lambda: sql(dsn, STATUS, (waiting,))[0]["status"] == "processing", "claimed")
+        wait_for(lambda: file_row(dsn, seen.waiting)["status"] == "processing", "the 2nd claimed")
         gate.touch()
         wait_for(claim_held.is_set, "the lane's commit with its claim")
         stop.set()
-        loop.join(60)
+        loop.join(LOOP_BOUND_S)
+        assert not loop.is_alive(), "the stopping worker still waits"
     finally:
         stop.set()
-        release_sent.set()
-        loop.join(60)
+        seen.released.set()
         worker.close()
-    assert outcome == ["stopped"]
-    assert calls == ["claim answered", f"release {waiting}"]
-    row = sql(dsn, STATUS, (waiting,))[0]
+    return seen
+
+
+LOOP_BOUND_S = 60.0  # a bound on a hang, not a timing assertion
+
+
+def file_row(dsn: str, file_id: int) -> dict[str, Any]:
+    with QueueDB.open(dsn, role="test") as queue:
+        row = queue.file_row(file_id)
+    assert row is not None
+    return row
+
+
+def event_kinds(dsn: str, file_id: int) -> list[str]:
+    with QueueDB.open(dsn, role="test") as queue:
+        return [e["kind"] for e in queue.file_events(file_id)]
+
+
+def test_a_stop_releases_the_waiting_job_only_once_the_lanes_claim_is_answered(
+    dsn: str, fs_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Released while the lane's claim is on its way, the row is free for that claim to
+    take straight back, and the stop releases it a second time (seen in CI:
+    `['released', 'released']`). The claim is held until a release is sent, for at most
+    2 s: the release must wait for the claim's answer."""
+    seen = stop_mid_claim(
+        dsn, fs_root, tmp_path, monkeypatch, lambda seen: bool(seen.released.wait(2))
+    )
+    assert seen.outcome == ["stopped"]
+    assert seen.calls == ["claim answered", f"release {seen.waiting}"]
+    row = file_row(dsn, seen.waiting)
     assert (row["status"], row["attempts"], row["lease_token"]) == ("queued", 0, None)
-    events = sql(dsn, "SELECT kind FROM archive_events WHERE file_id = %s", (waiting,))
-    assert [e["kind"] for e in events] == ["released"]
-    assert sql(dsn, STATUS, (deriving,))[0]["status"] == "ready"
+    assert event_kinds(dsn, seen.waiting) == ["released"]
+    assert file_row(dsn, seen.deriving)["status"] == "ready"
+
+
+def test_a_stop_never_waits_forever_on_a_claim_whose_commit_step_failed(
+    dsn: str, fs_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release waits for claims on their way; a commit step that raises (a bug, not
+    an outage) must end its claim too, or the stop would wait on it forever. The job
+    waiting is still given back once, unburned; the one committing keeps its lease
+    (its outcome unknown, as for any failed commit)."""
+
+    def bug(seen: StopMidClaim) -> None:
+        raise RuntimeError("a bug in the commit step")
+
+    seen = stop_mid_claim(dsn, fs_root, tmp_path, monkeypatch, bug)
+    assert seen.outcome == ["stopped"]
+    assert seen.calls == [f"release {seen.waiting}"]
+    row = file_row(dsn, seen.waiting)
+    assert (row["status"], row["attempts"], row["lease_token"]) == ("queued", 0, None)
+    assert event_kinds(dsn, seen.waiting) == ["released"]
+    assert file_row(dsn, seen.deriving)["status"] == "processing"
 
 
 def test_sigterm_lets_the_job_being_stored_and_the_one_deriving_finish(

@@ -18,12 +18,11 @@ from typing import Any
 import psycopg
 import pytest
 from fixtures.cli import derivd_command, run_cli
-from helpers import alive, proc_title, wait_for
+from helpers import alive, enqueue_scripts, proc_title, wait_for
 
 from derivd.config import ConfigError, load_config
 from derivd.osproc import Pidfile, children_of, sd_notify, watchdog_interval
 from derivd.queue.db import QueueDB
-from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
 
 # Each test on `dsn` runs direct and through PgBouncer (transaction mode).
@@ -109,12 +108,7 @@ class DaemonRun:
         return None
 
     def enqueue(self, *scripts: str) -> list[int]:
-        originals = []
-        for script in scripts:
-            key = new_original_key()
-            originals.append((key, self.storage.put(key, script.encode(), "text/plain")))
-        with QueueDB.open(self.dsn, role="test") as queue:
-            return queue.enqueue(originals)
+        return enqueue_scripts(self.dsn, self.storage, scripts)
 
     def row(self, file_id: int) -> dict[str, Any]:
         with QueueDB.open(self.dsn, role="test") as queue:
