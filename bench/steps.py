@@ -55,6 +55,7 @@ os.environ.setdefault("VIPS_CONCURRENCY", "1")
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
 from derivd.handlers.geometry import base_size, jpeg_eighths, jpeg_shrink
+from derivd.handlers.pillow_variants import save_jpeg
 from derivd.handlers.registry import create_handler
 from derivd.osproc import keep_freed_heap
 from derivd.storage.fs import FsStorage
@@ -165,14 +166,13 @@ def _turbo(data: bytes, colour: str, turn: int
 def vips_floor_scaled(data: bytes) -> bytes:
     """`vips_floor` at derivd's scale: libjpeg-turbo at M/8 (3/8 for sharp's fixture,
     where sharp decodes at 1/2), then libvips' lanczos3 at the exact scale, turned
-    upright, the centre cut, and derivd's vips backend's JPEG writer: libjpeg-turbo's,
-    through Pillow (since 5d0c83a; pyvips-binary's jpegsave is mozjpeg, ~1.5x the CPU),
-    with sharp's settings. What derivd's vips handler does to the pixels, and nothing
-    else (no sniffing, limits, colour management or analysis)."""
-    import io
-
+    upright, the centre cut, and the JPEG writer of both backends (`save_jpeg`:
+    libjpeg-turbo's through Pillow since 5d0c83a; pyvips-binary's jpegsave is mozjpeg,
+    ~1.5x the CPU). What derivd's vips handler does to the pixels, and nothing else (no
+    sniffing, limits, colour management or analysis)."""
     import pyvips
-    from PIL import Image
+
+    from derivd.handlers.vips_variants import to_pillow
 
     head = pyvips.Image.new_from_buffer(data, "", access="sequential")
     turn = head.get("orientation") if head.get_typeof("orientation") else 1
@@ -186,11 +186,7 @@ def vips_floor_scaled(data: bytes) -> bytes:
     image = image.autorot()
     box = VARIANT.bounds
     image = image.crop((image.width - box[0]) // 2, (image.height - box[1]) // 2, *box)
-    out = io.BytesIO()
-    Image.frombytes("RGB", box, image.write_to_memory()).save(
-        out, "JPEG", quality=80, subsampling=2, optimize=True
-    )
-    return out.getvalue()
+    return save_jpeg(to_pillow(image), VARIANT.quality)
 
 
 _TURNS = {3: 3, 6: 4, 8: 2}  # EXIF orientation -> PIL.Image.Transpose (180, 270, 90)
@@ -214,11 +210,7 @@ def pillow_floor_scaled(data: bytes) -> bytes:
         image = image.transpose(Image.Transpose(_TURNS[turn]))
     box = VARIANT.bounds
     left, top = (image.width - box[0]) // 2, (image.height - box[1]) // 2
-    out = io.BytesIO()
-    image.crop((left, top, left + box[0], top + box[1])).save(
-        out, "JPEG", quality=80, subsampling=2, optimize=True
-    )
-    return out.getvalue()
+    return save_jpeg(image.crop((left, top, left + box[0], top + box[1])), VARIANT.quality)
 
 
 FLOORS = {"vips": vips_floor, "pillow": pillow_floor}
