@@ -742,7 +742,7 @@ def similar(state: State, file_id: int, max_distance: int, limit: int, as_json: 
 
 @main.group()
 def webhooks() -> None:
-    """The [webhook:NAME] endpoints: their state, a test event, replays."""
+    """The [webhook:NAME] endpoints: their state, a test event, replays, resume."""
 
 
 @webhooks.command("list")
@@ -782,7 +782,8 @@ def webhooks_list(state: State, as_json: bool) -> None:
 @friendly_errors
 def webhooks_test(state: State, name: str) -> None:
     """POST one signed test event (file_id 0) to endpoint NAME now, from here, and say
-    what it answered: exit 0 on 2xx, 1 otherwise. Nothing enters the outbox."""
+    what it answered: exit 0 on 2xx (which closes its circuit: its backlog flows), 1
+    otherwise. Nothing enters the outbox."""
     from derivd.ops.webhook_view import send_test
 
     endpoint = next((e for e in state.config.webhooks if e.name == name), None)
@@ -791,7 +792,33 @@ def webhooks_test(state: State, name: str) -> None:
         die(f"no [webhook:{name}] section in {state.config.source} (known: {known})", 2)
     ok, line = send_test(endpoint)
     click.echo(line)
+    if ok:  # the first success closes the circuit, a test's included
+        _close_circuit(state, name, quiet=True)
     sys.exit(0 if ok else 1)
+
+
+@webhooks.command("resume")
+@click.argument("name")
+@pass_state
+@friendly_errors
+def webhooks_resume(state: State, name: str) -> None:
+    """Close endpoint NAME's circuit by hand: its backlog is due now, and the delivering
+    processes take it at once (after a receiver's fix that no probe has seen yet)."""
+    _close_circuit(state, name, quiet=False)
+
+
+def _close_circuit(state: State, name: str, *, quiet: bool) -> None:
+    from derivd.embedded.runtime import database
+    from derivd.queue.db import QueueDB
+
+    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-cli") as q:
+        found, was_open = q.close_circuit(name)
+    if not found and not quiet:
+        die(f"the database knows no endpoint {name!r} (`derivd webhooks list`)", 2)
+    if was_open:
+        click.echo(f"{name}: circuit closed; its backlog is due now")
+    elif not quiet:
+        click.echo(f"{name}: circuit already closed")
 
 
 @webhooks.command("replay")

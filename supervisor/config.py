@@ -428,6 +428,12 @@ class WebhookSettings:
     concurrency: int = setting(
         4, "POSTs in flight to this endpoint at once, per host", check=in_range(1, 64)
     )
+    circuit_max: float = setting(
+        60.0,
+        "most seconds between probes while the endpoint's circuit is open (the pause "
+        "starts at retry_base and doubles with each failed probe)",
+        check=positive(DAY),
+    )
 
 
 @dataclass(frozen=True)

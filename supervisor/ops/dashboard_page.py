@@ -12,11 +12,11 @@ import html
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from derivd.ops.dashboard import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
 from derivd.ops.durations import duration
 from derivd.ops.status import Report, reading_age
+from derivd.ops.webhook_view import circuit_state, circuit_text
 
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#1d2430;background:#fafafa}
@@ -247,12 +247,6 @@ def _backfill(report: Report) -> str:
     )
 
 
-def _circuit(w: dict[str, Any]) -> str:
-    if w.get("removed"):
-        return "removed"  # from the INI: its undelivered rows ended failed, kept here
-    return "paused" if w["paused"] else "closed"
-
-
 def _webhooks(report: Report) -> str:
     """Per endpoint: backlog, oldest undelivered, delivered / failed in the window, failed
     rows kept, the circuit and the last error (none of it secret)."""
@@ -266,8 +260,8 @@ def _webhooks(report: Report) -> str:
         f"{w['delivered_recent']}</td>"
         f'<td class="num failed" data-value="{w["failed_recent"]}">{w["failed_recent"]}</td>'
         f'<td class="num kept" data-value="{w["failed_kept"]}">{w["failed_kept"]}</td>'
-        f'<td class="state {"bad" if w["paused"] or w.get("removed") else "ok"}">'
-        f"{_circuit(w)}</td>"
+        f'<td class="state {"ok" if circuit_text(w) in ("ok", "failing") else "bad"}" '
+        f'data-circuit="{circuit_state(w)}">{esc(circuit_text(w))}</td>'
         f'<td class="last-error">{esc(w["last_error"] or "-")}</td></tr>'
         for w in report.webhooks
     )

@@ -45,6 +45,7 @@ class Endpoint:
     retry_horizon: float = 86400.0
     retry_base: float = 5.0
     concurrency: int = 4
+    circuit_max: float = 60.0  # the longest pause between probes of an open circuit
 
     def subscription(self) -> dict[str, object]:
         """What the database needs to fill the outbox (derivd_webhook_endpoints)."""
@@ -162,6 +163,7 @@ def build_endpoint(
         retry_horizon=settings.retry_horizon,
         retry_base=settings.retry_base,
         concurrency=settings.concurrency,
+        circuit_max=settings.circuit_max,
     )
     return endpoint, []
 
