@@ -164,7 +164,7 @@ def run(state: State, burst: bool, workers: int | None) -> None:
     if workers is not None:
         # Through the environment, so that a SIGHUP reload keeps the override.
         os.environ["DERIVD_SUPERVISOR_WORKERS"] = str(workers)
-    exit_without_teardown(run_daemon(state.config, burst=burst))
+    exit_without_teardown(run_daemon(state.config.signing(), burst=burst))
 
 
 @main.command()
@@ -419,7 +419,7 @@ def config() -> None:
 def config_check(state: State) -> None:
     """Validate the INI file; print each problem with its file, section and key."""
     try:
-        cfg = state.config
+        cfg = state.config.signing()  # what `run` needs, its webhook secrets included
     except ConfigError as error:
         click.echo(str(error), err=True)
         sys.exit(2)
@@ -790,6 +790,7 @@ def webhooks_test(state: State, name: str) -> None:
     if endpoint is None:
         known = ", ".join(e.name for e in state.config.webhooks) or "none"
         die(f"no [webhook:{name}] section in {state.config.source} (known: {known})", 2)
+    state.config.signing(name)
     ok, line = send_test(endpoint)
     click.echo(line)
     if ok:  # the first success closes the circuit, a test's included

@@ -140,7 +140,7 @@ def send_test(endpoint: Endpoint) -> tuple[bool, str]:
 
     body = test_body(endpoint.name)
     webhook_id = f"msg_test_{secrets.token_hex(8)}"
-    sent = headers(endpoint.key, webhook_id, int(time.time()), body)
+    sent = headers(endpoint.signing_key(), webhook_id, int(time.time()), body)
     response = post(endpoint.url, body.encode(), sent, timeout=endpoint.timeout)
     error = error_text(response)
     if error is None:

@@ -147,7 +147,7 @@ def _claim_host_id(config: Config, dsn: str) -> HostInfo | str:
 def _reload_from(config: Config) -> Callable[[], Config]:
     def reload() -> Config:
         if config.source == DEFAULTS:
-            return load_config()
-        return load_config(Path(config.source), required=True)
+            return load_config().signing()
+        return load_config(Path(config.source), required=True).signing()
 
     return reload

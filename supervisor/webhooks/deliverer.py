@@ -176,7 +176,7 @@ class Deliverer:
     def deliver(self, endpoint: Endpoint, delivery: Delivery) -> None:
         body = delivery.body
         now = self.clock()
-        sent = headers(endpoint.key, delivery.webhook_id, int(now), body)
+        sent = headers(endpoint.signing_key(), delivery.webhook_id, int(now), body)
         response = post(endpoint.url, body.encode(), sent, timeout=endpoint.timeout)
         decision = decide(
             response,
