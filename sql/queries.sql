@@ -946,12 +946,13 @@ SELECT EXISTS (SELECT 1 FROM derivd_webhook_endpoints WHERE name = %(endpoint)s)
 -- Per endpoint the database knows: backlog (pending + delivering), the oldest undelivered
 -- event's age, deliveries delivered and failed in the last `window_s` seconds, failed
 -- rows kept (until replayed or past retention), and the circuit: consecutive failures,
--- paused or not, open or not, a probe in flight, seconds to the next probe (NULL: not
--- open; 0: due), failed probes, the last error and its age; `removed`: no longer
+-- paused or not, open or not (and for how long), a probe in flight, seconds to the next
+-- probe (NULL: not open; 0: due), failed probes, the last error and its age; `removed`: no longer
 -- configured (listed while its failed rows are kept). Bounded by the backlog and the
 -- window.
 SELECT e.name, e.failures, coalesce(e.paused_until > now(), false) AS paused, e.last_error,
        e.opened_at IS NOT NULL AS open, e.probes,
+       extract(epoch FROM now() - e.opened_at)::float8 AS open_age_s,
        coalesce(e.probe_until > now(), false) AS probing,
        CASE WHEN e.opened_at IS NOT NULL OR e.paused_until > now()
             THEN greatest(0, extract(epoch FROM e.paused_until - now()))::float8 END

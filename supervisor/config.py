@@ -497,8 +497,23 @@ class StatusSettings:
     )
     max_rejected_ratio: float = setting(
         0.2,
-        "unhealthy when a larger share of the jobs finished in the window was rejected; 0: off",
+        "a larger share of the jobs finished in the window rejected (users' bad uploads, "
+        "mostly) is reported beside the verdict, unhealthy only with fail_on_rejected; 0: off",
         check=fraction,
+    )
+    fail_on_rejected: bool = setting(
+        False, "a rejected share above max_rejected_ratio makes the verdict unhealthy (yes/no)"
+    )
+    max_webhook_age: float = setting(
+        900.0,
+        "unhealthy when an endpoint's oldest undelivered event has waited longer (seconds); 0: off",
+        check=non_negative(365 * DAY),
+    )
+    max_webhook_open: float = setting(
+        300.0,
+        "unhealthy when an endpoint's circuit has been open longer while events wait for it "
+        "(seconds); 0: off",
+        check=non_negative(365 * DAY),
     )
     min_finished: int = setting(
         20,

@@ -29,7 +29,7 @@ import psycopg
 
 from derivd.config import Config, StatusSettings
 from derivd.ops.metrics import Metrics
-from derivd.ops.status import Alarm, Report, StatusUnavailable, collect, evaluate
+from derivd.ops.status import Alarm, Report, StatusUnavailable, collect, evaluate, notices
 from derivd.ops.web import Response
 from derivd.queue.db import PARENT_STATEMENT_TIMEOUT_S, DatabaseUnavailable, QueueDB
 from derivd.redact import one_line
@@ -80,6 +80,7 @@ class Snapshot:
     limits: StatusSettings
     report: Report | None  # None: the database could not answer (see error)
     alarms: tuple[Alarm, ...] = ()
+    notices: tuple[Alarm, ...] = ()  # crossed, reported beside the verdict
     error: str | None = None
     hosts: tuple[HostView, ...] = ()
     in_flight: tuple[InFlight, ...] = ()
@@ -155,6 +156,7 @@ def read_snapshot(queue: QueueDB, config: Config, hosts: tuple[HostView, ...]) -
     return replace(
         Snapshot.taken(config, report),
         alarms=tuple(evaluate(report, config.status)),
+        notices=tuple(notices(report, config.status)),
         hosts=hosts,
         in_flight=tuple(
             InFlight(

@@ -121,6 +121,7 @@ def _percent(value: float | None) -> str:
 
 def _signals(snapshot: Snapshot, report: Report) -> str:
     limits, crossed = snapshot.limits, {a.signal for a in snapshot.alarms}
+    noticed = {a.signal for a in snapshot.notices}
     stats, window = report.stats, duration(report.window_s)
     judged = report.recent_finished >= limits.min_finished
     oldest = stats.oldest_claimable_age_s
@@ -140,6 +141,8 @@ def _signals(snapshot: Snapshot, report: Report) -> str:
             verdict, css = "off", "muted"
         elif not is_judged:
             verdict, css = f"judged from {limits.min_finished}", "muted"
+        elif signal in noticed:
+            verdict, css = "high (reported)", "unknown"
         else:
             verdict, css = ("UNHEALTHY", "bad") if signal in crossed else ("ok", "ok")
         raw = "" if value is None else f"{value:g}"
@@ -213,6 +216,10 @@ def _signals(snapshot: Snapshot, report: Report) -> str:
 def _problems(snapshot: Snapshot) -> str:
     """What to do about each crossed threshold (the hints of `derivd status`)."""
     hints = "".join(f'<li class="bad">{esc(a.signal)}: {esc(a.hint)}</li>' for a in snapshot.alarms)
+    hints += "".join(
+        f'<li class="unknown">{esc(a.signal)} (reported): {esc(a.hint)}</li>'
+        for a in snapshot.notices
+    )
     return f'<ul id="problems">{hints}</ul>' if hints else ""
 
 

@@ -29,6 +29,7 @@ def endpoint_json(row: dict[str, Any]) -> dict[str, Any]:
         "circuit": circuit_state(row),
         "next_probe_s": row["next_probe_s"],  # null: closed; 0: due (or in flight)
         "failed_probes": row["probes"],
+        "open_for_s": row["open_age_s"],  # null: closed
         "removed": bool(row.get("removed")),  # from the INI; listed while rows are kept
         "last_error": row["last_error"],
         "last_error_age_s": row["last_error_age_s"],
