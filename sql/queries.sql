@@ -827,7 +827,8 @@ WITH circuit AS (
 ), probe AS (
     SELECT e.name FROM derivd_webhook_endpoints AS e
      WHERE e.name = %(endpoint)s AND e.opened_at IS NOT NULL AND e.removed_at IS NULL
-       AND e.paused_until <= now() AND (e.probe_until IS NULL OR e.probe_until < now())
+       AND coalesce(e.paused_until <= now(), true)  -- NULL: an older host ended the pause
+       AND (e.probe_until IS NULL OR e.probe_until < now())
        FOR UPDATE SKIP LOCKED
 ), gate AS (
     SELECT CASE WHEN EXISTS (SELECT 1 FROM probe) THEN 1

@@ -289,3 +289,20 @@ def test_a_webhooks_test_answered_2xx_closes_the_circuit(
     assert circuit(dsn)["opened_at"] is None and _due_now(dsn)
     [test_event] = receiver.answered()
     assert test_event.verified and test_event.payload["data"]["test"] is True
+
+
+def test_a_circuit_an_older_host_ended_the_pause_of_still_probes(
+    dsn: str, queue: QueueDB
+) -> None:
+    """During a rolling upgrade a host of the previous release ends an open circuit's
+    pause by a success of its own (paused_until NULL, opened_at left): the next claim
+    here is a probe, whose success closes it."""
+    with receiving(SECRET) as receiver:
+        hook = endpoint(receiver.url, retry_horizon=600)
+        queue.sync_webhook_endpoints([hook.subscription()])
+        ready_files(queue, 3)
+        sql(dsn, "UPDATE derivd_webhook_endpoints SET opened_at = now(), probes = 4")
+        with delivering(dsn, hook):
+            found = settled(dsn, count=3)
+    assert {r["status"] for r in found} == {"delivered"}
+    assert circuit(dsn)["opened_at"] is None
