@@ -291,9 +291,7 @@ def test_a_webhooks_test_answered_2xx_closes_the_circuit(
     assert test_event.verified and test_event.payload["data"]["test"] is True
 
 
-def test_a_circuit_an_older_host_ended_the_pause_of_still_probes(
-    dsn: str, queue: QueueDB
-) -> None:
+def test_a_circuit_an_older_host_ended_the_pause_of_still_probes(dsn: str, queue: QueueDB) -> None:
     """During a rolling upgrade a host of the previous release ends an open circuit's
     pause by a success of its own (paused_until NULL, opened_at left): the next claim
     here is a probe, whose success closes it."""
