@@ -304,3 +304,17 @@ def test_a_circuit_an_older_host_ended_the_pause_of_still_probes(dsn: str, queue
             found = settled(dsn, count=3)
     assert {r["status"] for r in found} == {"delivered"}
     assert circuit(dsn)["opened_at"] is None
+
+
+def test_a_webhooks_test_stands_without_the_database(tmp_path: Path, run_cli: Any) -> None:
+    """Run where the database is out of reach, a test answered 2xx still exits 0 and says
+    that the circuit closes at the next successful probe instead."""
+    with socket.socket() as held, receiving(SECRET) as receiver:
+        held.bind(("127.0.0.1", 0))
+        nowhere = f"host=127.0.0.1 port={held.getsockname()[1]} user=derivd connect_timeout=2"
+        done = run_cli("-c", str(_cli_ini(tmp_path, nowhere, receiver.url)), "webhooks", "test",
+                       "app")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "app: answered 204" in done.stdout
+    assert "app: its circuit was not closed from here (" in done.stdout
+    assert "Traceback" not in done.stderr
