@@ -91,6 +91,9 @@ CREATE TABLE archive_files (
     -- derivd_rederivations); kept, with its index, for hosts of the release before
     -- during a rolling upgrade. Always NULL.
     rederive_of      bigint,
+    -- What a PDF or video original adds to the analysis (pages and page size; duration,
+    -- frame rate, codec, audio): a JSON object, NULL for images (migration 0026).
+    original_media   jsonb,
     -- Every rule of a row (its status and error code from the vocabularies, a lease
     -- exactly while processing, a code exactly when rejected, the analysis all or
     -- nothing and well-formed, priority and tenant within their domains) in one CHECK:
