@@ -10,6 +10,7 @@ washed-out HDR frame) and the two backends against each other (`mad`).
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import replace
 
 import av
@@ -132,29 +133,21 @@ def test_empty_user_password_opens_and_another_is_unsupported(handler: Handler) 
     assert code_of(handler, pdfgen.encrypted(b"secret")) == "unsupported_content"
 
 
-@pytest.mark.parametrize(
-    ("name", "code"),
-    [
-        ("claims_a_million_pages", "resource_limit"),
-        ("page_of_2_31_points", "resource_limit"),
-        ("page_of_zero_points", "resource_limit"),
-        ("page_tree_loops", "corrupt_content"),
-        ("truncated", "corrupt_content"),
-        ("not_a_pdf_after_its_magic", "corrupt_content"),
-    ],
-)
-def test_hostile_pdf_ends_in_its_code(handler: Handler, name: str, code: str) -> None:
-    assert code_of(handler, HOSTILE_PDFS[name]()) == code
-
-
-HOSTILE_PDFS = {
-    "claims_a_million_pages": lambda: pdfgen.pages(claimed=10**6),
-    "page_of_2_31_points": lambda: pdfgen.pages(size=(2**31, 2**31)),
-    "page_of_zero_points": lambda: pdfgen.pages(size=(0.001, 0.001)),
-    "page_tree_loops": pdfgen.looping_tree,
-    "truncated": lambda: pdfgen.pages()[:300],
-    "not_a_pdf_after_its_magic": lambda: b"%PDF-1.7\n" + bytes(2000),
+# name -> (the file, the code it ends in); test_hostile_previews runs them in the daemon.
+HOSTILE_PDFS: dict[str, tuple[Callable[[], bytes], str]] = {
+    "claims_a_million_pages": (lambda: pdfgen.pages(claimed=10**6), "resource_limit"),
+    "page_of_2_31_points": (lambda: pdfgen.pages(size=(2**31, 2**31)), "resource_limit"),
+    "page_of_zero_points": (lambda: pdfgen.pages(size=(0.001, 0.001)), "resource_limit"),
+    "page_tree_loops": (pdfgen.looping_tree, "corrupt_content"),
+    "truncated": (lambda: pdfgen.pages()[:300], "corrupt_content"),
+    "not_a_pdf_after_its_magic": (lambda: b"%PDF-1.7\n" + bytes(2000), "corrupt_content"),
 }
+
+
+@pytest.mark.parametrize("name", HOSTILE_PDFS)
+def test_hostile_pdf_ends_in_its_code(handler: Handler, name: str) -> None:
+    make, code = HOSTILE_PDFS[name]
+    assert code_of(handler, make()) == code
 
 
 def test_a_render_past_the_memory_budget_is_refused_before_it(handler: Handler) -> None:
@@ -267,29 +260,20 @@ def test_tone_curve_passes_sdr_and_rolls_off_highlights() -> None:
     assert tonemap.pq_to_nits(np.array([0.0, 1.0])).round().tolist() == [0.0, 10000.0]
 
 
-@pytest.mark.parametrize(
-    ("name", "code"),
-    [
-        ("audio_only", "unsupported_content"),
-        ("encrypted", "unsupported_content"),
-        ("without_moov", "corrupt_content"),
-        ("garbled_samples", "corrupt_content"),
-        ("claims_65535_square_frames", "resource_limit"),
-        ("lasts_ten_hours", "resource_limit"),
-    ],
-)
-def test_hostile_video_ends_in_its_code(handler: Handler, name: str, code: str) -> None:
-    assert code_of(handler, HOSTILE_VIDEOS[name]()) == code
-
-
-HOSTILE_VIDEOS = {
-    "audio_only": videogen.audio_only,
-    "encrypted": videogen.encrypted,
-    "without_moov": videogen.without_moov,
-    "garbled_samples": videogen.garbled_samples,
-    "claims_65535_square_frames": videogen.claiming_frame,
-    "lasts_ten_hours": lambda: videogen.lasting(10 * 3600),
+HOSTILE_VIDEOS: dict[str, tuple[Callable[[], bytes], str]] = {
+    "audio_only": (videogen.audio_only, "unsupported_content"),
+    "encrypted": (videogen.encrypted, "unsupported_content"),
+    "without_moov": (videogen.without_moov, "corrupt_content"),
+    "garbled_samples": (videogen.garbled_samples, "corrupt_content"),
+    "claims_65535_square_frames": (videogen.claiming_frame, "resource_limit"),
+    "lasts_ten_hours": (lambda: videogen.lasting(10 * 3600), "resource_limit"),
 }
+
+
+@pytest.mark.parametrize("name", HOSTILE_VIDEOS)
+def test_hostile_video_ends_in_its_code(handler: Handler, name: str) -> None:
+    make, code = HOSTILE_VIDEOS[name]
+    assert code_of(handler, make()) == code
 
 
 def test_stream_count_and_frame_size_limits(handler: Handler) -> None:
