@@ -8,10 +8,11 @@ at the scale the largest variant needs (`render_size`: a page is vector, so unli
 photo it is drawn at the size asked for, up as well as down), never at a fixed DPI.
 
 PDFium aborts the whole process when an allocation fails, so nothing is rendered whose
-size was not checked first: the page's own size (`MAX_PAGE_POINTS`, and at least a point a
-side), the bitmap's pixels (`[derive] max_pixels`) and its bytes against the worker's
-memory. What is left (a font or an image inside the page that PDFium decodes at its own
-size) is bounded by the worker being the sandbox: a crash costs that attempt only, and a
+size was not checked first: every compressed stream's inflated size (`inflates_past`: a
+zip bomb), the page's own size (`MAX_PAGE_POINTS`, and at least a point a side), the
+bitmap's pixels (`[derive] max_pixels`) and its bytes against the worker's memory.
+What is left (a font or an image inside the page that PDFium decodes at its own size)
+is bounded by the worker being the sandbox: a crash costs that attempt only, and a
 file that crashes every attempt is rejected after `[queue] max_attempts`.
 
 Forms are not initialised (no JavaScript, no XFA); PDFium has no network access and
@@ -20,6 +21,8 @@ substitutes missing fonts from the system's or its own, downloading nothing.
 
 from __future__ import annotations
 
+import re
+import zlib
 from dataclasses import replace
 from functools import cache
 from typing import Any
@@ -39,6 +42,11 @@ from derivd.handlers.previews import Preview
 MAX_PAGE_POINTS = 144_000.0
 MIN_PAGE_POINTS = 1.0
 _BYTES_PER_PIXEL = 4  # PDFium's bitmap rows (BGR padded to 4 bytes) and its own buffers
+# The most one compressed stream may inflate to without a memory budget: a Flate stream
+# of spaces grows ~1000-fold, and PDFium inflates a content or object stream whole.
+MAX_STREAM_BYTES = 256 * 1024 * 1024
+_STREAM_START = re.compile(rb"(?<!end)stream\r?\n")
+_INFLATE_STEP = 16 * 1024 * 1024
 _FPDF_ERR_PASSWORD = 4  # FPDF_GetLastError after a load that needs a password
 _WHITE = (255, 255, 255, 255)
 
@@ -76,8 +84,34 @@ def check_page(page: tuple[float, float], size: tuple[int, int], spec: DeriveSpe
                             "worker's memory ([supervisor] max_worker_rss_mb)")  # fmt: skip
 
 
+def stream_cap(spec: DeriveSpec) -> int:
+    """What one stream may inflate to: a quarter of the worker's memory, else the constant."""
+    return spec.previews.memory_bytes // 4 or MAX_STREAM_BYTES
+
+
+def inflates_past(original: bytes, cap: int) -> bool:
+    """Whether any zlib stream in the file inflates to more than `cap` bytes: a zip bomb
+    in a content or object stream, found before PDFium inflates it whole. Every
+    `stream` keyword is tried (no parsing: a bomb need not be where the xref says); bytes
+    that are not zlib stop at their first block."""
+    view = memoryview(original)
+    for found in _STREAM_START.finditer(original):
+        inflater, pending, total = zlib.decompressobj(), view[found.end() :], 0
+        try:
+            while pending and not inflater.eof:
+                total += len(inflater.decompress(pending, _INFLATE_STEP))
+                if total > cap:
+                    return True
+                pending = memoryview(inflater.unconsumed_tail)
+        except zlib.error:
+            continue
+    return False
+
+
 def render(original: bytes, spec: DeriveSpec) -> Preview:
     """The previewed page, checked and rendered (see the module's docstring)."""
+    if inflates_past(original, stream_cap(spec)):
+        raise ResourceLimit(f"a stream inflates past {stream_cap(spec)} bytes")
     library = pdfium()
     try:
         document = library.PdfDocument(original)

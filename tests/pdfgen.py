@@ -2,7 +2,8 @@
 
 `document` lays out numbered objects, a cross-reference table and a trailer; the rest
 build on it: pages with coloured rectangles (`pages`), a rotated page, a transparent
-page (nothing painted: the render's white shows), encrypted files (`encrypted`: the
+page (nothing painted: the render's white shows), a zip bomb in an object stream,
+encrypted files (`encrypted`: the
 standard security handler, revision 2, RC4 40-bit, as ISO 32000-1 section 7.6.3 says),
 a page tree that loops, a page count that lies, and a PDF hidden behind a JPEG.
 """
@@ -10,6 +11,8 @@ a page tree that loops, a page count that lies, and a PDF hidden behind a JPEG.
 from __future__ import annotations
 
 import hashlib
+import zlib
+from functools import cache
 
 # Red bar across the top quarter, a blue block lower right: a picture whose orientation
 # and colours a test can check.
@@ -59,6 +62,20 @@ def looping_tree() -> bytes:
     return document([b"<< /Type /Catalog /Pages 2 0 R >>",
                      b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
                      b"<< /Type /Pages /Kids [2 0 R] /Count 1 >>"])  # fmt: skip
+
+
+@cache
+def object_stream_bomb(inflated: int = 1 << 30) -> bytes:
+    """A page and an object stream (Flate) of `inflated` spaces: ~1 MB that PDFium would
+    inflate to 1 GiB when it looks for an object in it."""
+    deflater, block = zlib.compressobj(9), b" " * (1 << 24)
+    packed = b"".join(deflater.compress(block) for _ in range(inflated >> 24)) + deflater.flush()
+    bomb = b"<< /Type /ObjStm /N 1 /First 4 /Length %d /Filter /FlateDecode >>\nstream\n" % (
+        len(packed))  # fmt: skip
+    return document([b"<< /Type /Catalog /Pages 2 0 R >>",
+                     b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+                     b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] >>",
+                     bomb + packed + b"\nendstream"])  # fmt: skip
 
 
 def _rc4(key: bytes, data: bytes) -> bytes:

@@ -141,6 +141,7 @@ HOSTILE_PDFS: dict[str, tuple[Callable[[], bytes], str]] = {
     "page_tree_loops": (pdfgen.looping_tree, "corrupt_content"),
     "truncated": (lambda: pdfgen.pages()[:300], "corrupt_content"),
     "not_a_pdf_after_its_magic": (lambda: b"%PDF-1.7\n" + bytes(2000), "corrupt_content"),
+    "zip_bomb_in_an_object_stream": (pdfgen.object_stream_bomb, "resource_limit"),
 }
 
 
@@ -163,6 +164,13 @@ def test_polyglot_is_what_its_first_bytes_say(handler: Handler) -> None:
     out = derive(handler, pdfgen.behind_jpeg(imagegen.case("jpeg_baseline")))
     assert out.original is not None
     assert (out.original.format, out.original.media) == ("jpeg", None)
+
+
+def test_a_stream_is_measured_up_to_the_cap_only() -> None:
+    bomb = pdfgen.object_stream_bomb(1 << 25)  # 32 MiB inflated
+    assert pdf.inflates_past(bomb, (1 << 25) - 1)
+    assert not pdf.inflates_past(bomb, 1 << 25)
+    assert not pdf.inflates_past(pdfgen.pages(), 0)  # no compressed stream at all
 
 
 def test_render_size_follows_the_variants() -> None:
