@@ -4,8 +4,9 @@ Per job: the container is recognised by its first bytes (ISO-BMFF: MP4, MOV; EBM
 Matroska, WebM) and opened with that demuxer alone, so no other one ever probes the
 bytes (HLS and concat would follow URLs). An MP4/MOV's `moov` box is read first
 (`movie_boxes`): encrypted tracks, declared frame size, duration and tracks are refused
-before any demuxer runs. Then, from the demuxer's header: streams, the video stream's
-codec (`DECODERS`, where this build has a decoder), its frame size and duration.
+before any demuxer runs; a Matroska/WebM track declaring encryption too (`matroska`).
+Then, from the demuxer's header: streams, the video stream's codec (`DECODERS`, where
+this build has a decoder), its frame size and duration.
 
 The frame: a seek to `[derive] frame_offset` of the duration lands on the keyframe at or
 before it; keyframes alone are decoded from there (`skip_frame`), and one that is almost
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
+from derivd.handlers import matroska
 from derivd.handlers.base import (
     CorruptContent,
     DeriveSpec,
@@ -98,6 +100,8 @@ def still(original: bytes, spec: DeriveSpec) -> Preview:
     fmt = container_format(original)
     if fmt in ("mp4", "mov"):
         check_movie(original, spec)
+    elif matroska.encrypted(original):
+        raise UnsupportedContent("encrypted video (WebM encryption): no key, no preview")
     with contextlib.ExitStack() as opened:
 
         def video_stream() -> Any:

@@ -271,6 +271,7 @@ def test_tone_curve_passes_sdr_and_rolls_off_highlights() -> None:
 HOSTILE_VIDEOS: dict[str, tuple[Callable[[], bytes], str]] = {
     "audio_only": (videogen.audio_only, "unsupported_content"),
     "encrypted": (videogen.encrypted, "unsupported_content"),
+    "encrypted_webm": (videogen.encrypted_webm, "unsupported_content"),
     "without_moov": (videogen.without_moov, "corrupt_content"),
     "garbled_samples": (videogen.garbled_samples, "corrupt_content"),
     "claims_65535_square_frames": (videogen.claiming_frame, "resource_limit"),

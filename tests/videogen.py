@@ -164,3 +164,38 @@ def garbled_samples() -> bytes:
     (size,) = struct.unpack(">I", data[at - 8 : at - 4])
     data[at : at - 8 + size] = bytes([0x5A]) * (size - 8)
     return bytes(data)
+
+
+def _ebml(ident: bytes, payload: bytes) -> bytes:
+    """One EBML element, its size written in 8 bytes (fits anything here)."""
+    return ident + b"\x01" + len(payload).to_bytes(7, "big") + payload
+
+
+def _ebml_header(data: bytes, at: int, id_length: int) -> tuple[int, int]:
+    """(payload start, payload size) of the element whose ID starts at `at`."""
+    first = data[at + id_length]
+    length = 9 - first.bit_length()
+    size = int.from_bytes(data[at + id_length : at + id_length + length], "big")
+    return at + id_length + length, size & ((1 << (7 * length)) - 1)
+
+
+def encrypted_webm() -> bytes:
+    """The VP9 WebM with WebM encryption declared on its track (ContentEncodings with a
+    ContentEncryption, AES, as a packager writes it); its segment's size made unknown so
+    the longer track entry needs no other offset rewritten."""
+    data = clip("vp9")
+    tracks_at = data.index(b"\x16\x54\xae\x6b")
+    while data[_ebml_header(data, tracks_at, 4)[0]] != 0xAE:  # the SeekHead names it first
+        tracks_at = data.index(b"\x16\x54\xae\x6b", tracks_at + 1)
+    body, size = _ebml_header(data, tracks_at, 4)
+    tracks = data[body : body + size]
+    entry_body, entry_size = _ebml_header(tracks, 0, 1)  # the first TrackEntry (0xAE)
+    encryption = _ebml(b"\x6d\x80", _ebml(b"\x62\x40", _ebml(b"\x50\x33", b"\x01") + _ebml(
+        b"\x50\x35", _ebml(b"\x47\xe1", b"\x05") + _ebml(b"\x47\xe2", bytes(16)))))  # fmt: skip
+    entry = _ebml(b"\xae", tracks[entry_body : entry_body + entry_size] + encryption)
+    new_tracks = _ebml(b"\x16\x54\xae\x6b", entry + tracks[entry_body + entry_size :])
+    segment_at = data.index(b"\x18\x53\x80\x67")
+    segment_body, _ = _ebml_header(data, segment_at, 4)
+    unknown = b"\x01\xff\xff\xff\xff\xff\xff\xff"
+    return (data[: segment_at + 4] + unknown + data[segment_body:tracks_at] + new_tracks
+            + data[body + size :])  # fmt: skip
