@@ -55,8 +55,10 @@ _WHITE = (255, 255, 255, 255)
 def pdfium() -> Any:
     """pypdfium2, imported with the first PDF a worker gets (PDFium is initialised at
     import: never in the supervisor, and not in a worker that only sees photos)."""
-    import pypdfium2
-
+    try:
+        import pypdfium2
+    except ImportError:  # a build without it cannot decode PDFs: the format's outcome
+        raise UnsupportedContent("PDF previews need pypdfium2, not installed") from None
     return pypdfium2
 
 

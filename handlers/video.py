@@ -59,8 +59,10 @@ _FULL_RANGE = 2  # AVCOL_RANGE_JPEG
 def libav() -> Any:
     """PyAV, imported with the first video a worker gets; ffmpeg's own log lines (about
     the user's damaged bytes) stay quiet: the outcome says what happened."""
-    import av
-
+    try:
+        import av
+    except ImportError:  # a build without it cannot decode videos: the format's outcome
+        raise UnsupportedContent("video previews need PyAV (av), not installed") from None
     av.logging.set_level(av.logging.PANIC)
     return av
 
@@ -111,6 +113,8 @@ def still(original: bytes, spec: DeriveSpec) -> Preview:
             stream = _video_stream(container)
             if stream.codec_context is not None:
                 stream.codec_context.thread_count = spec.concurrency
+                # The decoder's own bound too: a stream may change its frame size midway.
+                stream.codec_context.options = {"max_pixels": str(spec.max_pixels)}
             return stream
 
         stream = video_stream()

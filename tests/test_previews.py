@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import av
 import imagegen
@@ -21,6 +22,7 @@ import videogen
 from PIL import Image
 from test_handlers import BACKENDS, PARITY_MAD, SPEC, mad
 
+from derivd.config import ConfigError, load_config
 from derivd.handlers import pdf, tonemap, video
 from derivd.handlers.base import Derivation, DeriveSpec, Handler, Permanent, PreviewSpec
 from derivd.handlers.lazy_numpy import numpy
@@ -303,3 +305,22 @@ def test_both_backends_derive_the_same_previews() -> None:
             assert mad(ours.data, theirs.data) < PARITY_MAD
         assert vips.original is not None and pillow.original is not None
         assert vips.original.media == pillow.original.media
+
+
+# -- configuration ----------------------------------------------------------------------------
+
+
+def test_derive_settings_reach_the_handlers_spec(tmp_path: Path) -> None:
+    ini = tmp_path / "derivd.ini"
+    ini.write_text("[supervisor]\nmax_worker_rss_mb = 512\n[derive]\naccept = pdf\n"
+                   "max_pages = 7\npdf_page = 2\nmax_duration = 60\nmax_streams = 3\n"
+                   "frame_offset = 0.5\n", encoding="utf-8")  # fmt: skip
+    previews = load_config(ini, env={}).derive_spec().previews
+    assert previews == PreviewSpec(accept=frozenset({"pdf"}), max_pages=7, max_duration_s=60,
+                                   max_streams=3, frame_offset=0.5, pdf_page=2,
+                                   memory_bytes=512 * 1024 * 1024)  # fmt: skip
+    ini.write_text("[derive]\naccept = image, gif\nframe_offset = 2\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as caught:
+        load_config(ini, env={})
+    assert "[derive] accept: unknown kind 'gif'; kinds: image, pdf, video" in str(caught.value)
+    assert "[derive] frame_offset: must be between 0 and 1" in str(caught.value)
