@@ -53,6 +53,9 @@ _TRANSFERS = {16: "pq", 18: "hlg"}  # AVCOL_TRC_SMPTE2084, AVCOL_TRC_ARIB_STD_B6
 _MATRICES = {1: 1, 5: 5, 6: 5, 9: 9, 10: 9, 7: 7, 4: 4}
 _BT709, _BT601 = 1, 5
 _FULL_RANGE = 2  # AVCOL_RANGE_JPEG
+# The bytes come from memory; nothing else is ever opened: no protocol for a reference a
+# file makes (a MOV's data references, `dref`, stay off as well).
+_DEMUXER_OPTIONS = {"protocol_whitelist": "none", "enable_drefs": "0"}
 
 
 @cache
@@ -146,7 +149,8 @@ def _open(original: bytes, fmt: str) -> Any:
     """The container, opened by its own demuxer only (see the docstring)."""
     av = libav()
     try:
-        return av.open(io.BytesIO(original), format="matroska" if fmt in ("webm", "mkv") else "mov")
+        return av.open(io.BytesIO(original), format="matroska" if fmt in ("webm", "mkv") else "mov",
+                       options=_DEMUXER_OPTIONS)  # fmt: skip
     except av.error.FFmpegError as error:
         raise CorruptContent(f"unreadable {fmt}: {error}"[:200]) from None
 
