@@ -21,6 +21,7 @@ ENCODERS = {
     "hevc": ("libx265", "mov"),
     "vp9": ("libvpx-vp9", "webm"),
     "av1": ("libsvtav1", "mp4"),
+    "mpeg4": ("mpeg4", "mp4"),  # MPEG-4 Part 2: decodable, but not a codec derivd previews
 }
 RED_CORNER = (255, 0, 0)
 
