@@ -3,7 +3,8 @@
 The limits and the refusals a video needs before ffmpeg's libraries see its bytes: the
 frame size each video track declares (`tkhd`, 16.16 fixed point, and its sample entry's
 16-bit width and height: a `moov` may claim 65535 x 65535 while its first frame is small),
-the movie's duration (`mvhd`), how many tracks it has, and whether a track is encrypted
+the movie's duration (`mvhd`), how many tracks it has, how many samples a track
+declares (`stsz`: ffmpeg builds an index entry for each), and whether a track is encrypted
 (CENC and its `cbcs` pattern store `encv`/`enca` sample entries with a `sinf` box:
 ffmpeg would decode such samples into garbage without a key). Box headers only, through
 `isobmff`'s walker; damaged boxes give what could be read.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from derivd.handlers.isobmff import _boxes, _child
+from derivd.handlers.isobmff import _boxes, _child, _samples
 
 _FULL_BOX = 4
 _ENCRYPTED_ENTRIES = frozenset({b"encv", b"enca", b"enct", b"encs"})
@@ -32,6 +33,7 @@ class Movie:
     frame: tuple[int, int] = (0, 0)
     duration_s: float | None = None
     encrypted: bool = False
+    samples: int = 0  # the most any track's `stsz` declares
 
 
 def declared_movie(data: bytes) -> Movie:
@@ -53,7 +55,8 @@ def declared_movie(data: bytes) -> Movie:
             if e_hi - e_lo >= _VISUAL_SIZE_AT + 4 and _is_video_track(data, lo, hi):
                 w, h = struct.unpack(">HH", data[e_lo + 24 : e_lo + 28])
                 width, height = max(width, w), max(height, h)
-    return Movie(tracks, (width, height), _duration(data, *moov), encrypted)
+    samples = _samples(data, *moov)
+    return Movie(tracks, (width, height), _duration(data, *moov), encrypted, samples)
 
 
 def _tkhd_size(data: bytes, lo: int, hi: int) -> tuple[int, int]:

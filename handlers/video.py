@@ -47,6 +47,9 @@ DECODERS = frozenset({"h264", "hevc", "vp8", "vp9", "av1"})
 MAX_KEYFRAMES = 8  # keyframes decoded at most, looking for one that is not uniform
 MAX_FRAMES = 90  # then frames of any kind (3 s at 30 fps), when every keyframe was
 UNIFORM_SPREAD = 6.0  # luma standard deviation (0-255) below which a frame is "uniform"
+# ffmpeg indexes every sample of a track up front (24 bytes an entry): 10 M samples is
+# 240 MiB of index, and 3 hours at 240 fps is 2.6 M (AAC audio: 47 frames a second).
+MAX_TRACK_SAMPLES = 10_000_000
 _SPREAD_SIZE = (64, 36)  # what the spread is measured on
 _TRANSFERS = {16: "pq", 18: "hlg"}  # AVCOL_TRC_SMPTE2084, AVCOL_TRC_ARIB_STD_B67
 # AVColorSpace values swscale takes, by the frame's tag (smpte170m is BT.601's matrix).
@@ -85,6 +88,8 @@ def check_movie(original: bytes, spec: DeriveSpec) -> None:
     if movie.encrypted:
         raise UnsupportedContent("encrypted video (CENC): no key, no preview")
     check_streams(movie.tracks, spec)
+    if movie.samples > MAX_TRACK_SAMPLES:
+        raise ResourceLimit(f"{movie.samples} samples in a track > {MAX_TRACK_SAMPLES}")
     check_declared_size(*movie.frame, 1, spec)
     if movie.duration_s is not None:
         check_duration(movie.duration_s, spec)

@@ -279,6 +279,7 @@ HOSTILE_VIDEOS: dict[str, tuple[Callable[[], bytes], str]] = {
     "garbled_samples": (videogen.garbled_samples, "corrupt_content"),
     "claims_65535_square_frames": (videogen.claiming_frame, "resource_limit"),
     "lasts_ten_hours": (lambda: videogen.lasting(10 * 3600), "resource_limit"),
+    "claims_50_million_samples": (videogen.claiming_samples, "resource_limit"),
 }
 
 

@@ -150,6 +150,15 @@ def lasting(seconds: int) -> bytes:
     return bytes(data)
 
 
+def claiming_samples(count: int = 50_000_000) -> bytes:
+    """The clip with its `stsz` claiming `count` samples of one constant size, so no
+    table has to back the claim: 14 KB that ffmpeg's demuxer indexes in ~600 MiB."""
+    data = bytearray(clip())
+    at = _find(data, b"stsz") + 4  # past version and flags
+    data[at : at + 8] = struct.pack(">II", 100, count)
+    return bytes(data)
+
+
 def encrypted() -> bytes:
     """The clip with its sample entry renamed `encv`, as CENC stores a protected track."""
     data = bytearray(clip())
