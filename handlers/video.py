@@ -25,6 +25,7 @@ import contextlib
 import io
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -45,7 +46,7 @@ from derivd.handlers.tonemap import to_sdr
 # Codecs previewed (ffmpeg's canonical names): what phones, cameras and browsers record.
 DECODERS = frozenset({"h264", "hevc", "vp8", "vp9", "av1"})
 MAX_KEYFRAMES = 8  # keyframes decoded at most, looking for one that is not uniform
-MAX_FRAMES = 90  # then frames of any kind (3 s at 30 fps), when every keyframe was
+MAX_FRAMES = 90  # then frames of any kind (3 s at 30 fps), when all keyframes were uniform
 UNIFORM_SPREAD = 6.0  # luma standard deviation (0-255) below which a frame is "uniform"
 # ffmpeg indexes every sample of a track up front (24 bytes an entry): 10 M samples is
 # 240 MiB of index, and 3 hours at 240 fps is 2.6 M (AAC audio: 47 frames a second).
@@ -126,28 +127,40 @@ def still(original: bytes, spec: DeriveSpec) -> Preview:
             return stream
 
         stream = video_stream()
-        container = stream.container
-        check_streams(len(container.streams), spec)
-        context = stream.codec_context
-        codec = context.codec.canonical_name if context is not None else None
-        if codec not in DECODERS:
-            raise UnsupportedContent(f"video codec {codec or 'unknown'!r} not previewed")
-        check_declared_size(context.width, context.height, 1, spec)
-        duration = _duration(container, stream)
-        check_duration(duration, spec)
-        if context.width < 1 or context.height < 1:
-            raise CorruptContent("video stream without a frame size")
+        codec, duration = checked_stream(stream, spec)
         frame = pick_frame(stream, video_stream, duration * spec.previews.frame_offset)
-        rate = stream.average_rate or stream.guessed_rate
-        media = {
-            "duration": round(duration, 3),
-            "frame_rate": round(float(rate), 3) if rate else None,
-            "codec": codec,
-            "audio": bool(container.streams.audio),
-            "frame_time": round(float(frame.time or 0.0), 3),
-        }
-        frames = stream.frames or (round(duration * float(rate)) if rate else 0)
-        return _picture(frame, context, fmt, max(1, frames), media, spec)
+        media, frames = _facts(stream, codec, duration, frame)
+        return _picture(frame, stream.codec_context, fmt, frames, media, spec)
+
+
+def checked_stream(stream: Any, spec: DeriveSpec) -> tuple[str, float]:
+    """The video stream's codec and duration, once the demuxer's header passed every
+    limit and the codec is one previewed."""
+    check_streams(len(stream.container.streams), spec)
+    context = stream.codec_context
+    codec = context.codec.canonical_name if context is not None else None
+    if codec not in DECODERS:
+        raise UnsupportedContent(f"video codec {codec or 'unknown'!r} not previewed")
+    check_declared_size(context.width, context.height, 1, spec)
+    duration = _duration(stream.container, stream)
+    check_duration(duration, spec)
+    if context.width < 1 or context.height < 1:
+        raise CorruptContent("video stream without a frame size")
+    return str(codec), duration
+
+
+def _facts(stream: Any, codec: str, duration: float, frame: Any) -> tuple[dict[str, Any], int]:
+    """What the analysis adds for a video (`Analysis.media`), and its frame count."""
+    rate = stream.average_rate or stream.guessed_rate
+    media = {
+        "duration": round(duration, 3),
+        "frame_rate": round(float(rate), 3) if rate else None,
+        "codec": codec,
+        "audio": bool(stream.container.streams.audio),
+        "frame_time": round(float(frame.time or 0.0), 3),
+    }
+    frames = stream.frames or (round(duration * float(rate)) if rate else 0)
+    return media, max(1, frames)
 
 
 def _open(original: bytes, fmt: str) -> Any:
@@ -252,19 +265,14 @@ def _picture(frame: Any, context: Any, fmt: str, frames: int, media: dict[str, A
     return Preview(upright.tobytes(), size, shown, shown, fmt, frames, media)
 
 
+@dataclass(frozen=True)
 class Turn:
     """How the display matrix turns stored pixels upright: transpose first, then flip
     each axis (as displayed)."""
 
-    def __init__(self, transpose: bool = False, flip_x: bool = False, flip_y: bool = False
-                 ) -> None:  # fmt: skip
-        self.transpose, self.flip_x, self.flip_y = transpose, flip_x, flip_y
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Turn) and vars(self) == vars(other)
-
-    def __repr__(self) -> str:
-        return f"Turn({self.transpose}, {self.flip_x}, {self.flip_y})"
+    transpose: bool = False
+    flip_x: bool = False
+    flip_y: bool = False
 
 
 def turn_of(matrix: tuple[int, ...]) -> Turn:
