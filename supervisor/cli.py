@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -175,9 +176,10 @@ def migrate(state: State) -> None:
     from derivd.embedded.runtime import database
     from derivd.queue.db import check_schema
     from derivd.queue.db import migrate as apply_migrations
+    from derivd.storage.base import store_name
 
     with database(state.config, auto_migrate=False, check=False) as dsn:
-        applied = apply_migrations(dsn)
+        applied = apply_migrations(dsn, store_name(state.config))
         check_schema(dsn)  # a schema newer than this version is refused, not "up to date"
     click.echo(f"applied: {', '.join(applied)}" if applied else "schema is up to date")
 
@@ -190,10 +192,22 @@ def migrate(state: State) -> None:
     "--tenant",
     help=f"Whose files these are (at most {TENANT_MAX_CHARS} characters); none by default.",
 )
+@click.option("--external-id", help="Your own reference, carried to results and webhooks.")
+@click.option(
+    "--metadata",
+    metavar="JSON",
+    help="A small JSON object carried to results and webhooks, e.g. '{\"album\": 7}'.",
+)
 @pass_state
 @friendly_errors
 def enqueue(
-    state: State, paths: tuple[Path, ...], quiet: bool, priority: int, tenant: str | None
+    state: State,
+    paths: tuple[Path, ...],
+    quiet: bool,
+    priority: int,
+    tenant: str | None,
+    external_id: str | None,
+    metadata: str | None,
 ) -> None:
     """Upload originals (files, or directories walked recursively) and queue them.
 
@@ -203,6 +217,7 @@ def enqueue(
     skipped. Prints one line per file: the new row id and the path; then run
     `derivd run` (or let a running one pick them up) and watch `derivd status`.
     """
+    from derivd.client import InvalidContext, app_context
     from derivd.embedded.runtime import database
     from derivd.ops.enqueue import expand_paths, upload_and_queue
     from derivd.priorities import priority_problem, tenant_problem
@@ -218,6 +233,10 @@ def enqueue(
         database(state.config, create=False) as dsn,
         QueueDB.open(dsn, role="derivd-enqueue") as queue,
     ):
+        try:
+            context = app_context(queue, external_id, _json_arg("--metadata", metadata))
+        except InvalidContext as error:
+            die(str(error), 2)
         storage = open_storage(state.config)
         storage.check()
         with click.progressbar(
@@ -230,9 +249,20 @@ def enqueue(
                 progress=lambda _: bar.update(1),
                 priority=priority,
                 tenant=tenant,
+                context=context,
             )
     for file_id, path in zip(ids, files, strict=True):
         click.echo(str(file_id) if quiet else f"{file_id}\t{path}")
+
+
+def _json_arg(option: str, text: str | None) -> Any:
+    """An option's JSON value (None when not given); one line, exit 2, when it is not JSON."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        die(f"{option} is not JSON: {error}", 2)
 
 
 @main.command()

@@ -22,6 +22,7 @@ from typing import Any, get_type_hints
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
 from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn
+from derivd.storage.base import prefix_problem
 from derivd.variant_config import (
     SECTION_PREFIX,
     build_variants,
@@ -215,7 +216,12 @@ class StorageSettings:
         "", "s3: endpoint for MinIO/Ceph/other S3 APIs; empty: AWS", mask=mask_url
     )
     region: str = setting("", "s3: region; empty: from the AWS environment/profile")
-    prefix: str = setting("", "s3: key prefix inside the bucket, e.g. derivd/")
+    prefix: str = setting(
+        "",
+        "s3: where in the bucket derivd writes (its variants, `derivd enqueue`'s originals), "
+        "e.g. derivd/; part of every key derivd hands out",
+        check=lambda value: prefix_problem(value) if value else None,
+    )
 
 
 @dataclass(frozen=True)

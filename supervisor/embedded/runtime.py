@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from derivd.config import Config
 from derivd.queue.db import check_schema, migrate
 from derivd.redact import mask_dsn
+from derivd.storage.base import store_name
 
 if TYPE_CHECKING:
     from derivd.embedded.pgcluster import EmbeddedCluster
@@ -62,7 +63,7 @@ def database(
     with cluster:
         dsn = cluster.dsn()
         if auto_migrate and not read_only:
-            applied = migrate(dsn)
+            applied = migrate(dsn, store_name(config))
             if applied:
                 log.info("embedded database migrated: %s", ", ".join(applied))
         if check:

@@ -25,6 +25,7 @@ from derivd.processes.supervisor import RunResult, Supervisor
 from derivd.queue.db import DatabaseUnavailable, HostInfo, QueueDB
 from derivd.queue.webhook_queries import DeliveriesLeft
 from derivd.redact import redact
+from derivd.storage.base import store_name
 
 log = logging.getLogger("derivd")
 
@@ -139,8 +140,10 @@ def _say_what_is_left(dsn: str, endpoints: list[str]) -> None:
 
 
 def _claim_host_id(config: Config, dsn: str) -> HostInfo | str:
-    """This run's registry row, before the first fork; or why another run holds it."""
+    """This run's registry row, before the first fork; or why another run holds it.
+    Records where the store is, too (the bucket webhooks and results name)."""
     with QueueDB.open(dsn, role="derivd-supervisor") as queue:
+        queue.record_store(store_name(config))
         return claim_host(queue, host_info(config, busy=0))
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import psycopg
@@ -18,11 +19,16 @@ from derivd.queue.session import (
 )
 from derivd.queue.sqlfiles import function_signatures, functions, migrations, query
 from derivd.redact import one_line
+from derivd.storage.base import StoreName
 
 
-def migrate(dsn: str) -> list[str]:
+def migrate(dsn: str, store: StoreName | None = None) -> list[str]:
     """Apply pending migrations in order, then sql/functions.sql, in one transaction,
-    under an advisory lock. Returns the names of the migrations it applied.
+    under an advisory lock, and record where the store is (`store`: derivd_store).
+    Returns the names of the migrations it applied.
+
+    `store.prefix` is the transaction's `derivd.key_prefix`: migration 0025 adds it to
+    the keys already in the rows (keys are the store's real keys from then on).
 
     Safe to run from two hosts at once: the second waits for the lock, then finds no
     migration left and replaces the functions with the same bodies (two sessions
@@ -41,6 +47,8 @@ def migrate(dsn: str) -> list[str]:
         with conn.transaction():
             conn.execute(query("migrations_lock"))
             conn.execute(query("migrations_table"))
+            if store is not None:
+                conn.execute(query("migrations_key_prefix"), {"prefix": store.prefix})
             done = {row[0] for row in conn.execute(query("migrations_applied"))}
             if newer := newer_schema(done, {m.name for m in packaged}):
                 raise SchemaMismatch(newer)
@@ -51,6 +59,8 @@ def migrate(dsn: str) -> list[str]:
                 conn.execute(query("migrations_record"), {"name": migration.name})
                 applied.append(migration.name)
             conn.execute(functions())  # type: ignore[arg-type]  # package data
+            if store is not None:
+                conn.execute(query("store_record"), asdict(store))
     return applied
 
 

@@ -80,6 +80,7 @@ def _writing(where: Path) -> Iterator[None]:
 
 class FsStorage:
     name = "fs"
+    prefix = ""  # keys derivd generates start at the root
 
     def __init__(self, root: Path, *, sync_dir: Callable[[Path], None] = fsync_dir) -> None:
         self.root = root.resolve()
