@@ -218,8 +218,7 @@ class StorageSettings:
     region: str = setting("", "s3: region; empty: from the AWS environment/profile")
     prefix: str = setting(
         "",
-        "s3: where in the bucket derivd writes (its variants, `derivd enqueue`'s originals), "
-        "e.g. derivd/; part of every key derivd hands out",
+        "s3: where in the bucket derivd writes its objects, e.g. derivd/ (part of their keys)",
         check=lambda value: prefix_problem(value) if value else None,
     )
 
@@ -710,7 +709,13 @@ def config_location(given: Path | None, env: Mapping[str, str]) -> tuple[Path, b
 
 
 def _read_ini(path: Path, problems: list[Problem]) -> dict[str, dict[str, str]]:
-    parser = configparser.ConfigParser(interpolation=None, strict=True)
+    # Comments as in the INI readers people know: on their own line, or after a value
+    # following whitespace (`events = file.ready  # default: all four`). Without the
+    # inline ones, `tenants =   # empty: every tenant` named the tenant "# empty: ...".
+    # A `#` or `;` not after whitespace stays in the value (`https://host/#part`).
+    parser = configparser.ConfigParser(
+        interpolation=None, strict=True, inline_comment_prefixes=("#", ";")
+    )
     try:
         with path.open(encoding="utf-8") as handle:
             parser.read_file(handle)
