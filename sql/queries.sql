@@ -56,6 +56,10 @@ CREATE TABLE IF NOT EXISTS derivd_migrations (
     applied_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- name: current_schema
+-- Where `migrate` creates what it creates (the first schema of the search_path).
+SELECT current_schema();
+
 -- name: migrations_key_prefix
 -- The store's key prefix for migration 0025 (transaction-local: nothing else sees it).
 SELECT set_config('derivd.key_prefix', %(prefix)s::text, true);

@@ -179,7 +179,7 @@ def migrate(state: State) -> None:
     from derivd.storage.base import store_name
 
     with database(state.config, auto_migrate=False, check=False) as dsn:
-        applied = apply_migrations(dsn, store_name(state.config))
+        applied = apply_migrations(dsn, store_name(state.config), state.config.database.schema)
         check_schema(dsn)  # a schema newer than this version is refused, not "up to date"
     click.echo(f"applied: {', '.join(applied)}" if applied else "schema is up to date")
 

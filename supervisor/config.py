@@ -14,6 +14,7 @@ import configparser
 import dataclasses
 import difflib
 import os
+import re
 import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -113,6 +114,10 @@ DAYS_MAX = 36_500  # a century of days
 COUNT_MAX = 1_000_000_000  # fits PostgreSQL's integer
 
 
+# A schema name derivd puts in search_path and in DDL as it is: nothing to quote.
+SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
 def one_of(*choices: str) -> Check:
     def check(value: str) -> str | None:
         return None if value in choices else f"must be one of: {', '.join(choices)}"
@@ -196,6 +201,18 @@ class DatabaseSettings:
         "direct connection for LISTEN when dsn is a transaction pooler (PgBouncer); empty: dsn",
         check=check_dsn,
         mask=mask_dsn,
+    )
+    schema: str = setting(
+        "",
+        "where derivd's tables live: a schema of its own beside the app's (e.g. derivd), "
+        "or the app's; empty: the connection's search_path (public)",
+        check=lambda value: (
+            None
+            if not value or SCHEMA_NAME.match(value)
+            else (
+                "must be a lower-case name: a letter or _, then letters, digits or _ (at most 63)"
+            )
+        ),
     )
     listen_retry: float = setting(
         1.0,

@@ -8,6 +8,8 @@ from dataclasses import asdict
 from typing import Any
 
 import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from derivd import __version__
 from derivd.queue.session import (
@@ -22,10 +24,16 @@ from derivd.redact import one_line
 from derivd.storage.base import StoreName
 
 
-def migrate(dsn: str, store: StoreName | None = None) -> list[str]:
+def migrate(dsn: str, store: StoreName | None = None, schema: str = "") -> list[str]:
     """Apply pending migrations in order, then sql/functions.sql, in one transaction,
     under an advisory lock, and record where the store is (`store`: derivd_store).
     Returns the names of the migrations it applied.
+
+    `schema` ([database] schema; `dsn` is `in_schema` of it): created when missing, and
+    every function's search_path, so that an app's statement on a connection of its own
+    (an INSERT firing the triggers and the row's rule, `derivd_delete_file`) finds
+    derivd's tables. A table of derivd's name already there, not derivd's (the app's
+    `archive_files`): SchemaMismatch in one line naming it and the option.
 
     `store.prefix` is the transaction's `derivd.key_prefix`: migration 0025 adds it to
     the keys already in the rows (keys are the store's real keys from then on).
@@ -46,7 +54,12 @@ def migrate(dsn: str, store: StoreName | None = None) -> list[str]:
         conn.autocommit = False
         with conn.transaction():
             conn.execute(query("migrations_lock"))
+            if schema:
+                conn.execute(
+                    sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema))
+                )
             conn.execute(query("migrations_table"))
+            where = schema or str(conn.execute(query("current_schema")).fetchone()[0])  # type: ignore[index]
             if store is not None:
                 conn.execute(query("migrations_key_prefix"), {"prefix": store.prefix})
             done = {row[0] for row in conn.execute(query("migrations_applied"))}
@@ -55,13 +68,50 @@ def migrate(dsn: str, store: StoreName | None = None) -> list[str]:
             for migration in packaged:
                 if migration.name in done:
                     continue
-                conn.execute(migration.sql)  # type: ignore[arg-type]  # package data
+                try:
+                    conn.execute(migration.sql)  # type: ignore[arg-type]  # package data
+                except (psycopg.errors.DuplicateTable, psycopg.errors.DuplicateObject) as error:
+                    raise SchemaMismatch(_clash(error, where)) from None
                 conn.execute(query("migrations_record"), {"name": migration.name})
                 applied.append(migration.name)
             conn.execute(functions())  # type: ignore[arg-type]  # package data
+            if schema:
+                _pin_search_path(conn, schema)
             if store is not None:
                 conn.execute(query("store_record"), asdict(store))
     return applied
+
+
+def _clash(error: psycopg.Error, where: str) -> str:
+    """One line for a migration that met an object of derivd's name it did not make."""
+    what = error.diag.message_primary or "an object of derivd's name exists"
+    return (
+        f"{what} in schema {where} and is not derivd's: give derivd a schema of its own "
+        "with [database] schema (e.g. schema = derivd), or migrate into another database"
+    )
+
+
+def _pin_search_path(conn: psycopg.Connection[Any], schema: str) -> None:
+    """Every function of sql/functions.sql looks its names up in `schema`, whoever calls
+    it (CREATE OR REPLACE drops the setting: every migrate sets it again)."""
+    for signature in function_signatures():
+        conn.execute(
+            sql.SQL("ALTER FUNCTION {} SET search_path = {}").format(
+                sql.SQL(signature),  # type: ignore[arg-type]  # package data
+                sql.Identifier(schema),
+            )
+        )
+
+
+def in_schema(dsn: str, schema: str) -> str:
+    """`dsn` whose sessions find derivd's tables in `schema` ([database] schema; empty:
+    `dsn` as it is). A startup option: through a transaction pooler, which refuses it,
+    set the role's search_path instead (README)."""
+    if not schema:
+        return dsn
+    params = conninfo_to_dict(dsn)
+    options = f"{params.get('options') or ''} -c search_path={schema}".strip()
+    return make_conninfo(dsn, options=options)
 
 
 NO_SCHEMA = "the database has no derivd schema; run `derivd migrate`"
