@@ -215,14 +215,31 @@ SELECT pid, version, started_at, heartbeat_s,
 -- A supervisor starts: its registry row, idle and started now. Fenced: it replaces only
 -- the row it was shown (`seen_pid` + `seen_started_at`: a stale one, or its own crashed
 -- run's), never one another run has written since; nothing returned: try again.
-INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
-VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, 0, %(heartbeat_s)s)
+INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s,
+                               variant_set)
+VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, 0, %(heartbeat_s)s,
+        %(variant_set)s)
 ON CONFLICT (host) DO UPDATE
    SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
        workers = EXCLUDED.workers, busy = 0, heartbeat_s = EXCLUDED.heartbeat_s,
-       last_heartbeat = now(), started_at = now()
+       last_heartbeat = now(), started_at = now(), variant_set = EXCLUDED.variant_set
  WHERE r.pid = %(seen_pid)s AND r.started_at = %(seen_started_at)s::timestamptz
 RETURNING started_at;
+
+-- name: host_variant_set
+-- A supervisor's variant set changed (a reload), or its row was made again by a
+-- heartbeat after a prune: the registry learns it. Fenced on the run, as the heartbeat.
+UPDATE derivd_hosts
+   SET variant_set = %(variant_set)s
+ WHERE host = %(host)s AND pid = %(pid)s
+   AND (%(started_at)s::timestamptz IS NULL OR started_at = %(started_at)s::timestamptz)
+RETURNING host;
+
+-- name: live_variant_sets
+-- `derivd backfill`: the variant set of every live host (NULL: unknown).
+SELECT host, variant_set FROM derivd_hosts
+ WHERE NOT derivd_host_stale(last_heartbeat, heartbeat_s)
+ ORDER BY host;
 
 -- name: deregister_host
 -- A clean stop. Fenced on the pid and the start: a supervisor under the same name (a

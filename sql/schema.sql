@@ -408,6 +408,10 @@ CREATE TABLE derivd_hosts (
     heartbeat_s    double precision NOT NULL,
     started_at     timestamptz      NOT NULL DEFAULT now(),
     last_heartbeat timestamptz      NOT NULL DEFAULT now(),
+    -- The variant set it derives (derivd.fingerprint.target_digest; migration 0025),
+    -- what `derivd backfill` compares with the set it rolls out. NULL: unknown (a host
+    -- of an earlier release, or a row the heartbeat made again after a prune).
+    variant_set    text,
     CONSTRAINT derivd_hosts_host_check CHECK (
         octet_length(host) BETWEEN 1 AND 200 AND host !~ '[[:cntrl:]]'),
     CONSTRAINT derivd_hosts_heartbeat_check CHECK (heartbeat_s > 0)

@@ -280,9 +280,14 @@ def _json_arg(option: str, text: str | None) -> Any:
     BACKFILL_PRIORITY,
     f"with --apply, the re-derivations' priority (below live uploads at {DEFAULT_PRIORITY})",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="With --apply: queue even while live hosts derive another variant set.",
+)
 @pass_state
 @friendly_errors
-def backfill(state: State, apply_: bool, max_queued: int, priority: int) -> None:
+def backfill(state: State, apply_: bool, max_queued: int, priority: int, force: bool) -> None:
     """Re-derive ready files whose variants differ from the configured ones.
 
     \b
@@ -292,11 +297,13 @@ def backfill(state: State, apply_: bool, max_queued: int, priority: int) -> None
     keeping at most --max-queued claimable. Each file stays `ready`, its old variants
     readable, until its re-derivation commits the new set; the old objects go to the
     sweep after [sweep] delete_guard. Ctrl-C or a crash: run it again to resume. One
-    --apply runs at a time (any host).
+    --apply runs at a time (any host). While live hosts derive another variant set
+    (the registry knows each one's), --apply refuses: their workers would reject every
+    re-derivation; --force queues anyway (a warning), as when they restart soon.
     """
     from derivd.embedded.runtime import database
-    from derivd.fingerprint import configured_set
-    from derivd.ops.backfill import Apply, BackfillRunning, scan
+    from derivd.fingerprint import configured_set, target_digest
+    from derivd.ops.backfill import Apply, BackfillRunning, fleet_problem, scan
     from derivd.priorities import priority_problem
     from derivd.queue.db import QueueDB
 
@@ -309,6 +316,11 @@ def backfill(state: State, apply_: bool, max_queued: int, priority: int) -> None
         database(config, create=False) as dsn,
         QueueDB.open(dsn, role="derivd-backfill") as queue,
     ):
+        problem = fleet_problem(queue.live_variant_sets(), target_digest(configured))
+        if problem and apply_ and not force:
+            die(problem)
+        if problem:
+            click.echo(f"derivd: warning: {problem.removesuffix(', or pass --force')}", err=True)
         if not apply_:
             for line in scan(queue, configured).lines(configured):
                 click.echo(line)

@@ -273,7 +273,11 @@ class PipelinedRun:
             return
         if not released:
             event(
-                log, "lease lost", logging.WARNING, file_id=entry.job.id, attempt=entry.job.attempt
+                log,
+                "lease lost",
+                logging.WARNING,
+                **entry.job.log_fields(),
+                attempt=entry.job.attempt,
             )
         self._end(entry, "released" if released else "lease_lost", None)
 
@@ -335,7 +339,11 @@ class PipelinedRun:
             self._end(entry, "ready", None)
         else:
             event(
-                log, "lease lost", logging.WARNING, file_id=entry.job.id, attempt=entry.job.attempt
+                log,
+                "lease lost",
+                logging.WARNING,
+                **entry.job.log_fields(),
+                attempt=entry.job.attempt,
             )
             self._end(entry, "lease_lost", None)
         self._admit(claimed, sent, reserved=limit)

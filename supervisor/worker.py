@@ -291,7 +291,7 @@ class Worker:
         event(
             log,
             "job finished",
-            file_id=job.id,
+            **job.log_fields(),
             attempt=job.attempt,
             outcome=outcome,
             code=code or "-",
@@ -358,7 +358,9 @@ class Worker:
                 log.error("job %s: its variant set is not the backfill's target", d.job.id)
                 self._finish(d.job, "rejected", "processing_failed", d.duration_s)
             else:
-                event(log, "lease lost", logging.WARNING, file_id=d.job.id, attempt=d.job.attempt)
+                event(
+                    log, "lease lost", logging.WARNING, **d.job.log_fields(), attempt=d.job.attempt
+                )
                 self._finish(d.job, "lease_lost", None, d.duration_s)
 
     def flush(self) -> list[JobResult]:
@@ -381,7 +383,7 @@ class Worker:
                 self._finish(job, "unknown", None, 0.0)
                 continue
             if not released:
-                event(log, "lease lost", logging.WARNING, file_id=job.id, attempt=job.attempt)
+                event(log, "lease lost", logging.WARNING, **job.log_fields(), attempt=job.attempt)
             self._finish(job, "released" if released else "lease_lost", None, 0.0)
 
     def _derive(self, job: Job) -> Derivation:
@@ -461,7 +463,7 @@ class Worker:
             log.warning("job %s: could not record failure: %s", job.id, error)
             return "unknown"
         if status is None:
-            event(log, "lease lost", logging.WARNING, file_id=job.id, attempt=job.attempt)
+            event(log, "lease lost", logging.WARNING, **job.log_fields(), attempt=job.attempt)
             return "lease_lost"
         return "retry" if status == "queued" else "rejected"
 

@@ -40,7 +40,13 @@ BEGIN
     UPDATE derivd_rederivations SET original_key = p || original_key;
 END $$;
 
--- 4. A queued row names its original by a key and a version (derivd reads originals by
+-- 4. The host registry knows which variant set each supervisor derives (a digest of its
+--    configured set: derivd.fingerprint.target_digest), so `derivd backfill` can refuse
+--    to roll out a set that live hosts do not run: their workers would reject every
+--    re-derivation. NULL: a host of the release before (unknown).
+ALTER TABLE derivd_hosts ADD COLUMN variant_set text;
+
+-- 5. A queued row names its original by a key and a version (derivd reads originals by
 --    version; an empty one named nothing and was rejected by the worker later). The row
 --    rule now refuses it at the INSERT; queued rows that break it are rejected here as
 --    the worker would have, with their event and webhooks.

@@ -46,6 +46,14 @@ class HostQueries(Statements):
         """Where the store is (derivd_store): the bucket results and webhooks name."""
         self._all("store_record", asdict(store))
 
+    def record_variant_set(self, host: HostInfo) -> bool:
+        """The registry learns `host`'s variant set (fenced on its run); False: no row."""
+        return bool(self._all("host_variant_set", host.__dict__))
+
+    def live_variant_sets(self) -> dict[str, str | None]:
+        """host -> the variant set it derives (None: unknown), of every live host."""
+        return {r["host"]: r["variant_set"] for r in self._all("live_variant_sets")}
+
     def register_host(
         self, host: HostInfo, *, replacing: Mapping[str, Any] | None = None
     ) -> HostInfo | None:
