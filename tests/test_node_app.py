@@ -3,7 +3,9 @@
 PUTs an original to moto's S3 under a prefix, INSERTs its row with an external id and
 metadata, receives `file.ready` on its own HTTP server and verifies it, GETs every variant
 by the bucket and key the payload names, and deletes the file through the SQL function.
-`derivd run` does the rest, configured with the same bucket and prefix."""
+`derivd run` does the rest, configured with the same bucket and prefix. On the fs store
+(the embedded default's) the program writes the original by the store's documented
+layout and reads the variants the same way."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -45,16 +48,29 @@ def _url(dsn: str) -> str:
     return f"postgresql://{user}@{params['host']}:{params['port']}/{db}"
 
 
+@pytest.fixture(params=["s3", "fs"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """[storage] of derivd, and the program's environment for the same store."""
+    if request.param == "fs":
+        root = tmp_path / "objects"
+        return {"backend": "fs", "root": root}, {"FS_ROOT": str(root)}
+    server: MotoServer = request.getfixturevalue("s3_server")
+    bucket: str = request.getfixturevalue("s3_bucket")
+    settings = {"backend": "s3", "bucket": bucket, "prefix": PREFIX, "region": "us-east-1",
+                "endpoint_url": server.endpoint_url}  # fmt: skip
+    return settings, {"S3_ENDPOINT": server.endpoint_url, "BUCKET": bucket}
+
+
 def test_a_node_upload_service_uses_derivd_through_sql_and_webhooks(
-    dsn: str, tmp_path: Path, s3_server: MotoServer, s3_bucket: str
+    dsn: str, tmp_path: Path, store: tuple[dict[str, Any], dict[str, str]]
 ) -> None:
     if reason := _node_ready():
         pytest.skip(reason)
+    storage, store_env = store
     port = free_port()
     ini = write_ini(tmp_path / "derivd.ini", {
         "database": {"dsn": dsn},
-        "storage": {"backend": "s3", "bucket": s3_bucket, "prefix": PREFIX, "region": "us-east-1",
-                    "endpoint_url": s3_server.endpoint_url},
+        "storage": storage,
         "supervisor": {"workers": 1, "state_dir": tmp_path / "state"},
         "derive": {"backend": "pillow", "variants": "preview:64, thumb:32"},
         "webhook:app": {"url": f"http://127.0.0.1:{port}/hooks", "secret": SECRET,
@@ -62,9 +78,8 @@ def test_a_node_upload_service_uses_derivd_through_sql_and_webhooks(
     })  # fmt: skip
     image = tmp_path / "photo.jpg"
     image.write_bytes(jpeg(96, 72))
-    env = dict(os.environ, DATABASE_URL=_url(dsn), S3_ENDPOINT=s3_server.endpoint_url,
-               BUCKET=s3_bucket, PREFIX=PREFIX, WEBHOOK_SECRET=SECRET, PORT=str(port),
-               IMAGE=str(image))  # fmt: skip
+    env = dict(os.environ, DATABASE_URL=_url(dsn), PREFIX=PREFIX, WEBHOOK_SECRET=SECRET,
+               PORT=str(port), IMAGE=str(image), **store_env)  # fmt: skip
     with (tmp_path / "derivd.log").open("w") as log:
         daemon = subprocess.Popen([*derivd_command(), "-c", str(ini), "run"],
                                   stdin=subprocess.DEVNULL, stdout=log,
@@ -83,7 +98,10 @@ def test_a_node_upload_service_uses_derivd_through_sql_and_webhooks(
     variants = sql(dsn, "SELECT key, bytes FROM archive_variants WHERE file_id = %s"
                         " ORDER BY name, format", (out["id"],))  # fmt: skip
     assert out["variants"] == variants and len(variants) == 2
-    assert all(v["key"].startswith(f"{PREFIX}derived/{out['id']}/") for v in variants)
+    # Keys as the store names them: derivd writes under [storage] prefix (s3 only).
+    written = storage.get("prefix", "")
+    assert all(v["key"].startswith(f"{written}derived/{out['id']}/") for v in variants)
+    assert out["bucket"] == storage.get("bucket")
     assert out["deleted"] == "deleting"
     [row] = sql(dsn, "SELECT status, original_key FROM archive_files WHERE id = %s", (out["id"],))
     assert row == {"status": "deleting", "original_key": out["key"]}
