@@ -8,6 +8,7 @@ metrics endpoint (with the dashboard) live as long as the supervisor. See
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -71,19 +72,25 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
         if isinstance(host, str):
             return RunResult(2, host)
         metrics = Metrics()
-        supervisor = Supervisor(
-            config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config), host=host
-        )
-        if config.metrics.listen:
-            from derivd.ops.dashboard import Dashboard  # ~20 ms of imports: only to serve it
-
-            # The dashboard follows the supervisor's current config (SIGHUP reloads it).
-            dashboard = Dashboard(dsn, lambda: supervisor.config, metrics)
-            metrics.serve(
-                config.metrics.listen,
-                dashboard=dashboard.route,
-                where=config.where("metrics", "listen"),
+        try:
+            supervisor = Supervisor(
+                config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config), host=host
             )
+            if config.metrics.listen:
+                from derivd.ops.dashboard import Dashboard  # ~20 ms of imports: only to serve
+
+                # The dashboard follows the supervisor's current config (SIGHUP reloads it).
+                dashboard = Dashboard(dsn, lambda: supervisor.config, metrics)
+                metrics.serve(
+                    config.metrics.listen,
+                    dashboard=dashboard.route,
+                    where=config.where("metrics", "listen"),
+                )
+        except BaseException:
+            # A start that fails here (the metrics port taken, ...) leaves no registry
+            # row behind: the next start would wait for it to go stale.
+            _leave_registry(dsn, host)
+            raise
         log.info("%s", listening_line(metrics.address))
         try:
             result = supervisor.run()
@@ -145,6 +152,11 @@ def _claim_host_id(config: Config, dsn: str) -> HostInfo | str:
     with QueueDB.open(dsn, role="derivd-supervisor") as queue:
         queue.record_store(store_name(config))
         return claim_host(queue, host_info(config, busy=0))
+
+
+def _leave_registry(dsn: str, host: HostInfo) -> None:
+    with contextlib.suppress(DatabaseUnavailable), QueueDB.open(dsn, role="derivd-supervisor") as q:
+        q.deregister_host(host.host, host.pid, host.started_at)
 
 
 def _reload_from(config: Config) -> Callable[[], Config]:
