@@ -766,8 +766,9 @@ def files(
 @pass_state
 @friendly_errors
 def similar(state: State, file_id: int, max_distance: int, limit: int, as_json: bool) -> None:
-    """The ready files that look like file ID (near-duplicates by dhash), nearest first."""
-    import json
+    """The ready files that look like file ID (near-duplicates by dhash), nearest first:
+    one line each, its id and its distance in bits (--json: `similar`, the ids, and
+    `distances`, theirs in the same order)."""
 
     from derivd.embedded.runtime import database
     from derivd.queue.db import QueueDB
@@ -775,11 +776,15 @@ def similar(state: State, file_id: int, max_distance: int, limit: int, as_json: 
     with database(state.config, read_only=True) as dsn, QueueDB.open(dsn, role="derivd-cli") as q:
         if q.status_of(file_id) is None:
             die(f"no file with id {file_id}")
-        ids = q.similar(file_id, max_distance, limit)
+        found = q.similar_distances(file_id, max_distance, limit)
     if as_json:
-        click.echo(json.dumps({"id": file_id, "max_distance": max_distance, "similar": ids}))
+        ids, distances = [i for i, _ in found], [d for _, d in found]
+        answer = {"id": file_id, "max_distance": max_distance, "similar": ids}
+        click.echo(json.dumps({**answer, "distances": distances}))
+    elif found:
+        click.echo("\n".join(f"{i}\t{d} bit{'s' if d != 1 else ''}" for i, d in found))
     else:
-        click.echo("\n".join(map(str, ids)) if ids else "no similar ready file")
+        click.echo("no similar ready file")
 
 
 @main.group()

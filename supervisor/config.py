@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
-from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn
+from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn, shown_url
 from derivd.storage.base import prefix_problem
 from derivd.variant_config import (
     SECTION_PREFIX,
@@ -120,7 +120,7 @@ SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 def one_of(*choices: str) -> Check:
     def check(value: str) -> str | None:
-        return None if value in choices else f"must be one of: {', '.join(choices)}"
+        return None if value in choices else f"{value!r} is not one of: {', '.join(choices)}"
 
     return check
 
@@ -419,7 +419,9 @@ class WebhookSettings:
     """`[webhook:NAME]`: one receiver of signed events (derivd.webhooks.endpoints checks
     the secret and builds the Endpoint)."""
 
-    url: str = setting("", "http:// or https:// URL the events are POSTed to", check=check_url)
+    url: str = setting(
+        "", "http:// or https:// URL the events are POSTed to", check=check_url, mask=shown_url
+    )
     secret: str = setting(
         "",
         "Standard Webhooks secret, whsec_<base64>; or set secret_env or secret_file instead",

@@ -74,6 +74,13 @@ class ClientQueries(Statements):
         """Status, error code and (for a ready row) every variant; None: unknown id."""
         return self._one("client_result", {"id": file_id})
 
+    def similar_distances(
+        self, file_id: int, max_distance: int, limit: int
+    ) -> list[tuple[int, int]]:
+        """`similar`, each id with its distance in bits (`derivd similar`)."""
+        params = {"id": file_id, "max": max_distance, "limit": limit}
+        return [(int(r["id"]), int(r["distance"])) for r in self._all("similar_distances", params)]
+
     def similar(self, file_id: int, max_distance: int, limit: int) -> list[int]:
         """Ids of the other ready files within `max_distance` bits of this file's dhash,
         nearest first, at most `limit` (none for an unknown id, too)."""
