@@ -477,7 +477,9 @@ SELECT id FROM derivd_delete(%(ids)s::bigint[], %(actor)s::text) AS id;
 
 -- name: operator_retry
 -- Operator's retry: rejected rows (by id, or all, optionally of one code) go back to
--- `queued` with their attempts reset; who did it goes to the events.
+-- `queued` with their attempts reset; who did it goes to the events. A row without a
+-- key or version stays rejected (no attempt could read it; the row's rule refuses it
+-- queued: archive_files_original_key_check), left out so the others still go.
 WITH done AS (
     UPDATE archive_files
        SET status = 'queued', attempts = 0, error_code = NULL, available_at = now(),
@@ -486,6 +488,7 @@ WITH done AS (
      WHERE status = 'rejected'
        AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
        AND (%(code)s::text IS NULL OR error_code = %(code)s::text)
+       AND original_key <> '' AND coalesce(original_version, '') <> ''
     RETURNING id
 ), retry_event AS (
     INSERT INTO archive_events (file_id, kind, attempt, actor)

@@ -193,3 +193,14 @@ def _migrate_up_to(dsn: str, last: str) -> None:
                 break
             conn.execute(migration.sql)  # type: ignore[arg-type]  # package data
             conn.execute("INSERT INTO derivd_migrations (name) VALUES (%s)", (migration.name,))
+
+
+def test_retry_leaves_a_rejected_row_without_a_version_and_retries_the_rest(
+    dsn: str, queue: QueueDB
+) -> None:
+    rows = sql(dsn, "INSERT INTO archive_files (status, error_code, original_key,"
+                    " original_version) VALUES ('rejected', 'missing_original', 'k', NULL),"
+                    " ('rejected', 'corrupt_content', 'k', 'v') RETURNING id")  # fmt: skip
+    [unreadable, good] = [r["id"] for r in rows]
+    assert queue.operator_retry(ids=None, code=None, actor="test") == [good]
+    assert queue.statuses([unreadable, good]) == {unreadable: "rejected", good: "queued"}
