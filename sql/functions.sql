@@ -1614,6 +1614,25 @@ LANGUAGE sql STABLE AS $$
     SELECT derivd_similar(file_id, max_distance, 100)
 $$;
 
+-- == Where the functions look ===========================================================
+
+-- [database] schema (`derivd migrate` calls it after this file, only with a schema):
+-- each function of `signatures` (this file's, as `name(types)`) looks its names up in
+-- the schema it lives in, whoever calls it: an app's INSERT on a connection of its own
+-- (search_path: public) fires the triggers and the row's rule, which must find derivd's
+-- tables and functions.
+CREATE OR REPLACE FUNCTION derivd_pin_search_path(signatures text[])
+RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    s text;
+BEGIN
+    FOREACH s IN ARRAY signatures LOOP
+        EXECUTE format('ALTER FUNCTION %s SET search_path = %I', to_regprocedure(s),
+                       current_schema());
+    END LOOP;
+END $$;
+
 -- == For upload APIs =====================================================================
 
 -- Deletion (`derivd delete`, derivd.client.delete, any app's SQL): each live file among

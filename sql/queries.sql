@@ -56,6 +56,11 @@ CREATE TABLE IF NOT EXISTS derivd_migrations (
     applied_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- name: pin_search_path
+-- [database] schema: every function of sql/functions.sql (`signatures`) looks its names
+-- up in the schema it lives in (derivd_pin_search_path).
+SELECT derivd_pin_search_path(%(signatures)s::text[]);
+
 -- name: current_schema
 -- Where `migrate` creates what it creates (the first schema of the search_path).
 SELECT current_schema();
@@ -1058,6 +1063,9 @@ CREATE DATABASE {name};
 
 -- name: create_database_from_template
 CREATE DATABASE {name} TEMPLATE {template};
+
+-- name: create_schema
+CREATE SCHEMA IF NOT EXISTS {name};
 
 -- name: drop_database
 DROP DATABASE IF EXISTS {name} WITH (FORCE);

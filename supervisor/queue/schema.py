@@ -8,10 +8,10 @@ from dataclasses import asdict
 from typing import Any
 
 import psycopg
-from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from derivd import __version__
+from derivd.queue.cluster_admin import ClusterAdmin
 from derivd.queue.session import (
     PARENT_STATEMENT_TIMEOUT_S,
     Bound,
@@ -55,9 +55,7 @@ def migrate(dsn: str, store: StoreName | None = None, schema: str = "") -> list[
         with conn.transaction():
             conn.execute(query("migrations_lock"))
             if schema:
-                conn.execute(
-                    sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema))
-                )
+                ClusterAdmin(conn).create_schema(schema)
             conn.execute(query("migrations_table"))
             where = schema or str(conn.execute(query("current_schema")).fetchone()[0])  # type: ignore[index]
             if store is not None:
@@ -76,7 +74,9 @@ def migrate(dsn: str, store: StoreName | None = None, schema: str = "") -> list[
                 applied.append(migration.name)
             conn.execute(functions())  # type: ignore[arg-type]  # package data
             if schema:
-                _pin_search_path(conn, schema)
+                # Every function looks its names up in the schema, whoever calls it
+                # (CREATE OR REPLACE drops the setting: every migrate sets it again).
+                conn.execute(query("pin_search_path"), {"signatures": function_signatures()})
             if store is not None:
                 conn.execute(query("store_record"), asdict(store))
     return applied
@@ -89,18 +89,6 @@ def _clash(error: psycopg.Error, where: str) -> str:
         f"{what} in schema {where} and is not derivd's: give derivd a schema of its own "
         "with [database] schema (e.g. schema = derivd), or migrate into another database"
     )
-
-
-def _pin_search_path(conn: psycopg.Connection[Any], schema: str) -> None:
-    """Every function of sql/functions.sql looks its names up in `schema`, whoever calls
-    it (CREATE OR REPLACE drops the setting: every migrate sets it again)."""
-    for signature in function_signatures():
-        conn.execute(
-            sql.SQL("ALTER FUNCTION {} SET search_path = {}").format(
-                sql.SQL(signature),  # type: ignore[arg-type]  # package data
-                sql.Identifier(schema),
-            )
-        )
 
 
 def in_schema(dsn: str, schema: str) -> str:
