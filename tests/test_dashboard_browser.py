@@ -225,7 +225,7 @@ def test_the_rendered_dashboard_matches_the_database(
     assert problems == {"recent_rejected_ratio"}
 
     out = os.environ.get("PYTEST_DERIVD_SCREENSHOT")
-    if out:  # PYTEST_DERIVD_SCREENSHOT=docs/dashboard.png: the README's picture
+    if out:  # PYTEST_DERIVD_SCREENSHOT=docs/dashboard.png: operating.md's picture
         screenshot(url, profile, Path(out))
 
 

@@ -384,7 +384,7 @@ REFUSED_KEYS = ["../../etc/passwd", "/abs.jpg", "originals/My Photo.jpg"]
 
 
 def insert_queued(dsn: str, key: str, version: str) -> int:
-    """The enqueue any language may run (README), bypassing derivd.client's checks."""
+    """The enqueue any language may run (docs/integrating.md), bypassing derivd.client's checks."""
     (found,) = sql(
         dsn,
         "INSERT INTO archive_files (status, original_key, original_version) "
