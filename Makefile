@@ -95,13 +95,14 @@ bench: install
 	$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/pip install -q 'matplotlib>=3.7'
 	$(BIN)/python bench/derive.py
 	$(BIN)/python bench/heic.py
-	$(BIN)/python bench/queue_peers.py
+	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/claim_scale.py
 	$(BIN)/python bench/similar.py
 	@if command -v valgrind >/dev/null; then $(BIN)/python bench/server_instructions.py; \
 	else echo "bench/server_instructions.py: skipped (valgrind is not installed)"; fi
 	$(BIN)/python bench/plots.py
+	$(BIN)/python bench/results.py
 
 # As root, the demo's cluster may live outside var/ (see supervisor/embedded/pghome.py):
 # stop it and remove that directory too.

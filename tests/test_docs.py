@@ -11,7 +11,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 MAP = DOCS / "map.md"
-PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md")), REPO / "bench" / "README.md"]
+PAGES = [
+    REPO / "README.md",
+    *sorted(DOCS.glob("*.md")),
+    REPO / "bench" / "README.md",
+    REPO / "bench" / "RESULTS.md",
+]
 # What a newcomer asks for first: each has its one line in the map.
 TARGETS = (
     "claim",
@@ -92,3 +97,23 @@ def test_no_page_speaks_of_how_it_was_made(page: Path) -> None:
 
 def test_the_diary_pattern_sees_what_it_must() -> None:
     assert DIARY.findall("the Sitting of 2026-12-06, stop 40, issue 28") != []
+
+
+# bench/: helpers and the chaos runs are not benchmarks of their own.
+NOT_LISTED = {
+    "common",
+    "plots",
+    "results",
+    "chaos",
+    "fleet_chaos",
+    "backfill_chaos",
+    "chaos_webhooks",
+}
+
+
+def test_bench_readme_lists_every_benchmark_and_only_those() -> None:
+    bench = REPO / "bench"
+    text = (bench / "README.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `(\w+)\.py` \|", text, re.M))
+    scripts = {path.stem for path in bench.glob("*.py")} - NOT_LISTED - {"latency_proxy"}
+    assert listed == scripts
