@@ -207,7 +207,7 @@ def enqueue(
     from derivd.ops.enqueue import expand_paths, upload_and_queue
     from derivd.priorities import priority_problem, tenant_problem
     from derivd.queue.db import QueueDB
-    from derivd.storage.base import open_storage
+    from derivd.storage.configured import open_storage
 
     problem = priority_problem(priority) or tenant_problem(tenant)
     if problem:

@@ -8,6 +8,7 @@ what the declarations give, so neither is ever edited by hand.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import Field, fields
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,15 @@ def render_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-GENERATED = {"configuring.md": render_markdown, "derivd.ini": lambda: render_ini(example_config())}
+def render_example_ini() -> str:
+    """The whole of etc/derivd.ini."""
+    return render_ini(example_config())
+
+
+GENERATED: dict[str, Callable[[], str]] = {
+    "configuring.md": render_markdown,
+    "derivd.ini": render_example_ini,
+}
 
 
 def main(argv: list[str]) -> int:

@@ -36,7 +36,8 @@ from derivd.queue.db import (
     StoredVariant,
 )
 from derivd.queue.retry import record_failure
-from derivd.storage.base import ObjectMissing, Storage, derived_key, open_storage
+from derivd.storage.base import ObjectMissing, Storage, derived_key
+from derivd.storage.configured import open_storage
 from derivd.storage.parallel import Put, put_all
 
 # How a re-derivation's ending outcomes are reported (the others, retry, lease_lost, ...,

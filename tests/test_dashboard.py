@@ -19,15 +19,9 @@ from fixtures.work import claim_one, commit_one
 from helpers import sql, wait_for
 
 from derivd.config import Config, load_config
-from derivd.ops.dashboard import (
-    Dashboard,
-    HostView,
-    Minute,
-    Snapshot,
-    read_snapshot,
-    registry_hosts,
-)
+from derivd.ops.dashboard import Dashboard, read_snapshot, registry_hosts
 from derivd.ops.dashboard_page import chart, render
+from derivd.ops.dashboard_view import HostView, Minute, Snapshot
 from derivd.ops.metrics import Metrics
 from derivd.ops.status import Report, evaluate
 from derivd.ops.web import Response

@@ -25,7 +25,8 @@ from derivd.config import Config
 from derivd.fingerprint import set_problem
 from derivd.ops.status import collect
 from derivd.queue.db import Finished, QueueDB, StoredVariant
-from derivd.storage.base import new_original_key, open_storage
+from derivd.storage.base import new_original_key
+from derivd.storage.configured import open_storage
 
 __all__ = ["store"]  # the fs / S3 fixture of test_backfill, used here by name
 
