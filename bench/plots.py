@@ -202,7 +202,7 @@ def similar(data: Data) -> tuple[Figure, str]:
 
 
 def traffic(data: Data) -> tuple[Figure, str]:
-    """Issue 20's four figures, each with and without the feature, side by side."""
+    """bench/traffic.py's four figures, each with and without the feature, side by side."""
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
     panels = [
         ("live upload wait, s (log)", ["p50_s", "p99_s"],
@@ -275,7 +275,7 @@ def store_latency(data: Data) -> tuple[Figure, str]:
 
 
 def webhooks(data: Data) -> tuple[Figure, str]:
-    """Issue 29: the commit's server CPU per build, commit-to-delivery latency, and the
+    """The commit's server CPU per build, commit-to-delivery latency, and the
     deliveries of a backlog per second."""
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     cpu = data["commit_cpu_ms"]
@@ -304,7 +304,7 @@ def webhooks(data: Data) -> tuple[Figure, str]:
 
 
 def server_instructions(data: Data) -> tuple[Figure, str]:
-    """Issue 27: the server's instructions per noop job (commit + next claim) per build."""
+    """The server's instructions per noop job (commit + next claim) per build."""
     kir = data["kir"]
     names = list(kir)
     fig, ax = plt.subplots(figsize=(6.5, 3.4))

@@ -1,4 +1,4 @@
-"""Production traffic (issue 20), side by side in one run, on one private cluster:
+"""Production traffic, side by side in one run, on one private cluster:
 
 1. live uploads' queue wait (p50/p99) during a backfill of `--backfill` re-derivations,
    the backfill below live uploads (priority -10) vs at their priority (no priorities);
@@ -332,7 +332,7 @@ def baseline_db(pg: EmbeddedCluster, name: str, ref: str) -> str:
         for path in names:
             if path.endswith(".sql"):
                 conn.execute(git("show", f"{ref}:{path}"))  # type: ignore[arg-type]
-        # Before functions.sql (issue 22) the migrations held every body.
+        # Before functions.sql the migrations held every body.
         if "sql/functions.sql" in git("ls-tree", "--name-only", ref, "sql/").split():
             conn.execute(git("show", f"{ref}:sql/functions.sql"))  # type: ignore[arg-type]
     return dsn
@@ -611,7 +611,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
-        "--baseline", default="7f664ba^2", help="git ref of today's build (main before issue 20)"
+        "--baseline", default="7f664ba^2", help="git ref of the build before priorities and tenants"
     )
     parser.add_argument("--only", choices=["drain", "capped"], help="run this scenario alone")
     parser.add_argument("--drain-jobs", type=int, default=5000)

@@ -1,4 +1,4 @@
-"""The original's analysis from the handler to the row and back (issue 19): the worker
+"""The original's analysis from the handler to the row and back: the worker
 hands it to the fenced commit, `derivd.client.result()` returns it as `Result.original`
 once the file is ready, `derivd.client.similar` finds near-duplicates by dhash, and the
 database refuses what the worker would refuse (migration 0013)."""

@@ -1,7 +1,7 @@
 """The one masker (derivd.redact): no fragment of a secret in `config show`, the log or an
 error line, whatever quoting or encoding the secret arrives in.
 
-Issue 11, defect 1: `DERIVD_DATABASE_DSN="host=db password='hunter2 is long'" derivd
+Once, `DERIVD_DATABASE_DSN="host=db password='hunter2 is long'" derivd
 config show` printed `password=*** is long'`.
 """
 

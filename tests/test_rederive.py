@@ -1,4 +1,4 @@
-"""Re-derivations (backfill) on the failure side (issue 27, items 1 and 7): a swap never
+"""Re-derivations (backfill) on the failure side: a swap never
 takes a variant set other than the configured one, a re-derivation never shows as a
 file (counts, rejected share, an app's query over archive_files), an operator's retry
 never dies on one, a file that keeps failing keeps one job row, and the heartbeat never

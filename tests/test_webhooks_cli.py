@@ -1,4 +1,4 @@
-"""The operator's and the app's view (issue 29): `derivd status` (table and --json) per
+"""The operator's and the app's view: `derivd status` (table and --json) per
 endpoint, `derivd webhooks list|test|replay`, `derivd files` and `derivd similar`: the
 views a user had to write SQL for."""
 
