@@ -4,7 +4,8 @@ what a band index would buy and cost.
 Seeds `ready` rows with random dhashes (generate_series: seconds, not minutes) plus
 near-duplicates planted at 1-7 bits, then times `client.similar(max_distance=6)` at each size:
 as shipped (derivd_similar scans the ready rows) and with the optional GIN index of
-docs/integrating.md on the dhash's four 16-bit bands (derivd_similar then probes it: migration 0013).
+docs/integrating.md on the dhash's four 16-bit bands (derivd_similar then probes
+it: migration 0013).
 The index's price: its size, build time, and what a job's fenced commit pays for it (time
 and WAL per job, claim + commit with an analysis).
 

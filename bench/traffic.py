@@ -234,7 +234,8 @@ def _claims(dsn: str, claims: int, statement: str) -> list[float]:
 # machine the load moves within a minute, and a p99 measured for one build after the
 # other compares two loads, not two builds (the first runs of this table: 12.7 ms with
 # tenants vs 1.36 ms for the baseline, measured minutes apart; interleaved, the three
-# p99s are within noise of each other). bench/RESULTS.md, "Priorities, tenants and backfill", says more.
+# p99s are within noise of each other). bench/RESULTS.md, "Priorities, tenants and
+# backfill", says more.
 BLOCK = 100
 
 
