@@ -73,7 +73,7 @@ class State:
     def config(self) -> Config:
         if self._config is None:
             self._config = load_config(self.config_path, required=self.explicit)
-            from derivd.ops.logs import setup_logging
+            from derivd.logs import setup_logging
             from derivd.redact import dsn_password, url_secrets
 
             setup_logging(

@@ -25,7 +25,7 @@ from derivd.errors import ErrorCode, Permanent, Transient
 from derivd.fingerprint import configured_set, set_problem, slot
 from derivd.handlers.base import Analysis, Derivation, DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.pipeline import worker_depth
 from derivd.queue.db import (
     Committed,

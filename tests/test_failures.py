@@ -36,7 +36,7 @@ from derivd.config import Config
 from derivd.errors import CorruptContent
 from derivd.handlers.base import DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
-from derivd.ops.logs import JsonFormatter, TextFormatter
+from derivd.logs import JsonFormatter, TextFormatter
 from derivd.ops.sweep import Sweeper
 from derivd.processes.duties import ExhaustedRejection
 from derivd.queue.db import QueueDB

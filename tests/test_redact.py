@@ -13,9 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
-from derivd import redact
+from derivd import logs, redact
 from derivd.config import ConfigError, load_config
-from derivd.ops import logs
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
 
