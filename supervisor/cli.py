@@ -74,7 +74,7 @@ class State:
     def config(self) -> Config:
         if self._config is None:
             self._config = load_config(self.config_path, required=self.explicit)
-            from derivd.ops.logs import setup_logging
+            from derivd.logs import setup_logging
             from derivd.redact import dsn_password, url_secrets
 
             setup_logging(
@@ -176,7 +176,7 @@ def migrate(state: State) -> None:
     from derivd.embedded.runtime import database
     from derivd.queue.db import check_schema
     from derivd.queue.db import migrate as apply_migrations
-    from derivd.storage.base import store_name
+    from derivd.storage.configured import store_name
 
     with database(state.config, auto_migrate=False, check=False) as dsn:
         applied = apply_migrations(dsn, store_name(state.config), state.config.database.schema)
@@ -222,7 +222,7 @@ def enqueue(
     from derivd.ops.enqueue import expand_paths, upload_and_queue
     from derivd.priorities import priority_problem, tenant_problem
     from derivd.queue.db import QueueDB
-    from derivd.storage.base import open_storage
+    from derivd.storage.configured import open_storage
 
     problem = priority_problem(priority) or tenant_problem(tenant)
     if problem:

@@ -118,6 +118,13 @@ COUNT_MAX = 1_000_000_000  # fits PostgreSQL's integer
 SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
+def schema_name_problem(value: str) -> str | None:
+    """[database] schema: empty, or a name derivd uses as it is (nothing to quote)."""
+    if not value or SCHEMA_NAME.match(value):
+        return None
+    return f"{value!r} is not a lower-case name (a letter or _, then letters, digits or _)"
+
+
 def one_of(*choices: str) -> Check:
     def check(value: str) -> str | None:
         return None if value in choices else f"{value!r} is not one of: {', '.join(choices)}"
@@ -206,13 +213,7 @@ class DatabaseSettings:
         "",
         "where derivd's tables live: a schema of its own beside the app's (e.g. derivd), "
         "or the app's; empty: the connection's search_path (public)",
-        check=lambda value: (
-            None
-            if not value or SCHEMA_NAME.match(value)
-            else (
-                "must be a lower-case name: a letter or _, then letters, digits or _ (at most 63)"
-            )
-        ),
+        check=schema_name_problem,
     )
     listen_retry: float = setting(
         1.0,

@@ -79,3 +79,12 @@ def test_derivd_lives_in_a_schema_of_its_own_beside_the_apps(
         )
     shown = run_cli("show", str(file_id), env=env)
     assert shown.returncode == 0 and f"file {file_id}: deleting" in shown.stdout
+
+
+def test_a_schema_name_derivd_cannot_use_as_it_is_is_refused(
+    fs_root: Path, run_cli: RunCli
+) -> None:
+    env = env_for("", fs_root, 'App"; DROP')
+    checked = run_cli("config", "check", env=env)
+    assert checked.returncode == 2
+    assert "[database] schema" in checked.stderr and "is not a lower-case name" in checked.stderr

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from derivd.config import Config
 from derivd.queue.db import check_schema, in_schema, migrate
 from derivd.redact import mask_dsn
-from derivd.storage.base import store_name
+from derivd.storage.configured import store_name
 
 if TYPE_CHECKING:
     from derivd.embedded.pgcluster import EmbeddedCluster

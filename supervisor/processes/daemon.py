@@ -26,7 +26,7 @@ from derivd.processes.supervisor import RunResult, Supervisor
 from derivd.queue.db import DatabaseUnavailable, HostInfo, QueueDB
 from derivd.queue.webhook_queries import DeliveriesLeft
 from derivd.redact import redact
-from derivd.storage.base import store_name
+from derivd.storage.configured import store_name
 
 log = logging.getLogger("derivd")
 
