@@ -105,3 +105,14 @@ def test_a_node_upload_service_uses_derivd_through_sql_and_webhooks(
     assert out["deleted"] == "deleting"
     [row] = sql(dsn, "SELECT status, original_key FROM archive_files WHERE id = %s", (out["id"],))
     assert row == {"status": "deleting", "original_key": out["key"]}
+
+
+def test_the_docs_show_the_program_the_suite_runs() -> None:
+    """docs/integrating.md's "From any other language" is this program, as it runs here."""
+    program = (NODE_APP / "upload.mjs").read_text(encoding="utf-8")
+    page = (NODE_APP.parent.parent / "docs" / "integrating.md").read_text(encoding="utf-8")
+    first = program.splitlines()[0]
+    if f"```js\n{first}\n" not in page:
+        pytest.skip("docs/integrating.md does not show the Node upload service yet")
+    shown = page.split(f"```js\n{first}\n", 1)[1].split("```", 1)[0]
+    assert f"{first}\n{shown}" == program
