@@ -257,22 +257,22 @@ class Worker:
 
     def _failed(self, job: Job, error: Exception) -> tuple[str, ErrorCode | None]:
         if isinstance(error, Permanent):
-            log.debug("job %s rejected: %s", job.id, error, exc_info=True)
+            log.debug("%s rejected: %s", job.label, error, exc_info=True)
             return self._fail(job, retry=False, code=error.code), error.code
         if isinstance(error, Transient):
             # The message may carry text we did not write (a plugin's, a library's): the
             # class name is what INFO and above get; the text stays at DEBUG.
             log.warning(
-                "job %s attempt %s failed transiently: %s",
-                job.id,
+                "%s attempt %s failed transiently: %s",
+                job.label,
                 job.attempt,
                 error if error.own_words else type(error).__name__,
             )
-            log.debug("job %s transient failure: %s", job.id, error, exc_info=True)
+            log.debug("%s transient failure: %s", job.label, error, exc_info=True)
             return self._fail(job, retry=True, code=error.code), error.code
         # unknown: retry, end as processing_failed
-        log.error("job %s attempt %s failed: %s", job.id, job.attempt, type(error).__name__)
-        log.debug("job %s failure detail", job.id, exc_info=True)
+        log.error("%s attempt %s failed: %s", job.label, job.attempt, type(error).__name__)
+        log.debug("%s failure detail", job.label, exc_info=True)
         return self._fail(job, retry=True, code="processing_failed"), "processing_failed"
 
     def _finish(self, job: Job, outcome: str, code: ErrorCode | None, duration_s: float) -> None:
@@ -356,7 +356,7 @@ class Worker:
             elif d.job.id in committed.rejected:
                 # A re-derivation whose set is not its run's configured one (this worker
                 # runs another configuration than the backfill's): the file keeps its set.
-                log.error("job %s: its variant set is not the backfill's target", d.job.id)
+                log.error("%s: its variant set is not the backfill's target", d.job.label)
                 self._finish(d.job, "rejected", "processing_failed", d.duration_s)
             else:
                 event(
@@ -461,7 +461,7 @@ class Worker:
             )
         except DatabaseUnavailable as error:
             # The row stays `processing`; its lease expires and the attempt is counted.
-            log.warning("job %s: could not record failure: %s", job.id, error)
+            log.warning("%s: could not record failure: %s", job.label, error)
             return "unknown"
         if status is None:
             event(log, "lease lost", logging.WARNING, **job.log_fields(), attempt=job.attempt)

@@ -36,6 +36,7 @@ def test_a_rederivation_is_logged_as_a_job_of_its_file() -> None:
     job = replace(file, id=53, file_id=7)
     assert file.log_fields() == {"file_id": 7}
     assert job.log_fields() == {"rederive_job": 53, "file_id": 7}
+    assert (file.label, job.label) == ("file 7", "rederive job 53 of file 7")
 
 
 def _register(queue: QueueDB, dsn: str, variants: str, host: str) -> None:

@@ -28,6 +28,14 @@ class Job:
         """The file id under whose prefix this job's objects are stored."""
         return self.id if self.file_id is None else self.file_id
 
+    @property
+    def label(self) -> str:
+        """How a log line's text names this job: `file 7`, or `rederive job 53 of file 7`
+        (a job id is no file id: `derivd show 53` knows no such file)."""
+        if self.for_file == self.id:
+            return f"file {self.id}"
+        return f"rederive job {self.id} of file {self.for_file}"
+
     def log_fields(self) -> dict[str, int]:
         """How a log line names this job: its file, and a re-derivation as a job of its
         file (`rederive_job=53 file_id=7`): a job id is no file id (`derivd show 53`
