@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+EBML_MAGIC = b"\x1a\x45\xdf\xa3"  # the EBML header's ID: a Matroska or WebM file's first bytes
 SEGMENT = 0x18538067
 TRACKS = 0x1654AE6B
 TRACK_ENTRY = 0xAE

@@ -35,7 +35,7 @@ from derivd.handlers.base import (
     VariantSpec,
 )
 from derivd.handlers.geometry import scale_of
-from derivd.handlers.previews import Preview
+from derivd.handlers.preview_picture import Preview
 
 # ISO 32000-1, Annex C: a page is at most 14 400 units a side. Plots and posters past it
 # exist, so ten times that; beyond it a page is a bomb or junk (2^31 points).

@@ -17,15 +17,17 @@ QuickTime file) or an EBML header (Matroska, WebM).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 from derivd.handlers.base import Analysis, DeriveSpec, UnsupportedContent
+from derivd.handlers.matroska import EBML_MAGIC
+from derivd.handlers.preview_picture import Preview
 from derivd.handlers.sniff import accepted_format
+
+__all__ = ["Preview", "analysed", "kind_of", "preview_of"]
 
 # Top-level boxes a QuickTime movie without `ftyp` may start with.
 _QUICKTIME_FIRST = frozenset({b"moov", b"mdat", b"wide", b"free", b"skip", b"pnot"})
-EBML_MAGIC = b"\x1a\x45\xdf\xa3"
 
 
 def kind_of(original: bytes) -> str:
@@ -39,24 +41,6 @@ def kind_of(original: bytes) -> str:
     if box == b"ftyp" or box in _QUICKTIME_FIRST or original.startswith(EBML_MAGIC):
         return "video"
     return "image"
-
-
-@dataclass(frozen=True)
-class Preview:
-    """One still picture of a document or a video, and what its header said.
-
-    `pixels`: 8-bit RGB, packed rows, `size` pixels, upright. `upright`: the size the
-    variants are derived from (`geometry.base_size` of it is at most `size`, give or take
-    rounding); `shown`: the width and height the analysis reports (a PDF page in points,
-    a video frame as displayed)."""
-
-    pixels: bytes
-    size: tuple[int, int]
-    upright: tuple[int, int]
-    shown: tuple[int, int]
-    format: str  # pdf, mp4, mov, webm, mkv
-    frames: int  # a PDF's pages, a video's frames
-    media: dict[str, Any]
 
 
 def preview_of(original: bytes, spec: DeriveSpec) -> Preview | None:

@@ -39,8 +39,9 @@ from derivd.handlers.base import (
 )
 from derivd.handlers.geometry import base_size
 from derivd.handlers.lazy_numpy import numpy
+from derivd.handlers.matroska import EBML_MAGIC
 from derivd.handlers.movie_boxes import declared_movie
-from derivd.handlers.previews import EBML_MAGIC, Preview
+from derivd.handlers.preview_picture import Preview
 from derivd.handlers.tonemap import to_sdr
 
 # Codecs previewed (ffmpeg's canonical names): what phones, cameras and browsers record.
