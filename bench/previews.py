@@ -230,6 +230,16 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results = median_rows(rounds)
+    figures = figures_text(results, rounds, args.copies)
+    print("\n".join(lines))
+    print(figures)
+    path = save_results(args.out.stem, {"machine": lines, "results": results, "rounds": rounds,
+                                        "copies": args.copies, "figures": figures})  # fmt: skip
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def figures_text(results: list[dict[str, Any]], rounds: list[dict[str, Any]], copies: int) -> str:
+    """The table and what it says, as RESULTS.md shows them (bench/results.py)."""
     headers = ["case", "side", "images/s", "CPU ms/preview", "p50 ms", "p95 ms",
                "derivd/cli images/s", "cli/derivd CPU"]  # fmt: skip
     body = []
@@ -240,11 +250,21 @@ def main() -> None:
                 side == "derivd") else ("", "")  # fmt: skip
             body.append([r["case"], side, s["images_per_s"], s["cpu_ms"], s["p50_ms"],
                          s["p95_ms"], *ratio])  # fmt: skip
-    print("\n".join(lines))
-    print(table(headers, body))
-    path = save_results(args.out.stem, {"machine": lines, "results": results, "rounds": rounds,
-                                        "copies": args.copies})  # fmt: skip
-    print(f"wrote {path}", file=sys.stderr)
+    speedups = [r["speedup"] for r in rounds]
+    cpu = [r["cpu_ratio"] for r in rounds]
+    return "\n\n".join([
+        f"Each input previewed into `preview:1600, thumb:320` (WebP q{QUALITY}, effort "
+        f"{EFFORT}) {copies} times a round by both sides, {len(rounds) // len(results)} "
+        "rounds, order alternating. derivd: `derivd run --burst`, one worker, vips, "
+        "`concurrency = 1`, the whole daemon (its boot in its CPU). cli: Rails' "
+        "previewers' commands (`ffmpeg` with VideoPreviewer's `select` filter, its default "
+        "threads; `pdftoppm -r 72`, or `-scale-to 1600` for `pdf_50_pages_at_size`), then "
+        "`vipsthumbnail` per variant. Latency: derivd, a row's claim to its `ready`; cli, "
+        "one run. The median round by images/s; the ratios are medians over the rounds.",
+        table(headers, body),
+        f"Over every round: derivd/cli images/s {min(speedups):.2f}-{max(speedups):.2f}x, "
+        f"cli/derivd CPU per preview {min(cpu):.2f}-{max(cpu):.2f}x.",
+    ])  # fmt: skip
 
 
 if __name__ == "__main__":
