@@ -46,6 +46,7 @@ from derivd.handlers.base import (
     encoding,
 )
 from derivd.handlers.geometry import base_size, jpeg_eighths, jpeg_shrink
+from derivd.handlers.jpegcheck import check_jpeg
 from derivd.handlers.jpegscale import decode_scaled
 from derivd.handlers.pillow_variants import REDUCING_GAP, Decoded, derive_variants
 from derivd.handlers.sniff import (
@@ -245,6 +246,11 @@ def decode(im: ImageFile.ImageFile, original: bytes, spec: DeriveSpec) -> Decode
         if scaled is not None:
             frame = scaled.transpose(_TRANSPOSE[turn]) if turn in _TRANSPOSE else scaled
             return Decoded([frame], [100], 0, upright)
+    if jpeg:
+        check_jpeg(original)  # Pillow has no word for what libjpeg only warns about
+        # The whole file in one read: libjpeg's arithmetic decoder cannot suspend, and
+        # Pillow's 64 KiB reads made every arithmetic-coded JPEG past them "broken".
+        im.decodermaxblock = max(im.decodermaxblock, len(original))
     shrink = jpeg_shrink(upright, base, spec.shrink_on_load) if jpeg else 1
     if shrink > 1:
         # DCT-domain downscale by `shrink` (the rule both backends share), which draft
