@@ -8,14 +8,15 @@ faster than libvips' jpegload at the same scale (sharp's fixture at 1/2: ~11 vs 
 ms; whole: ~18 vs ~29), so every JPEG it takes goes through it, at whatever scale.
 
 It takes only what it renders as the backend's own path would: a YCbCr, RGB or grey
-JPEG, decoded without a single warning. Damaged data (truncated, a bad Huffman code,
+JPEG, decoded without a single warning, and for a caller that asks, CMYK and YCCK ones as
+CMYK (never converted here: the backends colour-manage them through LittleCMS, and
+simplejpeg's own conversion is naive). Damaged data (truncated, a bad Huffman code,
 extraneous bytes: `jpegcheck.is_damage`) is `corrupt_content` here, on the first attempt.
-CMYK and YCCK (the backends colour-manage them through LittleCMS; simplejpeg's own
-conversion is naive) and whatever else libjpeg-turbo warns about or refuses (an unknown
-JFIF revision, 12-bit, lossless): `None`, and the backend's own path decodes the file,
-after `jpegcheck.check_scan` has looked at its data. The caller reads the header and
-checks the limits first, and applies the ICC profile and EXIF orientation from that
-header after the decode, as its own path does. libjpeg-turbo decodes the whole image at
+Whatever else libjpeg-turbo warns about or refuses (an unknown JFIF revision, 12-bit,
+lossless), and CMYK for a caller that does not ask: `None`, and the backend's own path
+decodes the file, after `jpegcheck.check_jpeg` has looked at its data. The caller reads
+the header and checks the limits first, and applies the ICC profile and EXIF orientation
+from that header after the decode, as its own path does. libjpeg-turbo decodes the whole image at
 once where libvips streams it: an image larger than `MAX_DECODED_BYTES` at its scale is
 left to libvips (and Pillow's own decoder, which holds it whole anyway).
 
@@ -36,17 +37,19 @@ from derivd.handlers.jpegcheck import raise_if_damage, simplejpeg
 MAX_DECODED_BYTES = 64 * 1024 * 1024
 
 # simplejpeg's colour spaces (TurboJPEG's TJCS_*) the fast path renders: YCbCr and
-# RGB-coded JPEGs come out in colour, grey ones grey.
+# RGB-coded JPEGs come out in colour, grey ones grey, CMYK and YCCK ones (if asked) CMYK.
 _COLOUR = frozenset({"YCbCr", "RGB"})
+_CMYK = frozenset({"CMYK", "YCCK"})
 # Bytes a pixel of each mode (Pillow's names, and simplejpeg's but GRAY): RGB for libvips;
 # RGBX for Pillow, which stores RGB as 4 bytes a pixel and so reads RGBX in place.
-_BYTES = {"RGB": 3, "RGBX": 4, "L": 1}
+_BYTES = {"RGB": 3, "RGBX": 4, "L": 1, "CMYK": 4}
 
 
 @dataclass(frozen=True)
 class Scaled:
-    """The decoded pixels: `height` rows of `width` pixels of `mode` (L, RGB or RGBX), the
-    stored image (EXIF orientation not applied) at `eighths`/8 of each side."""
+    """The decoded pixels: `height` rows of `width` pixels of `mode` (L, RGB, RGBX, or
+    CMYK with the values the file stores, inverted in Adobe's files), the stored image
+    (EXIF orientation not applied) at `eighths`/8 of each side."""
 
     pixels: Any  # a C-contiguous uint8 numpy array; any buffer-protocol reader takes it
     width: int
@@ -71,18 +74,20 @@ def scaled_size(stored: tuple[int, int], eighths: int) -> tuple[int, int]:
 
 
 def decode_scaled(original: bytes, stored: tuple[int, int], eighths: int, colour: str = "RGB",
-                  max_bytes: int = MAX_DECODED_BYTES) -> Scaled | None:  # fmt: skip
+                  max_bytes: int = MAX_DECODED_BYTES, cmyk: bool = False
+                  ) -> Scaled | None:  # fmt: skip
     """The JPEG at `eighths`/8 of its stored size, colour ones as `colour` (RGB or RGBX),
-    or None where the backend's own path must decode it (see the module docstring), or
-    when it would take more than `max_bytes`; CorruptContent for damaged data. `stored` is
-    the size the backend's header read; a file whose frame header libjpeg-turbo reads
-    otherwise is not taken either."""
+    CMYK and YCCK ones as CMYK when `cmyk`, or None where the backend's own path must
+    decode it (see the module docstring), or when it would take more than `max_bytes`;
+    CorruptContent for damaged data. `stored` is the size the backend's header read; a
+    file whose frame header libjpeg-turbo reads otherwise is not taken either."""
     turbo = simplejpeg()
     try:
         height, width, colourspace, _ = turbo.decode_jpeg_header(original)
     except ValueError:
         return None
-    mode = colour if colourspace in _COLOUR else "L" if colourspace == "Gray" else None
+    mode = (colour if colourspace in _COLOUR else "L" if colourspace == "Gray"
+            else "CMYK" if cmyk and colourspace in _CMYK else None)  # fmt: skip
     want = scaled_size(stored, eighths)
     if mode is None or (width, height) != stored:
         return None

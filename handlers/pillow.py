@@ -281,12 +281,16 @@ def _turbo_base(im: ImageFile.ImageFile, original: bytes, upright: tuple[int, in
     (a JPEG the fast one does not take, and `off`, the reference)."""
     if mode == "off":
         return None
-    scaled = decode_scaled(original, im.size, jpeg_eighths(upright, base, mode), "RGBX")
+    scaled = decode_scaled(original, im.size, jpeg_eighths(upright, base, mode), "RGBX",
+                           cmyk=True)  # fmt: skip
     if scaled is None:
         return None
     # Read in place (L and RGBX are how Pillow stores grey and RGB): no copy of the pixels.
+    # CMYK as Pillow's own JPEG decoder reads it: inverted, Adobe's convention, which it
+    # assumes for every CMYK JPEG (JpegImagePlugin), so the same file gives the same image.
+    raw = "CMYK;I" if scaled.mode == "CMYK" else scaled.mode
     pixels = Image.frombuffer(scaled.mode, (scaled.width, scaled.height), scaled.pixels, "raw",
-                              scaled.mode, 0, 1)  # fmt: skip
+                              raw, 0, 1)  # fmt: skip
     icc = im.info.get("icc_profile")
     if icc:
         pixels.info["icc_profile"] = icc

@@ -230,6 +230,14 @@ def test_every_kind_it_takes_decodes_at_the_scale_asked(eighths: int) -> None:
         assert (scaled.width, scaled.height, scaled.mode) == (*want, mode)
     padded = decode_scaled(photo_jpeg(), (1511, 1007), eighths, "RGBX")
     assert padded is not None and padded.pixels.shape == (want[1], want[0], 4)
+    # CMYK for a caller that asks (Pillow), as the file stores it: Pillow's own decoder
+    # reads the same values, inverted (Adobe's convention).
+    cmyk = decode_scaled(photo_cmyk(), (1511, 1007), eighths, cmyk=True)
+    assert cmyk is not None and cmyk.mode == "CMYK" and cmyk.pixels.shape == (want[1], want[0], 4)
+    if eighths == 8:
+        ours = Image.frombytes("CMYK", want, cmyk.pixels.tobytes())
+        own = ImageChops.invert(Image.open(io.BytesIO(photo_cmyk())))  # back to as stored
+        assert max(ImageStat.Stat(ImageChops.difference(ours, own)).mean) < 0.5
 
 
 def test_arithmetic_coding_decodes_to_the_same_pixels() -> None:
