@@ -4,13 +4,13 @@
 
 A JPEG the fast decode takes pays nothing: that decode was strict already. One it does
 not take (CMYK on `vips`, over its 64 MiB bound, `shrink_on_load = off`) pays one more
-strict libjpeg-turbo decode at 1/8 scale before the backend's own decoder. For each such
+strict libjpeg-turbo decode at 1/8 scale before the backend's own decoder. For each
 path: the median CPU ms of one derive (all variants) and of `check_jpeg` alone on the
-same file (part of the derive only where the fast decode declines the file), over N runs after a warm-up, in one process per backend (libvips at
-concurrency 1, as a worker). The photos are imagegen's scene with seeded grain, so the
-entropy decode has detail to work through. To compare with a commit before the check,
-run this file from that commit's checkout too: the derive column is comparable, the
-check column then reads "-".
+same file (part of the derive only where the fast decode declines the file), over N runs
+after a warm-up, in one process per backend (libvips at concurrency 1, as a worker). The
+photos are imagegen's scene with seeded grain, so the entropy decode has detail to work
+through. To compare with a commit before the check, check out that commit's handlers/
+and run this again: the derive column is comparable.
 """
 
 from __future__ import annotations
