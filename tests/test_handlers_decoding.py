@@ -1,4 +1,4 @@
-"""What escapes a decoder, codecs a backend lacks, and CIELAB TIFF (issue 11, defects 4-5).
+"""What escapes a decoder, codecs a backend lacks, and CIELAB TIFF.
 
 Case tables live in tests/imagegen.py (tiff_offsets_*, tiff_jpeg2000, tiff_cielab run on
 both backends in test_handlers.py and through `derivd run` in test_hostile.py); this
@@ -100,7 +100,7 @@ def test_cielab_read_as_rgb_would_be_a_visible_mistake() -> None:
     assert max(ImageStat.Stat(ImageChops.difference(as_rgb, scene)).mean) > MISTAKE_MAD
 
 
-# --- decoder faults and encoder faults (issue 21, item 9) -----------------------------------
+# --- decoder faults and encoder faults -----------------------------------
 
 RAISE_IF_DECODED = "a pixel was decoded"
 
@@ -241,8 +241,12 @@ def test_libvips_info_lines_stay_in_c_and_its_warnings_reach_python(
         handler.derive(jpeg, spec)
         clean = [r.getMessage() for r in caplog.records if r.getMessage().startswith("VIPS:")]
         caplog.clear()
-        with pytest.raises(CorruptContent):
-            handler.derive(jpeg[: len(jpeg) // 2], spec)
-        truncated = [r for r in caplog.records if r.getMessage().startswith("VIPS:")]
+        # JFIF 3.01: libjpeg warns, and it is no damage (handlers/jpegcheck.py), so the
+        # file reaches libvips' own decoder, which passes the warning on.
+        unknown_jfif = bytearray(jpeg)
+        unknown_jfif[unknown_jfif.index(b"JFIF\x00") + 5] = 3
+        handler.derive(bytes(unknown_jfif), spec)
+        warned = [r for r in caplog.records if r.getMessage().startswith("VIPS:")]
     assert clean == []
-    assert truncated and all(r.levelno >= logging.WARNING for r in truncated)
+    assert warned and all(r.levelno >= logging.WARNING for r in warned)
+    assert any("JFIF revision" in r.getMessage() for r in warned)

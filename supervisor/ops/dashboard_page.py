@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from derivd.ops.dashboard import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
+from derivd.ops.dashboard_view import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
 from derivd.ops.durations import duration
 from derivd.ops.status import Report, reading_age
 from derivd.ops.webhook_view import circuit_state, circuit_text

@@ -40,9 +40,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from derivd.config import Config
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.queue.db import DatabaseUnavailable, QueueDB
-from derivd.storage.base import Storage, StorageUnavailable, derived_prefix, open_storage
+from derivd.storage.base import Storage, StorageUnavailable, derived_prefix
+from derivd.storage.configured import open_storage
 
 log = logging.getLogger("derivd.sweep")
 
@@ -217,7 +218,9 @@ class Sweeper:
                 self._renew()
                 if original_key is not None:  # None: a re-derivation's row (its file's)
                     report.objects_deleted += self.storage.delete_all_versions(original_key)
-                report.objects_deleted += self.storage.delete_all_versions(derived_prefix(file_id))
+                report.objects_deleted += self.storage.delete_all_versions(
+                    derived_prefix(file_id, self.storage.prefix)
+                )
                 # Fenced on `deleting`: False means another pass finished it first.
                 if self.queue.mark_deleted(file_id):
                     report.deletions_completed.append(file_id)

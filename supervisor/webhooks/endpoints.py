@@ -21,12 +21,38 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from derivd.redact import register_secret
 
-if TYPE_CHECKING:
-    from derivd.config import WebhookSettings
+
+class WebhookValues(Protocol):
+    """What this module reads of a `[webhook:NAME]` section (`derivd.config.WebhookSettings`
+    declares the keys; naming them here keeps this module below the config that uses it)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def secret(self) -> str: ...
+    @property
+    def secret_env(self) -> str: ...
+    @property
+    def secret_file(self) -> str: ...
+    @property
+    def events(self) -> str: ...
+    @property
+    def tenants(self) -> str: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def retry_horizon(self) -> float: ...
+    @property
+    def retry_base(self) -> float: ...
+    @property
+    def concurrency(self) -> int: ...
+    @property
+    def circuit_max(self) -> float: ...
+
 
 SECTION_PREFIX = "webhook:"
 EVENTS = ("file.ready", "file.rejected", "file.rederived", "file.deleted")
@@ -122,7 +148,7 @@ def decode_secret(text: str) -> bytes | None:
 
 
 def _secret_text(
-    section: str, settings: WebhookSettings, env: Mapping[str, str]
+    section: str, settings: WebhookValues, env: Mapping[str, str]
 ) -> tuple[str | None, EndpointProblem | None]:
     """The secret's text from the one place the section names (_secret_sources), or a
     problem."""
@@ -145,7 +171,7 @@ def _secret_text(
     return text, None
 
 
-def _secret_sources(section: str, settings: WebhookSettings) -> EndpointProblem | None:
+def _secret_sources(section: str, settings: WebhookValues) -> EndpointProblem | None:
     """The section names exactly one place for its secret (a problem for every command)."""
     given = [k for k in ("secret", "secret_env", "secret_file") if getattr(settings, k)]
     if len(given) == 1:
@@ -155,7 +181,7 @@ def _secret_sources(section: str, settings: WebhookSettings) -> EndpointProblem 
 
 
 def _read_key(
-    section: str, settings: WebhookSettings, env: Mapping[str, str]
+    section: str, settings: WebhookValues, env: Mapping[str, str]
 ) -> tuple[bytes | None, EndpointProblem | None]:
     """The secret's key bytes, or why it cannot be read here."""
     text, problem = _secret_text(section, settings, env)
@@ -169,7 +195,7 @@ def _read_key(
 
 
 def build_endpoint(
-    name: str, settings: WebhookSettings, env: Mapping[str, str]
+    name: str, settings: WebhookValues, env: Mapping[str, str]
 ) -> tuple[Endpoint | None, list[EndpointProblem], EndpointProblem | None]:
     """The endpoint, its problems (every command's), and why its secret could not be
     read (only the commands that sign refuse that)."""
@@ -201,7 +227,7 @@ def build_endpoint(
 
 
 def build_endpoints(
-    sections: Mapping[str, WebhookSettings], env: Mapping[str, str]
+    sections: Mapping[str, WebhookValues], env: Mapping[str, str]
 ) -> tuple[tuple[Endpoint, ...], list[EndpointProblem], list[EndpointProblem]]:
     """Every `[webhook:NAME]` section as an Endpoint, in file order, the problems, and
     the secrets that could not be read (a problem only where derivd signs)."""
