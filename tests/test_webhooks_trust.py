@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from configs import write_ini
 from fixtures.receiver import Received, Receiver, receiving
 from helpers import sql, wait_for
@@ -152,13 +154,14 @@ def skip_the_pause(dsn: str, name: str = "app") -> None:
 
 
 def test_a_minute_long_outage_is_probed_and_its_backlog_flows_on_recovery(
-    dsn: str, queue: QueueDB
+    dsn: str, queue: QueueDB, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Defaults (retry_base 5 s, circuit_max 60 s), a dead receiver for a minute of the
     circuit's time: the pauses double with failed probes only (not with the POSTs in
     flight when it opened), never past the cap, so the first probe after recovery is due
     within a minute of it; that probe closes the circuit and the whole backlog is due at
-    once and delivered."""
+    once and delivered; opening and closing are logged."""
+    caplog.set_level(logging.INFO, logger="derivd.webhooks")
     with socket.socket() as held:  # refused until the receiver takes the port
         held.bind(("127.0.0.1", 0))
         port = held.getsockname()[1]
@@ -186,6 +189,9 @@ def test_a_minute_long_outage_is_probed_and_its_backlog_flows_on_recovery(
     assert {r["status"] for r in found} == {"delivered"}
     assert circuit(dsn)["opened_at"] is None and circuit(dsn)["failures"] == 0
     assert len(receiver.unique()) == 12
+    said = [r.getMessage() for r in caplog.records if r.name == "derivd.webhooks"]
+    opened = said.index("webhook circuit opened: one probe at a time")
+    assert said.index("webhook circuit closed: the backlog flows") > opened
 
 
 def _probe_through(dsn: str, outage_s: float) -> tuple[float, list[float]]:
