@@ -74,16 +74,26 @@ never drift from the code.
   `DERIVD_DATABASE_DSN`. Keep secrets there, or use libpq's `PG*` variables and the AWS
   credential chain. Any other `DERIVD_*` name is refused like an unknown key, so a
   misspelled override never goes unnoticed.
+- **Comments**: a line starting with `#` or `;` is a comment, and so is the rest of a
+  line from a `#` or `;` that follows whitespace (`events = file.ready  # default: all
+  four`). A `#` or `;` with no whitespace before it is part of the value
+  (`https://host/page#part`), so a value that must hold ` #` or ` ;` goes in the
+  environment instead.
 - **Checking**: `derivd config check` names the file (or variable), section and key of
-  every bad value; `derivd config show` prints which file it read, what the environment
-  set, and every setting in effect (secrets masked).
+  every bad value, and a setting's choices when a value is not one of them (`[logging]
+  format: 'yaml' is not one of: text, json`); `derivd config show` prints which file it
+  read, what the environment set, and every setting in effect (secrets masked, and a
+  webhook's URL without its query, where a receiver's token may be).
 - **Reloading**: SIGHUP to the supervisor re-reads the file and replaces the workers
   gracefully; an invalid file is logged and the running configuration kept.
 
 {CHECK_EXAMPLE}
 Durations are in seconds. What the variants and backends do:
-[integrating.md](integrating.md#variants); leases, timeouts and failover:
-[operating.md](operating.md#leases-timeouts-and-failover); terms: [glossary](glossary.md).
+[integrating.md](integrating.md#variants), PDFs and videos:
+[integrating.md](integrating.md#previews-of-pdfs-and-videos); a schema of derivd's own
+beside your app's tables: [integrating.md](integrating.md#derivd-in-your-apps-database);
+leases, timeouts and failover: [operating.md](operating.md#leases-timeouts-and-failover);
+terms: [glossary](glossary.md).
 """
 
 NAMED_SECTIONS = (
