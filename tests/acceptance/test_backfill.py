@@ -12,107 +12,36 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
-from configs import make_config, write_ini
+from configs import write_ini
+from fixtures.backfill import (
+    V1,
+    V2,
+    apply,
+    config,
+    configured,
+    drain,
+    job_rows,
+    readable_set,
+    ready_files,
+    sweep,
+    unreferenced,
+    variant_set,
+)
 from fixtures.work import run_job, run_one
 from helpers import sql
 
-from derivd import client
-from derivd.config import Config
-from derivd.fingerprint import configured_set
-from derivd.ops.backfill import Apply, BackfillRunning, Plan, differences, scan
+from derivd.ops.backfill import BackfillRunning, differences, scan
 from derivd.ops.dashboard_page import render
 from derivd.ops.dashboard_view import Snapshot
 from derivd.ops.status import as_json, collect, render_table
 from derivd.ops.sweep import Sweeper
 from derivd.queue.db import QueueDB
-from derivd.storage.base import Storage, new_original_key
+from derivd.storage.base import new_original_key
 from derivd.storage.configured import open_storage
 from derivd.worker import Worker
 
 pytestmark = pytest.mark.pooler
-
-BACKEND = "faulthandlers:Stamped"
-V1 = "thumb:64"
-V2 = "thumb:32, card:48"
-
-
-@pytest.fixture(params=["fs", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
-    """make_config's storage arguments for the fs store or moto's S3."""
-    if request.param == "fs":
-        root = tmp_path / "store"
-        root.mkdir()
-        return {"fs_root": root}
-    server = request.getfixturevalue("s3_server")
-    bucket = request.getfixturevalue("s3_bucket")
-    return {"s3": {"bucket": bucket, "endpoint_url": server.endpoint_url, "region": "us-east-1"}}
-
-
-def config(dsn: str, store: dict[str, Any], variants: str) -> Config:
-    return make_config(dsn, **store, derive={"backend": BACKEND, "variants": variants})
-
-
-def configured(cfg: Config) -> dict[str, str]:
-    return configured_set(cfg.derive_spec(), cfg.derive.backend)
-
-
-def drain(cfg: Config) -> None:
-    worker = Worker.create(cfg, cfg.database.dsn)
-    try:
-        worker.run(lambda: False, burst=True)
-    finally:
-        worker.close()
-
-
-def ready_files(cfg: Config, scripts: list[str]) -> list[int]:
-    """Files made ready under `cfg`, one per fault script (their original's bytes)."""
-    storage = open_storage(cfg)
-    keys = [new_original_key() for _ in scripts]
-    originals = [
-        (k, storage.put(k, s.encode(), "text/plain")) for k, s in zip(keys, scripts, strict=True)
-    ]
-    with QueueDB.open(cfg.database.dsn) as q:
-        ids = q.enqueue(originals)
-    drain(cfg)
-    return ids
-
-
-def apply(queue: QueueDB, cfg: Config, **kwargs: Any) -> Plan:
-    wanted = configured(cfg)
-    options: dict[str, Any] = {"priority": -10, "max_queued": 1000, **kwargs}
-    return Apply(queue, wanted, **options).run()
-
-
-def variant_set(queue: QueueDB, file_id: int) -> dict[str, str | None]:
-    return {f"{v.name}.{v.format}": v.fingerprint for v in queue.file_variants(file_id)}
-
-
-def readable_set(dsn: str, storage: Storage, file_id: int) -> dict[str, str | None]:
-    """What a client sees: the file is ready and every variant it lists can be read."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        result = client.result(conn, file_id)
-    assert result.status == "ready"
-    for v in result.variants:
-        assert storage.get(v.key, v.version).startswith(f"{v.name}.{v.format} ".encode())
-    with QueueDB.open(dsn) as q:
-        return variant_set(q, file_id)
-
-
-def sweep(queue: QueueDB, storage: Storage) -> None:
-    Sweeper(queue, storage, orphan_guard=0, delete_guard=0).run_once()
-
-
-def unreferenced(queue: QueueDB, storage: Storage) -> set[str]:
-    stored = set(storage.list_keys("derived/"))
-    rows = queue.conn.execute("SELECT key FROM archive_variants").fetchall()
-    return stored - {r[0] for r in rows}
-
-
-def job_rows(dsn: str) -> list[dict[str, Any]]:
-    return sql(dsn, "SELECT id, status, file_id FROM derivd_rederivations ORDER BY file_id")
-
 
 # -- the planner (pure) -----------------------------------------------------------------
 

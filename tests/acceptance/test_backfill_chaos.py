@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import chaos_run
 
-BACKFILL_CHAOS = Path(__file__).resolve().parent.parent / "bench" / "backfill_chaos.py"
+BACKFILL_CHAOS = Path(__file__).resolve().parents[2] / "bench" / "backfill_chaos.py"
 
 
 @pytest.mark.acceptance

@@ -9,10 +9,8 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 from configs import make_config
-from helpers import alive, sql, wait_for
-from test_backfill import (
+from fixtures.backfill import (
     BACKEND,
     V1,
     V2,
@@ -24,16 +22,15 @@ from test_backfill import (
     sweep,
     unreferenced,
 )
-from test_supervisor import DaemonRun, supervisor  # noqa: F401  (the fixture)
+from fixtures.daemon import DaemonRun
+from helpers import alive, sql, wait_for
 
 from derivd.queue.db import QueueDB
 from derivd.storage.configured import open_storage
 
-pytestmark = pytest.mark.pooler
-
 
 def test_sigkill_of_the_worker_and_of_the_supervisor_mid_rederivation(
-    supervisor: Callable[..., DaemonRun],  # noqa: F811
+    supervisor: Callable[..., DaemonRun],
     dsn: str,
     fs_root: Path,
     tmp_path: Path,

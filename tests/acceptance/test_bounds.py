@@ -1,6 +1,6 @@
 """Nothing waits on the database without a bound: the health probe
 (`derivd status`), a worker's claim, and the supervisor's lease renewal, which has a
-lane of its own beside the maintenance rounds. A frozen server is tests/fixtures/pgproxy
+lane of its own beside the maintenance rounds. A frozen server is tests/support/fixtures/pgproxy
 (it stops relaying); a lock is held by a real second connection. Each test waits on the
 outcome with a liveness deadline only (a missing bound would wait forever)."""
 
@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import psycopg
 import pytest
+from fixtures.daemon import DaemonRun
 from fixtures.pgproxy import PgProxy
 from helpers import wait_for
-from test_supervisor import DaemonRun, supervisor  # noqa: F401  (the fixture)
 
 from derivd.queue.db import DatabaseUnavailable, QueueDB, StatementTimeout
 from derivd.queue.worker_queries import CLAIM_TIMEOUT_S
@@ -104,7 +104,7 @@ def heartbeat_during_blocked_stats(dsn: str) -> bool:
 
 
 def test_lease_renewal_keeps_its_pace_while_a_maintenance_round_hangs(
-    supervisor: Callable[..., DaemonRun],  # noqa: F811
+    supervisor: Callable[..., DaemonRun],
     dsn: str,
 ) -> None:
     """The stats round of a real `derivd run` waits for rows another connection locks

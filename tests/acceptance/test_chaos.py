@@ -30,7 +30,7 @@ from derivd.storage.s3 import S3Storage
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
-CHAOS = Path(__file__).resolve().parent.parent / "bench" / "chaos.py"
+CHAOS = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
 
 
 # It starts PostgreSQL, moto, a fault proxy and `derivd run` itself (no fixtures tell the

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.cli import derivd_command
+from fixtures.cli import derivd_command, support_pythonpath
+from fixtures.pages import Cells, browser, screenshot
 from fixtures.s3 import free_port
 from helpers import sql, stop_process, wait_for
 from PIL import Image
-from test_dashboard import Cells
 
 from derivd.ops.dashboard_page import STYLE, chart
 from derivd.ops.dashboard_view import Minute
@@ -32,14 +31,6 @@ from derivd.ops.gallery import ORIGINAL_BOX, Sample, fit, write_gallery
 from derivd.queue.db import QueueDB, StoredVariant
 from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
-
-TESTS_DIR = Path(__file__).resolve().parent
-BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
-
-
-def browser() -> str | None:
-    return next((p for p in map(shutil.which, BROWSERS) if p), None)
-
 
 pytestmark = pytest.mark.skipif(
     browser() is None, reason="no chromium (Debian's chromium package) for the browser test"
@@ -74,28 +65,6 @@ def dump_dom(url: str, profile: Path, *, wait_ms: int = 0) -> str:
     return result.stdout
 
 
-def screenshot(url: str, profile: Path, out: Path) -> None:
-    exe = browser()
-    assert exe is not None
-    subprocess.run(
-        [
-            exe,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--no-first-run",
-            "--hide-scrollbars",
-            f"--user-data-dir={profile}",
-            "--window-size=1200,1000",
-            f"--screenshot={out}",
-            url,
-        ],
-        capture_output=True,
-        timeout=120,
-        check=True,
-    )
-
-
 @pytest.fixture
 def daemon(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[tuple[str, Path]]:
     """`derivd run` with the fault-script backend, 2 workers, the dashboard refreshing
@@ -114,7 +83,7 @@ def daemon(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[tuple[str, Path]
         f"[metrics]\nlisten = {listen}\ninterval = 1\n"
         "[status]\nmin_finished = 1\n"
     )
-    path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    path = support_pythonpath(os.environ)
     env = {**os.environ, "PYTHONPATH": path}
     log = (tmp_path / "derivd.log").open("wb")
     proc = subprocess.Popen(

@@ -23,7 +23,7 @@ from fixtures.s3 import MotoServer
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def _user_tables(dsn: str) -> set[str]:
@@ -182,8 +182,8 @@ def test_a_missing_pgbouncer_skips_the_pooled_cases_in_one_line() -> None:
     now each skips with one line naming the package, the direct cases run."""
     out = _pytest(
         "-rs",
-        "tests/test_pooler.py::test_migrations_run_through_the_pooler",
-        "tests/test_queue.py::test_migrate_is_idempotent",
+        "tests/acceptance/test_pooler.py::test_migrations_run_through_the_pooler",
+        "tests/integration/test_queue.py::test_migrate_is_idempotent",
         PYTEST_DERIVD_PGBOUNCER="",
     )
     assert "1 passed, 2 skipped" in out and "error" not in out.lower(), out
@@ -193,7 +193,7 @@ def test_a_missing_pgbouncer_skips_the_pooled_cases_in_one_line() -> None:
 
 def test_the_chaos_run_is_not_a_unit_test() -> None:
     """It starts PostgreSQL, moto and daemons, yet `pytest -m unit` ran it."""
-    unit = _pytest("--collect-only", "-m", "unit", "tests/test_chaos.py")
+    unit = _pytest("--collect-only", "-m", "unit", "tests/acceptance/test_chaos.py")
     assert "test_short_chaos_run_keeps_every_invariant" not in unit, unit
-    acceptance = _pytest("--collect-only", "-m", "acceptance", "tests/test_chaos.py")
+    acceptance = _pytest("--collect-only", "-m", "acceptance", "tests/acceptance/test_chaos.py")
     assert "test_short_chaos_run_keeps_every_invariant[direct]" in acceptance, acceptance

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 from fixtures.cli import derivd_command
+from fixtures.daemon import FAST, DaemonRun
 from fixtures.faketime import clock_env, find_libfaketime
 from fixtures.pgproxy import PgProxy
 from helpers import alive, sql, wait_for
-from test_supervisor import FAST, DaemonRun
 
 from derivd.config import load_config
 from derivd.ops.sweep import sweep_once

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import chaos_run
 
-FLEET_CHAOS = Path(__file__).resolve().parent.parent / "bench" / "fleet_chaos.py"
+FLEET_CHAOS = Path(__file__).resolve().parents[2] / "bench" / "fleet_chaos.py"
 
 pytestmark = pytest.mark.acceptance
 

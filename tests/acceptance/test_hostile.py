@@ -1,6 +1,6 @@
 """Hostile input through the whole supervisor, on both backends.
 
-Every hostile case of tests/imagegen.py (pixel floods, decompression bombs, frame floods,
+Every hostile case of tests/support/imagegen.py (pixel floods, decompression bombs, frame floods,
 zero and random bytes, SVG, PDF, HTML named .jpg, truncated and damaged files, huge TIFF
 dimensions) plus the malformed-EXIF ones is uploaded to an fs store and queued; then the
 real `derivd run --burst` with two workers drains the queue. Each row must end as its

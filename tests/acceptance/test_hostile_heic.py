@@ -22,7 +22,7 @@ from fixtures.burst import (
     run_cleanly,
     write_burst_ini,
 )
-from test_handlers_heic import HEIC, READY, REJECTED
+from fixtures.corpus import HEIC, READY, REJECTED
 
 from derivd.storage.fs import FsStorage
 

@@ -28,7 +28,7 @@ from derivd.config import ConfigError
 from derivd.ops.metrics import DURATION_BUCKETS, Metrics, listening_line
 from derivd.queue.db import QueueDB
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "etc" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "etc" / "grafana-dashboard.json"
 
 
 @pytest.fixture

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 from configs import make_config
+from fixtures.daemon import FAST, DaemonRun, kinds, processing_rows
 from fixtures.faultproxy import FaultProxy
 from fixtures.s3 import TEST_REGION, MotoServer
 from fixtures.work import Recorder, make_worker
 from helpers import enqueue_scripts, sql, wait_for
-from test_supervisor import FAST, DaemonRun, kinds, processing_rows
 
 from derivd.queue.db import Job, QueueDB
 from derivd.storage.base import new_original_key

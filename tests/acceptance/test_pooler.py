@@ -1,8 +1,9 @@
 """derivd through a real PgBouncer in transaction mode: what a pooler changes.
 
-(The queue, supervisor, sweep and chaos suites also run through it: see `pooler` in
-tests/conftest.py.) Here: prepared statements, migrations, the sweep's single runner,
-LISTEN through `listen_dsn`, the refusal of a pooled `dsn` without one, two supervisors.
+(The tests of the queue's statements also run through it: see `pooler` in
+tests/support/fixtures/services.py.) Here: prepared statements, migrations, the sweep's
+single runner, LISTEN through `listen_dsn`, the refusal of a pooled `dsn` without one, two
+supervisors.
 """
 
 from __future__ import annotations

@@ -16,10 +16,9 @@ from typing import Any
 import psycopg
 import pytest
 from configs import make_config, write_ini
-from fixtures.work import make_worker, run_job
+from fixtures.backfill import apply, config, configured, drain, readable_set, ready_files
+from fixtures.work import HOST, make_worker, run_job
 from helpers import sql, wait_for
-from test_backfill import apply, config, configured, drain, readable_set, ready_files, store
-from test_heartbeat import HOST
 
 from derivd.config import Config
 from derivd.fingerprint import set_problem
@@ -27,8 +26,6 @@ from derivd.ops.status import collect
 from derivd.queue.db import Finished, QueueDB, StoredVariant
 from derivd.storage.base import new_original_key
 from derivd.storage.configured import open_storage
-
-__all__ = ["store"]  # the fs / S3 fixture of test_backfill, used here by name
 
 pytestmark = pytest.mark.pooler
 

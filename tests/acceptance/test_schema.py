@@ -203,7 +203,7 @@ def test_two_migrates_at_once_on_an_empty_database(empty_dsn: str, tmp_path: Pat
 
 # --------------------------------------------------------------- schema.sql, functions.sql
 
-SCHEMA_SQL = Path(__file__).resolve().parents[1] / "sql" / "schema.sql"
+SCHEMA_SQL = Path(__file__).resolve().parents[2] / "sql" / "schema.sql"
 # Dump lines that describe the dump, not the schema: comments, session settings, psql
 # meta-commands (\restrict).
 _DUMP_NOISE = re.compile(r"^(--|SET |SELECT pg_catalog\.set_config|\\)")

@@ -24,7 +24,7 @@ from derivd.osproc import children_of
 from derivd.storage.base import InvalidKey, ObjectMissing
 from derivd.storage.fs import FsStorage
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
 ORIGINAL_KEY = r"^originals/[0-9a-f]{32}$"
 
@@ -75,8 +75,8 @@ def test_storage_keys_never_come_from_file_names(
 
 
 def test_fs_version_ids_and_prefix_deletes_cannot_escape(fs_root: Path, tmp_path: Path) -> None:
-    """What tests/test_storage.py does not cover: the version id (read from the database)
-    and the prefix form of delete_all_versions."""
+    """What tests/integration/test_storage.py does not cover: the version id (read from the
+    database) and the prefix form of delete_all_versions."""
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep me")
     store = FsStorage(fs_root)

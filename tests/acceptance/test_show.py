@@ -13,14 +13,14 @@ from subprocess import CompletedProcess
 from typing import Any
 
 import pytest
+from fixtures.analysis import PHOTO
+from fixtures.cli import support_pythonpath
 from fixtures.work import claim_one, commit_one
-from test_analysis_stored import PHOTO
 
 from derivd.queue.db import QueueDB, StoredVariant
 from derivd.storage.fs import FsStorage
 
 RunCli = Callable[..., CompletedProcess[str]]
-TESTS_DIR = Path(__file__).resolve().parent
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def cli(run_cli: RunCli, dsn: str, fs_root: Path, tmp_path: Path) -> Callable[..
         "DERIVD_SUPERVISOR_WORKERS": "1",
         "DERIVD_SUPERVISOR_STATE_DIR": str(tmp_path / "state"),
         "DERIVD_QUEUE_MAX_ATTEMPTS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": support_pythonpath(os.environ),
     }
 
     def call(*args: str) -> CompletedProcess[str]:

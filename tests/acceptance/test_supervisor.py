@@ -1,5 +1,5 @@
 """The prefork supervisor as a real process tree: `derivd -c <ini> run` in a subprocess,
-fault-injection handlers from tests/faulthandlers.py, waits on the database and the
+fault-injection handlers from tests/support/faulthandlers.py, waits on the database and the
 process table with a deadline (never a bare sleep where an event can be awaited)."""
 
 from __future__ import annotations
@@ -8,165 +8,20 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from fixtures.cli import derivd_command, run_cli
-from helpers import alive, enqueue_scripts, proc_title, wait_for
+from fixtures.cli import run_cli
+from fixtures.daemon import DaemonRun, kinds, processing_rows
+from helpers import alive, proc_title, wait_for
 
 from derivd.config import ConfigError, load_config
-from derivd.osproc import Pidfile, children_of, sd_notify, watchdog_interval
-from derivd.queue.db import QueueDB
-from derivd.storage.fs import FsStorage
-
-# Each test on `dsn` runs direct and through PgBouncer (transaction mode).
-pytestmark = pytest.mark.pooler
-
-TESTS_DIR = Path(__file__).resolve().parent
-
-# Lease and deadlines small enough for tests, within the 80% cross-check.
-FAST = {
-    "queue": {
-        "lease": "6",
-        "poll_interval": "0.2",
-        "listen": "no",
-        "retry_base": "0.2",
-        "retry_max": "0.5",
-        "retry_jitter": "no",
-    },
-    "supervisor": {"job_timeout": "3.8", "kill_grace": "1", "shutdown_grace": "20"},
-}
-
-
-class DaemonRun:
-    """One `derivd run` under test, its INI, its log file and its database."""
-
-    def __init__(self, tmp: Path, dsn: str, fs_root: Path, settings: dict[str, dict[str, str]]):
-        self.tmp, self.dsn, self.fs_root = tmp, dsn, fs_root
-        sections: dict[str, dict[str, str]] = {
-            "database": {"dsn": dsn},
-            "storage": {"backend": "fs", "root": str(fs_root)},
-            "supervisor": {"workers": "1", "state_dir": str(tmp / "state")},
-            "derive": {"backend": "faulthandlers:Script"},
-        }
-        for name, values in settings.items():
-            sections.setdefault(name, {}).update(values)
-        self.ini = tmp / "derivd.ini"
-        self.write_ini(sections)
-        self.log_path = tmp / "derivd.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.storage = FsStorage(fs_root)
-
-    def write_ini(self, sections: dict[str, dict[str, str]]) -> None:
-        text = "".join(
-            f"[{name}]\n" + "".join(f"{k} = {v}\n" for k, v in values.items())
-            for name, values in sections.items()
-        )
-        self.ini.write_text(text)
-
-    def start(self, *args: str, env_extra: dict[str, str] | None = None) -> DaemonRun:
-        env = {**os.environ, **(env_extra or {})}
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(TESTS_DIR), env.get("PYTHONPATH", "")])
-        )
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [*derivd_command(), "-c", str(self.ini), "run", *args],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-            )
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def workers(self) -> list[int]:
-        return [p for p in children_of(self.pid) if "derivd: worker" in proc_title(p)]
-
-    def ready_workers(self, n: int = 1) -> list[int] | None:
-        """Worker pids once `n` of them have announced themselves idle or busy."""
-        pids = [p for p in self.workers() if "booting" not in proc_title(p)]
-        return pids if len(pids) >= n else None
-
-    def worker_on_job(self, file_id: int) -> int | None:
-        for pid in self.workers():
-            if proc_title(pid).endswith(f" job {file_id}"):
-                return pid
-        return None
-
-    def enqueue(self, *scripts: str) -> list[int]:
-        return enqueue_scripts(self.dsn, self.storage, scripts)
-
-    def row(self, file_id: int) -> dict[str, Any]:
-        with QueueDB.open(self.dsn, role="test") as queue:
-            row = queue.file_row(file_id)
-        assert row is not None
-        return row
-
-    def events(self, file_id: int) -> list[tuple[str, int, Any]]:
-        with psycopg.connect(self.dsn) as conn:
-            rows = conn.execute(
-                "SELECT kind, attempt, at FROM archive_events WHERE file_id = %s ORDER BY id",
-                (file_id,),
-            ).fetchall()
-        return [(r[0], r[1], r[2]) for r in rows]
-
-    def status_is(self, file_id: int, status: str) -> dict[str, Any] | None:
-        row = self.row(file_id)
-        return row if row["status"] == status else None
-
-    def wait_exit(self, timeout: float = 60.0) -> int:
-        assert self.proc is not None
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"derivd did not exit within {timeout:g}s; log:\n{self.log()}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@pytest.fixture
-def supervisor(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[Callable[..., DaemonRun]]:
-    made: list[DaemonRun] = []
-
-    def make(**settings: dict[str, str]) -> DaemonRun:
-        merged = {name: dict(values) for name, values in FAST.items()}
-        for name, values in settings.items():
-            merged.setdefault(name, {}).update(values)
-        sup = DaemonRun(tmp_path, dsn, fs_root, merged)
-        made.append(sup)
-        return sup
-
-    yield make
-    for sup in made:
-        workers = sup.workers() if sup.proc and sup.proc.poll() is None else []
-        sup.stop()
-        for pid in workers:  # PR_SET_PDEATHSIG should have done it; make sure regardless
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
-def processing_rows(dsn: str) -> int:
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT count(*) FROM archive_files WHERE status = 'processing'")
-        return int(row.fetchone()[0])  # type: ignore[index]
-
+from derivd.osproc import Pidfile, sd_notify, watchdog_interval
 
 # ----------------------------------------------------------------------------- tests
 
@@ -208,6 +63,7 @@ def claim_token(dsn: str, file_id: int) -> Any:
         return row.fetchone()[0]  # type: ignore[index]
 
 
+@pytest.mark.pooler
 def test_sigkill_worker_mid_job(supervisor: Callable[..., DaemonRun], tmp_path: Path) -> None:
     """The supervisor returns a dead worker's job at once, fenced by its
     token, the attempt counted, with one `worker_died` event; the lease (600 s) is never
@@ -242,6 +98,7 @@ def test_sigkill_worker_mid_job(supervisor: Callable[..., DaemonRun], tmp_path: 
     assert shown.returncode == 0 and "worker_died" in shown.stdout, shown.stdout + shown.stderr
 
 
+@pytest.mark.pooler
 def test_sigkill_on_the_last_attempt_rejects_at_once(
     supervisor: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
@@ -258,6 +115,7 @@ def test_sigkill_on_the_last_attempt_rejects_at_once(
     assert processing_rows(sup.dsn) == 0
 
 
+@pytest.mark.pooler
 def test_hanging_job_times_out_then_rejected(supervisor: Callable[..., DaemonRun]) -> None:
     # A 30 s lease: if the supervisor did not record the timeout itself the row would
     # stay `processing` far past the test's deadlines.
@@ -285,6 +143,7 @@ def test_hanging_job_times_out_then_rejected(supervisor: Callable[..., DaemonRun
     assert processing_rows(sup.dsn) == 0
 
 
+@pytest.mark.pooler
 def test_job_that_kills_its_worker_ends_exhausted(supervisor: Callable[..., DaemonRun]) -> None:
     # Each attempt crashes the worker; the parent respawns (with slot backoff) and gives
     # the job back counted each time: the second death rejects it, no lease expiring.
@@ -314,6 +173,7 @@ def test_sigterm_lets_running_job_finish(supervisor: Callable[..., DaemonRun]) -
     assert processing_rows(sup.dsn) == 0
 
 
+@pytest.mark.pooler
 def test_sigterm_past_grace_releases_job(supervisor: Callable[..., DaemonRun]) -> None:
     sup = supervisor(
         supervisor={"job_timeout": "20", "shutdown_grace": "0.5"}, queue={"lease": "60"}
@@ -421,6 +281,7 @@ def test_burst_exits_when_drained(supervisor: Callable[..., DaemonRun]) -> None:
     assert [sup.row(i)["status"] for i in ids] == ["ready"] * 4
 
 
+@pytest.mark.pooler
 def test_burst_waits_for_a_retry_due_soon_and_says_what_it_leaves(
     supervisor: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
@@ -561,10 +422,7 @@ if __name__ == "__main__":  # pragma: no cover
 BATCH = {"queue": {"claim_batch": "5"}}
 
 
-def kinds(sup: DaemonRun, file_id: int) -> list[str]:
-    return [kind for kind, _, _ in sup.events(file_id)]
-
-
+@pytest.mark.pooler
 def test_batch_sigkill_worker_releases_unstarted_and_reclaims_running(
     supervisor: Callable[..., DaemonRun], tmp_path: Path
 ) -> None:
@@ -588,6 +446,7 @@ def test_batch_sigkill_worker_releases_unstarted_and_reclaims_running(
     assert processing_rows(sup.dsn) == 0
 
 
+@pytest.mark.pooler
 def test_batch_timeout_fails_running_job_and_releases_the_rest(
     supervisor: Callable[..., DaemonRun],
 ) -> None:
@@ -607,6 +466,7 @@ def test_batch_timeout_fails_running_job_and_releases_the_rest(
     assert "job timed out" in sup.log()
 
 
+@pytest.mark.pooler
 def test_batch_sigterm_releases_unstarted_jobs_at_once(
     supervisor: Callable[..., DaemonRun],
 ) -> None:

@@ -17,8 +17,6 @@ from derivd import client
 from derivd.priorities import CLAIM_SHARE
 from derivd.queue.db import Job, QueueDB
 
-pytestmark = pytest.mark.pooler
-
 LONG = 60.0
 
 
@@ -44,6 +42,7 @@ def tenant_of(queue: QueueDB, ids: list[int]) -> list[str | None]:
     return [by_id[i] for i in ids]
 
 
+@pytest.mark.pooler
 def test_higher_priority_is_claimed_first_then_due_time(queue: QueueDB) -> None:
     low = enqueue(queue, 2, priority=-5)
     normal = enqueue(queue, 2)
@@ -51,6 +50,7 @@ def test_higher_priority_is_claimed_first_then_due_time(queue: QueueDB) -> None:
     assert claim_ids(queue, 6) == high + normal + low
 
 
+@pytest.mark.pooler
 def test_an_expired_lease_still_comes_before_any_priority(queue: QueueDB) -> None:
     (old,) = enqueue(queue, 1, priority=-100)
     claim(queue)
@@ -62,6 +62,7 @@ def test_an_expired_lease_still_comes_before_any_priority(queue: QueueDB) -> Non
     assert job.id == old and job.attempt == 2
 
 
+@pytest.mark.pooler
 def test_the_lowest_priority_gets_every_twentieth_claim(queue: QueueDB) -> None:
     """The starvation bound: whatever arrives above it, the oldest due row is taken by
     the CLAIM_SHARE-th claim call (a fleet-wide sequence)."""
@@ -72,6 +73,7 @@ def test_the_lowest_priority_gets_every_twentieth_claim(queue: QueueDB) -> None:
     assert ids[-1] == starved
 
 
+@pytest.mark.pooler
 def test_a_small_tenant_is_started_after_a_handful_of_claims(queue: QueueDB) -> None:
     """A tenant holding many does not make another wait behind all of them: their rows
     alternate from the moment the second one arrives."""
@@ -82,6 +84,7 @@ def test_a_small_tenant_is_started_after_a_handful_of_claims(queue: QueueDB) -> 
     assert Counter(tenant_of(queue, first)) == {"big": 5, "small": 5}
 
 
+@pytest.mark.pooler
 def test_tenants_arriving_later_share_with_the_ones_in_progress(queue: QueueDB) -> None:
     enqueue(queue, 50, tenant="a")
     claim_ids(queue, 10)  # a's queue is under way
@@ -91,6 +94,7 @@ def test_tenants_arriving_later_share_with_the_ones_in_progress(queue: QueueDB) 
     assert Counter(got) == {"a": 5, "b": 5, None: 5}
 
 
+@pytest.mark.pooler
 def test_sharing_holds_within_a_priority_and_priority_wins_across(queue: QueueDB) -> None:
     enqueue(queue, 20, tenant="a", priority=-10)
     enqueue(queue, 20, tenant="b", priority=-10)
@@ -100,6 +104,7 @@ def test_sharing_holds_within_a_priority_and_priority_wins_across(queue: QueueDB
     assert Counter(tenant_of(queue, ids[2:])) == {"a": 2, "b": 2}
 
 
+@pytest.mark.pooler
 def test_the_tenant_cap_bounds_jobs_in_flight_per_tenant(queue: QueueDB) -> None:
     enqueue(queue, 10, tenant="a")
     enqueue(queue, 10, tenant="b")
@@ -112,6 +117,7 @@ def test_the_tenant_cap_bounds_jobs_in_flight_per_tenant(queue: QueueDB) -> None
     assert tenant_of(queue, [job.id]) == ["a"]
 
 
+@pytest.mark.pooler
 def test_the_tenant_cap_holds_within_one_batch(queue: QueueDB) -> None:
     enqueue(queue, 10, tenant="a")
     enqueue(queue, 1, tenant="b")
@@ -119,11 +125,13 @@ def test_the_tenant_cap_holds_within_one_batch(queue: QueueDB) -> None:
     assert Counter(tenant_of(queue, [j.id for j in jobs])) == {"a": 3, "b": 1}
 
 
+@pytest.mark.pooler
 def test_without_a_cap_a_batch_takes_every_due_row(queue: QueueDB) -> None:
     enqueue(queue, 10, tenant="a")
     assert len(claim(queue, limit=10)) == 10
 
 
+@pytest.mark.pooler
 def test_retried_rows_keep_their_place(queue: QueueDB) -> None:
     first, *_ = enqueue(queue, 3, tenant="a")
     [job] = claim(queue)
@@ -132,6 +140,7 @@ def test_retried_rows_keep_their_place(queue: QueueDB) -> None:
     assert claim_ids(queue, 1) == [first]
 
 
+@pytest.mark.pooler
 def test_a_pending_row_takes_its_place_when_the_upload_api_queues_it(queue: QueueDB) -> None:
     """pending -> queued by an UPDATE (an upload API that inserts first, confirms later):
     the row got its rank at insert, so it is not left behind every later row."""

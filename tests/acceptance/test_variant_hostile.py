@@ -1,6 +1,6 @@
 """Hostile and odd inputs for the variant options, through `derivd run`, both backends.
 
-The handler-level tests (tests/test_variants.py) show each option on each input; this
+The handler-level tests (tests/unit/test_variants.py) show each option on each input; this
 one runs them through the whole supervisor the way production does: originals in an fs
 store, rows on the test PostgreSQL, `derivd run --burst` with two workers and variant
 sections that use every new option at once (a smart-cropped, upscaled 320x320 cover in

@@ -16,6 +16,7 @@ import psycopg
 import pytest
 from configs import make_config
 from faulthandlers import Script
+from fixtures.analysis import PHOTO
 from fixtures.work import claim_one, commit_one, make_worker, run_one
 from helpers import sql
 
@@ -26,16 +27,6 @@ from derivd.storage.fs import FsStorage
 from derivd.worker import Worker
 
 LONG = 60.0
-PHOTO = Analysis(
-    width=3024,
-    height=4032,
-    format="heic",
-    frames=1,
-    has_alpha=False,
-    colour="#8a7f6e",
-    placeholder="1QcSHQRnh493V4dIh4eXh1h4kJUI",
-    dhash=-0x1234_5678_9ABC_DEF0,
-)
 COLUMNS = [f"original_{name}" for name in asdict(PHOTO)]
 
 
@@ -296,7 +287,7 @@ def test_the_readme_similar_sql_answers_as_the_client_does(
 ) -> None:
     """docs/integrating.md, "From any other language", gives the statements for other languages: as
     written ($1 the file, $2 the distance), each finds what client.similar finds."""
-    readme = (Path(__file__).resolve().parents[1] / "docs" / "integrating.md").read_text("utf-8")
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "integrating.md").read_text("utf-8")
     block = readme.split("-- similar:", 1)[1].split("```", 1)[0]
     code = "\n".join(line.split("--")[0] for line in block.splitlines()[1:])
     statements = [s.replace("$1", "%(id)s").replace("$2", "%(max)s") for s in code.split(";")]
@@ -315,7 +306,7 @@ def test_the_optional_band_index_gives_the_same_answers(
 ) -> None:
     """docs/integrating.md's CREATE INDEX, as written: derivd_similar then probes it (up to 7 bits)
     and finds exactly what the scan finds."""
-    readme = (Path(__file__).resolve().parents[1] / "docs" / "integrating.md").read_text("utf-8")
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "integrating.md").read_text("utf-8")
     create = readme.split("```sql\nCREATE INDEX CONCURRENTLY archive_files_dhash_bands", 1)[1]
     create = "CREATE INDEX CONCURRENTLY archive_files_dhash_bands" + create.split("```", 1)[0]
     rng = random.Random(19)

@@ -15,6 +15,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from configs import write_ini
+from fixtures.corpus import HEIC
 from imagegen import jpeg, png_rgb
 
 from derivd import client
@@ -123,7 +124,7 @@ def test_a_vips_worker_loads_numpy_for_the_analysis_and_simplejpeg_only_for_a_jp
 
 def test_a_vips_worker_loads_libheif_with_its_first_heic() -> None:
     """The other side of the test above: the lazy load does happen, and the HEIC derives."""
-    iphone = Path(__file__).parent / "corpus" / "heic" / "arrow.heic"
+    iphone = HEIC / "arrow.heic"
     if not iphone.exists():
         pytest.skip("tests/corpus/heic is absent")
     assert {"pi_heif", "PIL"} <= _loaded_by_a_vips_worker(iphone)

@@ -3,7 +3,7 @@ PostgreSQL, direct and through PgBouncer: wait for a tenant's lock (two claims m
 two tenants in different orders deadlocked, rolling back the commit that shares their
 transaction), leave a tenant below its cap unclaimed, cap untenanted rows together, or
 take a row past the attempt cap. The worker's side of item 2:
-tests/test_worker_commit_again.py."""
+tests/integration/test_worker_commit_again.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The dashboard at `/` of `[metrics] listen`: its numbers against the database (the same
 signals and verdict as `derivd status`), its cache, escaping, and the endpoint's
 behaviour for other paths, query strings and HEAD. The browser test is in
-tests/test_dashboard_browser.py."""
+tests/acceptance/test_dashboard_browser.py."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from fixtures.metrics import seed_queue
+from fixtures.pages import Cells
 from fixtures.pgproxy import PgProxy
 from fixtures.work import claim_one, commit_one
 from helpers import sql, wait_for
@@ -26,37 +27,6 @@ from derivd.ops.metrics import Metrics
 from derivd.ops.status import Report, evaluate
 from derivd.ops.web import Response
 from derivd.queue.db import QueueDB, QueueStats
-
-
-class Cells(HTMLParser):
-    """Every element's attributes by its data-* key, and the text of elements by id."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.attrs_by: dict[tuple[str, str], dict[str, str]] = {}
-        self.rows: dict[tuple[str, str], dict[str, str]] = {}  # (data-key, key) -> class: value
-        self.ids: dict[str, dict[str, str]] = {}
-        self.bars: list[dict[str, str]] = []
-        self._row: tuple[str, str] | None = None
-        self.feed(text)
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        a = {k: v or "" for k, v in attrs}
-        if tag == "tr":
-            keys = [(k, v) for k, v in a.items() if k.startswith("data-")]
-            self._row = keys[0] if keys else None
-            if self._row:
-                self.rows[self._row] = {}
-        elif tag == "td" and self._row is not None and "data-value" in a:
-            for css in a.get("class", "").split():
-                self.rows[self._row][css] = a["data-value"]
-        if "id" in a:
-            self.ids[a["id"]] = a
-        if tag == "rect" and "bar" in a.get("class", ""):
-            self.bars.append(a)
-
-    def value(self, key: str, name: str, cell: str = "value") -> float:
-        return float(self.rows[(key, name)][cell])
 
 
 class Tags(HTMLParser):

@@ -15,18 +15,17 @@ from pathlib import Path
 
 import pytest
 from configs import make_config, write_ini
-from fixtures.work import commit_one, make_worker
+from fixtures.work import HOST, commit_one, make_worker
 from helpers import sql
 
 from derivd.config import Config, ConfigError, load_config
 from derivd.ops.metrics import Metrics
 from derivd.processes.duties import Heartbeat, held_jobs, lost_tokens, to_kill
 from derivd.processes.pipe import WorkerProc, kept_starts
-from derivd.queue.db import HostInfo, Job, QueueDB
+from derivd.queue.db import Job, QueueDB
 from derivd.worker import JobResult
 
 LONG = 60.0
-HOST = HostInfo("host-a", 4242, "0.1.0", "vips", 2, 1, 10.0)
 
 
 def enqueue(queue: QueueDB, n: int) -> list[int]:

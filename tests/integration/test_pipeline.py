@@ -9,28 +9,14 @@ from pathlib import Path
 
 import pytest
 from configs import make_config
-from fixtures.work import make_worker, run_job, run_one
+from fixtures.work import enqueue_bytes, make_worker, run_job, run_one
 from PIL import Image
-
-from derivd.ops.enqueue import upload_and_queue
-from derivd.queue.db import QueueDB
-from derivd.storage.base import Storage
 
 
 def jpeg(width: int, height: int) -> bytes:
     buffer = io.BytesIO()
     Image.linear_gradient("L").resize((width, height)).convert("RGB").save(buffer, "JPEG")
     return buffer.getvalue()
-
-
-def enqueue_bytes(tmp_path: Path, storage: Storage, dsn: str, blobs: dict[str, bytes]) -> list[int]:
-    paths = []
-    for name, data in blobs.items():
-        path = tmp_path / name
-        path.write_bytes(data)
-        paths.append(path)
-    with QueueDB.open(dsn) as queue:
-        return upload_and_queue(paths, storage, queue)
 
 
 @pytest.mark.parametrize("backend", ["vips", "pillow"])

@@ -14,7 +14,7 @@ from fixtures.work import claim_one, commit_one
 from derivd import client
 from derivd.queue.db import QueueDB, StoredVariant
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "integrating.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "integrating.md"
 
 
 def python_block(containing: str) -> str:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 from configs import make_config
-from fixtures.work import make_worker, run_one
+from fixtures.work import enqueue_bytes, make_worker, run_one
+from imagegen import jpeg
 from PIL import Image
-from test_pipeline import enqueue_bytes, jpeg
 
 from derivd.config import Config, VariantSettings
 from derivd.storage.configured import open_storage

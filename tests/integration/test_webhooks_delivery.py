@@ -6,33 +6,20 @@ supervisor's child runs the same loop (test_webhooks_daemon)."""
 
 from __future__ import annotations
 
-import base64
 import socket
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from fixtures.delivering import SECRET, delivering, endpoint
 from fixtures.receiver import Receiver, receiving
 from fixtures.work import claim_one, commit_one
 from helpers import sql, wait_for
 
 from derivd.queue.db import QueueDB, StoredVariant
-from derivd.webhooks.deliverer import Deliverer
-from derivd.webhooks.endpoints import Endpoint
 
-SECRET = "whsec_" + base64.b64encode(b"derivd test secret, 32 bytes!!!!").decode()
-KEY = base64.b64decode(SECRET.removeprefix("whsec_"))
 VARIANT = StoredVariant("thumb", "derived/1/t/thumb.webp", "v1", "ab" * 32, 32, 24)
 ALL = ["file.ready", "file.rejected", "file.rederived", "file.deleted"]
-
-
-def endpoint(url: str, name: str = "app", **overrides: Any) -> Endpoint:
-    settings: dict[str, Any] = {"timeout": 2.0, "retry_horizon": 1.5, "retry_base": 0.05,
-                                "concurrency": 2}  # fmt: skip
-    settings.update(overrides)
-    return Endpoint(name=name, url=url, key=KEY, **settings)
 
 
 def ready_files(queue: QueueDB, count: int) -> list[int]:
@@ -42,23 +29,6 @@ def ready_files(queue: QueueDB, count: int) -> list[int]:
         job = claim_one(queue, lease_s=30, max_attempts=3)
         assert job is not None and commit_one(queue, job, [VARIANT])
     return ids
-
-
-@contextmanager
-def delivering(dsn: str, *endpoints: Endpoint) -> Iterator[Deliverer]:
-    queue = QueueDB.open(dsn)
-    queue.sync_webhook_endpoints([e.subscription() for e in endpoints])
-    queue.close()
-    deliverer = Deliverer(endpoints, dsn, host="test", poll_interval=0.2)
-    thread = threading.Thread(target=deliverer.run, daemon=True)
-    thread.start()
-    try:
-        yield deliverer
-    finally:
-        deliverer.stop()
-        thread.join(60)
-        assert not thread.is_alive(), "the delivering loop did not stop"
-        deliverer.close()
 
 
 def rows(dsn: str, endpoint: str = "app") -> list[dict[str, Any]]:

@@ -4,7 +4,6 @@ replays (the same webhook-id) included."""
 
 from __future__ import annotations
 
-import base64
 import re
 import threading
 from pathlib import Path
@@ -12,15 +11,13 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import pytest
+from fixtures.delivering import SECRET, delivering, endpoint
 from fixtures.work import claim_one, commit_one
 from helpers import sql, wait_for
-from test_webhooks_delivery import delivering, endpoint
 
 from derivd.queue.db import QueueDB, StoredVariant
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "integrating.md"
-KEY = b"derivd test secret, 32 bytes!!!!"
-SECRET = "whsec_" + base64.b64encode(KEY).decode()
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "integrating.md"
 VARIANT = StoredVariant("thumb", "derived/1/t/thumb.webp", "v1", "ab" * 32, 32, 24)
 
 

@@ -27,7 +27,7 @@ T = TypeVar("T")
 
 
 def enqueue_scripts(dsn: str, storage: Storage, scripts: Iterable[str]) -> list[int]:
-    """Each fault handler's script (tests/faulthandlers.py) stored in `storage` as an
+    """Each fault handler's script (tests/support/faulthandlers.py) stored in `storage` as an
     original and queued in `dsn`, in order: their file ids."""
     originals = []
     for script in scripts:

@@ -17,8 +17,8 @@ import io
 import imagegen
 import pytest
 from fixtures.analysis import average_rgb, hamming
+from fixtures.pixels import BACKENDS, CMYK_UNPROFILED, READY_CASES, SPEC
 from PIL import Image, ImageStat
-from test_handlers import BACKENDS, CMYK_UNPROFILED, READY_CASES, SPEC
 
 from derivd.handlers.analysis import (
     SMALL_EDGE,

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="matplotlib (setup.cfg's bench extra) absent")
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 PLOTS = BENCH / "plots.py"
 RESULTS_PY = BENCH / "results.py"
 

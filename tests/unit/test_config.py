@@ -26,7 +26,7 @@ from derivd.config import (
     render_value,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_setting_is_documented_and_round_trips(tmp_path: Path) -> None:

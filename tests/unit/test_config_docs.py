@@ -10,7 +10,7 @@ import pytest
 from derivd.config import SECTIONS, VariantSettings, WebhookSettings
 from derivd.config_docs import main, render_markdown
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "configuring.md"
 
 

@@ -7,8 +7,8 @@ import base64
 from pathlib import Path
 
 import pytest
+from fixtures.pages import browser, screenshot
 from PIL import Image
-from test_dashboard_browser import browser, screenshot
 
 from derivd.client import Original
 from derivd.ops import thumbhash_decoder

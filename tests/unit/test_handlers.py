@@ -1,101 +1,51 @@
 """Both image backends at handler level (no database, no storage), on generated inputs.
 
-Pixel comparisons use one metric throughout, `mad`: decode both WebPs, premultiply colour
-by alpha (so the colour of fully transparent pixels, which the encoder may change, does not
-count), take the mean absolute difference per channel on 0-255 over all pixels, and report
-the worst channel. One JPEG or WebP generation alone moves this by about 1; a visible
-mistake (a wrong rotation, a missed colour conversion, the wrong frame) moves it by 10+.
+Pixel comparisons use `mad` (tests/support/fixtures/pixels.py says what it measures).
 """
 
 from __future__ import annotations
 
 import io
-import struct
-from collections.abc import Iterator
 
 import imagegen
 import pytest
-from PIL import Image, ImageChops, ImageCms, ImageStat
+from fixtures.pixels import (
+    BACKENDS,
+    CMYK_UNPROFILED,
+    MISTAKE_MAD,
+    PARITY_MAD,
+    READY_CASES,
+    SPEC,
+    decode,
+    mad,
+    reference,
+    riff_chunks,
+)
+from PIL import Image, ImageCms
 
 from derivd.handlers.base import (
     DerivedVariant,
     DeriveSpec,
     Handler,
     Permanent,
-    VariantSpec,
     target_size,
 )
 from derivd.handlers.registry import create_handler
 
-BACKENDS = ("vips", "pillow")
-SPEC = DeriveSpec(variants=(VariantSpec("preview", 1600), VariantSpec("thumb", 320)))
-
-# Backend parity: worst-channel mean absolute difference between the two backends' output
-# for the same input and variant. Measured: 0.0-1.9 (identical when no resize is needed;
-# resamplers and AVIF decoders differ slightly otherwise). 4.0 leaves room for library
-# upgrades and stays far below the 10+ of any real mistake.
-PARITY_MAD = 4.0
 # Same picture through a different EXIF orientation (different JPEG block grid, so a
 # different set of compression errors). Measured: 1.2-1.9.
 ORIENTATION_MAD = 4.0
-# A wrong rotation or a missing colour conversion must be at least this far off, or the
-# metric would not be able to tell right from wrong.
-MISTAKE_MAD = 10.0
-
 ALPHA_CASES = {"png_rgba", "png_palette_transparent", "png_grey_alpha", "png_rgba_p3",
                "webp_alpha"}  # fmt: skip
-# Unprofiled CMYK: libvips converts through its built-in CMYK profile ("Chemical proof"),
-# Pillow does the naive 255 - (C + K) conversion (it has no CMYK profile to use). Both are
-# sRGB; they are not the same sRGB. Dimensions still match; pixels are tested separately.
-CMYK_UNPROFILED = {"jpeg_cmyk", "tiff_cmyk"}
-
-READY_CASES = [(name, make) for name, make, expected in imagegen.CASES if expected == "ready"]
 REJECT_CASES = [(n, make, expected) for n, make, expected in imagegen.CASES if expected != "ready"]
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def handler(request: pytest.FixtureRequest) -> Handler:
-    return create_handler(request.param, SPEC)
 
 
 # --- helpers ---------------------------------------------------------------------------------
 
 
-def decode(data: bytes) -> Image.Image:
-    """Premultiplied RGBA, so invisible colour never counts."""
-    im = Image.open(io.BytesIO(data))
-    assert im.format == "WEBP"
-    rgba = im.convert("RGBA")
-    alpha = rgba.getchannel("A")
-    colour = Image.composite(rgba.convert("RGB"), Image.new("RGB", rgba.size), alpha)
-    return Image.merge("RGBA", (*colour.split(), alpha))
-
-
-def mad(a: bytes | Image.Image, b: bytes | Image.Image) -> float:
-    """Worst-channel mean absolute difference on 0-255 (see the module docstring)."""
-    ia = decode(a) if isinstance(a, bytes) else a
-    ib = decode(b) if isinstance(b, bytes) else b
-    assert ia.size == ib.size
-    return max(ImageStat.Stat(ImageChops.difference(ia, ib)).mean)
-
-
-def riff_chunks(data: bytes) -> Iterator[bytes]:
-    assert data[:4] == b"RIFF" and data[8:12] == b"WEBP"
-    at = 12
-    while at + 8 <= len(data):
-        kind, size = data[at : at + 4], struct.unpack("<I", data[at + 4 : at + 8])[0]
-        yield kind
-        at += 8 + size + (size & 1)
-
-
 def expected_sizes(name: str) -> list[tuple[int, int]]:
     width, height = imagegen.DISPLAY_SIZE[name]
     return [target_size(width, height, v.long_edge) for v in SPEC.variants]
-
-
-def reference(width: int, height: int) -> Image.Image:
-    """The scene as a premultiplied RGBA of the given size, for absolute comparisons."""
-    return imagegen.scene().resize((width, height), Image.Resampling.LANCZOS).convert("RGBA")
 
 
 # --- every case, both backends ------------------------------------------------------------

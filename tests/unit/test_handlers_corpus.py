@@ -9,15 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_handlers import BACKENDS, MISTAKE_MAD, SPEC, decode, mad
+from fixtures.corpus import CORPUS
+from fixtures.pixels import MISTAKE_MAD, SPEC, decode, mad
 
 from derivd.handlers.base import Handler, Permanent
-from derivd.handlers.registry import create_handler
 
 pytestmark = pytest.mark.corpus
 
 
-CORPUS = Path(__file__).resolve().parent / "corpus"
 PNGSUITE = sorted((CORPUS / "pngsuite").glob("*.png"))
 ORIENTATION = sorted((CORPUS / "exif-orientation").glob("*_[1-8].jpg"))
 
@@ -36,11 +35,6 @@ def test_the_corpus_is_complete_and_licensed() -> None:
     assert len(uprights) == 2 and all(p.is_file() for p in uprights)
     for folder in ("pngsuite", "exif-orientation"):
         assert (CORPUS / folder / "LICENSE").stat().st_size > 100
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def handler(request: pytest.FixtureRequest) -> Handler:
-    return create_handler(request.param, SPEC)
 
 
 @pytest.mark.parametrize("path", [p for p in PNGSUITE if not p.name.startswith("x")],

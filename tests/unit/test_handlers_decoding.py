@@ -1,6 +1,6 @@
 """What escapes a decoder, codecs a backend lacks, and CIELAB TIFF.
 
-Case tables live in tests/imagegen.py (tiff_offsets_*, tiff_jpeg2000, tiff_cielab run on
+Case tables live in tests/support/imagegen.py (tiff_offsets_*, tiff_jpeg2000, tiff_cielab run on
 both backends in test_handlers.py and through `derivd run` in test_hostile.py); this
 module holds what differs per backend and the shared guard itself.
 """
@@ -12,10 +12,9 @@ import logging
 import struct
 
 import imagegen
-import pi_heif
 import pytest
+from fixtures.pixels import MISTAKE_MAD, PARITY_MAD, SPEC, mad, reference
 from PIL import Image, ImageChops, ImageStat
-from test_handlers import MISTAKE_MAD, PARITY_MAD, SPEC, mad, reference
 
 from derivd.handlers import pillow as pillow_backend
 from derivd.handlers import vips as vips_backend
@@ -101,17 +100,6 @@ def test_cielab_read_as_rgb_would_be_a_visible_mistake() -> None:
 
 
 # --- decoder faults and encoder faults -----------------------------------
-
-RAISE_IF_DECODED = "a pixel was decoded"
-
-
-def never_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make pi-heif's decode raise: a test that expects a refusal from the header alone."""
-
-    def refuse(self: object) -> None:
-        raise AssertionError(RAISE_IF_DECODED)
-
-    monkeypatch.setattr(pi_heif.heif.BaseImage, "load", refuse)
 
 
 @pytest.mark.parametrize(

@@ -10,41 +10,28 @@ from __future__ import annotations
 import base64
 import io
 import struct
-from pathlib import Path
 
 import pi_heif
 import pytest
 from fixtures.analysis import average_rgb, hamming
+from fixtures.corpus import HEIC, READY, REJECTED
+from fixtures.pixels import (
+    BACKENDS,
+    MISTAKE_MAD,
+    PARITY_MAD,
+    RAISE_IF_DECODED,
+    SPEC,
+    mad,
+    never_decoded,
+    riff_chunks,
+)
 from PIL import Image, ImageCms, ImageStat
-from test_handlers import BACKENDS, MISTAKE_MAD, PARITY_MAD, SPEC, mad, riff_chunks
-from test_handlers_decoding import RAISE_IF_DECODED, never_decoded
 
 from derivd.handlers.base import Analysis, Derivation, Handler, Permanent, target_size
 from derivd.handlers.isobmff import declared
-from derivd.handlers.registry import create_handler
 
 pytestmark = pytest.mark.corpus
 
-HEIC = Path(__file__).resolve().parent / "corpus" / "heic"
-
-# name -> (displayed width, height, frames, has_alpha)
-READY: dict[str, tuple[int, int, int, bool]] = {
-    "pug.heic": (4032, 3024, 1, False),  # iPhone: grid, P3, GPS, depth, gain map
-    "arrow.heic": (3024, 4032, 1, False),  # irot to portrait; EXIF says 6 as well
-    "RGBA_10__29x100.heif": (29, 100, 1, True),
-    "RGB_12__29x100.heif": (29, 100, 1, False),
-    "L_10__29x100.heif": (29, 100, 1, False),
-    "zPug_3.heic": (64, 64, 3, False),  # the primary is the second image
-    "burst_5.heic": (320, 200, 5, False),
-}
-REJECTED: dict[str, str] = {
-    "corrupted.heic": "corrupt_content",
-    "truncated.heic": "corrupt_content",
-    "no_decoder_vvc.heif": "unsupported_content",
-    "bomb_200mp.heic": "resource_limit",
-    "bomb_1000_frames.heic": "resource_limit",
-    "bomb_2048_tiles.heic": "resource_limit",
-}
 BOMBS = [name for name in REJECTED if name.startswith("bomb_")]
 # Both backends shrink the same decoded pixels with their own resamplers (measured 0.4-1.1).
 HEIC_PARITY_MAD = PARITY_MAD
@@ -58,11 +45,6 @@ def derive(handler: Handler, data: bytes) -> tuple[Derivation, Analysis]:
     out = Derivation.of(handler.derive(data, SPEC))
     assert out.original is not None
     return out, out.original
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def handler(request: pytest.FixtureRequest) -> Handler:
-    return create_handler(request.param, SPEC)
 
 
 def test_the_corpus_is_complete_and_licensed() -> None:

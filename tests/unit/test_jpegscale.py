@@ -20,6 +20,7 @@ from pathlib import Path
 import imagegen
 import pytest
 from fidelity import ssim
+from fixtures.corpus import CORPUS
 from PIL import Image, ImageChops, ImageStat
 
 from derivd.handlers.base import CorruptContent, DeriveSpec, VariantSpec
@@ -33,8 +34,7 @@ from derivd.handlers.jpegscale import decode_scaled, scaled_size
 from derivd.handlers.registry import create_handler
 
 BACKENDS = ("vips", "pillow")
-TESTS = Path(__file__).resolve().parent
-SHARED_CORPUS = TESTS.parent.parent / "shared" / "corpus"  # beside the clone, when there
+SHARED_CORPUS = CORPUS.parents[2] / "shared" / "corpus"  # beside the clone, when there
 
 
 # --- the rule -----------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def _corpus_files() -> dict[str, Path]:
     file once."""
     found: dict[str, Path] = {}
     seen: set[str] = set()
-    folders = [TESTS / "corpus", *([SHARED_CORPUS] if SHARED_CORPUS.is_dir() else [])]
+    folders = [CORPUS, *([SHARED_CORPUS] if SHARED_CORPUS.is_dir() else [])]
     for folder in folders:
         for path in sorted(folder.rglob("*.jp*g")):
             digest = hashlib.sha256(path.read_bytes()).hexdigest()

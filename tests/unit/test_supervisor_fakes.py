@@ -1,7 +1,8 @@
 """The supervisor's decisions driven by fakes, as gunicorn tests its arbiter: a fake clock,
 fake worker processes (real pipes, no fork: the test speaks for the child through the
 real Reporter) and a fake database thread that records what the supervisor asks of the
-database. What these cannot show (real forks, signals, PostgreSQL) is tests/test_supervisor.py's."""
+database. What these cannot show (real forks, signals, PostgreSQL) is
+tests/acceptance/test_supervisor.py's."""
 
 from __future__ import annotations
 

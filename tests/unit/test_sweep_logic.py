@@ -1,6 +1,6 @@
-"""The sweep pass's logic on an in-memory queue (tests/fixtures/memqueue.py) and a real fs
+"""The sweep pass's logic on an in-memory queue (tests/support/fixtures/memqueue.py) and a real fs
 store: batch boundaries, what is forgotten when a store fails mid-batch, the lease renewed
-on the pass's clock. The same passes on PostgreSQL: tests/test_sweep.py."""
+on the pass's clock. The same passes on PostgreSQL: tests/integration/test_sweep.py."""
 
 from __future__ import annotations
 

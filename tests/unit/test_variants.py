@@ -12,12 +12,13 @@ import json
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import imagegen
 import pytest
+from fixtures.cli import SUPPORT
+from fixtures.corpus import CORPUS
+from fixtures.pixels import PARITY_MAD
 from PIL import Image, ImageChops, ImageDraw, ImageStat
-from test_handlers import PARITY_MAD
 
 from derivd.config import SupervisorSettings
 from derivd.handlers.base import (
@@ -283,7 +284,7 @@ def test_one_decode_matches_the_per_variant_output(case: str) -> None:
 AVIF_PEAK = """
 import json, sys
 from pathlib import Path
-sys.path.insert(0, {tests!r})
+sys.path.insert(0, {support!r})
 import imagegen
 from derivd.handlers.base import DeriveSpec, VariantSpec
 from derivd.handlers.registry import create_handler
@@ -307,8 +308,8 @@ def test_largest_allowed_avif_fits_the_worker_memory_bound(backend: str) -> None
     """4096 x 4096 (AVIF_MAX_PIXELS, the most `config check` lets an avif variant ask for)
     encodes in a fresh process whose peak RSS stays under the default recycle bound."""
     assert AVIF_MAX_PIXELS == 4096 * 4096
-    tests = str(Path(__file__).parent)
-    run = subprocess.run([sys.executable, "-c", AVIF_PEAK.format(tests=tests, backend=backend)],
+    script = AVIF_PEAK.format(support=str(SUPPORT), backend=backend)
+    run = subprocess.run([sys.executable, "-c", script],
                          capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
     result = json.loads(run.stdout)
     assert result["size"] == [4096, 4096] and result["magic"] == "ftypavif"
@@ -317,7 +318,7 @@ def test_largest_allowed_avif_fits_the_worker_memory_bound(backend: str) -> None
 
 # --- AVIF quality on WebP's scale ------------------------------------------------------------
 
-CORPUS_PHOTO = Path(__file__).parent / "corpus" / "exif-orientation" / "Landscape_0.jpg"
+CORPUS_PHOTO = CORPUS / "exif-orientation" / "Landscape_0.jpg"
 
 
 def test_avif_quality_is_mapped_to_webps_fidelity() -> None:
