@@ -7,7 +7,12 @@ from typing import Any
 
 from fixtures.pgbouncer import DIRECT_FOR
 
-from derivd.config import Config
+from derivd.config import Config, load_config
+
+
+def defaults(**env: str) -> Config:
+    """What derivd reads with no INI file: the defaults and DERIVD_* variables in `env`."""
+    return load_config(None, env=env)
 
 
 def make_config(
