@@ -43,7 +43,7 @@ from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
 
 DERIVD = Path(sys.executable).parent / "derivd"
-TESTS = ROOT / "tests" / "support"
+SUPPORT = ROOT / "tests" / "support"
 
 CONFIGS = {
     "defaults (lease 45 s, heartbeat 10 s)": {},
@@ -75,7 +75,7 @@ def write_ini(path: Path, dsn: str, store: Path, extra: dict[str, dict[str, str]
 def start(ini: Path, host: str, root: Path, workers: int) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
-        "PYTHONPATH": str(TESTS),
+        "PYTHONPATH": str(SUPPORT),
         "DERIVD_SUPERVISOR_HOST_ID": host,
         "DERIVD_SUPERVISOR_STATE_DIR": str(root / f"state-{host}"),
         "DERIVD_SUPERVISOR_WORKERS": str(workers),

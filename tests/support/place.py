@@ -29,10 +29,8 @@ from tiers import TESTS, TIERS, highest, module_tier, needed_tier
 ROOT = TESTS.parent
 SUPPORT = TESTS / "support"
 # Where the shared modules were before tests/support.
-MOVED_SHARED = {
-    f"tests/{name}": f"tests/support/{name}"
-    for name in ("fixtures/", "helpers.py", "configs.py", "faulthandlers.py")
-} | {f"tests/{name}": f"tests/support/{name}" for name in ("imagegen.py", "fidelity.py")}
+SHARED = ("fixtures/", "helpers.py", "configs.py", "faulthandlers.py", "imagegen.py", "fidelity.py")
+MOVED_SHARED = {f"tests/{name}": f"tests/support/{name}" for name in SHARED}
 
 
 def _names(module: str, names: str) -> dict[tuple[str, str], str]:
@@ -132,7 +130,7 @@ def tier_folders() -> dict[str, str]:
 
 
 def stale_references(text: str, moved: dict[str, str]) -> list[tuple[str, str]]:
-    """(old, new) for each old path `text` names: tests/test_x.py, tests/helpers.py, ..."""
+    """(old, new) for each old path `text` names: a test module's or a shared module's."""
     found = []
     for match in re.finditer(r"tests/(?:(?:unit|integration|acceptance)/)?(test_\w+\.py)", text):
         new = moved.get(match.group(1))
@@ -155,7 +153,7 @@ def tracked_text_files() -> list[Path]:
         text=True,
         check=True,
     ).stdout.split()
-    return [ROOT / n for n in names if not n.startswith("tests/corpus/")]
+    return [ROOT / n for n in names]
 
 
 def references(fix: bool) -> int:
