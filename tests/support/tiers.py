@@ -4,7 +4,7 @@ it sits in.
 unit: no services; integration: a real PostgreSQL and/or moto's S3 server (PgBouncer, fault
 proxies in front of them); acceptance: the `derivd` process itself. The fixtures a test uses
 (or an explicit `integration`/`acceptance` marker) set the tier it needs; it sits in that
-tier's folder or a higher one, never a lower one (tests/conftest.py refuses to collect it).
+tier's folder or a higher one, never a lower one (tests/conftest.py fails it first).
 A module goes where its most demanding test does. `corpus` and `slow` are markers across
 the tiers.
 """
