@@ -1,6 +1,7 @@
 """Where each test module belongs, and the paths that still name a module's old place.
 
     .venv/bin/python tests/support/place.py               # `git mv` lines for tests/test_*.py
+    .venv/bin/python tests/support/place.py --move        # do them, paths from __file__ too
     .venv/bin/python tests/support/place.py --references  # old paths named in the tree
     .venv/bin/python tests/support/place.py --fix-references
     .venv/bin/python tests/support/place.py --fix-imports      # names that left test modules
@@ -120,6 +121,32 @@ def placements(modules: list[Path]) -> dict[Path, str | None]:
     }
 
 
+_FROM_FILE = re.compile(
+    r"Path\(__file__\)(\.resolve\(\))?(?:((?:\.parent(?!s))+)|\.parents\[(\d+)\])"
+)
+
+
+def one_level_deeper(source: str) -> str:
+    """`source` with every path it computes from its own file (Path(__file__).parent,
+    .parents[n]) reaching one folder further up: what a move into a tier folder needs."""
+
+    def deeper(match: re.Match[str]) -> str:
+        levels = match[2].count(".parent") if match[2] else int(match[3]) + 1
+        return f"Path(__file__){match[1] or ''}.parents[{levels}]"
+
+    return _FROM_FILE.sub(deeper, source)
+
+
+def move(module: Path, tier: str) -> Path:
+    """`git mv` into the tier folder, then the paths it computes from its file adjusted."""
+    target = TESTS / tier / module.name
+    subprocess.run(["git", "mv", str(module), str(target)], cwd=ROOT, check=True)
+    text = target.read_text(encoding="utf-8")
+    if one_level_deeper(text) != text:
+        target.write_text(one_level_deeper(text), encoding="utf-8")
+    return target
+
+
 def tier_folders() -> dict[str, str]:
     """`test_x.py` -> `tests/<tier>/test_x.py` for every placed module."""
     return {
@@ -173,6 +200,7 @@ def references(fix: bool) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--move", action="store_true", help="git mv each module into place")
     parser.add_argument("--references", action="store_true", help="list old paths named")
     parser.add_argument("--fix-references", action="store_true", help="rewrite them")
     parser.add_argument("--fix-imports", action="store_true", help="from test_x import ...")
@@ -190,6 +218,8 @@ def main() -> int:
         name = module.relative_to(ROOT)
         if tier is None:
             print(f"# {name}: not collected; `.venv/bin/pytest --collect-only {name}` says why")
+        elif args.move:
+            print(f"{name} -> {move(module, tier).relative_to(ROOT)}")
         else:
             print(f"git mv {name} tests/{tier}/")
     return 0

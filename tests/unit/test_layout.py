@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from place import fix_imports, one_level_deeper, stale_references
 from tiers import TESTS, TIERS, folder_tier, imported_names, module_tier
 
 SUPPORT = TESTS / "support"
@@ -68,3 +69,24 @@ def test_the_rules_see_what_they_look_for(tmp_path: Path) -> None:
     assert module_tier(module) == "acceptance"
     assert folder_tier(module) is None
     assert folder_tier(TESTS / "unit" / "test_layout.py") == "unit"
+
+
+def test_placing_a_module_moves_its_paths_and_imports_along(tmp_path: Path) -> None:
+    """What place.py does to a newcomer: paths from its own file reach one folder further
+    up, a name it took from a test module comes from tests/support, old paths are named."""
+    assert one_level_deeper('Path(__file__).resolve().parent / "corpus"') == (
+        'Path(__file__).resolve().parents[1] / "corpus"'
+    )
+    assert one_level_deeper("Path(__file__).parent.parent") == "Path(__file__).parents[2]"
+    assert one_level_deeper("Path(__file__).resolve().parents[1]") == (
+        "Path(__file__).resolve().parents[2]"
+    )
+    module = tmp_path / "test_newcomer.py"
+    module.write_text("from test_supervisor import FAST, supervisor  # noqa: F401\n")
+    assert fix_imports(module) == []
+    assert module.read_text() == "from fixtures.daemon import FAST\n"
+    moved = {"test_queue.py": "tests/integration/test_queue.py"}
+    assert stale_references("see tests/test_queue.py and tests/helpers.py", moved) == [
+        ("tests/test_queue.py", "tests/integration/test_queue.py"),
+        ("tests/helpers.py", "tests/support/helpers.py"),
+    ]
