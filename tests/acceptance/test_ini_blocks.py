@@ -17,7 +17,7 @@ from derivd.config import SECTIONS, load_config
 from derivd.webhooks.endpoints import SECTION_PREFIX as WEBHOOK_PREFIX
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"^```ini[ \t]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 SECRET = "whsec_" + "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
 

@@ -26,7 +26,7 @@ from helpers import sql, stop_process
 from imagegen import jpeg
 from psycopg.conninfo import conninfo_to_dict
 
-NODE_APP = Path(__file__).parent / "node"
+NODE_APP = Path(__file__).parents[1] / "node"
 SECRET = "whsec_" + base64.b64encode(b"node upload service test secret!").decode()
 PREFIX = "app/"
 NODE_TIMEOUT_S = 120  # a hang fails the test with its output instead of blocking the run

@@ -9,8 +9,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+from fixtures.pages import browser
 from PIL import Image
-from test_dashboard_browser import browser
 
 from derivd.ops.gallery import Sample, write_gallery
 from derivd.queue.db import StoredVariant
