@@ -42,12 +42,27 @@ PROCESS_STARTERS = frozenset({"derivd_command", "run_cli", "DaemonRun", "idle_da
 
 def needed_tier(item: pytest.Item) -> str:
     """The lowest tier that has what `item` uses."""
-    fixtures = set(getattr(item, "fixturenames", ()))
+    fixtures = set(getattr(item, "fixturenames", ())) - direct_parameters(item)
     if item.get_closest_marker("acceptance") or fixtures & PROCESS_FIXTURES:
         return "acceptance"
     if item.get_closest_marker("integration") or fixtures & SERVICE_FIXTURES:
         return "integration"
     return "unit"
+
+
+def direct_parameters(item: pytest.Item) -> set[str]:
+    """The names `item` takes straight from @pytest.mark.parametrize: a parameter called
+    `dsn` holds a string, not the database fixture of that name."""
+    names: set[str] = set()
+    for mark in item.iter_markers("parametrize"):
+        argnames = mark.args[0] if mark.args else mark.kwargs["argnames"]
+        if isinstance(argnames, str):
+            argnames = [name.strip() for name in argnames.split(",") if name.strip()]
+        indirect = mark.kwargs.get("indirect", False)
+        if indirect is True:
+            continue
+        names.update(name for name in argnames if not (indirect and name in indirect))
+    return names
 
 
 def imported_names(path: Path) -> set[tuple[str, str]]:
