@@ -7,10 +7,7 @@ database seeded through QueueDB). The last test scrapes a real `derivd run` supe
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -18,17 +15,14 @@ from pathlib import Path
 
 import pytest
 from fixtures.cli import derivd_command
-from fixtures.metrics import Samples, scrape, seed_queue
+from fixtures.metrics import Samples, feed_workload, scrape, seed_queue
 from fixtures.s3 import free_port
 from fixtures.work import claim_one
 from helpers import stop_process
 from PIL import Image
 
-from derivd.config import ConfigError
-from derivd.ops.metrics import DURATION_BUCKETS, Metrics, listening_line
+from derivd.ops.metrics import Metrics
 from derivd.queue.db import QueueDB
-
-DASHBOARD = Path(__file__).resolve().parents[2] / "etc" / "grafana-dashboard.json"
 
 
 @pytest.fixture
@@ -43,26 +37,6 @@ def url_of(metrics: Metrics) -> str:
     assert metrics.address is not None
     host, port = metrics.address
     return f"http://{host}:{port}/metrics"
-
-
-def feed_workload(m: Metrics) -> None:
-    """What a small fleet reports: 3 ready, 1 rejected, 1 retry, 1 lease lost, 2 timeouts,
-    3 restarts."""
-    for duration, wait in ((0.2, 0.004), (0.3, 0.2), (4.0, 42.0)):
-        m.job_finished(outcome="ready", code=None, duration_s=duration, wait_s=wait, backend="vips")
-    m.job_finished(
-        outcome="rejected", code="corrupt_content", duration_s=0.02, wait_s=1.0, backend="vips"
-    )
-    m.job_finished(
-        outcome="retry", code="processing_failed", duration_s=0.5, wait_s=2.0, backend="pillow"
-    )
-    m.job_finished(outcome="lease_lost", code=None, duration_s=90.0, wait_s=0.0, backend="vips")
-    m.job_timed_out()
-    m.job_timed_out()
-    m.worker_restarted("crash")
-    m.worker_restarted("recycle")
-    m.worker_restarted("recycle")
-    m.set_workers(alive=4, busy=3)
 
 
 def test_scrape_shows_the_exact_workload_and_queue_state(metrics: Metrics, dsn: str) -> None:
@@ -142,67 +116,6 @@ def test_queue_gauges_follow_the_latest_stats(metrics: Metrics, dsn: str) -> Non
     assert s.value("derivd_queue_rejected_ratio") == 1.0
 
 
-def test_each_metrics_has_its_own_registry() -> None:
-    first, second = Metrics(), Metrics()
-    first.job_timed_out()
-    assert Samples(first.render().decode()).value("derivd_job_timeouts_total") == 1
-    assert Samples(second.render().decode()).value("derivd_job_timeouts_total") == 0
-
-
-def test_a_busy_port_is_one_configuration_error() -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        with pytest.raises(ConfigError) as error:
-            Metrics().serve(f"127.0.0.1:{port}", where="prod.ini")
-    assert f"prod.ini: [metrics] listen: cannot listen on 127.0.0.1:{port}" in str(error.value)
-    assert "\n" not in str(error.value)
-
-
-def test_duration_buckets_span_milliseconds_to_minutes() -> None:
-    assert DURATION_BUCKETS[0] <= 0.01 and DURATION_BUCKETS[-1] >= 120
-
-
-def _dashboard_metric_names(dashboard: dict[str, object]) -> set[str]:
-    text = json.dumps(dashboard)
-    return set(re.findall(r"\b(derivd_[a-z_]+)", text))
-
-
-def test_grafana_dashboard_only_queries_exported_metrics() -> None:
-    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
-    m = Metrics()
-    feed_workload(m)
-    exported = Samples(m.render().decode()).names() | {
-        "derivd_queue_rows",
-        "derivd_queue_oldest_claimable_age_seconds",
-        "derivd_queue_expired_leases",
-        "derivd_queue_rejected_ratio",
-        "derivd_events_recent",
-    }
-    used = _dashboard_metric_names(dashboard)
-    assert used, "the dashboard queries no derivd metric"
-    assert used <= exported, f"unknown metrics in the dashboard: {sorted(used - exported)}"
-    # Every signal of the issue has a panel.
-    for needed in (
-        "derivd_queue_rows",
-        "derivd_queue_oldest_claimable_age_seconds",
-        "derivd_queue_expired_leases",
-        "derivd_queue_rejected_ratio",
-        "derivd_jobs_finished_total",
-        "derivd_job_duration_seconds_bucket",
-        "derivd_queue_wait_seconds_bucket",
-        "derivd_lease_lost_total",
-        "derivd_job_timeouts_total",
-        "derivd_worker_restarts_total",
-        "derivd_workers_alive",
-        "derivd_workers_busy",
-    ):
-        assert needed in used, needed
-    variables = dashboard["templating"]["list"]  # type: ignore[index]
-    assert any(v["type"] == "datasource" and v["query"] == "prometheus" for v in variables)
-
-
 # --------------------------------------------------------------------------- end to end
 
 
@@ -278,10 +191,3 @@ def test_running_supervisor_serves_its_metrics(
     # One start-up line says where to look (the port is the one asked for).
     text = (tmp_path / "derivd.log").read_text()
     assert text.count(f"dashboard: http://{listen}/  metrics: http://{listen}/metrics") == 1
-
-
-def test_the_start_up_line_names_the_bound_address() -> None:
-    assert listening_line(("::1", 9464)) == (
-        "dashboard: http://[::1]:9464/  metrics: http://[::1]:9464/metrics"
-    )
-    assert listening_line(None).startswith("dashboard and /metrics: off")

@@ -164,3 +164,20 @@ def test_fs_make_dirs_reports_the_parents_it_changed(fs_root: Path) -> None:
     assert made == [fs_root, fs_root / "a"]
     assert (fs_root / "a" / "b").is_dir()
     assert make_dirs(fs_root / "a" / "b") == []
+
+
+def test_fs_version_ids_and_prefix_deletes_cannot_escape(fs_root: Path, tmp_path: Path) -> None:
+    """Neither the version id (read from the database) nor the prefix form of
+    delete_all_versions leads out of the root."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    store = FsStorage(fs_root)
+    key = "originals/" + "ab" * 16
+    store.put(key, b"x", "image/png")
+    for version in ("../../victim", "..", "/etc/passwd", "a/b", ""):
+        with pytest.raises(ObjectMissing):
+            store.get(key, version)
+    for prefix in ("../", "../../", "/", "originals/../../"):
+        with pytest.raises(InvalidKey):
+            store.delete_all_versions(prefix)
+    assert victim.read_bytes() == b"keep me"
