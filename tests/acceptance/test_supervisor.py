@@ -20,7 +20,6 @@ from fixtures.cli import run_cli
 from fixtures.daemon import DaemonRun, kinds, processing_rows
 from helpers import alive, proc_title, wait_for
 
-from derivd.config import ConfigError, load_config
 from derivd.osproc import Pidfile, sd_notify, watchdog_interval
 
 # ----------------------------------------------------------------------------- tests
@@ -395,22 +394,6 @@ def test_pidfile_refuses_a_live_owner(tmp_path: Path) -> None:
     assert path.read_text().strip() == str(os.getpid())
     pidfile.remove()
     assert not path.exists()
-
-
-def test_import_target_backend_is_accepted(tmp_path: Path) -> None:
-    ini = tmp_path / "a.ini"
-    ini.write_text("[derive]\nbackend = faulthandlers:Script\n")
-    assert load_config(ini, env={}).derive.backend == "faulthandlers:Script"
-    ini.write_text("[derive]\nbackend = no such thing\n")
-    with pytest.raises(ConfigError, match="unknown backend"):
-        load_config(ini, env={})
-
-
-def test_job_timeout_must_stay_below_lease(tmp_path: Path) -> None:
-    ini = tmp_path / "a.ini"
-    ini.write_text("[queue]\nlease = 6\n[supervisor]\njob_timeout = 4\nkill_grace = 1\n")
-    with pytest.raises(ConfigError, match="80%"):
-        load_config(ini, env={})
 
 
 if __name__ == "__main__":  # pragma: no cover

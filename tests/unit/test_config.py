@@ -255,3 +255,19 @@ def test_every_number_has_a_finite_declared_range(tmp_path: Path) -> None:
     assert str(caught.value) == (
         "environment DERIVD_QUEUE_RETRY_MAX: [queue] retry_max: must be at most 604,800"
     )
+
+
+def test_import_target_backend_is_accepted(tmp_path: Path) -> None:
+    ini = tmp_path / "a.ini"
+    ini.write_text("[derive]\nbackend = faulthandlers:Script\n")
+    assert load_config(ini, env={}).derive.backend == "faulthandlers:Script"
+    ini.write_text("[derive]\nbackend = no such thing\n")
+    with pytest.raises(ConfigError, match="unknown backend"):
+        load_config(ini, env={})
+
+
+def test_job_timeout_must_stay_below_lease(tmp_path: Path) -> None:
+    ini = tmp_path / "a.ini"
+    ini.write_text("[queue]\nlease = 6\n[supervisor]\njob_timeout = 4\nkill_grace = 1\n")
+    with pytest.raises(ConfigError, match="80%"):
+        load_config(ini, env={})
