@@ -5,9 +5,10 @@ select the same tests; a test whose fixtures need a higher tier than its folder'
 before they start. With PYTEST_DERIVD_TIER=unit the service fixtures fail, which proves
 that the unit tier needs none.
 
-What the test modules share lives in tests/support, on sys.path (pyproject's `pythonpath`):
-the fixtures registered below, `helpers`, `configs`, `imagegen`, `fidelity`, `faulthandlers` and the
-`fixtures` package. No test module imports another (tests/unit/test_layout.py).
+What the test modules share lives in tests/support, on sys.path (pyproject's
+`pythonpath`): the fixture modules registered below, the rest of the `fixtures` package,
+`helpers`, `configs`, `imagegen`, `fidelity` and `faulthandlers`. No test module imports
+another (tests/unit/test_layout.py); tests/support/place.py places a new one.
 """
 
 from __future__ import annotations
