@@ -369,7 +369,7 @@ BEGIN
                            'format', f.original_format, 'frames', f.original_frames,
                            'has_alpha', f.original_has_alpha, 'colour', f.original_colour,
                            'placeholder', f.original_placeholder,
-                           'dhash', f.original_dhash) END))::text
+                           'dhash', f.original_dhash, 'media', f.original_media) END))::text
       FROM archive_files AS f
       JOIN derivd_webhook_endpoints AS e
         ON derivd_outbox.event = ANY (e.events)
@@ -406,8 +406,9 @@ END $$;
 -- The fenced commit of one or more finished attempts (`jobs`: a JSON array of {id,
 -- token, attempt, derived_key, derived_version, sha256, width, height, variants,
 -- original_width, original_height, original_format, original_frames, original_has_alpha,
--- original_colour, original_placeholder, original_dhash}; the analysis keys absent, as
--- from a handler that analyses nothing or a host of a release before 0013: NULLs; each
+-- original_colour, original_placeholder, original_dhash, original_media}; the analysis
+-- keys absent, as from a handler that analyses nothing or a host of a release before
+-- 0013 (original_media: before 0026, or an image): NULLs; each
 -- variant {name, format, content_type, key, version, sha256, width, height, fingerprint,
 -- bytes}, `bytes` absent from a host of a release before 0019: NULL). Each
 -- row passes or fails its own fence. A file's fenced UPDATE and its `ready` event are one
@@ -435,7 +436,8 @@ BEGIN
                     variants jsonb, original_width integer, original_height integer,
                     original_format text, original_frames integer,
                     original_has_alpha boolean, original_colour text,
-                    original_placeholder text, original_dhash bigint)
+                    original_placeholder text, original_dhash bigint,
+                    original_media jsonb)
     LOOP
         -- The fence and the attempt's `ready` event in one statement.
         WITH done AS (
@@ -454,6 +456,7 @@ BEGIN
                    original_colour = j.original_colour,
                    original_placeholder = j.original_placeholder,
                    original_dhash = j.original_dhash,
+                   original_media = j.original_media,
                    error_code = NULL,
                    lease_token = NULL,
                    lease_until = NULL,

@@ -546,8 +546,8 @@ SELECT id, status, attempts, available_at, lease_token, lease_until, original_ke
        original_version, derived_key, derived_version, sha256, width, height, error_code,
        created_at, updated_at, claimed_at, claimed_by, finished_at, original_width,
        original_height, original_format, original_frames, original_has_alpha,
-       original_colour, original_placeholder, original_dhash, external_id, metadata,
-       (SELECT s.bucket FROM derivd_store AS s) AS bucket
+       original_colour, original_placeholder, original_dhash, original_media, external_id,
+       metadata, (SELECT s.bucket FROM derivd_store AS s) AS bucket
   FROM archive_files WHERE id = %(id)s;
 
 -- name: file_variants
@@ -755,7 +755,8 @@ SELECT f.status, f.error_code, f.external_id, f.metadata, f.original_key,
            'width', f.original_width, 'height', f.original_height,
            'format', f.original_format, 'frames', f.original_frames,
            'has_alpha', f.original_has_alpha, 'colour', f.original_colour,
-           'placeholder', f.original_placeholder, 'dhash', f.original_dhash) END AS original
+           'placeholder', f.original_placeholder, 'dhash', f.original_dhash,
+           'media', f.original_media) END AS original
   FROM archive_files AS f
  WHERE f.id = %(id)s;
 

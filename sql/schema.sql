@@ -96,6 +96,9 @@ CREATE TABLE archive_files (
     -- bounds are rules of the row (derivd_file_row_holds).
     external_id      text,
     metadata         jsonb,
+    -- What a PDF or video original adds to the analysis (pages and page size; duration,
+    -- frame rate, codec, audio): a JSON object, NULL for images (migration 0026).
+    original_media   jsonb,
     -- Every rule of a row (its status and error code from the vocabularies, a lease
     -- exactly while processing, a code exactly when rejected, the analysis all or
     -- nothing and well-formed, priority and tenant within their domains) in one CHECK:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from derivd.handlers.base import DeriveSpec, VariantSpec
+from derivd.handlers.base import DeriveSpec, PreviewSpec, VariantSpec
+from derivd.handlers.preview_spec import KINDS
 from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn, shown_url
 from derivd.storage.base import prefix_problem
 from derivd.variant_config import (
@@ -162,6 +163,17 @@ def check_handler(value: str) -> str | None:
         return None
     known = known_handlers()
     return None if value in known else f"unknown backend {value!r}; known: {', '.join(known)}"
+
+
+def listed_kinds(text: str) -> frozenset[str]:
+    return frozenset(k.strip() for k in text.split(",") if k.strip())
+
+
+def check_kinds(value: str) -> str | None:
+    unknown = sorted(listed_kinds(value) - set(KINDS))
+    if unknown:
+        return f"unknown kind {unknown[0]!r}; kinds: {', '.join(KINDS)}"
+    return None
 
 
 def parse_variants(text: str) -> tuple[VariantSpec, ...]:
@@ -366,6 +378,31 @@ class DeriveSettings:
         100, "most frames (pages) an original may declare", check=positive(COUNT_MAX)
     )
     concurrency: int = setting(1, "libvips threads per worker", check=in_range(1, 64))
+    accept: str = setting(
+        "image, pdf, video",
+        "kinds of original accepted (image, pdf, video); another is unsupported_content",
+        check=check_kinds,
+    )
+    max_pages: int = setting(10_000, "most pages a PDF may declare", check=positive(COUNT_MAX))
+    pdf_page: int = setting(
+        1, "the PDF page previewed (a shorter document: its last)", check=positive(COUNT_MAX)
+    )
+    max_duration: float = setting(
+        3 * HOUR,
+        "longest video accepted, in seconds, as its container declares",
+        check=positive(DAYS_MAX * DAY),
+    )
+    max_streams: int = setting(
+        32,
+        "most streams (video, audio, subtitles, data) a video may hold",
+        check=positive(10_000),
+    )
+    frame_offset: float = setting(
+        0.1,
+        "where a video's preview frame is looked for, as a fraction of its duration (the "
+        "keyframe at or before it; almost uniform frames are skipped)",
+        check=fraction,
+    )
     shrink_on_load: str = setting(
         "fast",
         "JPEG/WebP decoded at the largest reduction the variants allow (fast, as sharp), or "
@@ -385,6 +422,14 @@ class DeriveSettings:
             max_frames=self.max_frames,
             concurrency=self.concurrency,
             shrink_on_load=self.shrink_on_load,
+            previews=PreviewSpec(
+                accept=listed_kinds(self.accept),
+                max_pages=self.max_pages,
+                max_duration_s=self.max_duration,
+                max_streams=self.max_streams,
+                frame_offset=self.frame_offset,
+                pdf_page=self.pdf_page,
+            ),
         )
 
 
@@ -599,7 +644,12 @@ class Config:
         specs, problems = build_variants(self.derive.variants, self.variant_sections)
         if problems:
             raise ValueError("; ".join(str(self.problem(*p)) for p in problems))
-        return self.derive.spec(specs)
+        spec = self.derive.spec(specs)
+        # What one preview render may allocate comes from the worker's own bound.
+        memory = self.supervisor.max_worker_rss_mb * 1024 * 1024
+        return dataclasses.replace(
+            spec, previews=dataclasses.replace(spec.previews, memory_bytes=memory)
+        )
 
     @property
     def host_id(self) -> str:
