@@ -27,7 +27,8 @@ from fixtures.burst import (
     write_burst_ini,
 )
 from fixtures.cli import run_cli
-from test_previews import HOSTILE_PDFS, HOSTILE_VIDEOS
+from pdfgen import HOSTILE_PDFS
+from videogen import HOSTILE_VIDEOS
 
 from derivd.client import result
 from derivd.queue.db import QueueDB

@@ -507,7 +507,7 @@ def svg() -> bytes:
 
 
 def pdf() -> bytes:
-    """A PDF derivd previews nothing of: it needs a password (tests/test_previews.py has
+    """A PDF derivd previews nothing of: it needs a password (tests/unit/test_previews.py has
     the PDFs that end ready)."""
     return pdfgen.encrypted(b"secret")
 

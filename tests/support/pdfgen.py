@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
+from collections.abc import Callable
 from functools import cache
 
 # Red bar across the top quarter, a blue block lower right: a picture whose orientation
@@ -119,3 +120,15 @@ def behind_jpeg(jpeg: bytes) -> bytes:
     """A polyglot: a whole JPEG, then a PDF (readers find `%PDF-` in the first KiB, and
     its xref offsets count from there)."""
     return jpeg + pages()
+
+
+# Hostile inputs and the code each must end in (the handler tests and the supervisor's).
+HOSTILE_PDFS: dict[str, tuple[Callable[[], bytes], str]] = {
+    "claims_a_million_pages": (lambda: pages(claimed=10**6), "resource_limit"),
+    "page_of_2_31_points": (lambda: pages(size=(2**31, 2**31)), "resource_limit"),
+    "page_of_zero_points": (lambda: pages(size=(0.001, 0.001)), "resource_limit"),
+    "page_tree_loops": (looping_tree, "corrupt_content"),
+    "truncated": (lambda: pages()[:300], "corrupt_content"),
+    "not_a_pdf_after_its_magic": (lambda: b"%PDF-1.7\n" + bytes(2000), "corrupt_content"),
+    "zip_bomb_in_an_object_stream": (object_stream_bomb, "resource_limit"),
+}

@@ -30,7 +30,16 @@ from tiers import TESTS, TIERS, highest, module_tier, needed_tier
 ROOT = TESTS.parent
 SUPPORT = TESTS / "support"
 # Where the shared modules were before tests/support.
-SHARED = ("fixtures/", "helpers.py", "configs.py", "faulthandlers.py", "imagegen.py", "fidelity.py")
+SHARED = (
+    "fixtures/",
+    "helpers.py",
+    "configs.py",
+    "faulthandlers.py",
+    "imagegen.py",
+    "fidelity.py",
+    "pdfgen.py",
+    "videogen.py",
+)
 MOVED_SHARED = {f"tests/{name}": f"tests/support/{name}" for name in SHARED}
 
 
@@ -64,6 +73,8 @@ MOVED_NAMES = {
     **_names("test_backfill -> ", "store"),
     **_names("test_heartbeat -> fixtures.work", "HOST"),
     **_names("test_analysis_stored -> fixtures.analysis", "PHOTO"),
+    **_names("test_previews -> pdfgen", "HOSTILE_PDFS"),
+    **_names("test_previews -> videogen", "HOSTILE_VIDEOS"),
 }
 
 
@@ -213,6 +224,9 @@ def main() -> int:
     if args.references or args.fix_references:
         references(fix=args.fix_references)
         return 0
+    for shared in sorted(set(TESTS.glob("*.py")) - set(TESTS.glob("test_*.py"))):
+        if shared.name != "conftest.py":  # a module the tests share: tests/support
+            print(f"git mv {shared.relative_to(ROOT)} tests/support/")
     unplaced = sorted(TESTS.glob("test_*.py"))
     for module, tier in placements(unplaced).items():
         name = module.relative_to(ROOT)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import struct
+from collections.abc import Callable
 from functools import cache
 
 import av
@@ -209,3 +210,17 @@ def encrypted_webm() -> bytes:
     unknown = b"\x01\xff\xff\xff\xff\xff\xff\xff"
     return (data[: segment_at + 4] + unknown + data[segment_body:tracks_at] + new_tracks
             + data[body + size :])  # fmt: skip
+
+
+# Hostile inputs and the code each must end in (the handler tests and the supervisor's).
+HOSTILE_VIDEOS: dict[str, tuple[Callable[[], bytes], str]] = {
+    "audio_only": (audio_only, "unsupported_content"),
+    "encrypted": (encrypted, "unsupported_content"),
+    "encrypted_webm": (encrypted_webm, "unsupported_content"),
+    "codec_not_previewed": (lambda: clip("mpeg4"), "unsupported_content"),
+    "without_moov": (without_moov, "corrupt_content"),
+    "garbled_samples": (garbled_samples, "corrupt_content"),
+    "claims_65535_square_frames": (claiming_frame, "resource_limit"),
+    "lasts_ten_hours": (lambda: lasting(10 * 3600), "resource_limit"),
+    "claims_50_million_samples": (claiming_samples, "resource_limit"),
+}

@@ -36,6 +36,12 @@ def test_the_tier_folders_hold_test_modules_only() -> None:
     assert not others
 
 
+def test_the_top_of_tests_holds_the_conftest_only() -> None:
+    """A module the tests share sits in tests/support, on sys.path for all of them."""
+    top = sorted(p.name for p in TESTS.glob("*.py") if not p.name.startswith("test_"))
+    assert top == ["conftest.py"]
+
+
 def test_no_module_imports_a_test_module() -> None:
     stems = {p.stem for p in modules_of_tests()} | {"conftest"}
     imports = {

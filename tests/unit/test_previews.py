@@ -1,5 +1,5 @@
 """Previews of PDFs and videos on both backends, at handler level, on files made here
-(tests/pdfgen.py, tests/videogen.py); test_hostile_previews runs the hostile ones
+(tests/support/pdfgen.py, tests/support/videogen.py); test_hostile_previews runs the hostile ones
 through `derivd run --burst`.
 
 Pictures are checked where a mistake would show: the red block drawn in a known corner
@@ -10,7 +10,6 @@ washed-out HDR frame) and the two backends against each other (`mad`).
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,8 +18,10 @@ import imagegen
 import pdfgen
 import pytest
 import videogen
+from fixtures.pixels import BACKENDS, PARITY_MAD, SPEC, mad
+from pdfgen import HOSTILE_PDFS
 from PIL import Image
-from test_handlers import BACKENDS, PARITY_MAD, SPEC, mad
+from videogen import HOSTILE_VIDEOS
 
 from derivd.config import ConfigError, load_config
 from derivd.handlers import pdf, tonemap, video
@@ -30,11 +31,6 @@ from derivd.handlers.previews import kind_of
 from derivd.handlers.registry import create_handler
 
 RED = (255, 0, 0)
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def handler(request: pytest.FixtureRequest) -> Handler:
-    return create_handler(request.param, SPEC)
 
 
 def derive(handler: Handler, data: bytes, spec: DeriveSpec = SPEC) -> Derivation:
@@ -136,15 +132,6 @@ def test_empty_user_password_opens_and_another_is_unsupported(handler: Handler) 
 
 
 # name -> (the file, the code it ends in); test_hostile_previews runs them in the daemon.
-HOSTILE_PDFS: dict[str, tuple[Callable[[], bytes], str]] = {
-    "claims_a_million_pages": (lambda: pdfgen.pages(claimed=10**6), "resource_limit"),
-    "page_of_2_31_points": (lambda: pdfgen.pages(size=(2**31, 2**31)), "resource_limit"),
-    "page_of_zero_points": (lambda: pdfgen.pages(size=(0.001, 0.001)), "resource_limit"),
-    "page_tree_loops": (pdfgen.looping_tree, "corrupt_content"),
-    "truncated": (lambda: pdfgen.pages()[:300], "corrupt_content"),
-    "not_a_pdf_after_its_magic": (lambda: b"%PDF-1.7\n" + bytes(2000), "corrupt_content"),
-    "zip_bomb_in_an_object_stream": (pdfgen.object_stream_bomb, "resource_limit"),
-}
 
 
 @pytest.mark.parametrize("name", HOSTILE_PDFS)
@@ -268,19 +255,6 @@ def test_tone_curve_passes_sdr_and_rolls_off_highlights() -> None:
     assert 0.9 < mapped[2][0] < 1.0 and np.all(mapped <= 1.0)
     assert mapped[3][0] > 20 * mapped[3][1]  # hue kept: red stays red
     assert tonemap.pq_to_nits(np.array([0.0, 1.0])).round().tolist() == [0.0, 10000.0]
-
-
-HOSTILE_VIDEOS: dict[str, tuple[Callable[[], bytes], str]] = {
-    "audio_only": (videogen.audio_only, "unsupported_content"),
-    "encrypted": (videogen.encrypted, "unsupported_content"),
-    "encrypted_webm": (videogen.encrypted_webm, "unsupported_content"),
-    "codec_not_previewed": (lambda: videogen.clip("mpeg4"), "unsupported_content"),
-    "without_moov": (videogen.without_moov, "corrupt_content"),
-    "garbled_samples": (videogen.garbled_samples, "corrupt_content"),
-    "claims_65535_square_frames": (videogen.claiming_frame, "resource_limit"),
-    "lasts_ten_hours": (lambda: videogen.lasting(10 * 3600), "resource_limit"),
-    "claims_50_million_samples": (videogen.claiming_samples, "resource_limit"),
-}
 
 
 @pytest.mark.parametrize("name", HOSTILE_VIDEOS)
