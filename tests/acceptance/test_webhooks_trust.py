@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 from configs import write_ini
+from fixtures.delivering import SECRET, delivering, endpoint, ready_files, rows, settled
 from fixtures.receiver import Received, Receiver, receiving
 from helpers import sql, wait_for
-from test_webhooks_delivery import SECRET, delivering, endpoint, ready_files, rows, settled
 
 from derivd.queue.db import QueueDB, migrate
 from derivd.queue.webhook_queries import Circuit

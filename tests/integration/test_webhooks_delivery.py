@@ -11,42 +11,13 @@ import threading
 from typing import Any
 
 import pytest
-from fixtures.delivering import SECRET, delivering, endpoint
+from fixtures.delivering import SECRET, delivering, endpoint, ready_files, rows, settled
 from fixtures.receiver import Receiver, receiving
-from fixtures.work import claim_one, commit_one
 from helpers import sql, wait_for
 
-from derivd.queue.db import QueueDB, StoredVariant
+from derivd.queue.db import QueueDB
 
-VARIANT = StoredVariant("thumb", "derived/1/t/thumb.webp", "v1", "ab" * 32, 32, 24)
 ALL = ["file.ready", "file.rejected", "file.rederived", "file.deleted"]
-
-
-def ready_files(queue: QueueDB, count: int) -> list[int]:
-    ids = []
-    for _ in range(count):
-        ids.append(queue.enqueue_one("originals/a", "v1"))
-        job = claim_one(queue, lease_s=30, max_attempts=3)
-        assert job is not None and commit_one(queue, job, [VARIANT])
-    return ids
-
-
-def rows(dsn: str, endpoint: str = "app") -> list[dict[str, Any]]:
-    return sql(dsn, "SELECT id, status, attempts, last_status, last_error, file_id, webhook_id"
-                    " FROM derivd_deliveries WHERE endpoint = %s ORDER BY id",
-               (endpoint,))  # fmt: skip
-
-
-def settled(dsn: str, endpoint: str = "app", count: int = 1) -> list[dict[str, Any]]:
-    """Until `count` deliveries of the endpoint are delivered or failed."""
-
-    def done() -> list[dict[str, Any]] | None:
-        found = rows(dsn, endpoint)
-        finished = [r for r in found if r["status"] in ("delivered", "failed")]
-        return found if len(finished) >= count else None
-
-    return wait_for(done, f"{count} deliveries of {endpoint} to settle", 60,
-                    detail=lambda: str(rows(dsn, endpoint)))  # fmt: skip
 
 
 def test_delivered_signed_and_deduplicated_by_webhook_id(dsn: str, queue: QueueDB) -> None:

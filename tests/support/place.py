@@ -63,7 +63,10 @@ MOVED_NAMES = {
     **_names("test_handlers_heic -> fixtures.corpus", "HEIC READY REJECTED"),
     **_names("test_dashboard -> fixtures.pages", "Cells"),
     **_names("test_dashboard_browser -> fixtures.pages", "browser screenshot"),
-    **_names("test_webhooks_delivery -> fixtures.delivering", "SECRET KEY endpoint delivering"),
+    **_names(
+        "test_webhooks_delivery -> fixtures.delivering",
+        "SECRET KEY VARIANT endpoint delivering ready_files rows settled",
+    ),
     **_names("test_pipeline -> fixtures.work", "enqueue_bytes"),
     **_names(
         "test_backfill -> fixtures.backfill",
