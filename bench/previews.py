@@ -91,7 +91,7 @@ def clip(path: Path, encoder: str, size: tuple[int, int], seconds: float = 2.0,
 
 def document(path: Path, pages: int = 50) -> Path:
     """A PDF of `pages` pages, each with lines of Helvetica text and coloured shapes."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
     import pdfgen
 
     text = b" ".join(

@@ -50,7 +50,9 @@ from derivd.queue.db import QueueDB
 from derivd.webhooks.deliverer import Deliverer
 from derivd.webhooks.endpoints import Endpoint
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support")
+)
 from fixtures.receiver import Receiver
 
 KEY = b"derivd bench secret of 32 bytes!"
