@@ -287,9 +287,9 @@ END $$;
 -- notification per transaction). Returns the deliveries inserted. An endpoint removed
 -- from the INI (removed_at: kept while deliveries of it are) subscribes to nothing.
 --
--- Every caller checks derivd_webhooks_on() first (derivd_outbox_many does), once per
--- call, so that without any endpoint a commit pays one probe of an empty table and no
--- function call per row.
+-- Every caller checks derivd_webhooks_on() first (derivd_file_final and
+-- derivd_outbox_many do), so that without any endpoint a commit pays one probe of an
+-- empty table and no call of derivd_outbox.
 -- (plpgsql, not sql: called from plpgsql, a SQL function's body is parsed and planned
 -- again in every transaction, ~7 % of a noop job's server CPU; plpgsql keeps its plan.)
 CREATE OR REPLACE FUNCTION derivd_webhooks_on() RETURNS boolean
@@ -342,8 +342,10 @@ BEGIN
     RETURN n;
 END $$;
 
--- The outbox for several files at once (the statements of sql/queries.sql that reject
--- or delete rows call it in their own transaction, right after: QueueDB).
+-- The outbox for several files at once: the `outbox_many` statement of hosts of the
+-- releases before derivd_file_final, sent right after their statements that reject or
+-- delete rows. (This release's callers are derivd_file_final and a re-derivation's
+-- commit.)
 CREATE OR REPLACE FUNCTION derivd_outbox_many(ids bigint[], event text)
 RETURNS integer
 LANGUAGE plpgsql AS $$
@@ -360,99 +362,79 @@ BEGIN
     RETURN n;
 END $$;
 
--- == The lease protocol =================================================================
+-- == A file's final state ===============================================================
 
--- The fenced commit of one or more finished attempts (`jobs`: a JSON array of {id,
--- token, attempt, derived_key, derived_version, sha256, width, height, variants,
--- original_width, original_height, original_format, original_frames, original_has_alpha,
--- original_colour, original_placeholder, original_dhash}; the analysis keys absent, as
--- from a handler that analyses nothing or a host of a release before 0013: NULLs; each
--- variant {name, format, content_type, key, version, sha256, width, height, fingerprint,
--- bytes}, `bytes` absent from a host of a release before 0019: NULL). Each
--- row passes or fails its own fence. A file's fenced UPDATE and its `ready` event are one
--- statement; for a row that passes, its variants are recorded and, when it stored some,
--- its attempt's write-ahead entries cleared (an attempt registers pending objects
--- exactly for the variants it PUTs). An id no file holds under its token goes to
--- derivd_commit_rederivation (a re-derivation's swap, which takes exactly its run's
--- configured set or rejects the job; else `lease_lost`). Returns each id with its
--- outcome: 'committed', 'rejected' (a re-derivation whose set was refused) or 'lost'.
--- Durable: its caller leaves synchronous_commit alone.
-CREATE OR REPLACE FUNCTION derivd_commit_outcomes(jobs jsonb)
-RETURNS TABLE (id bigint, outcome text)
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+-- The one way a file becomes final (`ready`, `rejected` or `deleted`): no other statement
+-- of sql/functions.sql or sql/queries.sql writes a final status (tests/test_schema.py
+-- reads both files and the database's functions to prove it). In one call, fenced:
+-- the status, the event, the outbox rows of every subscribed endpoint and, through
+-- archive_files_finished_update, the notification of a registered waiter. Whoever makes
+-- a file final gets all four or nothing, which is how a rejection inside the claim once
+-- came to announce nothing.
+--
+-- The fence: with a `token`, the row's lease under it (`processing`: see the top of the
+-- lease protocol); without one, the row in status `from_status` (a queued row the claim
+-- locked, a `deleting` row). `kind` is the event (`ready`, `rejected`, `exhausted`,
+-- `deleted`); the event carries `token` and the row's attempts. `made`: the attempt's
+-- work for `ready` (one element of derivd_commit_outcomes' `jobs`: derived_* and the
+-- analysis, whose keys an older host may lack: NULL), its variants recorded and its
+-- write-ahead entries cleared; NULL otherwise. `deleted` leaves no variant rows (their
+-- objects are gone: the sweep removed them first). Returns the attempt recorded, NULL
+-- when the fence failed (nothing written: the caller says what that means).
+--
+-- No SET clause: every caller runs under plan_cache_mode = force_generic_plan already (a
+-- function's SET is undone and done again at every call, on the commit's hot path);
+-- from the supervisor's statements (mark_deleted, reject_exhausted) it is planned as
+-- those are.
+CREATE OR REPLACE FUNCTION derivd_file_final(file_id bigint, token uuid, from_status text,
+                                             final text, code text, kind text, made jsonb)
+RETURNS integer
+LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
-    j record;
     n integer;
-    hooks boolean;  -- any webhook endpoint: asked once, after the first commit passes
 BEGIN
-    FOR j IN
-        SELECT *
-          FROM jsonb_to_recordset(jobs)
-               AS x(id bigint, token uuid, attempt integer, derived_key text,
-                    derived_version text, sha256 text, width integer, height integer,
-                    variants jsonb, original_width integer, original_height integer,
-                    original_format text, original_frames integer,
-                    original_has_alpha boolean, original_colour text,
-                    original_placeholder text, original_dhash bigint)
-    LOOP
-        -- The fence and the attempt's `ready` event in one statement.
+    IF final = 'ready' THEN
+        -- The commit's hot path: the fence and the `ready` event in one statement.
         WITH done AS (
             UPDATE archive_files AS f
                SET status = 'ready',
-                   derived_key = j.derived_key,
-                   derived_version = j.derived_version,
-                   sha256 = j.sha256,
-                   width = j.width,
-                   height = j.height,
-                   original_width = j.original_width,
-                   original_height = j.original_height,
-                   original_format = j.original_format,
-                   original_frames = j.original_frames,
-                   original_has_alpha = j.original_has_alpha,
-                   original_colour = j.original_colour,
-                   original_placeholder = j.original_placeholder,
-                   original_dhash = j.original_dhash,
+                   derived_key = made ->> 'derived_key',
+                   derived_version = made ->> 'derived_version',
+                   sha256 = made ->> 'sha256',
+                   width = (made ->> 'width')::integer,
+                   height = (made ->> 'height')::integer,
+                   original_width = (made ->> 'original_width')::integer,
+                   original_height = (made ->> 'original_height')::integer,
+                   original_format = made ->> 'original_format',
+                   original_frames = (made ->> 'original_frames')::integer,
+                   original_has_alpha = (made ->> 'original_has_alpha')::boolean,
+                   original_colour = made ->> 'original_colour',
+                   original_placeholder = made ->> 'original_placeholder',
+                   original_dhash = (made ->> 'original_dhash')::bigint,
                    error_code = NULL,
                    lease_token = NULL,
                    lease_until = NULL,
                    finished_at = now(),
                    updated_at = now()
-             WHERE f.id = j.id AND f.lease_token = j.token  -- the fence (see the top)
+             WHERE f.id = derivd_file_final.file_id
+               AND f.lease_token = derivd_file_final.token  -- the fence (see the top)
             RETURNING f.attempts)
         INSERT INTO archive_events AS e (file_id, kind, attempt, lease_token)
-        SELECT j.id, 'ready', d.attempts, j.token FROM done AS d
+        SELECT derivd_file_final.file_id, 'ready', d.attempts, derivd_file_final.token
+          FROM done AS d
         RETURNING e.attempt INTO n;
         IF n IS NULL THEN
-            id := j.id;
-            -- The same commit sent again (derivd.worker, `_commit_again`: the first
-            -- sending's answer was lost) finds its attempt's work committed: the row
-            -- `ready` at this attempt (a later claim would have counted one more), with
-            -- this attempt's variants. Nothing is written twice.
-            PERFORM 1 FROM archive_files AS f
-             WHERE f.id = j.id AND f.status = 'ready' AND f.attempts = j.attempt
-               AND (jsonb_array_length(coalesce(j.variants, '[]')) = 0
-                    OR EXISTS (SELECT 1 FROM archive_variants AS v
-                                WHERE v.file_id = j.id AND v.lease_token = j.token));
-            IF FOUND THEN
-                outcome := 'committed';
-                RETURN NEXT;
-                CONTINUE;
-            END IF;
-            -- No file holds this lease: a re-derivation's (one id space), or lost (the
-            -- `lease_lost` event is written there). A file pays for this only on a
-            -- failed fence.
-            outcome := derivd_commit_rederivation(to_jsonb(j));
-            RETURN NEXT;
-            CONTINUE;
+            RETURN NULL;
         END IF;
-        IF jsonb_array_length(coalesce(j.variants, '[]')) > 0 THEN
+        IF jsonb_array_length(coalesce(made -> 'variants', '[]')) > 0 THEN
             INSERT INTO archive_variants AS a (file_id, name, format, content_type, key,
                                                version, sha256, width, height, lease_token,
                                                fingerprint, bytes)
-            SELECT j.id, v.name, v.format, v.content_type, v.key,
-                   v.version, v.sha256, v.width, v.height, j.token, v.fingerprint, v.bytes
-              FROM jsonb_to_recordset(j.variants)
+            SELECT derivd_file_final.file_id, v.name, v.format, v.content_type, v.key,
+                   v.version, v.sha256, v.width, v.height, derivd_file_final.token,
+                   v.fingerprint, v.bytes
+              FROM jsonb_to_recordset(made -> 'variants')
                    AS v(name text, format text, content_type text, key text,
                         version text, sha256 text, width integer, height integer,
                         fingerprint text, bytes bigint)
@@ -462,16 +444,105 @@ BEGIN
                    height = EXCLUDED.height, content_type = EXCLUDED.content_type,
                    lease_token = EXCLUDED.lease_token, fingerprint = EXCLUDED.fingerprint,
                    bytes = EXCLUDED.bytes, created_at = now();
-            DELETE FROM pending_objects WHERE lease_token = j.token;
+            -- An attempt registers pending objects exactly for the variants it PUTs.
+            DELETE FROM pending_objects AS p WHERE p.lease_token = derivd_file_final.token;
         END IF;
-        IF hooks IS NULL THEN
-            hooks := derivd_webhooks_on();
+    ELSIF final = 'rejected' THEN
+        UPDATE archive_files AS f
+           SET status = 'rejected',
+               error_code = derivd_file_final.code,
+               lease_token = NULL,
+               lease_until = NULL,
+               finished_at = now(),
+               updated_at = now()
+         WHERE f.id = derivd_file_final.file_id
+           AND (f.lease_token = derivd_file_final.token
+                OR (derivd_file_final.token IS NULL AND f.status = from_status))
+        RETURNING f.attempts INTO n;
+        IF NOT FOUND THEN
+            RETURN NULL;
         END IF;
-        IF hooks THEN
-            PERFORM derivd_outbox(j.id, 'file.ready');
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+        VALUES (derivd_file_final.file_id, derivd_file_final.kind, n, derivd_file_final.token,
+                derivd_file_final.code);
+    ELSIF final = 'deleted' THEN
+        UPDATE archive_files AS f
+           SET status = 'deleted', derived_key = NULL, derived_version = NULL,
+               lease_token = NULL, lease_until = NULL, finished_at = now(),
+               updated_at = now()
+         WHERE f.id = derivd_file_final.file_id
+           AND (f.lease_token = derivd_file_final.token
+                OR (derivd_file_final.token IS NULL AND f.status = from_status))
+        RETURNING f.attempts INTO n;
+        IF NOT FOUND THEN
+            RETURN NULL;
         END IF;
+        DELETE FROM archive_variants AS a WHERE a.file_id = derivd_file_final.file_id;
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+        VALUES (derivd_file_final.file_id, derivd_file_final.kind, n, derivd_file_final.token);
+    ELSE
+        RAISE EXCEPTION 'derivd_file_final: % is no final status', final;
+    END IF;
+    IF derivd_webhooks_on() THEN
+        PERFORM derivd_outbox(derivd_file_final.file_id, 'file.' || final);
+    END IF;
+    RETURN n;
+END $$;
+
+-- == The lease protocol =================================================================
+
+-- The fenced commit of one or more finished attempts (`jobs`: a JSON array of {id,
+-- token, attempt, derived_key, derived_version, sha256, width, height, variants,
+-- original_width, original_height, original_format, original_frames, original_has_alpha,
+-- original_colour, original_placeholder, original_dhash}; the analysis keys absent, as
+-- from a handler that analyses nothing or a host of a release before 0013: NULLs; each
+-- variant {name, format, content_type, key, version, sha256, width, height, fingerprint,
+-- bytes}, `bytes` absent from a host of a release before 0019: NULL). Each
+-- row passes or fails its own fence: derivd_file_final makes it `ready` (the row, its
+-- event, its variants, the write-ahead entries of its attempt cleared, its outbox). An
+-- id no file holds under its token goes to derivd_commit_rederivation (a
+-- re-derivation's swap, which takes exactly its run's configured set or rejects the
+-- job; else `lease_lost`). Returns each id with its outcome: 'committed', 'rejected' (a
+-- re-derivation whose set was refused) or 'lost'. Durable: its caller leaves
+-- synchronous_commit alone.
+CREATE OR REPLACE FUNCTION derivd_commit_outcomes(jobs jsonb)
+RETURNS TABLE (id bigint, outcome text)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+#variable_conflict use_column
+DECLARE
+    j record;
+BEGIN
+    FOR j IN
+        SELECT x.id, x.token, x.attempt, x.variants, e.job
+          FROM jsonb_array_elements(jobs) AS e(job),
+               jsonb_to_record(e.job) AS x(id bigint, token uuid, attempt integer,
+                                           variants jsonb)
+    LOOP
         id := j.id;
-        outcome := 'committed';
+        IF derivd_file_final(j.id, j.token, NULL, 'ready', NULL, 'ready', j.job) IS NOT NULL
+        THEN
+            outcome := 'committed';
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
+        -- The same commit sent again (derivd.worker, `_commit_again`: the first
+        -- sending's answer was lost) finds its attempt's work committed: the row
+        -- `ready` at this attempt (a later claim would have counted one more), with
+        -- this attempt's variants. Nothing is written twice.
+        PERFORM 1 FROM archive_files AS f
+         WHERE f.id = j.id AND f.status = 'ready' AND f.attempts = j.attempt
+           AND (jsonb_array_length(coalesce(j.variants, '[]')) = 0
+                OR EXISTS (SELECT 1 FROM archive_variants AS v
+                            WHERE v.file_id = j.id AND v.lease_token = j.token));
+        IF FOUND THEN
+            outcome := 'committed';
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
+        -- No file holds this lease: a re-derivation's (one id space), or lost (the
+        -- `lease_lost` event is written there). A file pays for this only on a failed
+        -- fence.
+        outcome := derivd_commit_rederivation(j.job);
         RETURN NEXT;
     END LOOP;
 END $$;
@@ -694,19 +765,13 @@ BEGIN
             END IF;
             used_up := NOT derivd_claim.max_attempts > ALL (got_attempts);
             IF used_up THEN
-                -- max_attempts lowered since these were queued: rejected here, as an
-                -- expired lease past the cap is, and the claim goes on.
-                WITH done AS (
-                    UPDATE archive_files AS f
-                       SET status = 'rejected',
-                           error_code = 'attempts_exhausted',
-                           finished_at = now(),
-                           updated_at = now()
-                      FROM unnest(got_ids, got_attempts) AS g(got_id, n)
-                     WHERE f.id = g.got_id AND g.n >= derivd_claim.max_attempts
-                    RETURNING f.id, f.attempts)
-                INSERT INTO archive_events (file_id, kind, attempt, error_code)
-                SELECT d.id, 'exhausted', d.attempts, 'attempts_exhausted' FROM done AS d;
+                -- max_attempts lowered since these were queued: rejected here (locked
+                -- above, still queued), as an expired lease past the cap is, and the
+                -- claim goes on.
+                PERFORM derivd_file_final(g.got_id, NULL, 'queued', 'rejected',
+                                          'attempts_exhausted', 'exhausted', NULL)
+                   FROM unnest(got_ids, got_attempts) AS g(got_id, n)
+                  WHERE g.n >= derivd_claim.max_attempts;
             END IF;
             SELECT ids || array_agg(g.got_id), since || array_agg(g.got_since),
                    tiers || array_agg(1)
@@ -840,46 +905,42 @@ RETURNS TABLE (status text, error_code text)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
 DECLARE
-    again boolean;
     n integer;
-    new_status text;
-    new_code text;
 BEGIN
+    -- Back to `queued` while the ladder allows; else `rejected` by derivd_file_final.
     UPDATE archive_files AS f
-       SET status = CASE WHEN retry AND f.attempts < derivd_fail.max_attempts
-                         THEN 'queued' ELSE 'rejected' END,
-           error_code = CASE WHEN retry AND f.attempts < derivd_fail.max_attempts
-                             THEN NULL ELSE code END,
-           available_at = CASE WHEN retry AND f.attempts < derivd_fail.max_attempts
-                               THEN now() + make_interval(secs => delay_s)
-                               ELSE f.available_at END,
-           finished_at = CASE WHEN retry AND f.attempts < derivd_fail.max_attempts
-                              THEN NULL ELSE now() END,
+       SET status = 'queued',
+           error_code = NULL,
+           available_at = now() + make_interval(secs => delay_s),
+           finished_at = NULL,
            lease_token = NULL,
            lease_until = NULL,
            updated_at = now()
      WHERE f.id = derivd_fail.file_id AND f.lease_token = token  -- the fence
-    RETURNING f.attempts, f.status, f.error_code INTO n, new_status, new_code;
-    IF NOT FOUND THEN
-        RETURN QUERY SELECT * FROM derivd_fail_rederivation(derivd_fail.file_id, token,
-                                                            derivd_fail.attempt, retry, code,
-                                                            derivd_fail.max_attempts,
-                                                            delay_s, extra_event);
-        RETURN;
+       AND retry AND f.attempts < derivd_fail.max_attempts
+    RETURNING f.attempts INTO n;
+    IF FOUND THEN
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+        VALUES (derivd_fail.file_id, 'retry', n, token, code);
+        status := 'queued';
+    ELSE
+        n := derivd_file_final(derivd_fail.file_id, token, NULL, 'rejected', code,
+                               'rejected', NULL);
+        IF n IS NULL THEN
+            RETURN QUERY SELECT * FROM derivd_fail_rederivation(derivd_fail.file_id, token,
+                                                                derivd_fail.attempt, retry,
+                                                                code,
+                                                                derivd_fail.max_attempts,
+                                                                delay_s, extra_event);
+            RETURN;
+        END IF;
+        status := 'rejected';
+        error_code := code;
     END IF;
-    again := new_status = 'queued';
-    INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
-    VALUES (derivd_fail.file_id, CASE WHEN again THEN 'retry' ELSE 'rejected' END, n, token,
-            coalesce(new_code, code));
     IF extra_event IS NOT NULL THEN
         INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
         VALUES (derivd_fail.file_id, extra_event, n, token, code);
     END IF;
-    IF NOT again THEN
-        PERFORM derivd_outbox_many(ARRAY[derivd_fail.file_id], 'file.rejected');
-    END IF;
-    status := new_status;
-    error_code := new_code;
     RETURN NEXT;
 END $$;
 
