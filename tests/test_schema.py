@@ -420,7 +420,9 @@ def test_only_derivd_file_final_writes_a_final_status(dsn: str) -> None:
     writes the event, the outbox and (its trigger) the notification with the status: in
     sql/functions.sql, in sql/queries.sql, and in the functions the database holds
     (whatever an older migration or a hand left there)."""
-    from_files = {f"functions.sql: {name}": body for name, body in bodies_of_functions_sql().items()}
+    from_files = {
+        f"functions.sql: {name}": text for name, text in bodies_of_functions_sql().items()
+    }
     from_files |= {f"queries.sql: {name}": body for name, body in queries().items()}
     in_database = {
         f"database: {r['name']}": r["src"]
