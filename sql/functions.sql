@@ -40,6 +40,19 @@
 -- clause undoes every local setting made inside it on return, which is why the claim's
 -- synchronous_commit is set by the calling statement (`claim` in sql/queries.sql), not
 -- in derivd_claim.
+--
+-- enable_sort, enable_seqscan and enable_hashjoin off (the claims: derivd_claim,
+-- derivd_pick_capped, derivd_claim_rederivations): a kept plan is only as good as the
+-- statistics it was made from. Planned on a table without statistics (a fresh
+-- deployment, a bulk import) the claim's pick expected two due rows, and read and sorted
+-- every due row through archive_files_claimable at every claim instead of walking the
+-- claim order's index to the first one: 3x the server CPU per job, more as the queue
+-- grows (bench/traffic.py --only drain --drain-stats); planned on a small table, the
+-- lease's UPDATE hashed a sequential scan of the whole table against the claimed ids.
+-- Each pick's order is an index's order and each claimed row is found by its primary
+-- key: without a sort, a sequential scan or a hash join, those index walks and lookups
+-- are the one plan left, whatever the statistics say (tests/test_claim_plan.py). The
+-- settings hold while these functions plan, the functions they call included.
 
 -- == archive_files' row rules ==========================================================
 
@@ -568,7 +581,8 @@ END $$;
 CREATE OR REPLACE FUNCTION derivd_pick_capped(wanted integer, tenant_cap integer,
                                               oldest boolean)
 RETURNS TABLE (id bigint, since timestamptz, attempts integer)
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan
+SET enable_sort = off SET enable_seqscan = off SET enable_hashjoin = off AS $$
 #variable_conflict use_column
 DECLARE
     capped text[];
@@ -657,7 +671,8 @@ CREATE OR REPLACE FUNCTION derivd_claim(lim integer, lease_s float8, max_attempt
 RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
                original_version text, wait_s float8, tier integer,
                claimable_since timestamptz, file_id bigint)
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan
+SET enable_sort = off SET enable_seqscan = off SET enable_hashjoin = off AS $$
 #variable_conflict use_column
 DECLARE
     oldest boolean;
@@ -1078,7 +1093,8 @@ CREATE OR REPLACE FUNCTION derivd_claim_rederivations(lim integer, lease_s float
 RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
                original_key text, original_version text, wait_s float8, tier integer,
                claimable_since timestamptz, file_id bigint)
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan
+SET enable_sort = off SET enable_seqscan = off SET enable_hashjoin = off AS $$
 #variable_conflict use_column
 DECLARE
     ids bigint[];
