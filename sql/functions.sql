@@ -375,6 +375,47 @@ BEGIN
     RETURN n;
 END $$;
 
+-- == The lease rules, one body each ======================================================
+
+-- A file's job (archive_files) and a re-derivation's (derivd_rederivations) live in
+-- tables of their own, and each lease statement is written once per table; every rule
+-- those statements apply is one of these functions, called by both. LANGUAGE sql,
+-- IMMUTABLE or STABLE and not STRICT: the server inlines each into the statement that
+-- calls it when it plans it, so a rule costs no call at run time and an inlined
+-- comparison filters an index scan as the written one would.
+
+-- The attempt cap: a job may start another attempt while it has used fewer than
+-- max_attempts ([queue] max_attempts, as the caller has it now). Claims (expired leases
+-- and queued rows alike), the fail ladder and reject_exhausted all ask this.
+CREATE OR REPLACE FUNCTION derivd_attempts_left(attempts integer, max_attempts integer)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT attempts < max_attempts
+$$;
+
+-- The fail ladder: a failed attempt goes back to `queued` when its error may pass on
+-- another attempt (`retry`) and attempts are left; otherwise its job is rejected.
+CREATE OR REPLACE FUNCTION derivd_retries(retry boolean, attempts integer, max_attempts integer)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT retry AND derivd_attempts_left(attempts, max_attempts)
+$$;
+
+-- Where a lease ends: lease_s seconds from now (database time), for a claim and for a
+-- heartbeat's renewal.
+CREATE OR REPLACE FUNCTION derivd_lease_end(lease_s float8)
+RETURNS timestamptz
+LANGUAGE sql STABLE AS $$
+    SELECT now() + make_interval(secs => lease_s)
+$$;
+
+-- A release gives its attempt back (the claim counted it; the job never ran it).
+CREATE OR REPLACE FUNCTION derivd_given_back(attempts integer)
+RETURNS integer
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT greatest(attempts - 1, 0)
+$$;
+
 -- == A file's final state ===============================================================
 
 -- The one way a file becomes final (`ready`, `rejected` or `deleted`): no other statement
@@ -560,10 +601,15 @@ BEGIN
     END LOOP;
 END $$;
 
--- The claim's queued rows under [queue] max_in_flight_per_tenant = tenant_cap: up to
--- `wanted` due rows in claim order (by priority DESC, fair_rank, id; `oldest`: by
--- available_at, id), none of a tenant that has tenant_cap rows in flight counting this
--- call's own. Rows without a tenant are never capped. Each row comes back locked.
+-- The claim's queued rows on every turn but the steady one (derivd_claim): up to `wanted`
+-- due rows in claim order (by priority DESC, fair_rank, id; `oldest`: by available_at,
+-- id), under [queue] max_in_flight_per_tenant = tenant_cap (0: no cap) none of a tenant
+-- that has tenant_cap rows in flight counting this call's own. Rows without a tenant are
+-- never capped. Each row comes back locked. A row whose attempts are used up
+-- (max_attempts lowered since it was queued: derivd_attempts_left) is rejected
+-- `attempts_exhausted` when the pick reaches it, as its expired lease would be, and the
+-- pick goes on: no claim takes a row past the cap. Rows this transaction locked already
+-- (the steady statement's, handed back) are found again, in their place in the order.
 --
 -- It finds a claimable row whenever one exists below the cap: the tenants at their cap
 -- are read first from the `processing` rows (as many as the fleet holds in flight) and
@@ -578,36 +624,43 @@ END $$;
 -- meeting two tenants in different orders (a ranked claim and an oldest-first turn)
 -- would otherwise deadlock, rolling back the commit that shares their transaction. A
 -- tenant whose lock another claim holds is that claim's to count: skipped here.
+-- (Its signature before max_attempts, when the claim checked the attempts itself, is
+-- dropped by migration 0023.)
 CREATE OR REPLACE FUNCTION derivd_pick_capped(wanted integer, tenant_cap integer,
-                                              oldest boolean)
-RETURNS TABLE (id bigint, since timestamptz, attempts integer)
+                                              oldest boolean, max_attempts integer)
+RETURNS TABLE (id bigint, since timestamptz)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan
 SET enable_sort = off SET enable_seqscan = off SET enable_hashjoin = off AS $$
 #variable_conflict use_column
 DECLARE
-    capped text[];
+    capped text[] := '{}';
     tried bigint[] := '{}';
     chosen text[] := '{}';
     c record;
     busy integer;
+    n integer;
 BEGIN
-    SELECT coalesce(array_agg(b.tenant), '{}') INTO capped
-      FROM (SELECT p.tenant
-              FROM archive_files AS p
-             WHERE p.status = 'processing' AND p.tenant IS NOT NULL
-             GROUP BY p.tenant
-            HAVING count(*) >= tenant_cap) AS b;
+    IF tenant_cap > 0 THEN
+        SELECT coalesce(array_agg(b.tenant), '{}') INTO capped
+          FROM (SELECT p.tenant
+                  FROM archive_files AS p
+                 WHERE p.status = 'processing' AND p.tenant IS NOT NULL
+                 GROUP BY p.tenant
+                HAVING count(*) >= tenant_cap) AS b;
+    END IF;
     -- Each turn excludes one more row or one more tenant: the loop ends.
     WHILE cardinality(chosen) < wanted LOOP
+        -- (One statement per order rather than one with its order switched by a
+        -- parameter: each is a plain ordered scan of its partial index.)
         IF oldest THEN
-            SELECT f.id, f.available_at, f.attempts, f.tenant INTO c
+            SELECT f.id, f.available_at, f.tenant INTO c
               FROM archive_files AS f
              WHERE f.status = 'queued' AND f.available_at <= now()
                AND (f.tenant IS NULL OR f.tenant <> ALL (capped)) AND f.id <> ALL (tried)
              ORDER BY f.available_at, f.id
              LIMIT 1;
         ELSE
-            SELECT f.id, f.available_at, f.attempts, f.tenant INTO c
+            SELECT f.id, f.available_at, f.tenant INTO c
               FROM archive_files AS f
              WHERE f.status = 'queued' AND f.available_at <= now()
                AND (f.tenant IS NULL OR f.tenant <> ALL (capped)) AND f.id <> ALL (tried)
@@ -616,7 +669,7 @@ BEGIN
         END IF;
         EXIT WHEN NOT FOUND;
         tried := tried || c.id;
-        IF c.tenant IS NOT NULL THEN
+        IF tenant_cap > 0 AND c.tenant IS NOT NULL THEN
             IF NOT pg_try_advisory_xact_lock(hashtextextended('derivd.tenant:' || c.tenant, 0))
             THEN
                 capped := capped || c.tenant;
@@ -632,14 +685,19 @@ BEGIN
                 CONTINUE;
             END IF;
         END IF;
-        PERFORM 1 FROM archive_files AS q
+        SELECT q.attempts INTO n
+          FROM archive_files AS q
          WHERE q.id = c.id AND q.status = 'queued'
            FOR UPDATE SKIP LOCKED;
         CONTINUE WHEN NOT FOUND;  -- another claim has it
+        IF NOT derivd_attempts_left(n, derivd_pick_capped.max_attempts) THEN
+            PERFORM derivd_file_final(c.id, NULL, 'queued', 'rejected', 'attempts_exhausted',
+                                      'exhausted', NULL);
+            CONTINUE;
+        END IF;
         chosen := chosen || c.tenant;
         id := c.id;
         since := c.available_at;
-        attempts := c.attempts;
         RETURN NEXT;
     END LOOP;
 END $$;
@@ -665,7 +723,9 @@ $$;
 -- rule); then due queued rows by priority DESC, fair_rank, id; every 20th call
 -- (derivd_claim_turns) by available_at, id instead. A queued row whose attempts are used
 -- up (max_attempts lowered since it was queued) is rejected `attempts_exhausted` when the
--- claim reaches it, as its expired lease would be: no claim takes a row past the cap.
+-- claim reaches it (derivd_pick_capped), as its expired lease would be: no claim takes a
+-- row past the cap. The steady turn (no cap, ranked) picks in one statement with the
+-- expired leases; every other turn's queued rows come from derivd_pick_capped.
 CREATE OR REPLACE FUNCTION derivd_claim(lim integer, lease_s float8, max_attempts integer,
                                         host text, tenant_cap integer, prefix_format text)
 RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
@@ -680,14 +740,13 @@ DECLARE
     ids bigint[];
     since timestamptz[];
     tiers integer[];
+    left_all boolean;
     got_ids bigint[];
     got_since timestamptz[];
-    got_attempts integer[];
     turn bigint;
     got integer;
     steady boolean;
     first integer;
-    used_up boolean;
 BEGIN
     IF lim < 1 THEN
         RETURN;
@@ -715,13 +774,14 @@ BEGIN
     -- flight already, so it adds nothing to the tenant's count), then, in the steady
     -- state (no cap, a ranked turn), due queued rows by priority DESC, fair_rank, id. The
     -- second branch is read only for what the first leaves of the limit, and not at all
-    -- (LIMIT 0) on the other turns, whose queued rows are picked below.
-    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier), array_agg(c.n)
-      INTO ids, since, tiers, got_attempts
+    -- (LIMIT 0) on the other turns, whose queued rows derivd_pick_capped picks.
+    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier),
+           coalesce(bool_and(derivd_attempts_left(c.n, derivd_claim.max_attempts)), true)
+      INTO ids, since, tiers, left_all
       FROM (SELECT * FROM (SELECT f.id, f.lease_until AS since, 0 AS tier, f.attempts AS n
                              FROM archive_files AS f
                             WHERE f.status = 'processing' AND f.lease_until < now()
-                              AND f.attempts < derivd_claim.max_attempts
+                              AND derivd_attempts_left(f.attempts, derivd_claim.max_attempts)
                             ORDER BY f.lease_until
                             LIMIT lim
                               FOR UPDATE SKIP LOCKED) AS expired
@@ -733,76 +793,34 @@ BEGIN
                             LIMIT CASE WHEN steady THEN lim ELSE 0 END
                               FOR UPDATE SKIP LOCKED) AS ranked
             LIMIT lim) AS c;
-    IF NOT (steady AND derivd_claim.max_attempts > ALL (coalesce(got_attempts, '{}'))) THEN
+    IF NOT (steady AND left_all) THEN
         -- Another turn, or a queued row whose attempts are used up: the expired rows
-        -- stay; queued rows, these and the next ones, go through the check below.
+        -- stay; the queued ones (those locked above are found again, in order) come from
+        -- derivd_pick_capped, which rejects a row past the cap and goes on.
         first := array_position(tiers, 1);
         IF first IS NOT NULL THEN
-            got_ids := ids[first:];
-            got_since := since[first:];
-            got_attempts := got_attempts[first:];
             ids := ids[:first - 1];
             since := since[:first - 1];
             tiers := tiers[:first - 1];
-        ELSE
-            got_ids := NULL;
         END IF;
-        LOOP
-            IF got_ids IS NULL THEN
-                wanted := lim - coalesce(cardinality(ids), 0);
-                EXIT WHEN wanted < 1;
-                -- (One statement per order rather than one with its order switched by
-                -- a parameter: each is a plain ordered scan of its partial index.)
-                IF tenant_cap > 0 THEN
-                    SELECT array_agg(p.id), array_agg(p.since), array_agg(p.attempts)
-                      INTO got_ids, got_since, got_attempts
-                      FROM derivd_pick_capped(wanted, tenant_cap, oldest) AS p;
-                ELSIF oldest THEN
-                    SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
-                      INTO got_ids, got_since, got_attempts
-                      FROM (SELECT f.id, f.available_at, f.attempts
-                              FROM archive_files AS f
-                             WHERE f.status = 'queued' AND f.available_at <= now()
-                             ORDER BY f.available_at, f.id
-                             LIMIT wanted
-                               FOR UPDATE SKIP LOCKED) AS q;
-                ELSE
-                    SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
-                      INTO got_ids, got_since, got_attempts
-                      FROM (SELECT f.id, f.available_at, f.attempts
-                              FROM archive_files AS f
-                             WHERE f.status = 'queued' AND f.available_at <= now()
-                             ORDER BY f.priority DESC, f.fair_rank, f.id
-                             LIMIT wanted
-                               FOR UPDATE SKIP LOCKED) AS q;
-                END IF;
-                EXIT WHEN got_ids IS NULL;
+        wanted := lim - coalesce(cardinality(ids), 0);
+        IF wanted > 0 THEN
+            SELECT array_agg(p.id), array_agg(p.since) INTO got_ids, got_since
+              FROM derivd_pick_capped(wanted, tenant_cap, oldest,
+                                      derivd_claim.max_attempts) AS p;
+            IF got_ids IS NOT NULL THEN
+                ids := ids || got_ids;
+                since := since || got_since;
+                tiers := tiers || array_fill(1, ARRAY[cardinality(got_ids)]);
             END IF;
-            used_up := NOT derivd_claim.max_attempts > ALL (got_attempts);
-            IF used_up THEN
-                -- max_attempts lowered since these were queued: rejected here (locked
-                -- above, still queued), as an expired lease past the cap is, and the
-                -- claim goes on.
-                PERFORM derivd_file_final(g.got_id, NULL, 'queued', 'rejected',
-                                          'attempts_exhausted', 'exhausted', NULL)
-                   FROM unnest(got_ids, got_attempts) AS g(got_id, n)
-                  WHERE g.n >= derivd_claim.max_attempts;
-            END IF;
-            SELECT ids || array_agg(g.got_id), since || array_agg(g.got_since),
-                   tiers || array_agg(1)
-              INTO ids, since, tiers
-              FROM unnest(got_ids, got_since, got_attempts) AS g(got_id, got_since, n)
-             WHERE g.n < derivd_claim.max_attempts;
-            got_ids := NULL;
-            EXIT WHEN NOT used_up;  -- all it asked for, or all there was
-        END LOOP;
+        END IF;
     END IF;
     IF ids IS NOT NULL THEN
         RETURN QUERY
         UPDATE archive_files AS f
            SET status = 'processing',
                lease_token = gen_random_uuid(),
-               lease_until = now() + make_interval(secs => derivd_claim.lease_s),
+               lease_until = derivd_lease_end(derivd_claim.lease_s),
                attempts = f.attempts + 1,
                claimed_at = now(),
                claimed_by = derivd_claim.host,
@@ -932,7 +950,7 @@ BEGIN
            lease_until = NULL,
            updated_at = now()
      WHERE f.id = derivd_fail.file_id AND f.lease_token = token  -- the fence
-       AND retry AND f.attempts < derivd_fail.max_attempts
+       AND derivd_retries(retry, f.attempts, derivd_fail.max_attempts)
     RETURNING f.attempts INTO n;
     IF FOUND THEN
         INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
@@ -974,44 +992,49 @@ LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     n integer;
     target bigint;
-    new_status text;
-    new_code text;
 BEGIN
+    -- Back to `queued` while the ladder allows (as derivd_fail); else the job is rejected.
     UPDATE derivd_rederivations AS q
-       SET status = CASE WHEN retry AND q.attempts < derivd_fail_rederivation.max_attempts
-                         THEN 'queued' ELSE 'rejected' END,
-           error_code = CASE WHEN retry AND q.attempts < derivd_fail_rederivation.max_attempts
-                             THEN NULL ELSE code END,
-           available_at = CASE WHEN retry AND q.attempts < derivd_fail_rederivation.max_attempts
-                               THEN now() + make_interval(secs => delay_s)
-                               ELSE q.available_at END,
-           finished_at = CASE WHEN retry AND q.attempts < derivd_fail_rederivation.max_attempts
-                              THEN NULL ELSE now() END,
+       SET status = 'queued',
+           error_code = NULL,
+           available_at = now() + make_interval(secs => delay_s),
+           finished_at = NULL,
            lease_token = NULL,
            lease_until = NULL,
            ended_token = token,
            updated_at = now()
      WHERE q.id = job_id AND q.lease_token = token  -- the fence
-    RETURNING q.attempts, q.status, q.error_code, q.file_id
-         INTO n, new_status, new_code, target;
-    IF NOT FOUND THEN
-        INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-        VALUES (job_id, 'lease_lost', derivd_fail_rederivation.attempt, token);
-        RETURN;
-    END IF;
-    IF new_status = 'queued' THEN
+       AND derivd_retries(retry, q.attempts, derivd_fail_rederivation.max_attempts)
+    RETURNING q.attempts INTO n;
+    IF FOUND THEN
         INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
         VALUES (job_id, 'retry', n, token, code);
+        status := 'queued';
     ELSE
+        UPDATE derivd_rederivations AS q
+           SET status = 'rejected',
+               error_code = code,
+               finished_at = now(),
+               lease_token = NULL,
+               lease_until = NULL,
+               ended_token = token,
+               updated_at = now()
+         WHERE q.id = job_id AND q.lease_token = token  -- the fence
+        RETURNING q.attempts, q.file_id INTO n, target;
+        IF NOT FOUND THEN
+            INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+            VALUES (job_id, 'lease_lost', derivd_fail_rederivation.attempt, token);
+            RETURN;
+        END IF;
         INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
-        VALUES (target, 'rederive_rejected', n, token, new_code);
+        VALUES (target, 'rederive_rejected', n, token, code);
+        status := 'rejected';
+        error_code := code;
     END IF;
     IF extra_event IS NOT NULL THEN
         INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
         VALUES (job_id, extra_event, n, token, code);
     END IF;
-    status := new_status;
-    error_code := new_code;
     RETURN NEXT;
 END $$;
 
@@ -1047,7 +1070,7 @@ DECLARE
 BEGIN
     UPDATE archive_files AS f
        SET status = 'queued',
-           attempts = greatest(f.attempts - 1, 0),
+           attempts = derivd_given_back(f.attempts),
            available_at = now(),
            lease_token = NULL,
            lease_until = NULL,
@@ -1057,7 +1080,7 @@ BEGIN
     IF NOT FOUND THEN
         UPDATE derivd_rederivations AS q
            SET status = 'queued',
-               attempts = greatest(q.attempts - 1, 0),
+               attempts = derivd_given_back(q.attempts),
                available_at = now(),
                lease_token = NULL,
                lease_until = NULL,
@@ -1101,13 +1124,16 @@ DECLARE
     since timestamptz[];
     tiers integer[];
     counts integer[];
+    left_all boolean;
 BEGIN
-    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier), array_agg(c.n)
-      INTO ids, since, tiers, counts
+    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier), array_agg(c.n),
+           bool_and(derivd_attempts_left(c.n, derivd_claim_rederivations.max_attempts))
+      INTO ids, since, tiers, counts, left_all
       FROM (SELECT * FROM (SELECT q.id, q.lease_until AS since, 0 AS tier, q.attempts AS n
                              FROM derivd_rederivations AS q
                             WHERE q.status = 'processing' AND q.lease_until < now()
-                              AND q.attempts < derivd_claim_rederivations.max_attempts
+                              AND derivd_attempts_left(q.attempts,
+                                                       derivd_claim_rederivations.max_attempts)
                             ORDER BY q.lease_until
                             LIMIT lim
                               FOR UPDATE SKIP LOCKED) AS expired
@@ -1122,7 +1148,7 @@ BEGIN
     IF ids IS NULL THEN
         RETURN;
     END IF;
-    IF NOT derivd_claim_rederivations.max_attempts > ALL (counts) THEN
+    IF NOT left_all THEN
         -- Queued jobs whose attempts are used up (max_attempts lowered since they were
         -- queued) are rejected here, as the file claim does (derivd_claim): the job's
         -- rejection, never its file's (`rederive_rejected` on the file). This claim
@@ -1132,7 +1158,8 @@ BEGIN
                SET status = 'rejected', error_code = 'attempts_exhausted',
                    finished_at = now(), updated_at = now()
               FROM unnest(ids, counts) AS g(got_id, n)
-             WHERE q.id = g.got_id AND g.n >= derivd_claim_rederivations.max_attempts
+             WHERE q.id = g.got_id
+               AND NOT derivd_attempts_left(g.n, derivd_claim_rederivations.max_attempts)
             RETURNING q.file_id, q.attempts)
         INSERT INTO archive_events (file_id, kind, attempt, error_code)
         SELECT d.file_id, 'rederive_rejected', d.attempts, 'attempts_exhausted'
@@ -1142,14 +1169,14 @@ BEGIN
     UPDATE derivd_rederivations AS q
        SET status = 'processing',
            lease_token = gen_random_uuid(),
-           lease_until = now() + make_interval(secs => lease_s),
+           lease_until = derivd_lease_end(lease_s),
            attempts = q.attempts + 1,
            ended_token = NULL,
            claimed_at = now(),
            claimed_by = host,
            updated_at = now()
       FROM unnest(ids, since, tiers, counts) AS c(id, since, tier, n)
-     WHERE q.id = c.id AND c.n < derivd_claim_rederivations.max_attempts
+     WHERE q.id = c.id AND derivd_attempts_left(c.n, derivd_claim_rederivations.max_attempts)
     RETURNING 'claimed'::text, q.id, q.lease_token, q.attempts, q.original_key,
               q.original_version, extract(epoch FROM now() - c.since)::float8, c.tier,
               c.since, q.file_id;
@@ -1324,7 +1351,7 @@ BEGIN
         WITH held AS (SELECT * FROM jsonb_to_recordset(jobs) AS j(id bigint, token uuid)),
              renewed AS (
                  UPDATE archive_files AS f
-                    SET lease_until = now() + make_interval(secs => lease_s)
+                    SET lease_until = derivd_lease_end(lease_s)
                    FROM held AS h
                   WHERE f.id = h.id AND f.lease_token = h.token
                     AND f.id = ANY(ids)  -- by primary key (the JSON hides the row count)
@@ -1333,7 +1360,7 @@ BEGIN
         WITH held AS (SELECT * FROM jsonb_to_recordset(jobs) AS j(id bigint, token uuid)),
              renewed AS (
                  UPDATE derivd_rederivations AS q
-                    SET lease_until = now() + make_interval(secs => lease_s)
+                    SET lease_until = derivd_lease_end(lease_s)
                    FROM held AS h
                   WHERE q.id = h.id AND q.lease_token = h.token AND q.id = ANY(ids)
                  RETURNING q.id)

@@ -259,7 +259,8 @@ RETURNING 1;
 WITH expired AS (
     SELECT id, lease_token
       FROM archive_files
-     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
+     WHERE status = 'processing' AND lease_until < now()
+       AND NOT derivd_attempts_left(attempts, %(max_attempts)s)
      ORDER BY lease_until
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
@@ -273,7 +274,8 @@ WITH expired AS (
     -- set and gets `rederive_rejected`, not counted as a file's rejection).
     SELECT id, lease_token
       FROM derivd_rederivations
-     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
+     WHERE status = 'processing' AND lease_until < now()
+       AND NOT derivd_attempts_left(attempts, %(max_attempts)s)
      ORDER BY lease_until
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
