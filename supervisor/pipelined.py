@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from derivd.derive_clock import DeriveClock, Spent
 from derivd.errors import ErrorCode
 from derivd.handlers.base import Derivation
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.pipeline import OnStop, Stage, claim_room, on_stop
 from derivd.queue.db import DatabaseUnavailable, Finished, Job
 

@@ -25,7 +25,7 @@ from derivd.errors import ErrorCode, Permanent, Transient
 from derivd.fingerprint import configured_set, set_problem, slot
 from derivd.handlers.base import Analysis, Derivation, DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.pipeline import worker_depth
 from derivd.queue.db import (
     Committed,
@@ -36,7 +36,8 @@ from derivd.queue.db import (
     StoredVariant,
 )
 from derivd.queue.retry import record_failure
-from derivd.storage.base import ObjectMissing, Storage, derived_key, open_storage
+from derivd.storage.base import ObjectMissing, Storage, derived_key
+from derivd.storage.configured import open_storage
 from derivd.storage.parallel import Put, put_all
 
 # How a re-derivation's ending outcomes are reported (the others, retry, lease_lost, ...,

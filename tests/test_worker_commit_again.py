@@ -1,4 +1,4 @@
-"""Issue 27, item 2, the worker's side: a commit-and-claim that fails (here: the server
+""", the worker's side: a commit-and-claim that fails (here: the server
 ends the worker's connection) sends its fenced commit again before calling any attempt
 unknown. Direct only: the fault finds the worker's server connection by its name."""
 
