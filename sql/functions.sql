@@ -357,8 +357,8 @@ END $$;
 
 -- The outbox for several files at once: the `outbox_many` statement of hosts of the
 -- releases before derivd_file_final, sent right after their statements that reject or
--- delete rows. (This release's callers are derivd_file_final and a re-derivation's
--- commit.)
+-- delete rows. (In this release a re-derivation's commit calls it; derivd_file_final
+-- calls derivd_outbox.)
 CREATE OR REPLACE FUNCTION derivd_outbox_many(ids bigint[], event text)
 RETURNS integer
 LANGUAGE plpgsql AS $$

@@ -105,6 +105,21 @@ def claim(queue: QueueDB, *, tenant_cap: int = 0) -> int:
     return len(jobs)
 
 
+def called_at_run_time(plans: list[str], names: tuple[str, ...]) -> list[str]:
+    """Plan lines (nodes and their conditions, not the query's text) that still call one
+    of `names`: a rule the server did not inline."""
+    return [
+        line
+        for plan in inside_the_claim(plans)
+        for line in plan.splitlines()
+        if ("(cost=" in line or line.strip().startswith(("Filter:", "Index Cond:")))
+        and any(f"{name}(" in line for name in names)
+    ]
+
+
+RULES = ("derivd_attempts_left", "derivd_retries", "derivd_lease_end", "derivd_given_back")
+
+
 @pytest.mark.parametrize("analyzed", [False, True], ids=["no statistics", "analyzed"])
 def test_the_ranked_claim_walks_the_claim_order_index(dsn: str, analyzed: bool) -> None:
     seed(dsn)
@@ -119,6 +134,9 @@ def test_the_ranked_claim_walks_the_claim_order_index(dsn: str, analyzed: bool) 
     assert len(ranked) == 3
     assert all("Index Scan using archive_files_claim_order" in p for p in ranked), ranked[0]
     assert statistics_bound(plans) == []
+    # The lease rules the claim applies (sql/functions.sql) are inlined, not called.
+    assert called_at_run_time(plans, RULES) == []
+    assert any("attempts < " in p for p in picks)
 
 
 def test_a_queue_empty_at_the_first_claim_keeps_an_index_plan(dsn: str) -> None:
