@@ -14,14 +14,17 @@ import configparser
 import dataclasses
 import difflib
 import os
+import re
 import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from derivd.handlers.base import DeriveSpec, VariantSpec
-from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn
+from derivd.handlers.base import DeriveSpec, PreviewSpec, VariantSpec
+from derivd.handlers.preview_spec import KINDS
+from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn, shown_url
+from derivd.storage.base import prefix_problem
 from derivd.variant_config import (
     SECTION_PREFIX,
     build_variants,
@@ -112,9 +115,20 @@ DAYS_MAX = 36_500  # a century of days
 COUNT_MAX = 1_000_000_000  # fits PostgreSQL's integer
 
 
+# A schema name derivd puts in search_path and in DDL as it is: nothing to quote.
+SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def schema_name_problem(value: str) -> str | None:
+    """[database] schema: empty, or a name derivd uses as it is (nothing to quote)."""
+    if not value or SCHEMA_NAME.match(value):
+        return None
+    return f"{value!r} is not a lower-case name (a letter or _, then letters, digits or _)"
+
+
 def one_of(*choices: str) -> Check:
     def check(value: str) -> str | None:
-        return None if value in choices else f"must be one of: {', '.join(choices)}"
+        return None if value in choices else f"{value!r} is not one of: {', '.join(choices)}"
 
     return check
 
@@ -149,6 +163,17 @@ def check_handler(value: str) -> str | None:
         return None
     known = known_handlers()
     return None if value in known else f"unknown backend {value!r}; known: {', '.join(known)}"
+
+
+def listed_kinds(text: str) -> frozenset[str]:
+    return frozenset(k.strip() for k in text.split(",") if k.strip())
+
+
+def check_kinds(value: str) -> str | None:
+    unknown = sorted(listed_kinds(value) - set(KINDS))
+    if unknown:
+        return f"unknown kind {unknown[0]!r}; kinds: {', '.join(KINDS)}"
+    return None
 
 
 def parse_variants(text: str) -> tuple[VariantSpec, ...]:
@@ -196,6 +221,12 @@ class DatabaseSettings:
         check=check_dsn,
         mask=mask_dsn,
     )
+    schema: str = setting(
+        "",
+        "where derivd's tables live: a schema of its own beside the app's (e.g. derivd), "
+        "or the app's; empty: the connection's search_path (public)",
+        check=schema_name_problem,
+    )
     listen_retry: float = setting(
         1.0,
         "seconds between a supervisor's attempts to (re)open its LISTEN connection, each "
@@ -215,7 +246,11 @@ class StorageSettings:
         "", "s3: endpoint for MinIO/Ceph/other S3 APIs; empty: AWS", mask=mask_url
     )
     region: str = setting("", "s3: region; empty: from the AWS environment/profile")
-    prefix: str = setting("", "s3: key prefix inside the bucket, e.g. derivd/")
+    prefix: str = setting(
+        "",
+        "s3: where in the bucket derivd writes its objects, e.g. derivd/ (part of their keys)",
+        check=lambda value: prefix_problem(value) if value else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -343,6 +378,31 @@ class DeriveSettings:
         100, "most frames (pages) an original may declare", check=positive(COUNT_MAX)
     )
     concurrency: int = setting(1, "libvips threads per worker", check=in_range(1, 64))
+    accept: str = setting(
+        "image, pdf, video",
+        "kinds of original accepted (image, pdf, video); another is unsupported_content",
+        check=check_kinds,
+    )
+    max_pages: int = setting(10_000, "most pages a PDF may declare", check=positive(COUNT_MAX))
+    pdf_page: int = setting(
+        1, "the PDF page previewed (a shorter document: its last)", check=positive(COUNT_MAX)
+    )
+    max_duration: float = setting(
+        3 * HOUR,
+        "longest video accepted, in seconds, as its container declares",
+        check=positive(DAYS_MAX * DAY),
+    )
+    max_streams: int = setting(
+        32,
+        "most streams (video, audio, subtitles, data) a video may hold",
+        check=positive(10_000),
+    )
+    frame_offset: float = setting(
+        0.1,
+        "where a video's preview frame is looked for, as a fraction of its duration (the "
+        "keyframe at or before it; almost uniform frames are skipped)",
+        check=fraction,
+    )
     shrink_on_load: str = setting(
         "fast",
         "JPEG/WebP decoded at the largest reduction the variants allow (fast, as sharp), or "
@@ -362,6 +422,14 @@ class DeriveSettings:
             max_frames=self.max_frames,
             concurrency=self.concurrency,
             shrink_on_load=self.shrink_on_load,
+            previews=PreviewSpec(
+                accept=listed_kinds(self.accept),
+                max_pages=self.max_pages,
+                max_duration_s=self.max_duration,
+                max_streams=self.max_streams,
+                frame_offset=self.frame_offset,
+                pdf_page=self.pdf_page,
+            ),
         )
 
 
@@ -397,7 +465,9 @@ class WebhookSettings:
     """`[webhook:NAME]`: one receiver of signed events (derivd.webhooks.endpoints checks
     the secret and builds the Endpoint)."""
 
-    url: str = setting("", "http:// or https:// URL the events are POSTed to", check=check_url)
+    url: str = setting(
+        "", "http:// or https:// URL the events are POSTed to", check=check_url, mask=shown_url
+    )
     secret: str = setting(
         "",
         "Standard Webhooks secret, whsec_<base64>; or set secret_env or secret_file instead",
@@ -574,7 +644,12 @@ class Config:
         specs, problems = build_variants(self.derive.variants, self.variant_sections)
         if problems:
             raise ValueError("; ".join(str(self.problem(*p)) for p in problems))
-        return self.derive.spec(specs)
+        spec = self.derive.spec(specs)
+        # What one preview render may allocate comes from the worker's own bound.
+        memory = self.supervisor.max_worker_rss_mb * 1024 * 1024
+        return dataclasses.replace(
+            spec, previews=dataclasses.replace(spec.previews, memory_bytes=memory)
+        )
 
     @property
     def host_id(self) -> str:
@@ -704,7 +779,13 @@ def config_location(given: Path | None, env: Mapping[str, str]) -> tuple[Path, b
 
 
 def _read_ini(path: Path, problems: list[Problem]) -> dict[str, dict[str, str]]:
-    parser = configparser.ConfigParser(interpolation=None, strict=True)
+    # Comments as in the INI readers people know: on their own line, or after a value
+    # following whitespace (`events = file.ready  # default: all four`). Without the
+    # inline ones, `tenants =   # empty: every tenant` named the tenant "# empty: ...".
+    # A `#` or `;` not after whitespace stays in the value (`https://host/#part`).
+    parser = configparser.ConfigParser(
+        interpolation=None, strict=True, inline_comment_prefixes=("#", ";")
+    )
     try:
         with path.open(encoding="utf-8") as handle:
             parser.read_file(handle)

@@ -273,7 +273,11 @@ class PipelinedRun:
             return
         if not released:
             event(
-                log, "lease lost", logging.WARNING, file_id=entry.job.id, attempt=entry.job.attempt
+                log,
+                "lease lost",
+                logging.WARNING,
+                **entry.job.log_fields(),
+                attempt=entry.job.attempt,
             )
         self._end(entry, "released" if released else "lease_lost", None)
 
@@ -301,7 +305,7 @@ class PipelinedRun:
         try:
             self._commit(entry, finished)
         except Exception as error:  # a bug, not an outcome: the row's lease decides
-            log.error("job %s commit step failed: %s", entry.job.id, type(error).__name__)
+            log.error("%s commit step failed: %s", entry.job.label, type(error).__name__)
             log.debug("commit step failure detail", exc_info=True)
             self._end(entry, "unknown", None)
 
@@ -324,7 +328,7 @@ class PipelinedRun:
                 committed = queue.commit_many([finished])
         except DatabaseUnavailable as error:
             # The row stays `processing`; its lease expires and the attempt is counted.
-            log.warning("job %s: could not commit: %s", entry.job.id, error)
+            log.warning("%s: could not commit: %s", entry.job.label, error)
             self._end(entry, "unknown", None)
             self._admit([], sent, reserved=limit)
             return
@@ -335,7 +339,11 @@ class PipelinedRun:
             self._end(entry, "ready", None)
         else:
             event(
-                log, "lease lost", logging.WARNING, file_id=entry.job.id, attempt=entry.job.attempt
+                log,
+                "lease lost",
+                logging.WARNING,
+                **entry.job.log_fields(),
+                attempt=entry.job.attempt,
             )
             self._end(entry, "lease_lost", None)
         self._admit(claimed, sent, reserved=limit)

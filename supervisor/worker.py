@@ -53,6 +53,7 @@ class ClaimTerms(TypedDict):
     host: str | None
     tenant_cap: int
     write_ahead: bool
+    key_prefix: str
 
 
 log = logging.getLogger("derivd.worker")
@@ -227,6 +228,7 @@ class Worker:
             host=self.config.host_id,
             tenant_cap=q.max_in_flight_per_tenant,
             write_ahead=self.stores_objects,
+            key_prefix=self.storage.prefix,
         )
 
     def claim_many(self, limit: int) -> list[Job]:
@@ -255,22 +257,22 @@ class Worker:
 
     def _failed(self, job: Job, error: Exception) -> tuple[str, ErrorCode | None]:
         if isinstance(error, Permanent):
-            log.debug("job %s rejected: %s", job.id, error, exc_info=True)
+            log.debug("%s rejected: %s", job.label, error, exc_info=True)
             return self._fail(job, retry=False, code=error.code), error.code
         if isinstance(error, Transient):
             # The message may carry text we did not write (a plugin's, a library's): the
             # class name is what INFO and above get; the text stays at DEBUG.
             log.warning(
-                "job %s attempt %s failed transiently: %s",
-                job.id,
+                "%s attempt %s failed transiently: %s",
+                job.label,
                 job.attempt,
                 error if error.own_words else type(error).__name__,
             )
-            log.debug("job %s transient failure: %s", job.id, error, exc_info=True)
+            log.debug("%s transient failure: %s", job.label, error, exc_info=True)
             return self._fail(job, retry=True, code=error.code), error.code
         # unknown: retry, end as processing_failed
-        log.error("job %s attempt %s failed: %s", job.id, job.attempt, type(error).__name__)
-        log.debug("job %s failure detail", job.id, exc_info=True)
+        log.error("%s attempt %s failed: %s", job.label, job.attempt, type(error).__name__)
+        log.debug("%s failure detail", job.label, exc_info=True)
         return self._fail(job, retry=True, code="processing_failed"), "processing_failed"
 
     def _finish(self, job: Job, outcome: str, code: ErrorCode | None, duration_s: float) -> None:
@@ -290,7 +292,7 @@ class Worker:
         event(
             log,
             "job finished",
-            file_id=job.id,
+            **job.log_fields(),
             attempt=job.attempt,
             outcome=outcome,
             code=code or "-",
@@ -354,10 +356,12 @@ class Worker:
             elif d.job.id in committed.rejected:
                 # A re-derivation whose set is not its run's configured one (this worker
                 # runs another configuration than the backfill's): the file keeps its set.
-                log.error("job %s: its variant set is not the backfill's target", d.job.id)
+                log.error("%s: its variant set is not the backfill's target", d.job.label)
                 self._finish(d.job, "rejected", "processing_failed", d.duration_s)
             else:
-                event(log, "lease lost", logging.WARNING, file_id=d.job.id, attempt=d.job.attempt)
+                event(
+                    log, "lease lost", logging.WARNING, **d.job.log_fields(), attempt=d.job.attempt
+                )
                 self._finish(d.job, "lease_lost", None, d.duration_s)
 
     def flush(self) -> list[JobResult]:
@@ -380,7 +384,7 @@ class Worker:
                 self._finish(job, "unknown", None, 0.0)
                 continue
             if not released:
-                event(log, "lease lost", logging.WARNING, file_id=job.id, attempt=job.attempt)
+                event(log, "lease lost", logging.WARNING, **job.log_fields(), attempt=job.attempt)
             self._finish(job, "released" if released else "lease_lost", None, 0.0)
 
     def _derive(self, job: Job) -> Derivation:
@@ -419,7 +423,10 @@ class Worker:
 
     def _store(self, job: Job, variants: Sequence[DerivedVariant]) -> list[StoredVariant]:
         # Under the file's prefix: a re-derivation's objects belong to the file it serves.
-        keys = [derived_key(job.for_file, job.token, v.name, v.extension) for v in variants]
+        keys = [
+            derived_key(job.for_file, job.token, v.name, v.extension, self.storage.prefix)
+            for v in variants
+        ]
         if keys and not (self.stores_objects and self.queue.write_ahead_durable(job)):
             # Write-ahead: a crash after a PUT leaves a record for the orphan sweep. The
             # claim registered the attempt's prefix; this is its flush when no durable
@@ -454,10 +461,10 @@ class Worker:
             )
         except DatabaseUnavailable as error:
             # The row stays `processing`; its lease expires and the attempt is counted.
-            log.warning("job %s: could not record failure: %s", job.id, error)
+            log.warning("%s: could not record failure: %s", job.label, error)
             return "unknown"
         if status is None:
-            event(log, "lease lost", logging.WARNING, file_id=job.id, attempt=job.attempt)
+            event(log, "lease lost", logging.WARNING, **job.log_fields(), attempt=job.attempt)
             return "lease_lost"
         return "retry" if status == "queued" else "rejected"
 
