@@ -184,6 +184,18 @@ def test_the_rederivations_claim_walks_its_claim_order_index(dsn: str) -> None:
     assert statistics_bound(plans) == []
 
 
+def test_a_bulk_insert_ranks_each_row_by_one_index_descent(dsn: str) -> None:
+    """The rank trigger (archive_files_fair_rank) plans once per connection too: on a
+    queue analyzed while empty, a bulk insert's rows each find their tenant's last rank
+    and the frontier through an index, not by scanning and sorting the rows before."""
+    sql(dsn, "ANALYZE archive_files")
+    with worker_queue(dsn) as (queue, plans):
+        queue.conn.execute(SEED_FILES, (True, 50))  # type: ignore[arg-type]  # constant
+    ranks = [p for p in plans if "f.fair_rank" in p]
+    assert ranks and statistics_bound(plans) == []
+    assert sql(dsn, "SELECT count(DISTINCT fair_rank) AS n FROM archive_files")[0]["n"] == 10
+
+
 def test_auto_explain_reports_a_sort_when_there_is_one(dsn: str) -> None:
     """What the tests above look for is there when a plan sorts."""
     with worker_queue(dsn) as (queue, plans):
