@@ -498,6 +498,12 @@ class WebhookSettings:
     concurrency: int = setting(
         4, "POSTs in flight to this endpoint at once, per host", check=in_range(1, 64)
     )
+    circuit_max: float = setting(
+        60.0,
+        "most seconds between probes while the endpoint's circuit is open (the pause "
+        "starts at retry_base and doubles with each failed probe)",
+        check=positive(DAY),
+    )
 
 
 @dataclass(frozen=True)
@@ -561,8 +567,23 @@ class StatusSettings:
     )
     max_rejected_ratio: float = setting(
         0.2,
-        "unhealthy when a larger share of the jobs finished in the window was rejected; 0: off",
+        "a larger share of the jobs finished in the window rejected (users' bad uploads, "
+        "mostly) is reported beside the verdict, unhealthy only with fail_on_rejected; 0: off",
         check=fraction,
+    )
+    fail_on_rejected: bool = setting(
+        False, "a rejected share above max_rejected_ratio makes the verdict unhealthy (yes/no)"
+    )
+    max_webhook_age: float = setting(
+        900.0,
+        "unhealthy when an endpoint's oldest undelivered event has waited longer (seconds); 0: off",
+        check=non_negative(365 * DAY),
+    )
+    max_webhook_open: float = setting(
+        300.0,
+        "unhealthy when an endpoint's circuit has been open longer while events wait for it "
+        "(seconds); 0: off",
+        check=non_negative(365 * DAY),
     )
     min_finished: int = setting(
         20,
@@ -614,6 +635,8 @@ class Config:
     # `[webhook:NAME]` sections by NAME, in file order, and their endpoints (secrets read).
     webhook_sections: Mapping[str, WebhookSettings] = field(default_factory=dict)
     webhooks: tuple[Endpoint, ...] = ()
+    # Secrets of `webhooks` that could not be read: a problem only where derivd signs.
+    unread_secrets: tuple[Problem, ...] = ()
     source: str = DEFAULTS
     # Where each (section, key) came from when it is not `source`: "environment NAME".
     origins: Mapping[tuple[str, str], str] = field(default_factory=dict)
@@ -660,6 +683,15 @@ class Config:
         """The file (or environment variable) a setting came from, for error messages."""
         return self.origins.get((section, key), self.source) if key else self.source
 
+    def signing(self, endpoint: str | None = None) -> Config:
+        """This configuration for a command that signs webhooks (`run`, `webhooks test`
+        of `endpoint`): ConfigError unless every secret it signs with was read."""
+        wanted = None if endpoint is None else WEBHOOK_PREFIX + endpoint
+        unread = [p for p in self.unread_secrets if wanted in (None, p.section)]
+        if unread:
+            raise ConfigError(unread)
+        return self
+
     def problem(self, section: str, key: str | None, message: str) -> Problem:
         """A problem with one setting, named where that setting came from."""
         return Problem(self.where(section, key), section, key, message)
@@ -670,10 +702,13 @@ class Config:
         return dataclasses.replace(self, **{section: dataclasses.replace(current, **values)})
 
 
+# Config's fields that are no fixed `[section]`.
+_NOT_SECTIONS = ("source", "variant_sections", "webhook_sections", "webhooks", "unread_secrets",
+                 "origins")  # fmt: skip
 SECTIONS: dict[str, type[Any]] = {
     f.name: f.default_factory  # type: ignore[misc]
     for f in fields(Config)
-    if f.name not in ("source", "variant_sections", "webhook_sections", "webhooks", "origins")
+    if f.name not in _NOT_SECTIONS
 }
 # What `unknown section` lists: the fixed sections and the named sections' patterns.
 KNOWN_SECTIONS = (*SECTIONS, f"{SECTION_PREFIX}NAME", f"{WEBHOOK_PREFIX}NAME")
@@ -979,7 +1014,7 @@ def load_config(
     }
     if problems:
         raise ConfigError(problems)
-    webhooks, webhook_problems = build_endpoints(webhook_sections, env)
+    webhooks, webhook_problems, unread = build_endpoints(webhook_sections, env)
     config = Config(
         **sections,
         variant_sections=variant_sections,
@@ -987,6 +1022,9 @@ def load_config(
         webhooks=webhooks,
         source=where,
         origins=origins,
+    )
+    config = dataclasses.replace(
+        config, unread_secrets=tuple(config.problem(*problem) for problem in unread)
     )
     problems = _cross_checks(config)
     problems += [config.problem(sec, key, msg) for sec, key, msg in webhook_problems]

@@ -112,7 +112,7 @@ def daemon(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[tuple[str, Path]
         "[queue]\nlease = 300\npoll_interval = 0.2\nlisten = no\nmax_attempts = 1\n"
         "[derive]\nbackend = faulthandlers:Script\n"
         f"[metrics]\nlisten = {listen}\ninterval = 1\n"
-        "[status]\nmin_finished = 1\n"
+        "[status]\nmin_finished = 1\nfail_on_rejected = yes\n"
     )
     path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
@@ -214,7 +214,7 @@ def test_the_rendered_dashboard_matches_the_database(
         check=False,
     )
     report = json.loads(status.stdout)
-    assert status.returncode == 1 and report["healthy"] is False  # 40% rejected > 20%
+    assert status.returncode == 1 and report["healthy"] is False  # 40% rejected > 20%, failing
     assert page.ids["verdict"]["class"].split()[-1] == "bad"
     assert page.value("data-signal", "expired_leases") == report["expired_leases"]
     assert page.value("data-signal", "recent_rejected_ratio") == pytest.approx(

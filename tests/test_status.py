@@ -14,6 +14,7 @@ from configs import write_ini
 from fixtures.metrics import seed_queue
 from fixtures.s3 import free_port
 from fixtures.work import claim_one
+from helpers import sql
 
 from derivd.ops.status import HEALTHY, UNAVAILABLE, UNHEALTHY
 from derivd.queue.db import HostInfo, QueueDB
@@ -69,17 +70,25 @@ def test_json_reports_the_seeded_numbers(run_cli: RunCli, seeded_dsn: str) -> No
 
 
 @pytest.mark.parametrize(
-    ("option", "signal"),
+    ("option", "signal", "env"),
     [
-        (("--max-expired-leases", "0"), None),  # 0 turns the check off
-        (("--max-oldest-age", "0.001"), "oldest_claimable_age_s"),
-        (("--max-rejected-ratio", "0.2"), "recent_rejected_ratio"),
+        (("--max-expired-leases", "0"), None, {}),  # 0 turns the check off
+        (("--max-oldest-age", "0.001"), "oldest_claimable_age_s", {}),
+        (
+            ("--max-rejected-ratio", "0.2"),
+            "recent_rejected_ratio",
+            {"DERIVD_STATUS_FAIL_ON_REJECTED": "yes"},
+        ),
     ],
 )
 def test_crossed_thresholds_exit_unhealthy(
-    run_cli: RunCli, seeded_dsn: str, option: tuple[str, str], signal: str | None
+    run_cli: RunCli,
+    seeded_dsn: str,
+    option: tuple[str, str],
+    signal: str | None,
+    env: dict[str, str],
 ) -> None:
-    result = status(run_cli, seeded_dsn, "--json", *option)
+    result = status(run_cli, seeded_dsn, "--json", *option, **env)
     data = json.loads(result.stdout)
     if signal is None:
         assert result.returncode == HEALTHY and data["healthy"] is True
@@ -270,3 +279,46 @@ def test_a_pooled_listen_path_and_default_events_are_warned_of(
     assert (pooled in result.stdout) == (dsn != direct_dsn)
     direct = status(run_cli, dsn, "--json", DERIVD_DATABASE_LISTEN_DSN=direct_dsn)
     assert not any("polling" in w for w in json.loads(direct.stdout)["warnings"])
+
+
+def test_a_quarter_rejected_is_reported_beside_a_healthy_verdict(
+    run_cli: RunCli, seeded_dsn: str
+) -> None:
+    """Users' bad uploads are not the service's health: 2 of 8 rejected, over the 20 %
+    limit, is a notice (exit 0), unhealthy only with [status] fail_on_rejected."""
+    limits = {"DERIVD_STATUS_MAX_REJECTED_RATIO": "0.2"}
+    result = status(run_cli, seeded_dsn, "--json", **limits)
+    assert result.returncode == HEALTHY, result.stdout
+    data = json.loads(result.stdout)
+    assert data["healthy"] is True and data["problems"] == []
+    assert [n["signal"] for n in data["notices"]] == ["recent_rejected_ratio"]
+    table = status(run_cli, seeded_dsn, **limits).stdout
+    assert "NOTICE recent_rejected_ratio: 25.0% > 20.0%" in table and "health: ok" in table
+    failing = status(run_cli, seeded_dsn, "--json", **limits, DERIVD_STATUS_FAIL_ON_REJECTED="yes")
+    assert failing.returncode == UNHEALTHY
+    assert [p["signal"] for p in json.loads(failing.stdout)["problems"]] == [
+        "recent_rejected_ratio"
+    ]
+
+
+def test_a_dead_endpoint_with_a_backlog_is_unhealthy(run_cli: RunCli, seeded_dsn: str) -> None:
+    """Its events waiting 20 minutes, its circuit open for 10: both past their limits."""
+    sql(seeded_dsn, "INSERT INTO derivd_webhook_endpoints (name, events, failures, probes,"
+                    " opened_at, paused_until, last_error, last_error_at) VALUES ('app',"
+                    " '{file.ready}', 30, 9, now() - interval '10 minutes',"
+                    " now() + interval '40 seconds', 'connection refused', now())")  # fmt: skip
+    sql(seeded_dsn, "INSERT INTO derivd_deliveries (endpoint, event, file_id, body, created_at)"
+                    " SELECT 'app', 'file.ready', id, '{}', now() - interval '20 minutes'"
+                    " FROM archive_files WHERE status = 'ready'")  # fmt: skip
+    result = status(run_cli, seeded_dsn, "--json")
+    assert result.returncode == UNHEALTHY, result.stdout
+    problems = json.loads(result.stdout)["problems"]
+    assert [(p["signal"], p["endpoint"]) for p in problems] == [
+        ("webhook_oldest_undelivered_age_s", "app"),
+        ("webhook_circuit_open_s", "app"),
+    ]
+    table = status(run_cli, seeded_dsn).stdout
+    assert re.search(r"UNHEALTHY webhook_circuit_open_s: app: 10m\d\ds > 5m00s", table), table
+    assert "connection refused" in table
+    off = {"DERIVD_STATUS_MAX_WEBHOOK_AGE": "0", "DERIVD_STATUS_MAX_WEBHOOK_OPEN": "0"}
+    assert status(run_cli, seeded_dsn, **off).returncode == HEALTHY

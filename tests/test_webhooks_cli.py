@@ -137,12 +137,12 @@ def test_the_dashboard_shows_each_endpoint(dsn: str, queue: QueueDB, tmp_path: P
     page = render(Snapshot.taken(config, collect(queue, config.status)))
     assert '<tr data-endpoint="app">' in page
     assert '<td class="num backlog" data-value="1">' in page
-    assert '<td class="state ok">closed</td>' in page
+    assert '<td class="state ok" data-circuit="closed">ok</td>' in page
     assert "hidden" not in page and SECRET[6:20] not in page
     queue.sync_webhook_endpoints([])  # removed: its one undelivered row ends failed, kept
     page = render(Snapshot.taken(config, collect(queue, config.status)))
     assert '<td class="num kept" data-value="1">' in page
-    assert '<td class="state bad">removed</td>' in page
+    assert '<td class="state bad" data-circuit="closed">removed</td>' in page
     assert "removed" in "\n".join(endpoint_lines(queue.webhook_stats(window_s=60), "1m"))
 
 

@@ -62,7 +62,7 @@ def delivering(dsn: str, *endpoints: Endpoint) -> Iterator[Deliverer]:
 
 
 def rows(dsn: str, endpoint: str = "app") -> list[dict[str, Any]]:
-    return sql(dsn, "SELECT id, status, attempts, last_status, last_error, file_id"
+    return sql(dsn, "SELECT id, status, attempts, last_status, last_error, file_id, webhook_id"
                     " FROM derivd_deliveries WHERE endpoint = %s ORDER BY id",
                (endpoint,))  # fmt: skip
 
@@ -87,7 +87,7 @@ def test_delivered_signed_and_deduplicated_by_webhook_id(dsn: str, queue: QueueD
     assert {r["status"] for r in found} == {"delivered"}
     assert all(r.verified for r in receiver.answered()), "every signature verifies"
     unique = receiver.unique()
-    assert sorted(unique) == sorted(f"msg_{r['id']}" for r in found)
+    assert sorted(unique) == sorted(r["webhook_id"] for r in found)
     assert sorted(u.payload["data"]["file_id"] for u in unique.values()) == sorted(files)
     reset = receiver.answered("reset")[0]
     again = [r for r in receiver.answered("ok") if r.webhook_id == reset.webhook_id]
