@@ -15,13 +15,22 @@
    with jobs/s and WAL per job. Each `--drain-refs` ref runs as its own build (its
    tree from git, its own venv under bench/.builds, its own `derivd migrate`), beside
    this build without tenants and with `--drain-tenants` tenants under a cap of
-   `--drain-cap`; rounds interleaved, median of `--repeat`.
+   `--drain-cap` (0 tenants: not that row); rounds interleaved, median of `--repeat`.
+   `--drain-stats` says what the table's statistics are when the workers plan their
+   claims: `analyzed` (VACUUM ANALYZE after the rows are queued), `fresh` (the rows
+   bulk-inserted, never analyzed: a new deployment, an import), `late` (the daemon
+   started on an empty, analyzed queue, its workers' first claims found nothing, then
+   `--drain-late-jobs` rows arrive at once; `derivd run` until `--drain-late-measure` of
+   them are done, the measure over those). Autovacuum is off for the table during a
+   drain: the plans a worker made stay for the whole drain whatever the machine's speed
+   (a drain on an idle machine ends before autovacuum visits; on a loaded one autovacuum
+   would analyze the table midway and hide what a fast one pays).
 
 Scenarios 1 and 2 run the real daemon (`derivd run`, noop backend, `--workers`).
 
     .venv/bin/python bench/traffic.py [--backfill 100000] [--queued 1000000]
     .venv/bin/python bench/traffic.py --only drain [--drain-refs 48206ad^] [--repeat 5] \
-        [--drain-pipelines 1]
+        [--drain-pipelines 1] [--drain-stats fresh analyzed late]
     .venv/bin/python bench/traffic.py --only capped   # 6: a capped tenant's rows ahead
 """
 
@@ -432,20 +441,7 @@ class CpuSampler:
         raise ValueError("outside the sampled window")
 
 
-def drain_once(
-    pg: EmbeddedCluster,
-    work: Path,
-    derivd: Path,
-    jobs: int,
-    workers: int,
-    tenants: int,
-    cap: int,
-    pipeline: int | None = None,
-) -> dict[str, float]:
-    """One `derivd run --burst` over `jobs` queued noop rows on a fresh database that
-    `derivd` migrated itself (`pipeline`: that [supervisor] pipeline, else the build's
-    default; a build before it refuses the key)."""
-    dsn = fresh_db(pg, "traffic_drain", derivd_schema=False)
+def drain_ini(work: Path, dsn: str, workers: int, cap: int, pipeline: int | None) -> Path:
     ini = work / "drain.ini"
     ini.write_text(
         f"[database]\ndsn = {dsn}\n[storage]\nbackend = fs\nroot = {work / 'objects'}\n"
@@ -455,19 +451,96 @@ def drain_once(
         + (f"[queue]\nmax_in_flight_per_tenant = {cap}\n" if cap else ""),
         encoding="utf-8",
     )
-    log = (work / "drain.log").open("a")
-    subprocess.run([str(derivd), "-c", str(ini), "migrate"], check=True, stdout=log, stderr=log)
+    return ini
+
+
+def queue_rows(dsn: str, jobs: int, tenants: int) -> None:
+    """`jobs` queued rows in one INSERT. Its connection plans without sorts or sequential
+    scans, as this build's rank trigger does itself: a build whose trigger plans by the
+    statistics (main before it) would rank each row of 100,000 into a queue analyzed
+    while empty by scanning every row before it, for longer than a run; the insert is
+    not what is measured."""
     with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET enable_sort = off")
+        conn.execute("SET enable_seqscan = off")
         if tenants:
             conn.execute(DRAIN_SEED_TENANTS, {"n": jobs, "tenants": tenants})
         else:
             conn.execute(DRAIN_SEED, {"n": jobs})
-        conn.execute("VACUUM (ANALYZE) archive_files")
+
+
+# A worker's claim has run on each worker connection (its plans are formed): the claim's
+# function in the last statement of every client backend but this one.
+CLAIMED_ONCE = r"""
+SELECT count(*) FROM pg_stat_activity
+ WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()
+   AND query ~ 'derivd_(commit_and_)?claim\('
+"""
+
+# Rows updated in archive_files (a job updates its row twice: claim, commit), from the
+# statistics the backends report at most once a second: a poll that costs the server
+# nothing, however many rows the table holds.
+UPDATED = """
+SELECT coalesce(sum(n_tup_upd), 0) FROM pg_stat_user_tables WHERE relname = 'archive_files'
+"""
+
+
+def run_until_done(derivd: Path, ini: Path, dsn: str, jobs: int, measure: int, tenants: int,
+                   workers: int, log: Any) -> None:  # fmt: skip
+    """`derivd run` on an empty queue: once each worker's claim found nothing, `jobs`
+    rows arrive at once; stopped (SIGTERM) once about `measure` of them are done."""
+    daemon = subprocess.Popen([str(derivd), "-c", str(ini), "run"],
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while (conn.execute(CLAIMED_ONCE).fetchone() or (0,))[0] < workers:
+                if daemon.poll() is not None:
+                    raise SystemExit(f"{derivd} run exited ({daemon.returncode})")
+                time.sleep(0.1)
+            queue_rows(dsn, jobs, tenants)
+            while (conn.execute(UPDATED).fetchone() or (0,))[0] < 2 * measure:
+                if daemon.poll() is not None:
+                    raise SystemExit(f"{derivd} run exited ({daemon.returncode})")
+                time.sleep(0.5)
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
+
+
+def drain_once(
+    pg: EmbeddedCluster,
+    work: Path,
+    derivd: Path,
+    jobs: int,
+    workers: int,
+    tenants: int,
+    cap: int,
+    pipeline: int | None = None,
+    stats: str = "analyzed",
+    measure: int = 0,
+) -> dict[str, float]:
+    """One drain of `jobs` queued noop rows on a fresh database that `derivd` migrated
+    itself (`pipeline`: that [supervisor] pipeline, else the build's default; a build
+    before it refuses the key). `stats`: see the module's text (`late`: `derivd run`
+    from an empty queue; otherwise `run --burst` over rows queued before it)."""
+    dsn = fresh_db(pg, "traffic_drain", derivd_schema=False)
+    ini = drain_ini(work, dsn, workers, cap, pipeline)
+    log = (work / "drain.log").open("a")
+    subprocess.run([str(derivd), "-c", str(ini), "migrate"], check=True, stdout=log, stderr=log)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE archive_files SET (autovacuum_enabled = off)")
+        if stats != "late":
+            queue_rows(dsn, jobs, tenants)
+        if stats != "fresh":
+            conn.execute("VACUUM (ANALYZE) archive_files")
         conn.execute("CHECKPOINT")
     lsn = wal_lsn(dsn)
     with CpuSampler(pg) as cpu:
-        subprocess.run([str(derivd), "-c", str(ini), "run", "--burst"], check=True,
-                       stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
+        if stats == "late":
+            run_until_done(derivd, ini, dsn, jobs, measure, tenants, workers, log)
+        else:
+            subprocess.run([str(derivd), "-c", str(ini), "run", "--burst"], check=True,
+                           stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
     wal = wal_lsn(dsn) - lsn
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
@@ -477,12 +550,12 @@ def drain_once(
         ).fetchone()
     assert row is not None
     ready, first, last = int(row[0]), float(row[1]), float(row[2])
-    if ready != jobs:
+    if ready != jobs and not (stats == "late" and ready >= measure):
         raise SystemExit(f"{derivd}: {jobs - ready} of {jobs} rows not ready")
     return {
-        "server_ms": (cpu.at(last) - cpu.at(first)) * 1000 / jobs,
-        "jobs_per_s": jobs / (last - first),
-        "wal_b": wal / jobs,
+        "server_ms": (cpu.at(last) - cpu.at(first)) * 1000 / ready,
+        "jobs_per_s": ready / (last - first),
+        "wal_b": wal / ready,
     }
 
 
@@ -492,15 +565,22 @@ def drain(args: argparse.Namespace) -> None:
         (f"{ref} ({git('rev-parse', '--short', ref).strip()})", built(ref), 0, 0, None)
         for ref in args.drain_refs
     ]
-    builds += [
-        ("this build, no tenants, no cap", DERIVD, 0, 0, None),
-        (f"this build, {args.drain_tenants} tenants, cap {args.drain_cap}", DERIVD,
-         args.drain_tenants, args.drain_cap, None),
-    ]  # fmt: skip
+    builds.append(("this build, no tenants, no cap", DERIVD, 0, 0, None))
+    if args.drain_tenants:
+        builds.append((f"this build, {args.drain_tenants} tenants, cap {args.drain_cap}",
+                       DERIVD, args.drain_tenants, args.drain_cap, None))  # fmt: skip
     builds += [
         (f"this build, pipeline {depth}, no tenants", DERIVD, 0, 0, depth)
         for depth in args.drain_pipelines
     ]
+    # Each build under each state of the statistics (named after the build when there is
+    # one state only, as before).
+    builds = [
+        (label if len(args.drain_stats) == 1 else f"{label}, {stats}", derivd, tenants, cap,
+         depth, stats)
+        for stats in args.drain_stats
+        for label, derivd, tenants, cap, depth in builds
+    ]  # fmt: skip
     load = [load_average()]
     runs: dict[str, list[dict[str, float]]] = {label: [] for label, *_ in builds}
     with cluster() as pg, tempfile.TemporaryDirectory(prefix="derivd-drain-") as tmp:
@@ -508,12 +588,24 @@ def drain(args: argparse.Namespace) -> None:
         os.chmod(work, 0o755)
         for n in range(args.repeat):
             # Each round in another order: no build always runs right after another.
-            for label, derivd, tenants, cap, depth in (
+            for label, derivd, tenants, cap, depth, stats in (
                 builds[n % len(builds) :] + builds[: n % len(builds)]
             ):
                 _step(f"drain, {label}, run {n + 1}")
+                jobs = args.drain_late_jobs if stats == "late" else args.drain_jobs
                 runs[label].append(
-                    drain_once(pg, work, derivd, args.drain_jobs, args.workers, tenants, cap, depth)
+                    drain_once(
+                        pg,
+                        work,
+                        derivd,
+                        jobs,
+                        args.workers,
+                        tenants,
+                        cap,
+                        depth,
+                        stats,
+                        args.drain_late_measure,
+                    )
                 )
         lines = machine(pg.dsn())
     load.append(load_average())
@@ -523,6 +615,11 @@ def drain(args: argparse.Namespace) -> None:
         for label, measured in runs.items()
     }
     base = result[builds[0][0]]["server_ms"]
+    late_note = (
+        f" (late: {args.drain_late_jobs:,} queued, the first {args.drain_late_measure:,} measured)"
+        if "late" in args.drain_stats
+        else ""
+    )
     print("## traffic: the drain (bench/traffic.py --only drain)")
     print("\n".join(lines))
     print(f"load average before / after: {load[0]} / {load[1]}")
@@ -530,6 +627,7 @@ def drain(args: argparse.Namespace) -> None:
         f"{args.drain_jobs:,} noop jobs queued, then `derivd run --burst`, {args.workers} "
         f"workers, claim_batch 1, defaults otherwise; CPU of every PostgreSQL process "
         f"from the first claim to the last commit; median of {args.repeat} interleaved rounds"
+        f"; statistics: {', '.join(args.drain_stats)}" + late_note
     )
     print(
         table(
@@ -626,6 +724,15 @@ def main() -> None:
         default=[],
         help="also this build at these [supervisor] pipeline depths (no tenants)",
     )
+    parser.add_argument(
+        "--drain-stats",
+        nargs="+",
+        choices=["analyzed", "fresh", "late"],
+        default=["analyzed"],
+        help="the table's statistics when the workers plan their claims (see above)",
+    )
+    parser.add_argument("--drain-late-jobs", type=int, default=100_000)
+    parser.add_argument("--drain-late-measure", type=int, default=10_000)
     args = parser.parse_args()
     if args.only == "drain":
         drain(args)

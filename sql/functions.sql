@@ -40,6 +40,19 @@
 -- clause undoes every local setting made inside it on return, which is why the claim's
 -- synchronous_commit is set by the calling statement (`claim` in sql/queries.sql), not
 -- in derivd_claim.
+--
+-- enable_sort, enable_seqscan and enable_hashjoin off (the claims: derivd_claim,
+-- derivd_pick_capped, derivd_claim_rederivations): a kept plan is only as good as the
+-- statistics it was made from. Planned on a table without statistics (a fresh
+-- deployment, a bulk import) the claim's pick expected two due rows, and read and sorted
+-- every due row through archive_files_claimable at every claim instead of walking the
+-- claim order's index to the first one: 3x the server CPU per job, more as the queue
+-- grows (bench/traffic.py --only drain --drain-stats); planned on a small table, the
+-- lease's UPDATE hashed a sequential scan of the whole table against the claimed ids.
+-- Each pick's order is an index's order and each claimed row is found by its primary
+-- key: without a sort, a sequential scan or a hash join, those index walks and lookups
+-- are the one plan left, whatever the statistics say (tests/test_claim_plan.py). The
+-- settings hold while these functions plan, the functions they call included.
 
 -- == archive_files' row rules ==========================================================
 
@@ -164,8 +177,14 @@ END $$;
 -- its rows interleave with those of a tenant that holds many: the claim, one ordered
 -- scan, then alternates between them. Rows that come back to `queued` (retry, release,
 -- operator retry) keep their rank. Ties (same rank) go by id.
+-- Planned as the claims are (see the top: enable_sort, enable_seqscan, enable_hashjoin
+-- off): each look-up is one descent of its index whatever the statistics. Planned on a
+-- table that looked empty, each row of a bulk insert scanned and sorted every queued row
+-- inserted before it (100,000 rows into a queue analyzed while empty had not finished
+-- after eight minutes; tests/test_claim_plan.py).
 CREATE OR REPLACE FUNCTION archive_files_fair_rank() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_sort = off SET enable_seqscan = off SET enable_hashjoin = off
+AS $$
 DECLARE
     last_rank bigint;
     frontier bigint;
@@ -325,9 +344,9 @@ END $$;
 -- notification per transaction). Returns the deliveries inserted. An endpoint removed
 -- from the INI (removed_at: kept while deliveries of it are) subscribes to nothing.
 --
--- Every caller checks derivd_webhooks_on() first (derivd_outbox_many does), once per
--- call, so that without any endpoint a commit pays one probe of an empty table and no
--- function call per row.
+-- Every caller checks derivd_webhooks_on() first (derivd_file_final and
+-- derivd_outbox_many do), so that without any endpoint a commit pays one probe of an
+-- empty table and no call of derivd_outbox.
 -- (plpgsql, not sql: called from plpgsql, a SQL function's body is parsed and planned
 -- again in every transaction, ~7 % of a noop job's server CPU; plpgsql keeps its plan.)
 CREATE OR REPLACE FUNCTION derivd_webhooks_on() RETURNS boolean
@@ -435,8 +454,10 @@ BEGIN
     RETURN was_open;
 END $$;
 
--- The outbox for several files at once (the statements of sql/queries.sql that reject
--- or delete rows call it in their own transaction, right after: QueueDB).
+-- The outbox for several files at once: the `outbox_many` statement of hosts of the
+-- releases before derivd_file_final, sent right after their statements that reject or
+-- delete rows. (In this release a re-derivation's commit calls it; derivd_file_final
+-- calls derivd_outbox.)
 CREATE OR REPLACE FUNCTION derivd_outbox_many(ids bigint[], event text)
 RETURNS integer
 LANGUAGE plpgsql AS $$
@@ -453,6 +474,175 @@ BEGIN
     RETURN n;
 END $$;
 
+-- == The lease rules, one body each ======================================================
+
+-- A file's job (archive_files) and a re-derivation's (derivd_rederivations) live in
+-- tables of their own, and each lease statement is written once per table; every rule
+-- those statements apply is one of these functions, called by both. LANGUAGE sql,
+-- IMMUTABLE or STABLE and not STRICT: the server inlines each into the statement that
+-- calls it when it plans it, so a rule costs no call at run time and an inlined
+-- comparison filters an index scan as the written one would.
+
+-- The attempt cap: a job may start another attempt while it has used fewer than
+-- max_attempts ([queue] max_attempts, as the caller has it now). Claims (expired leases
+-- and queued rows alike), the fail ladder and reject_exhausted all ask this.
+CREATE OR REPLACE FUNCTION derivd_attempts_left(attempts integer, max_attempts integer)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT attempts < max_attempts
+$$;
+
+-- The fail ladder: a failed attempt goes back to `queued` when its error may pass on
+-- another attempt (`retry`) and attempts are left; otherwise its job is rejected.
+CREATE OR REPLACE FUNCTION derivd_retries(retry boolean, attempts integer, max_attempts integer)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT retry AND derivd_attempts_left(attempts, max_attempts)
+$$;
+
+-- Where a lease ends: lease_s seconds from now (database time), for a claim and for a
+-- heartbeat's renewal.
+CREATE OR REPLACE FUNCTION derivd_lease_end(lease_s float8)
+RETURNS timestamptz
+LANGUAGE sql STABLE AS $$
+    SELECT now() + make_interval(secs => lease_s)
+$$;
+
+-- A release gives its attempt back (the claim counted it; the job never ran it).
+CREATE OR REPLACE FUNCTION derivd_given_back(attempts integer)
+RETURNS integer
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT greatest(attempts - 1, 0)
+$$;
+
+-- == A file's final state ===============================================================
+
+-- The one way a file becomes final (`ready`, `rejected` or `deleted`): no other statement
+-- of sql/functions.sql or sql/queries.sql writes a final status (tests/test_schema.py
+-- reads both files and the database's functions to prove it). In one call, fenced:
+-- the status, the event, the outbox rows of every subscribed endpoint and, through
+-- archive_files_finished_update, the notification of a registered waiter. Whoever makes
+-- a file final gets all four or nothing, which is how a rejection inside the claim once
+-- came to announce nothing.
+--
+-- The fence: with a `token`, the row's lease under it (`processing`: see the top of the
+-- lease protocol); without one, the row in status `from_status` (a queued row the claim
+-- locked, a `deleting` row). `kind` is the event (`ready`, `rejected`, `exhausted`,
+-- `deleted`); the event carries `token` and the row's attempts. `made`: the attempt's
+-- work for `ready` (one element of derivd_commit_outcomes' `jobs`: derived_* and the
+-- analysis, whose keys an older host may lack: NULL), its variants recorded and its
+-- write-ahead entries cleared; NULL otherwise. `deleted` leaves no variant rows (their
+-- objects are gone: the sweep removed them first). Returns the attempt recorded, NULL
+-- when the fence failed (nothing written: the caller says what that means).
+--
+-- No SET clause: every caller runs under plan_cache_mode = force_generic_plan already (a
+-- function's SET is undone and done again at every call, on the commit's hot path);
+-- from the supervisor's statements (mark_deleted, reject_exhausted) it is planned as
+-- those are.
+CREATE OR REPLACE FUNCTION derivd_file_final(file_id bigint, token uuid, from_status text,
+                                             final text, code text, kind text, made jsonb)
+RETURNS integer
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    n integer;
+BEGIN
+    IF final = 'ready' THEN
+        -- The commit's hot path: the fence and the `ready` event in one statement.
+        WITH done AS (
+            UPDATE archive_files AS f
+               SET status = 'ready',
+                   derived_key = made ->> 'derived_key',
+                   derived_version = made ->> 'derived_version',
+                   sha256 = made ->> 'sha256',
+                   width = (made ->> 'width')::integer,
+                   height = (made ->> 'height')::integer,
+                   original_width = (made ->> 'original_width')::integer,
+                   original_height = (made ->> 'original_height')::integer,
+                   original_format = made ->> 'original_format',
+                   original_frames = (made ->> 'original_frames')::integer,
+                   original_has_alpha = (made ->> 'original_has_alpha')::boolean,
+                   original_colour = made ->> 'original_colour',
+                   original_placeholder = made ->> 'original_placeholder',
+                   original_dhash = (made ->> 'original_dhash')::bigint,
+                   original_media = made -> 'original_media',
+                   error_code = NULL,
+                   lease_token = NULL,
+                   lease_until = NULL,
+                   finished_at = now(),
+                   updated_at = now()
+             WHERE f.id = derivd_file_final.file_id
+               AND f.lease_token = derivd_file_final.token  -- the fence (see the top)
+            RETURNING f.attempts)
+        INSERT INTO archive_events AS e (file_id, kind, attempt, lease_token)
+        SELECT derivd_file_final.file_id, 'ready', d.attempts, derivd_file_final.token
+          FROM done AS d
+        RETURNING e.attempt INTO n;
+        IF n IS NULL THEN
+            RETURN NULL;
+        END IF;
+        IF jsonb_array_length(coalesce(made -> 'variants', '[]')) > 0 THEN
+            INSERT INTO archive_variants AS a (file_id, name, format, content_type, key,
+                                               version, sha256, width, height, lease_token,
+                                               fingerprint, bytes)
+            SELECT derivd_file_final.file_id, v.name, v.format, v.content_type, v.key,
+                   v.version, v.sha256, v.width, v.height, derivd_file_final.token,
+                   v.fingerprint, v.bytes
+              FROM jsonb_to_recordset(made -> 'variants')
+                   AS v(name text, format text, content_type text, key text,
+                        version text, sha256 text, width integer, height integer,
+                        fingerprint text, bytes bigint)
+            ON CONFLICT (file_id, name, format) DO UPDATE
+               SET key = EXCLUDED.key, version = EXCLUDED.version,
+                   sha256 = EXCLUDED.sha256, width = EXCLUDED.width,
+                   height = EXCLUDED.height, content_type = EXCLUDED.content_type,
+                   lease_token = EXCLUDED.lease_token, fingerprint = EXCLUDED.fingerprint,
+                   bytes = EXCLUDED.bytes, created_at = now();
+            -- An attempt registers pending objects exactly for the variants it PUTs.
+            DELETE FROM pending_objects AS p WHERE p.lease_token = derivd_file_final.token;
+        END IF;
+    ELSIF final = 'rejected' THEN
+        UPDATE archive_files AS f
+           SET status = 'rejected',
+               error_code = derivd_file_final.code,
+               lease_token = NULL,
+               lease_until = NULL,
+               finished_at = now(),
+               updated_at = now()
+         WHERE f.id = derivd_file_final.file_id
+           AND (f.lease_token = derivd_file_final.token
+                OR (derivd_file_final.token IS NULL AND f.status = from_status))
+        RETURNING f.attempts INTO n;
+        IF NOT FOUND THEN
+            RETURN NULL;
+        END IF;
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+        VALUES (derivd_file_final.file_id, derivd_file_final.kind, n, derivd_file_final.token,
+                derivd_file_final.code);
+    ELSIF final = 'deleted' THEN
+        UPDATE archive_files AS f
+           SET status = 'deleted', derived_key = NULL, derived_version = NULL,
+               lease_token = NULL, lease_until = NULL, finished_at = now(),
+               updated_at = now()
+         WHERE f.id = derivd_file_final.file_id
+           AND (f.lease_token = derivd_file_final.token
+                OR (derivd_file_final.token IS NULL AND f.status = from_status))
+        RETURNING f.attempts INTO n;
+        IF NOT FOUND THEN
+            RETURN NULL;
+        END IF;
+        DELETE FROM archive_variants AS a WHERE a.file_id = derivd_file_final.file_id;
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+        VALUES (derivd_file_final.file_id, derivd_file_final.kind, n, derivd_file_final.token);
+    ELSE
+        RAISE EXCEPTION 'derivd_file_final: % is no final status', final;
+    END IF;
+    IF derivd_webhooks_on() THEN
+        PERFORM derivd_outbox(derivd_file_final.file_id, 'file.' || final);
+    END IF;
+    RETURN n;
+END $$;
+
 -- == The lease protocol =================================================================
 
 -- The fenced commit of one or more finished attempts (`jobs`: a JSON array of {id,
@@ -463,119 +653,64 @@ END $$;
 -- 0013 (original_media: before 0026, or an image): NULLs; each
 -- variant {name, format, content_type, key, version, sha256, width, height, fingerprint,
 -- bytes}, `bytes` absent from a host of a release before 0019: NULL). Each
--- row passes or fails its own fence. A file's fenced UPDATE and its `ready` event are one
--- statement; for a row that passes, its variants are recorded and, when it stored some,
--- its attempt's write-ahead entries cleared (an attempt registers pending objects
--- exactly for the variants it PUTs). An id no file holds under its token goes to
--- derivd_commit_rederivation (a re-derivation's swap, which takes exactly its run's
--- configured set or rejects the job; else `lease_lost`). Returns each id with its
--- outcome: 'committed', 'rejected' (a re-derivation whose set was refused) or 'lost'.
--- Durable: its caller leaves synchronous_commit alone.
+-- row passes or fails its own fence: derivd_file_final makes it `ready` (the row, its
+-- event, its variants, the write-ahead entries of its attempt cleared, its outbox). An
+-- id no file holds under its token goes to derivd_commit_rederivation (a
+-- re-derivation's swap, which takes exactly its run's configured set or rejects the
+-- job; else `lease_lost`). Returns each id with its outcome: 'committed', 'rejected' (a
+-- re-derivation whose set was refused) or 'lost'. Durable: its caller leaves
+-- synchronous_commit alone.
 CREATE OR REPLACE FUNCTION derivd_commit_outcomes(jobs jsonb)
 RETURNS TABLE (id bigint, outcome text)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
 DECLARE
     j record;
-    n integer;
-    hooks boolean;  -- any webhook endpoint: asked once, after the first commit passes
 BEGIN
     FOR j IN
-        SELECT *
-          FROM jsonb_to_recordset(jobs)
-               AS x(id bigint, token uuid, attempt integer, derived_key text,
-                    derived_version text, sha256 text, width integer, height integer,
-                    variants jsonb, original_width integer, original_height integer,
-                    original_format text, original_frames integer,
-                    original_has_alpha boolean, original_colour text,
-                    original_placeholder text, original_dhash bigint,
-                    original_media jsonb)
+        SELECT x.id, x.token, x.attempt, x.variants, e.job
+          FROM jsonb_array_elements(jobs) AS e(job),
+               jsonb_to_record(e.job) AS x(id bigint, token uuid, attempt integer,
+                                           variants jsonb)
     LOOP
-        -- The fence and the attempt's `ready` event in one statement.
-        WITH done AS (
-            UPDATE archive_files AS f
-               SET status = 'ready',
-                   derived_key = j.derived_key,
-                   derived_version = j.derived_version,
-                   sha256 = j.sha256,
-                   width = j.width,
-                   height = j.height,
-                   original_width = j.original_width,
-                   original_height = j.original_height,
-                   original_format = j.original_format,
-                   original_frames = j.original_frames,
-                   original_has_alpha = j.original_has_alpha,
-                   original_colour = j.original_colour,
-                   original_placeholder = j.original_placeholder,
-                   original_dhash = j.original_dhash,
-                   original_media = j.original_media,
-                   error_code = NULL,
-                   lease_token = NULL,
-                   lease_until = NULL,
-                   finished_at = now(),
-                   updated_at = now()
-             WHERE f.id = j.id AND f.lease_token = j.token  -- the fence (see the top)
-            RETURNING f.attempts)
-        INSERT INTO archive_events AS e (file_id, kind, attempt, lease_token)
-        SELECT j.id, 'ready', d.attempts, j.token FROM done AS d
-        RETURNING e.attempt INTO n;
-        IF n IS NULL THEN
-            id := j.id;
-            -- The same commit sent again (derivd.worker, `_commit_again`: the first
-            -- sending's answer was lost) finds its attempt's work committed: the row
-            -- `ready` at this attempt (a later claim would have counted one more), with
-            -- this attempt's variants. Nothing is written twice.
-            PERFORM 1 FROM archive_files AS f
-             WHERE f.id = j.id AND f.status = 'ready' AND f.attempts = j.attempt
-               AND (jsonb_array_length(coalesce(j.variants, '[]')) = 0
-                    OR EXISTS (SELECT 1 FROM archive_variants AS v
-                                WHERE v.file_id = j.id AND v.lease_token = j.token));
-            IF FOUND THEN
-                outcome := 'committed';
-                RETURN NEXT;
-                CONTINUE;
-            END IF;
-            -- No file holds this lease: a re-derivation's (one id space), or lost (the
-            -- `lease_lost` event is written there). A file pays for this only on a
-            -- failed fence.
-            outcome := derivd_commit_rederivation(to_jsonb(j));
+        id := j.id;
+        IF derivd_file_final(j.id, j.token, NULL, 'ready', NULL, 'ready', j.job) IS NOT NULL
+        THEN
+            outcome := 'committed';
             RETURN NEXT;
             CONTINUE;
         END IF;
-        IF jsonb_array_length(coalesce(j.variants, '[]')) > 0 THEN
-            INSERT INTO archive_variants AS a (file_id, name, format, content_type, key,
-                                               version, sha256, width, height, lease_token,
-                                               fingerprint, bytes)
-            SELECT j.id, v.name, v.format, v.content_type, v.key,
-                   v.version, v.sha256, v.width, v.height, j.token, v.fingerprint, v.bytes
-              FROM jsonb_to_recordset(j.variants)
-                   AS v(name text, format text, content_type text, key text,
-                        version text, sha256 text, width integer, height integer,
-                        fingerprint text, bytes bigint)
-            ON CONFLICT (file_id, name, format) DO UPDATE
-               SET key = EXCLUDED.key, version = EXCLUDED.version,
-                   sha256 = EXCLUDED.sha256, width = EXCLUDED.width,
-                   height = EXCLUDED.height, content_type = EXCLUDED.content_type,
-                   lease_token = EXCLUDED.lease_token, fingerprint = EXCLUDED.fingerprint,
-                   bytes = EXCLUDED.bytes, created_at = now();
-            DELETE FROM pending_objects WHERE lease_token = j.token;
+        -- The same commit sent again (derivd.worker, `_commit_again`: the first
+        -- sending's answer was lost) finds its attempt's work committed: the row
+        -- `ready` at this attempt (a later claim would have counted one more), with
+        -- this attempt's variants. Nothing is written twice.
+        PERFORM 1 FROM archive_files AS f
+         WHERE f.id = j.id AND f.status = 'ready' AND f.attempts = j.attempt
+           AND (jsonb_array_length(coalesce(j.variants, '[]')) = 0
+                OR EXISTS (SELECT 1 FROM archive_variants AS v
+                            WHERE v.file_id = j.id AND v.lease_token = j.token));
+        IF FOUND THEN
+            outcome := 'committed';
+            RETURN NEXT;
+            CONTINUE;
         END IF;
-        IF hooks IS NULL THEN
-            hooks := derivd_webhooks_on();
-        END IF;
-        IF hooks THEN
-            PERFORM derivd_outbox(j.id, 'file.ready');
-        END IF;
-        id := j.id;
-        outcome := 'committed';
+        -- No file holds this lease: a re-derivation's (one id space), or lost (the
+        -- `lease_lost` event is written there). A file pays for this only on a failed
+        -- fence.
+        outcome := derivd_commit_rederivation(j.job);
         RETURN NEXT;
     END LOOP;
 END $$;
 
--- The claim's queued rows under [queue] max_in_flight_per_tenant = tenant_cap: up to
--- `wanted` due rows in claim order (by priority DESC, fair_rank, id; `oldest`: by
--- available_at, id), none of a tenant that has tenant_cap rows in flight counting this
--- call's own. Rows without a tenant are never capped. Each row comes back locked.
+-- The claim's queued rows on every turn but the steady one (derivd_claim): up to `wanted`
+-- due rows in claim order (by priority DESC, fair_rank, id; `oldest`: by available_at,
+-- id), under [queue] max_in_flight_per_tenant = tenant_cap (0: no cap) none of a tenant
+-- that has tenant_cap rows in flight counting this call's own. Rows without a tenant are
+-- never capped. Each row comes back locked. A row whose attempts are used up
+-- (max_attempts lowered since it was queued: derivd_attempts_left) is rejected
+-- `attempts_exhausted` when the pick reaches it, as its expired lease would be, and the
+-- pick goes on: no claim takes a row past the cap. Rows this transaction locked already
+-- (the steady statement's, handed back) are found again, in their place in the order.
 --
 -- It finds a claimable row whenever one exists below the cap: the tenants at their cap
 -- are read first from the `processing` rows (as many as the fleet holds in flight) and
@@ -590,35 +725,43 @@ END $$;
 -- meeting two tenants in different orders (a ranked claim and an oldest-first turn)
 -- would otherwise deadlock, rolling back the commit that shares their transaction. A
 -- tenant whose lock another claim holds is that claim's to count: skipped here.
+-- (Its signature before max_attempts, when the claim checked the attempts itself, is
+-- dropped by migration 0023.)
 CREATE OR REPLACE FUNCTION derivd_pick_capped(wanted integer, tenant_cap integer,
-                                              oldest boolean)
-RETURNS TABLE (id bigint, since timestamptz, attempts integer)
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+                                              oldest boolean, max_attempts integer)
+RETURNS TABLE (id bigint, since timestamptz)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan
+SET enable_sort = off SET enable_seqscan = off SET enable_hashjoin = off AS $$
 #variable_conflict use_column
 DECLARE
-    capped text[];
+    capped text[] := '{}';
     tried bigint[] := '{}';
     chosen text[] := '{}';
     c record;
     busy integer;
+    n integer;
 BEGIN
-    SELECT coalesce(array_agg(b.tenant), '{}') INTO capped
-      FROM (SELECT p.tenant
-              FROM archive_files AS p
-             WHERE p.status = 'processing' AND p.tenant IS NOT NULL
-             GROUP BY p.tenant
-            HAVING count(*) >= tenant_cap) AS b;
+    IF tenant_cap > 0 THEN
+        SELECT coalesce(array_agg(b.tenant), '{}') INTO capped
+          FROM (SELECT p.tenant
+                  FROM archive_files AS p
+                 WHERE p.status = 'processing' AND p.tenant IS NOT NULL
+                 GROUP BY p.tenant
+                HAVING count(*) >= tenant_cap) AS b;
+    END IF;
     -- Each turn excludes one more row or one more tenant: the loop ends.
     WHILE cardinality(chosen) < wanted LOOP
+        -- (One statement per order rather than one with its order switched by a
+        -- parameter: each is a plain ordered scan of its partial index.)
         IF oldest THEN
-            SELECT f.id, f.available_at, f.attempts, f.tenant INTO c
+            SELECT f.id, f.available_at, f.tenant INTO c
               FROM archive_files AS f
              WHERE f.status = 'queued' AND f.available_at <= now()
                AND (f.tenant IS NULL OR f.tenant <> ALL (capped)) AND f.id <> ALL (tried)
              ORDER BY f.available_at, f.id
              LIMIT 1;
         ELSE
-            SELECT f.id, f.available_at, f.attempts, f.tenant INTO c
+            SELECT f.id, f.available_at, f.tenant INTO c
               FROM archive_files AS f
              WHERE f.status = 'queued' AND f.available_at <= now()
                AND (f.tenant IS NULL OR f.tenant <> ALL (capped)) AND f.id <> ALL (tried)
@@ -627,7 +770,7 @@ BEGIN
         END IF;
         EXIT WHEN NOT FOUND;
         tried := tried || c.id;
-        IF c.tenant IS NOT NULL THEN
+        IF tenant_cap > 0 AND c.tenant IS NOT NULL THEN
             IF NOT pg_try_advisory_xact_lock(hashtextextended('derivd.tenant:' || c.tenant, 0))
             THEN
                 capped := capped || c.tenant;
@@ -643,14 +786,19 @@ BEGIN
                 CONTINUE;
             END IF;
         END IF;
-        PERFORM 1 FROM archive_files AS q
+        SELECT q.attempts INTO n
+          FROM archive_files AS q
          WHERE q.id = c.id AND q.status = 'queued'
            FOR UPDATE SKIP LOCKED;
         CONTINUE WHEN NOT FOUND;  -- another claim has it
+        IF NOT derivd_attempts_left(n, derivd_pick_capped.max_attempts) THEN
+            PERFORM derivd_file_final(c.id, NULL, 'queued', 'rejected', 'attempts_exhausted',
+                                      'exhausted', NULL);
+            CONTINUE;
+        END IF;
         chosen := chosen || c.tenant;
         id := c.id;
         since := c.available_at;
-        attempts := c.attempts;
         RETURN NEXT;
     END LOOP;
 END $$;
@@ -676,13 +824,16 @@ $$;
 -- rule); then due queued rows by priority DESC, fair_rank, id; every 20th call
 -- (derivd_claim_turns) by available_at, id instead. A queued row whose attempts are used
 -- up (max_attempts lowered since it was queued) is rejected `attempts_exhausted` when the
--- claim reaches it, as its expired lease would be: no claim takes a row past the cap.
+-- claim reaches it (derivd_pick_capped), as its expired lease would be: no claim takes a
+-- row past the cap. The steady turn (no cap, ranked) picks in one statement with the
+-- expired leases; every other turn's queued rows come from derivd_pick_capped.
 CREATE OR REPLACE FUNCTION derivd_claim(lim integer, lease_s float8, max_attempts integer,
                                         host text, tenant_cap integer, prefix_format text)
 RETURNS TABLE (id bigint, lease_token uuid, attempts integer, original_key text,
                original_version text, wait_s float8, tier integer,
                claimable_since timestamptz, file_id bigint)
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan
+SET enable_sort = off SET enable_seqscan = off SET enable_hashjoin = off AS $$
 #variable_conflict use_column
 DECLARE
     oldest boolean;
@@ -690,14 +841,13 @@ DECLARE
     ids bigint[];
     since timestamptz[];
     tiers integer[];
+    left_all boolean;
     got_ids bigint[];
     got_since timestamptz[];
-    got_attempts integer[];
     turn bigint;
     got integer;
     steady boolean;
     first integer;
-    used_up boolean;
 BEGIN
     IF lim < 1 THEN
         RETURN;
@@ -725,13 +875,14 @@ BEGIN
     -- flight already, so it adds nothing to the tenant's count), then, in the steady
     -- state (no cap, a ranked turn), due queued rows by priority DESC, fair_rank, id. The
     -- second branch is read only for what the first leaves of the limit, and not at all
-    -- (LIMIT 0) on the other turns, whose queued rows are picked below.
-    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier), array_agg(c.n)
-      INTO ids, since, tiers, got_attempts
+    -- (LIMIT 0) on the other turns, whose queued rows derivd_pick_capped picks.
+    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier),
+           coalesce(bool_and(derivd_attempts_left(c.n, derivd_claim.max_attempts)), true)
+      INTO ids, since, tiers, left_all
       FROM (SELECT * FROM (SELECT f.id, f.lease_until AS since, 0 AS tier, f.attempts AS n
                              FROM archive_files AS f
                             WHERE f.status = 'processing' AND f.lease_until < now()
-                              AND f.attempts < derivd_claim.max_attempts
+                              AND derivd_attempts_left(f.attempts, derivd_claim.max_attempts)
                             ORDER BY f.lease_until
                             LIMIT lim
                               FOR UPDATE SKIP LOCKED) AS expired
@@ -743,82 +894,34 @@ BEGIN
                             LIMIT CASE WHEN steady THEN lim ELSE 0 END
                               FOR UPDATE SKIP LOCKED) AS ranked
             LIMIT lim) AS c;
-    IF NOT (steady AND derivd_claim.max_attempts > ALL (coalesce(got_attempts, '{}'))) THEN
+    IF NOT (steady AND left_all) THEN
         -- Another turn, or a queued row whose attempts are used up: the expired rows
-        -- stay; queued rows, these and the next ones, go through the check below.
+        -- stay; the queued ones (those locked above are found again, in order) come from
+        -- derivd_pick_capped, which rejects a row past the cap and goes on.
         first := array_position(tiers, 1);
         IF first IS NOT NULL THEN
-            got_ids := ids[first:];
-            got_since := since[first:];
-            got_attempts := got_attempts[first:];
             ids := ids[:first - 1];
             since := since[:first - 1];
             tiers := tiers[:first - 1];
-        ELSE
-            got_ids := NULL;
         END IF;
-        LOOP
-            IF got_ids IS NULL THEN
-                wanted := lim - coalesce(cardinality(ids), 0);
-                EXIT WHEN wanted < 1;
-                -- (One statement per order rather than one with its order switched by
-                -- a parameter: each is a plain ordered scan of its partial index.)
-                IF tenant_cap > 0 THEN
-                    SELECT array_agg(p.id), array_agg(p.since), array_agg(p.attempts)
-                      INTO got_ids, got_since, got_attempts
-                      FROM derivd_pick_capped(wanted, tenant_cap, oldest) AS p;
-                ELSIF oldest THEN
-                    SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
-                      INTO got_ids, got_since, got_attempts
-                      FROM (SELECT f.id, f.available_at, f.attempts
-                              FROM archive_files AS f
-                             WHERE f.status = 'queued' AND f.available_at <= now()
-                             ORDER BY f.available_at, f.id
-                             LIMIT wanted
-                               FOR UPDATE SKIP LOCKED) AS q;
-                ELSE
-                    SELECT array_agg(q.id), array_agg(q.available_at), array_agg(q.attempts)
-                      INTO got_ids, got_since, got_attempts
-                      FROM (SELECT f.id, f.available_at, f.attempts
-                              FROM archive_files AS f
-                             WHERE f.status = 'queued' AND f.available_at <= now()
-                             ORDER BY f.priority DESC, f.fair_rank, f.id
-                             LIMIT wanted
-                               FOR UPDATE SKIP LOCKED) AS q;
-                END IF;
-                EXIT WHEN got_ids IS NULL;
+        wanted := lim - coalesce(cardinality(ids), 0);
+        IF wanted > 0 THEN
+            SELECT array_agg(p.id), array_agg(p.since) INTO got_ids, got_since
+              FROM derivd_pick_capped(wanted, tenant_cap, oldest,
+                                      derivd_claim.max_attempts) AS p;
+            IF got_ids IS NOT NULL THEN
+                ids := ids || got_ids;
+                since := since || got_since;
+                tiers := tiers || array_fill(1, ARRAY[cardinality(got_ids)]);
             END IF;
-            used_up := NOT derivd_claim.max_attempts > ALL (got_attempts);
-            IF used_up THEN
-                -- max_attempts lowered since these were queued: rejected here, as an
-                -- expired lease past the cap is, and the claim goes on.
-                WITH done AS (
-                    UPDATE archive_files AS f
-                       SET status = 'rejected',
-                           error_code = 'attempts_exhausted',
-                           finished_at = now(),
-                           updated_at = now()
-                      FROM unnest(got_ids, got_attempts) AS g(got_id, n)
-                     WHERE f.id = g.got_id AND g.n >= derivd_claim.max_attempts
-                    RETURNING f.id, f.attempts)
-                INSERT INTO archive_events (file_id, kind, attempt, error_code)
-                SELECT d.id, 'exhausted', d.attempts, 'attempts_exhausted' FROM done AS d;
-            END IF;
-            SELECT ids || array_agg(g.got_id), since || array_agg(g.got_since),
-                   tiers || array_agg(1)
-              INTO ids, since, tiers
-              FROM unnest(got_ids, got_since, got_attempts) AS g(got_id, got_since, n)
-             WHERE g.n < derivd_claim.max_attempts;
-            got_ids := NULL;
-            EXIT WHEN NOT used_up;  -- all it asked for, or all there was
-        END LOOP;
+        END IF;
     END IF;
     IF ids IS NOT NULL THEN
         RETURN QUERY
         UPDATE archive_files AS f
            SET status = 'processing',
                lease_token = gen_random_uuid(),
-               lease_until = now() + make_interval(secs => derivd_claim.lease_s),
+               lease_until = derivd_lease_end(derivd_claim.lease_s),
                attempts = f.attempts + 1,
                claimed_at = now(),
                claimed_by = derivd_claim.host,
@@ -936,46 +1039,42 @@ RETURNS TABLE (status text, error_code text)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
 DECLARE
-    again boolean;
     n integer;
-    new_status text;
-    new_code text;
 BEGIN
+    -- Back to `queued` while the ladder allows; else `rejected` by derivd_file_final.
     UPDATE archive_files AS f
-       SET status = CASE WHEN retry AND f.attempts < derivd_fail.max_attempts
-                         THEN 'queued' ELSE 'rejected' END,
-           error_code = CASE WHEN retry AND f.attempts < derivd_fail.max_attempts
-                             THEN NULL ELSE code END,
-           available_at = CASE WHEN retry AND f.attempts < derivd_fail.max_attempts
-                               THEN now() + make_interval(secs => delay_s)
-                               ELSE f.available_at END,
-           finished_at = CASE WHEN retry AND f.attempts < derivd_fail.max_attempts
-                              THEN NULL ELSE now() END,
+       SET status = 'queued',
+           error_code = NULL,
+           available_at = now() + make_interval(secs => delay_s),
+           finished_at = NULL,
            lease_token = NULL,
            lease_until = NULL,
            updated_at = now()
      WHERE f.id = derivd_fail.file_id AND f.lease_token = token  -- the fence
-    RETURNING f.attempts, f.status, f.error_code INTO n, new_status, new_code;
-    IF NOT FOUND THEN
-        RETURN QUERY SELECT * FROM derivd_fail_rederivation(derivd_fail.file_id, token,
-                                                            derivd_fail.attempt, retry, code,
-                                                            derivd_fail.max_attempts,
-                                                            delay_s, extra_event);
-        RETURN;
+       AND derivd_retries(retry, f.attempts, derivd_fail.max_attempts)
+    RETURNING f.attempts INTO n;
+    IF FOUND THEN
+        INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
+        VALUES (derivd_fail.file_id, 'retry', n, token, code);
+        status := 'queued';
+    ELSE
+        n := derivd_file_final(derivd_fail.file_id, token, NULL, 'rejected', code,
+                               'rejected', NULL);
+        IF n IS NULL THEN
+            RETURN QUERY SELECT * FROM derivd_fail_rederivation(derivd_fail.file_id, token,
+                                                                derivd_fail.attempt, retry,
+                                                                code,
+                                                                derivd_fail.max_attempts,
+                                                                delay_s, extra_event);
+            RETURN;
+        END IF;
+        status := 'rejected';
+        error_code := code;
     END IF;
-    again := new_status = 'queued';
-    INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
-    VALUES (derivd_fail.file_id, CASE WHEN again THEN 'retry' ELSE 'rejected' END, n, token,
-            coalesce(new_code, code));
     IF extra_event IS NOT NULL THEN
         INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
         VALUES (derivd_fail.file_id, extra_event, n, token, code);
     END IF;
-    IF NOT again THEN
-        PERFORM derivd_outbox_many(ARRAY[derivd_fail.file_id], 'file.rejected');
-    END IF;
-    status := new_status;
-    error_code := new_code;
     RETURN NEXT;
 END $$;
 
@@ -994,44 +1093,49 @@ LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     n integer;
     target bigint;
-    new_status text;
-    new_code text;
 BEGIN
+    -- Back to `queued` while the ladder allows (as derivd_fail); else the job is rejected.
     UPDATE derivd_rederivations AS q
-       SET status = CASE WHEN retry AND q.attempts < derivd_fail_rederivation.max_attempts
-                         THEN 'queued' ELSE 'rejected' END,
-           error_code = CASE WHEN retry AND q.attempts < derivd_fail_rederivation.max_attempts
-                             THEN NULL ELSE code END,
-           available_at = CASE WHEN retry AND q.attempts < derivd_fail_rederivation.max_attempts
-                               THEN now() + make_interval(secs => delay_s)
-                               ELSE q.available_at END,
-           finished_at = CASE WHEN retry AND q.attempts < derivd_fail_rederivation.max_attempts
-                              THEN NULL ELSE now() END,
+       SET status = 'queued',
+           error_code = NULL,
+           available_at = now() + make_interval(secs => delay_s),
+           finished_at = NULL,
            lease_token = NULL,
            lease_until = NULL,
            ended_token = token,
            updated_at = now()
      WHERE q.id = job_id AND q.lease_token = token  -- the fence
-    RETURNING q.attempts, q.status, q.error_code, q.file_id
-         INTO n, new_status, new_code, target;
-    IF NOT FOUND THEN
-        INSERT INTO archive_events (file_id, kind, attempt, lease_token)
-        VALUES (job_id, 'lease_lost', derivd_fail_rederivation.attempt, token);
-        RETURN;
-    END IF;
-    IF new_status = 'queued' THEN
+       AND derivd_retries(retry, q.attempts, derivd_fail_rederivation.max_attempts)
+    RETURNING q.attempts INTO n;
+    IF FOUND THEN
         INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
         VALUES (job_id, 'retry', n, token, code);
+        status := 'queued';
     ELSE
+        UPDATE derivd_rederivations AS q
+           SET status = 'rejected',
+               error_code = code,
+               finished_at = now(),
+               lease_token = NULL,
+               lease_until = NULL,
+               ended_token = token,
+               updated_at = now()
+         WHERE q.id = job_id AND q.lease_token = token  -- the fence
+        RETURNING q.attempts, q.file_id INTO n, target;
+        IF NOT FOUND THEN
+            INSERT INTO archive_events (file_id, kind, attempt, lease_token)
+            VALUES (job_id, 'lease_lost', derivd_fail_rederivation.attempt, token);
+            RETURN;
+        END IF;
         INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
-        VALUES (target, 'rederive_rejected', n, token, new_code);
+        VALUES (target, 'rederive_rejected', n, token, code);
+        status := 'rejected';
+        error_code := code;
     END IF;
     IF extra_event IS NOT NULL THEN
         INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
         VALUES (job_id, extra_event, n, token, code);
     END IF;
-    status := new_status;
-    error_code := new_code;
     RETURN NEXT;
 END $$;
 
@@ -1067,7 +1171,7 @@ DECLARE
 BEGIN
     UPDATE archive_files AS f
        SET status = 'queued',
-           attempts = greatest(f.attempts - 1, 0),
+           attempts = derivd_given_back(f.attempts),
            available_at = now(),
            lease_token = NULL,
            lease_until = NULL,
@@ -1077,7 +1181,7 @@ BEGIN
     IF NOT FOUND THEN
         UPDATE derivd_rederivations AS q
            SET status = 'queued',
-               attempts = greatest(q.attempts - 1, 0),
+               attempts = derivd_given_back(q.attempts),
                available_at = now(),
                lease_token = NULL,
                lease_until = NULL,
@@ -1113,20 +1217,24 @@ CREATE OR REPLACE FUNCTION derivd_claim_rederivations(lim integer, lease_s float
 RETURNS TABLE (kind text, id bigint, lease_token uuid, attempts integer,
                original_key text, original_version text, wait_s float8, tier integer,
                claimable_since timestamptz, file_id bigint)
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan
+SET enable_sort = off SET enable_seqscan = off SET enable_hashjoin = off AS $$
 #variable_conflict use_column
 DECLARE
     ids bigint[];
     since timestamptz[];
     tiers integer[];
     counts integer[];
+    left_all boolean;
 BEGIN
-    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier), array_agg(c.n)
-      INTO ids, since, tiers, counts
+    SELECT array_agg(c.id), array_agg(c.since), array_agg(c.tier), array_agg(c.n),
+           bool_and(derivd_attempts_left(c.n, derivd_claim_rederivations.max_attempts))
+      INTO ids, since, tiers, counts, left_all
       FROM (SELECT * FROM (SELECT q.id, q.lease_until AS since, 0 AS tier, q.attempts AS n
                              FROM derivd_rederivations AS q
                             WHERE q.status = 'processing' AND q.lease_until < now()
-                              AND q.attempts < derivd_claim_rederivations.max_attempts
+                              AND derivd_attempts_left(q.attempts,
+                                                       derivd_claim_rederivations.max_attempts)
                             ORDER BY q.lease_until
                             LIMIT lim
                               FOR UPDATE SKIP LOCKED) AS expired
@@ -1141,7 +1249,7 @@ BEGIN
     IF ids IS NULL THEN
         RETURN;
     END IF;
-    IF NOT derivd_claim_rederivations.max_attempts > ALL (counts) THEN
+    IF NOT left_all THEN
         -- Queued jobs whose attempts are used up (max_attempts lowered since they were
         -- queued) are rejected here, as the file claim does (derivd_claim): the job's
         -- rejection, never its file's (`rederive_rejected` on the file). This claim
@@ -1151,7 +1259,8 @@ BEGIN
                SET status = 'rejected', error_code = 'attempts_exhausted',
                    finished_at = now(), updated_at = now()
               FROM unnest(ids, counts) AS g(got_id, n)
-             WHERE q.id = g.got_id AND g.n >= derivd_claim_rederivations.max_attempts
+             WHERE q.id = g.got_id
+               AND NOT derivd_attempts_left(g.n, derivd_claim_rederivations.max_attempts)
             RETURNING q.file_id, q.attempts)
         INSERT INTO archive_events (file_id, kind, attempt, error_code)
         SELECT d.file_id, 'rederive_rejected', d.attempts, 'attempts_exhausted'
@@ -1161,14 +1270,14 @@ BEGIN
     UPDATE derivd_rederivations AS q
        SET status = 'processing',
            lease_token = gen_random_uuid(),
-           lease_until = now() + make_interval(secs => lease_s),
+           lease_until = derivd_lease_end(lease_s),
            attempts = q.attempts + 1,
            ended_token = NULL,
            claimed_at = now(),
            claimed_by = host,
            updated_at = now()
       FROM unnest(ids, since, tiers, counts) AS c(id, since, tier, n)
-     WHERE q.id = c.id AND c.n < derivd_claim_rederivations.max_attempts
+     WHERE q.id = c.id AND derivd_attempts_left(c.n, derivd_claim_rederivations.max_attempts)
     RETURNING 'claimed'::text, q.id, q.lease_token, q.attempts, q.original_key,
               q.original_version, extract(epoch FROM now() - c.since)::float8, c.tier,
               c.since, q.file_id;
@@ -1343,7 +1452,7 @@ BEGIN
         WITH held AS (SELECT * FROM jsonb_to_recordset(jobs) AS j(id bigint, token uuid)),
              renewed AS (
                  UPDATE archive_files AS f
-                    SET lease_until = now() + make_interval(secs => lease_s)
+                    SET lease_until = derivd_lease_end(lease_s)
                    FROM held AS h
                   WHERE f.id = h.id AND f.lease_token = h.token
                     AND f.id = ANY(ids)  -- by primary key (the JSON hides the row count)
@@ -1352,7 +1461,7 @@ BEGIN
         WITH held AS (SELECT * FROM jsonb_to_recordset(jobs) AS j(id bigint, token uuid)),
              renewed AS (
                  UPDATE derivd_rederivations AS q
-                    SET lease_until = now() + make_interval(secs => lease_s)
+                    SET lease_until = derivd_lease_end(lease_s)
                    FROM held AS h
                   WHERE q.id = h.id AND q.lease_token = h.token AND q.id = ANY(ids)
                  RETURNING q.id)

@@ -37,12 +37,6 @@ SELECT set_config('statement_timeout', %(statement)s, false),
 -- where a session setting would stick to a server connection other clients share.
 SELECT set_config('plan_cache_mode', 'force_generic_plan', false);
 
--- name: outbox_many
--- The outbox of rows a statement just rejected or deleted, run right after it in the same
--- transaction (QueueDB): one delivery per subscribed endpoint (derivd_outbox_many in
--- sql/functions.sql; nothing without endpoints).
-SELECT derivd_outbox_many(%(ids)s::bigint[], %(event)s::text) AS n;
-
 -- == migrate and the schema check (derivd.queue.schema) ==
 
 -- name: migrations_lock
@@ -290,35 +284,28 @@ RETURNING 1;
 
 -- name: reject_exhausted
 -- Rows whose worker died on their last allowed attempt: reject instead of reclaiming, so
--- a file that crashes its worker every time stops after max_attempts runs.
+-- a file that crashes its worker every time stops after max_attempts runs. Each file by
+-- derivd_file_final (its event, its outbox), fenced on the expired lease's token.
 WITH expired AS (
     SELECT id, lease_token
       FROM archive_files
-     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
+     WHERE status = 'processing' AND lease_until < now()
+       AND NOT derivd_attempts_left(attempts, %(max_attempts)s)
      ORDER BY lease_until
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
 ), done AS (
-    UPDATE archive_files AS f
-       SET status = 'rejected',
-           error_code = 'attempts_exhausted',
-           lease_token = NULL,
-           lease_until = NULL,
-           finished_at = now(),
-           updated_at = now()
+    SELECT e.id
       FROM expired AS e
-     WHERE f.id = e.id
-    RETURNING f.id, f.attempts, e.lease_token
-), exhausted_event AS (
-    INSERT INTO archive_events (file_id, kind, attempt, lease_token, error_code)
-    SELECT id, 'exhausted', attempts, lease_token, 'attempts_exhausted' FROM done
-    RETURNING 1
+     WHERE derivd_file_final(e.id, e.lease_token, NULL, 'rejected', 'attempts_exhausted',
+                             'exhausted', NULL) IS NOT NULL
 ), jobs_expired AS (
     -- Re-derivations the same way; the job is rejected, never its file (which keeps its
     -- set and gets `rederive_rejected`, not counted as a file's rejection).
     SELECT id, lease_token
       FROM derivd_rederivations
-     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
+     WHERE status = 'processing' AND lease_until < now()
+       AND NOT derivd_attempts_left(attempts, %(max_attempts)s)
      ORDER BY lease_until
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
@@ -371,24 +358,12 @@ SELECT id, CASE WHEN rederive_of IS NULL THEN original_key END AS original_key
  LIMIT %(limit)s;
 
 -- name: mark_deleted
--- The last step of a deletion, after its objects are gone (fenced on `deleting`, so a
--- second sweeper finds nothing to do). Write-ahead entries are kept on purpose: an
--- attempt that was still running may PUT after this, and only the orphan sweep (whose
--- guard exceeds the lease) is sure to see its objects.
-WITH done AS (
-    UPDATE archive_files
-       SET status = 'deleted', finished_at = now(), updated_at = now(),
-           derived_key = NULL, derived_version = NULL
-     WHERE id = %(id)s AND status = 'deleting'
-    RETURNING id, attempts
-), gone AS (
-    DELETE FROM archive_variants WHERE file_id = %(id)s AND EXISTS (SELECT 1 FROM done)
-    RETURNING 1
-), deleted_event AS (
-    INSERT INTO archive_events (file_id, kind, attempt) SELECT id, 'deleted', attempts FROM done
-    RETURNING 1
-)
-SELECT count(*)::int AS deleted FROM done;
+-- The last step of a deletion, after its objects are gone: derivd_file_final, fenced on
+-- `deleting` (a second sweeper finds nothing to do). Write-ahead entries are kept on
+-- purpose: an attempt that was still running may PUT after this, and only the orphan
+-- sweep (whose guard exceeds the lease) is sure to see its objects.
+SELECT (derivd_file_final(%(id)s::bigint, NULL, 'deleting', 'deleted', NULL, 'deleted',
+                          NULL) IS NOT NULL)::int AS deleted;
 
 -- name: lease_take
 -- Take (or renew, for the same holder) a named lease such as the sweep's: one statement,

@@ -14,11 +14,10 @@ class MaintenanceQueries(Statements):
     """The background duties and the sweep: exhausted rows, orphans, deletions, retired"""
 
     def reject_exhausted(self, *, max_attempts: int, limit: int = 100) -> list[int]:
-        """Reject rows whose worker died on their last attempt; their `file.rejected`
-        webhooks enter the outbox in the same transaction."""
+        """Reject rows whose worker died on their last attempt (each with its event and
+        its `file.rejected` webhooks: derivd_file_final)."""
         params = {"max_attempts": max_attempts, "limit": limit}
-        rows = self._then_outbox("reject_exhausted", params, "file.rejected", key="id")
-        return [int(r["id"]) for r in rows]
+        return [int(r["id"]) for r in self._all("reject_exhausted", params)]
 
     def orphans_due(self, *, guard_s: float, limit: int = 500) -> list[str]:
         return [r["key"] for r in self._all("orphans_due", {"guard_s": guard_s, "limit": limit})]
@@ -33,13 +32,10 @@ class MaintenanceQueries(Statements):
         return [(r["id"], r["original_key"]) for r in rows]
 
     def mark_deleted(self, file_id: int) -> bool:
-        """The last step of a deletion; its `file.deleted` webhooks enter the outbox in
-        the same transaction."""
-        rows = self._then_outbox(
-            "mark_deleted", {"id": file_id}, "file.deleted",
-            ids=lambda found: [file_id] if found and found[0]["deleted"] else [],
-        )  # fmt: skip
-        return bool(rows and rows[0]["deleted"])
+        """The last step of a deletion (with its event and its `file.deleted` webhooks:
+        derivd_file_final)."""
+        row = self._one("mark_deleted", {"id": file_id})
+        return bool(row and row["deleted"])
 
     def retired_due(self, *, guard_s: float, limit: int = 500) -> list[str]:
         """Keys of replaced variant sets retired longer than `guard_s` ago."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Self
 
@@ -144,26 +144,6 @@ class Statements:
             cur.execute(query("lock_timeout"), {"timeout": f"{int(DDL_LOCK_TIMEOUT_S * 1000)}ms"})
             cur.execute(query(name), params)
             return cur.fetchall() if cur.description else []
-
-    def _then_outbox(
-        self,
-        name: str,
-        params: dict[str, Any],
-        event: str,
-        *,
-        key: str = "id",
-        ids: Callable[[list[dict[str, Any]]], list[int]] | None = None,
-    ) -> list[dict[str, Any]]:
-        """`name`, then the webhook outbox of the files it finished (`ids` of its rows,
-        else their `key` column), in one transaction: a statement that rejects or deletes
-        files and their `event` deliveries commit together or not at all."""
-        with self._cursor() as cur, self.conn.transaction():
-            cur.execute(query(name), params)
-            rows = cur.fetchall() if cur.description else []
-            finished = ids(rows) if ids is not None else [int(r[key]) for r in rows]
-            if finished:
-                cur.execute(query("outbox_many"), {"ids": finished, "event": event})
-        return rows
 
     def _on_channel(self, name: str, channel: str) -> None:
         with self._cursor() as cur:

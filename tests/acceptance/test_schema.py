@@ -367,3 +367,97 @@ def test_signatures_read_input_types_only() -> None:
         "CREATE OR REPLACE FUNCTION g() RETURNS trigger\n"
     )
     assert function_signatures(text) == ["f(integer, numeric(4, 2), text[])", "g()"]
+
+
+# ------------------------------------------------------------ one way to a final status
+
+FINAL = ("ready", "rejected", "deleted")
+THE_FINAL_FUNCTION = "derivd_file_final"
+_UPDATE_FILES = re.compile(r"\bUPDATE\s+archive_files\b(?P<rest>.*?)\bWHERE\b", re.S | re.I)
+_INSERT_FILES = re.compile(r"\bINSERT\s+INTO\s+archive_files\s*\((?P<cols>[^)]*)\)(?P<rest>[^;]*)",
+                           re.S | re.I)  # fmt: skip
+# An assignment in a SET clause (a column there is never qualified), or a row assignment.
+_SET_STATUS = re.compile(r"(?<![.\w])status\s*=\s*(?P<value>'[^']*'|[^,\n]+)", re.I)
+_ROW_SET = re.compile(r"\bSET\s*\([^)]*\bstatus\b", re.I)
+_CREATE_FUNCTION = re.compile(r"CREATE\s+OR\s+REPLACE\s+FUNCTION\s+(\w+)", re.I)
+
+
+def final_status_writes(text: str) -> list[str]:
+    """Each statement of `text` that may write a final status into archive_files: a SET
+    of `status` to a final literal or to anything computed (a CASE, a parameter), a row
+    assignment that includes it, an INSERT whose columns name it next to a final literal."""
+    text = re.sub(r"--[^\n]*", "", text)
+    writes = []
+    for update in _UPDATE_FILES.finditer(text):
+        rest = update["rest"]
+        for assigned in _SET_STATUS.finditer(rest):
+            value = assigned["value"].strip()
+            if not (value.startswith("'") and value.strip("'") not in FINAL):
+                writes.append(f"status = {value}")
+        if _ROW_SET.search(rest):
+            writes.append("SET (..., status, ...)")
+    for insert in _INSERT_FILES.finditer(text):
+        if re.search(r"\bstatus\b", insert["cols"]) and any(
+            f"'{s}'" in insert["rest"] for s in FINAL
+        ):
+            writes.append(f"INSERT INTO archive_files ({insert['cols'].strip()})")
+    return writes
+
+
+def bodies_of_functions_sql() -> dict[str, str]:
+    """Each function of sql/functions.sql by name (overloads joined), its whole text."""
+    text = functions()
+    starts = list(_CREATE_FUNCTION.finditer(text))
+    bodies: dict[str, str] = {}
+    for here, after in itertools.zip_longest(starts, starts[1:]):
+        end = after.start() if after is not None else len(text)
+        bodies[here[1]] = bodies.get(here[1], "") + text[here.start() : end]
+    return bodies
+
+
+def test_only_derivd_file_final_writes_a_final_status(dsn: str) -> None:
+    """A file becomes ready, rejected or deleted through derivd_file_final alone, which
+    writes the event, the outbox and (its trigger) the notification with the status: in
+    sql/functions.sql, in sql/queries.sql, and in the functions the database holds
+    (whatever an older migration or a hand left there)."""
+    from_files = {
+        f"functions.sql: {name}": text for name, text in bodies_of_functions_sql().items()
+    }
+    from_files |= {f"queries.sql: {name}": body for name, body in queries().items()}
+    in_database = {
+        f"database: {r['name']}": r["src"]
+        for r in sql(
+            dsn,
+            "SELECT p.oid::regprocedure::text AS name, p.prosrc AS src FROM pg_proc AS p"
+            " WHERE p.pronamespace = 'public'::regnamespace",
+        )
+    }
+    writers = {
+        where: writes
+        for where, text in (from_files | in_database).items()
+        if (writes := final_status_writes(text))
+    }
+    # The scan sees the three writes of the one function that makes them, in each place.
+    final_in_db = f"database: {THE_FINAL_FUNCTION}(bigint,uuid,text,text,text,text,jsonb)"
+    for where in (f"functions.sql: {THE_FINAL_FUNCTION}", final_in_db):
+        assert sorted(writers.pop(where)) == [f"status = '{s}'" for s in sorted(FINAL)]
+    assert writers == {}
+
+
+def test_the_final_status_scan_finds_each_way_of_writing_one() -> None:
+    """The scan above would see a second writer, however written."""
+    assert final_status_writes("UPDATE archive_files SET status = 'rejected' WHERE id = 1")
+    assert final_status_writes(
+        "UPDATE archive_files AS f\n   SET attempts = 1,\n       status = CASE WHEN r"
+        " THEN 'queued' ELSE 'rejected' END\n WHERE f.id = 1"
+    )
+    assert final_status_writes("UPDATE archive_files SET status = new_status WHERE id = 1")
+    assert final_status_writes("UPDATE archive_files SET (status, attempts) = ('ready', 1) WHERE")
+    assert final_status_writes(
+        "INSERT INTO archive_files (status, original_key) VALUES ('ready', 'k')"
+    )
+    assert not final_status_writes("UPDATE archive_files SET status = 'queued' WHERE id = 1")
+    assert not final_status_writes("UPDATE derivd_rederivations SET status = 'rejected' WHERE")
+    assert not final_status_writes(
+        "UPDATE archive_files SET lease_until = now() WHERE status = 'ready'"
+    )

@@ -426,11 +426,12 @@ def test_the_commit_and_the_claim_each_have_one_body_the_others_compose_them(
     queue: QueueDB,
 ) -> None:
     """One copy of each: derivd_commit_outcomes holds the commit (each id's outcome:
-    committed, a re-derivation rejected, lost), derivd_claim (with the tenant
-    cap, migration 0014, and the write-ahead prefix) the claim, the expired-lease rule
-    written once in it; the worker's `commit_and_claim` composes the two in one
-    statement, commit first, and the older signatures (derivd_commit_and_claim and
-    derivd_commit included) wrap them, with no statement of their own on the tables."""
+    committed, a re-derivation rejected, lost; the file made ready by derivd_file_final),
+    derivd_claim (with the tenant cap, migration 0014, and the write-ahead prefix) the
+    claim, the expired-lease rule written once in it; the worker's `commit_and_claim`
+    composes the two in one statement, commit first, and the older signatures
+    (derivd_commit_and_claim and derivd_commit included) wrap them, with no statement of
+    their own on the tables."""
     composed = queries()["commit_and_claim"]
     assert composed.index("derivd_commit_outcomes(") < composed.index("derivd_claim(")
     assert "derivd_commit_and_claim" not in composed
@@ -443,7 +444,7 @@ def test_the_commit_and_the_claim_each_have_one_body_the_others_compose_them(
     body = {(str(name), int(n)): str(src) for name, n, src in rows}
     commit = body.pop(("derivd_commit_outcomes", 1))
     claim = body.pop(("derivd_claim", 6))
-    assert "UPDATE archive_files" in commit and "derivd_claim" not in commit
+    assert "derivd_file_final(" in commit and "derivd_claim" not in commit
     assert "UPDATE archive_files" in claim and "derivd_commit" not in claim
     assert claim.count("lease_until < now()") == 1
     wrapped = body.pop(("derivd_commit_and_claim", 6))

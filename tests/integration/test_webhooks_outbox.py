@@ -144,6 +144,28 @@ def test_rejections_of_every_kind_announce_file_rejected(dsn: str, queue: QueueD
     assert retried not in [r["file_id"] for r in rows]
 
 
+def test_a_claim_that_rejects_a_row_past_the_cap_announces_it(dsn: str, queue: QueueDB) -> None:
+    """A queued row whose attempts are used up ([queue] max_attempts lowered since it was
+    queued) is rejected `attempts_exhausted` by the claim that reaches it: with its event
+    and its `file.rejected` delivery, as every other way to `rejected` (the claim once
+    wrote the row and the event only)."""
+    subscribe(queue)
+    exhausted = queued(queue)
+    claimable = queued(queue)
+    sql(dsn, "UPDATE archive_files SET attempts = 2 WHERE id = %s", (exhausted,))
+    job = claim_one(queue, lease_s=30, max_attempts=2)
+    assert job is not None and job.id == claimable
+    assert queue.status_of(exhausted) == "rejected"
+    rows = deliveries(dsn)
+    assert [(r["event"], r["file_id"]) for r in rows] == [("file.rejected", exhausted)]
+    data = json.loads(rows[0]["body"])["data"]
+    assert (data["status"], data["error_code"], data["attempts"]) == (
+        "rejected", "attempts_exhausted", 2)  # fmt: skip
+    events = sql(dsn, "SELECT kind, attempt, error_code FROM archive_events WHERE file_id = %s",
+                 (exhausted,))  # fmt: skip
+    assert events == [{"kind": "exhausted", "attempt": 2, "error_code": "attempts_exhausted"}]
+
+
 def test_a_deletion_announces_file_deleted_when_it_is_done(dsn: str, queue: QueueDB) -> None:
     subscribe(queue)
     file_id = queued(queue)
