@@ -1,7 +1,7 @@
 """A handler that logs each derive start, for the chaos runs' history checker.
 
 `[derive] backend = harness.derive_log:Vips` (or `:Pillow`) runs that backend unchanged
-and, as each derive begins, appends one line to the file named by $DERIVD_DERIVE_LOG: the
+and, as each derive begins, appends one line to the file named by $HARNESS_DERIVE_LOG: the
 job's id, its attempt's token and number, the worker's pid and the time. That is what
 the tables cannot say: whether an attempt charged for a crash or a timeout had started
 its derive, and how often a file was derived (harness.invariants).
@@ -10,8 +10,9 @@ The handler is given the original's bytes only; the job it derives for is the on
 caller holds (the nearest frame of the calling stack with a job among its locals,
 directly or as an attribute `job`), whatever the worker loop's shape.
 
-$DERIVD_SLOW_DERIVES names a JSON file, original key -> seconds: a derive of that
-original takes that much longer (jobs near [supervisor] job_timeout). The chaos run
+$HARNESS_SLOW_DERIVES names a JSON file, original key -> seconds: the first attempt's
+derive of that original takes that much longer (jobs near [supervisor] job_timeout; a
+retry is not slowed, so a job killed at its deadline ends all the same). The chaos run
 writes it before it queues the originals.
 
 Imported by the worker processes (PYTHONPATH holds the repository's root); never by derivd.
@@ -31,8 +32,8 @@ from typing import Any
 
 from harness.history import DeriveStart
 
-LOG_ENV = "DERIVD_DERIVE_LOG"
-SLOW_ENV = "DERIVD_SLOW_DERIVES"
+LOG_ENV = "HARNESS_DERIVE_LOG"  # not DERIVD_: derivd refuses variables it does not know
+SLOW_ENV = "HARNESS_SLOW_DERIVES"
 
 
 def _job_like(value: object) -> bool:
@@ -109,9 +110,8 @@ class _Logged:
         job = calling_job()
         if self.log:
             record(self.log, job)
-        delay = extra_seconds(getattr(job, "original_key", None))
-        if delay:
-            time.sleep(delay)
+        if job is not None and job.attempt == 1:
+            time.sleep(extra_seconds(getattr(job, "original_key", None)))
         return self.inner.derive(original, spec)
 
 
@@ -121,6 +121,12 @@ class Vips(_Logged):
 
 class Pillow(_Logged):
     backend = "pillow"
+
+
+def backend_for(name: str) -> str:
+    """`[derive] backend` for built-in backend `name`, logged."""
+    logged = {"vips": Vips, "pillow": Pillow}[name]
+    return f"{__name__}:{logged.__name__}"
 
 
 def read(path: Path) -> list[DeriveStart]:

@@ -110,11 +110,12 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 60.0) -> int:
     return int(proc.returncode)
 
 
-def chaos_run(script: Path, *args: str, timeout: float) -> str:
-    """Run one of bench/'s chaos scripts to the end; its output, once it has exited 0 and
-    said that every invariant held."""
+def chaos_run(module: str, *args: str, timeout: float) -> str:
+    """Run one of the chaos runs (`python -m harness.chaos`, ...) to the end; its output,
+    once it has exited 0 and said that every invariant held."""
     run = subprocess.run(
-        [sys.executable, str(script), *args],
+        [sys.executable, "-m", module, *args],
+        cwd=Path(__file__).resolve().parent.parent,
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,

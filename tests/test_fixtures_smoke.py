@@ -196,4 +196,4 @@ def test_the_chaos_run_is_not_a_unit_test() -> None:
     unit = _pytest("--collect-only", "-m", "unit", "tests/test_chaos.py")
     assert "test_short_chaos_run_keeps_every_invariant" not in unit, unit
     acceptance = _pytest("--collect-only", "-m", "acceptance", "tests/test_chaos.py")
-    assert "test_short_chaos_run_keeps_every_invariant[direct]" in acceptance, acceptance
+    assert "test_short_chaos_run_keeps_every_invariant[direct-pipeline2]" in acceptance, acceptance
