@@ -11,7 +11,7 @@ which thread a stage runs is `derivd.worker_loop`'s. The crash order is objects 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from derivd.worker import Worker
 
 log = logging.getLogger("derivd.worker")
+
+# How often the worker looks at its stop flag while it waits for an original or for a
+# place in its loop (a signal's handler runs in the main thread, but does not end a wait
+# on a future or a condition).
+STOP_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -62,11 +67,21 @@ class Attempt:
         threads, so that it overlaps whatever the worker does before the job starts."""
         return cls(job, claimed_at, worker.io.submit(worker.fetch, job), waited)
 
-    def derive(self, worker: Worker, clock: DeriveClock) -> Derivation:
-        """Wait for the original, derive it (the caller has started the attempt), each
-        wait on `clock`."""
+    def derive(
+        self, worker: Worker, clock: DeriveClock, stop: Callable[[], bool]
+    ) -> Derivation | None:
+        """Wait for what is left of the original's GET, then derive it, each wait on
+        `clock`. None: a stop came before the derive began (the job goes back)."""
         with clock.spending(Spent.ORIGINAL):
-            original = self.original.result()
+            while True:
+                try:
+                    original = self.original.result(timeout=STOP_POLL_S)
+                    break
+                except TimeoutError:
+                    if stop():
+                        return None
+        if stop():
+            return None
         self.original = _done(b"")  # the original's bytes go before the next derive
         with clock.spending(Spent.DERIVE):
             return worker.derive_original(original)

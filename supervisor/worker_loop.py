@@ -13,12 +13,13 @@ Threads, all in the worker process (made after fork):
   (one round trip);
 - the I/O threads run each claimed job's GET as soon as it is claimed.
 
-A job is *held* from its claim and *started* when this thread takes it up to derive it
-(`job_started`: the supervisor's deadline for it runs from there, and only a started
-job's attempt is counted when its worker dies). A held job starts only while its own
-lease still covers a whole job (`derivd.pipeline.may_start`); otherwise it goes back
-unburned, so the time it waited behind another job never costs it its lease or an
-attempt.
+A job is *held* from its claim and *started* when this thread takes it up (it waits for
+what is left of its GET, then derives it): `job_started` then, the supervisor's deadline
+for it runs from there, and only the job started last is counted when its worker dies.
+A held job starts only while its own lease still covers a whole job
+(`derivd.pipeline.may_start`), otherwise it goes back unburned: the time it waited
+behind another job never costs it its lease or an attempt. A stop sends back every
+job whose derive has not begun, and lets the others end.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from derivd.attempt import UNKNOWN, Attempt, Outcome, commit
+from derivd.attempt import STOP_POLL_S, UNKNOWN, Attempt, Outcome, commit
 from derivd.derive_clock import DeriveClock, Spent
 from derivd.handlers.base import Derivation
 from derivd.ops.logs import event
@@ -51,9 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("derivd.worker")
 
-# How often the main thread looks at its stop flag while it waits for a store to end
-# (a signal's handler runs in this thread, but does not end a wait on a condition).
-STOP_POLL_S = 0.2
 # A stored job's commit waits for the next one's at most this long after its job
 # started (a claim batch of short jobs shares one commit round trip; a job that ran
 # this long is committed before the next one starts).
@@ -82,6 +80,7 @@ class WorkerLoop:
         self.attempts: list[Attempt] = []  # claim order; guarded by `cond`
         self.claiming = 0  # jobs asked for by claims not yet answered
         self.stopping = False
+        self.should_stop: Callable[[], bool] = lambda: False  # the run's (`run`)
         self.max_jobs = 0
         # Depth 1 stores and commits on this thread: nothing to overlap it with.
         self.inline = depth == 1
@@ -99,8 +98,9 @@ class WorkerLoop:
         """Work until told to stop. Returns why it stopped: stopped, drained, max_jobs.
         On the way out every held job goes back (once) and every started one ends."""
         self.max_jobs = max_jobs
+        self.should_stop = should_stop
         try:
-            return self._loop(should_stop, idle, burst=burst)
+            return self._loop(idle, burst=burst)
         finally:
             self._stop()
             self._drain()
@@ -113,12 +113,10 @@ class WorkerLoop:
         self._admit(jobs, claimed_at, reserved=0, announce=False)
         return self.run(lambda: False, idle, burst=True, max_jobs=0)
 
-    def _loop(self, should_stop: Callable[[], bool], idle: IdleWait, *, burst: bool) -> str:
+    def _loop(self, idle: IdleWait, *, burst: bool) -> str:
         poll = self.worker.config.queue.poll_interval
         while True:
-            if should_stop():
-                self._stop()
-            if self.stopping:
+            if self._stop_requested():
                 return "stopped"  # held jobs go back, started ones end (`run`)
             if self.max_jobs and self.worker.jobs_done >= self.max_jobs and not self._held():
                 return "max_jobs"
@@ -130,10 +128,10 @@ class WorkerLoop:
                 continue
             nxt = self._next_held()
             if nxt is not None:
-                self._take_up(nxt, should_stop)
+                self._take_up(nxt)
             elif self._held():
                 self._commit_stored()
-                self._wait_for_a_place(should_stop, claimed=claimed)
+                self._wait_for_a_place(claimed=claimed)
             elif not claimed:
                 if not self.claims:
                     return "drained"
@@ -157,6 +155,8 @@ class WorkerLoop:
         `leaving`: the attempts whose commit the claim goes with."""
         if not self.claims:
             return 0
+        if self.should_stop():  # a claim on a commit must not wait for the loop to look
+            self.stopping = True
         limit = claim_room(
             [a.stage for a in self.attempts],
             limit=self.limit,
@@ -200,11 +200,10 @@ class WorkerLoop:
             self.claiming -= reserved
             self.cond.notify_all()
 
-    def _take_up(self, attempt: Attempt, should_stop: Callable[[], bool]) -> None:
+    def _take_up(self, attempt: Attempt) -> None:
         """Start `attempt` and derive it here, then hand it to a store lane; or give it
         back unburned (a stop, or too little of its lease left for a whole job)."""
-        if should_stop():
-            self._stop()
+        self._stop_requested()
         now = time.monotonic()
         with self.cond:
             if self.stopping and on_stop(attempt.stage) is OnStop.RELEASE:
@@ -229,10 +228,14 @@ class WorkerLoop:
         except DatabaseUnavailable as error:
             log.warning("claim failed: %s", error)
         try:
-            derivation = attempt.derive(self.worker, self.clock)
+            derivation = attempt.derive(self.worker, self.clock, self._stop_requested)
         except Exception as error:  # classified by the attempt
             self._commit_stored()  # outcomes in order: the earlier commits first
             self._end([attempt], [attempt.fail(self.worker, error)])
+            return
+        if derivation is None:  # a stop before its derive began: back, unburned
+            self._commit_stored()
+            self._release(attempt)
             return
         with self.cond:
             # Nothing to PUT (noop): its commit is next, and carries the next claim.
@@ -242,7 +245,7 @@ class WorkerLoop:
         if self.lanes is None:
             self._store_and_commit(attempt, derivation)
 
-    def _wait_for_a_place(self, should_stop: Callable[[], bool], *, claimed: bool) -> None:
+    def _wait_for_a_place(self, *, claimed: bool) -> None:
         """Every held job is being stored: wait until one ends, a stop comes, or (when
         the last claim found nothing, with room left) the poll interval passes, for
         the next claim to look again."""
@@ -252,7 +255,7 @@ class WorkerLoop:
             before = len(self.attempts)
             while len(self.attempts) == before and not self.stopping:
                 left = until - time.monotonic()
-                if left <= 0 or should_stop():
+                if left <= 0 or self.should_stop():
                     return
                 if self.cond.wait(min(STOP_POLL_S, left)):
                     return
@@ -260,6 +263,12 @@ class WorkerLoop:
     def _stop(self) -> None:
         with self.cond:
             self.stopping = True
+
+    def _stop_requested(self) -> bool:
+        """Whether the loop is stopping: `should_stop` is asked, and remembered."""
+        if self.should_stop():
+            self._stop()
+        return self.stopping
 
     def _drain(self) -> None:
         """On the way out: commit what waits for a commit, release each held job (once:

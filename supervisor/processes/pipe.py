@@ -90,6 +90,7 @@ class Reporter:
         self.slot = slot
         self.max_rss_mb = max_rss_mb
         self.recycle = False
+        self.running: uuid.UUID | None = None  # the token of the job its title names
 
     def send(self, message: dict[str, Any]) -> None:
         self.write(encode(message))
@@ -116,6 +117,7 @@ class Reporter:
         # title, so whoever sees "job N" in ps knows the supervisor can learn of it.
         with contextlib.suppress(OSError):
             os.write(self.progress_w, PROGRESS.pack(job.token.bytes, time.monotonic()))
+        self.running = job.token
         set_proctitle(f"derivd: worker {self.slot} job {job.id}")
 
     def jobs_finished(self, results: Sequence[JobResult]) -> None:
@@ -128,7 +130,10 @@ class Reporter:
         ]
         for line in encode_lines("finished", "results", rows, rss_mb=round(rss, 1)):
             self.write(line)
-        self.busy()
+        # The title keeps naming the job it runs while the ones before it end.
+        if self.running is None or any(r.job.token == self.running for r in results):
+            self.running = None
+            self.busy()
 
 
 # -- the parent's end ------------------------------------------------------------------
