@@ -134,7 +134,8 @@ def _main(spec: ChildSpec) -> int:
     idle = IdleWait([stop.wake_r, spec.cmd_r], on_wait=reporter.idle)
     # CPU since fork (a forked child's counters start at zero): what a worker's boot
     # costs, reported so a `run --burst` of an autoscaled host can be read for it.
-    reporter.send({"t": "ready", "cpu_s": round(time.process_time(), 4)})
+    # Its depth (derivd.pipeline.worker_depth): how many job starts its supervisor keeps.
+    reporter.send({"t": "ready", "cpu_s": round(time.process_time(), 4), "depth": worker.depth})
     reporter.busy()
 
     def should_stop() -> bool:
