@@ -11,6 +11,7 @@ which thread a stage runs is `derivd.worker_loop`'s. The crash order is objects 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -67,22 +68,28 @@ class Attempt:
         threads, so that it overlaps whatever the worker does before the job starts."""
         return cls(job, claimed_at, worker.io.submit(worker.fetch, job), waited)
 
-    def derive(
-        self, worker: Worker, clock: DeriveClock, stop: Callable[[], bool]
-    ) -> Derivation | None:
-        """Wait for what is left of the original's GET, then derive it, each wait on
-        `clock`. None: a stop came before the derive began (the job goes back)."""
+    def original_in(
+        self, clock: DeriveClock, stop: Callable[[], bool], *, within: float
+    ) -> bytes | None:
+        """The original, once what is left of its GET is in (the wait on `clock`); the
+        job is still held. None: a stop came first (the job goes back). Raises what the
+        GET raised, or Transient past `within` seconds (a store that hangs): counted as
+        any failed attempt, retried with backoff."""
+        give_up_at = time.monotonic() + within
         with clock.spending(Spent.ORIGINAL):
             while True:
+                left = give_up_at - time.monotonic()
+                if left <= 0:
+                    raise Transient(f"its original was not in within {within:g} s")
                 try:
-                    original = self.original.result(timeout=STOP_POLL_S)
-                    break
+                    return self.original.result(timeout=min(STOP_POLL_S, left))
                 except TimeoutError:
                     if stop():
                         return None
-        if stop():
-            return None
-        self.original = _done(b"")  # the original's bytes go before the next derive
+
+    def derive(self, worker: Worker, original: bytes, clock: DeriveClock) -> Derivation:
+        """Derive the started job's original (on `clock`)."""
+        self.original = _done(b"")  # the original's bytes go with this call
         with clock.spending(Spent.DERIVE):
             return worker.derive_original(original)
 

@@ -43,7 +43,7 @@ def capacity(depth: int, claim_batch: int) -> int:
 
 class Stage(StrEnum):
     HELD = "held"  # claimed, not started; its original's GET may be in flight
-    DERIVING = "deriving"  # started: the worker's one derive (its original awaited first)
+    DERIVING = "deriving"  # started: the worker's one derive, its original in
     STORING = "storing"  # write-ahead, then its variants' PUTs
     COMMITTING = "committing"  # its fenced commit is sent (and may carry the next claim)
 

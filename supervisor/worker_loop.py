@@ -13,13 +13,12 @@ Threads, all in the worker process (made after fork):
   (one round trip);
 - the I/O threads run each claimed job's GET as soon as it is claimed.
 
-A job is *held* from its claim and *started* when this thread takes it up (it waits for
-what is left of its GET, then derives it): `job_started` then, the supervisor's deadline
-for it runs from there, and only the job started last is counted when its worker dies.
-A held job starts only while its own lease still covers a whole job
-(`derivd.pipeline.may_start`), otherwise it goes back unburned: the time it waited
-behind another job never costs it its lease or an attempt. A stop sends back every
-job whose derive has not begun, and lets the others end.
+A job is *held* from its claim and *started* when its derive begins, once its original
+is in (`job_started`: the supervisor's deadline for it runs from there, and only the job
+started last is counted when its worker dies). A held job starts only while its own
+lease still covers a whole job (`derivd.pipeline.may_start`), otherwise it goes back
+unburned: the time it waited behind another job never costs it its lease or an
+attempt. A stop sends back every held job and lets the started ones end.
 """
 
 from __future__ import annotations
@@ -201,22 +200,29 @@ class WorkerLoop:
             self.cond.notify_all()
 
     def _take_up(self, attempt: Attempt) -> None:
-        """Start `attempt` and derive it here, then hand it to a store lane; or give it
-        back unburned (a stop, or too little of its lease left for a whole job)."""
-        self._stop_requested()
+        """Once its original is in, start `attempt` and derive it here, then hand it to a
+        store lane; or give it back unburned (a stop, or too little of its lease left for
+        a whole job)."""
+        within = self.terms.job_timeout
+        try:
+            original = attempt.original_in(self.clock, self._stop_requested, within=within)
+        except Exception as error:  # its GET failed: classified by the attempt
+            self._commit_stored()  # outcomes in order: the earlier commits first
+            self._end([attempt], [attempt.fail(self.worker, error)])
+            return
         now = time.monotonic()
         with self.cond:
-            if self.stopping and on_stop(attempt.stage) is OnStop.RELEASE:
-                start = False
+            if original is None or self._stop_requested():
+                start = on_stop(attempt.stage) is not OnStop.RELEASE
             else:
                 start = may_start(
                     now, claimed_at=attempt.claimed_at, waited=attempt.waited, terms=self.terms
                 )
+                if not start:
+                    log.info("job %s: too little lease left to start; released", attempt.job.id)
             if start:
                 attempt.stage, attempt.started_at = Stage.DERIVING, now
-        if not start:
-            if not self.stopping:
-                log.info("job %s: too little of its lease left to start; released", attempt.job.id)
+        if not start or original is None:
             self._commit_stored()
             self._release(attempt)
             return
@@ -228,15 +234,12 @@ class WorkerLoop:
         except DatabaseUnavailable as error:
             log.warning("claim failed: %s", error)
         try:
-            derivation = attempt.derive(self.worker, self.clock, self._stop_requested)
+            derivation = attempt.derive(self.worker, original, self.clock)
         except Exception as error:  # classified by the attempt
             self._commit_stored()  # outcomes in order: the earlier commits first
             self._end([attempt], [attempt.fail(self.worker, error)])
             return
-        if derivation is None:  # a stop before its derive began: back, unburned
-            self._commit_stored()
-            self._release(attempt)
-            return
+        del original  # its bytes go before the next job's
         with self.cond:
             # Nothing to PUT (noop): its commit is next, and carries the next claim.
             attempt.stage = Stage.STORING if derivation else Stage.COMMITTING
