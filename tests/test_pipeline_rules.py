@@ -242,6 +242,17 @@ def test_the_supervisor_reads_the_last_depth_starts_from_the_pipe() -> None:
     assert [j.id for j, _ in worker.in_flight()] == [3]
 
 
+def test_the_supervisor_keeps_the_depth_its_worker_reports_when_ready() -> None:
+    """One function decides the depth (worker_depth, in the worker, which knows its
+    backend); the supervisor keeps what the worker says."""
+    worker = proc(1)
+    worker.apply({"t": "ready", "cpu_s": 0.1, "depth": 3})
+    assert worker.ready and worker.depth == 3
+    older = proc(1)
+    older.apply({"t": "ready", "cpu_s": 0.1})  # a worker that says nothing: one job
+    assert older.depth == 1
+
+
 def test_a_job_held_past_newer_starts_keeps_its_start() -> None:
     """A committing job while the pipeline's other place ran a job and started the next
     one (depth 2, three starts): its deadline still counts from its own start."""
