@@ -151,7 +151,8 @@ def test_a_crash_counts_only_the_running_job_and_returns_the_held_ones_unburned(
     sup.start()
     wait_for(Path(f"{gate}.started").exists, "the slow job deriving")
     claimed(sup, running, *held)
-    victim = wait_for(lambda: sup.worker_on_job(running), "the worker running it")
+    [victim] = sup.workers()  # the one worker: its title names the running job
+    assert sup.worker_on_job(running) == victim
     os.kill(victim, signal.SIGKILL)
     row = wait_for(lambda: sup.status_is(running, "rejected"), "the running job charged")
     assert row["error_code"] == "attempts_exhausted"
