@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from derivd.config import QueueSettings
 from derivd.pipeline import (
     OnStop,
     Stage,
@@ -24,7 +25,6 @@ from derivd.pipeline import (
 )
 from derivd.processes.child import crash_summary
 from derivd.processes.duties import to_kill
-from derivd.config import QueueSettings
 from derivd.processes.lifecycle import (
     Exit,
     crash_returns,
