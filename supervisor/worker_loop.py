@@ -195,7 +195,10 @@ class WorkerLoop:
             ahead = any(a.stage in (Stage.HELD, Stage.DERIVING) for a in self.attempts)
             for i, job in enumerate(jobs):
                 waited = ahead or i > 0
-                self.attempts.append(Attempt.fetch(self.worker, job, sent, waited=waited))
+                attempt = Attempt.fetch(
+                    self.worker, job, sent, waited=waited, ahead=not self.inline
+                )
+                self.attempts.append(attempt)
             self.claiming -= reserved
             self.cond.notify_all()
 
@@ -205,7 +208,9 @@ class WorkerLoop:
         a whole job)."""
         within = self.terms.job_timeout
         try:
-            original = attempt.original_in(self.clock, self._stop_requested, within=within)
+            original = attempt.original_in(
+                self.worker, self.clock, self._stop_requested, within=within
+            )
         except Exception as error:  # its GET failed: classified by the attempt
             self._commit_stored()  # outcomes in order: the earlier commits first
             self._end([attempt], [attempt.fail(self.worker, error)])
