@@ -74,12 +74,18 @@ class Attempt:
         return cls(job, claimed_at, original, waited)
 
     def original_in(
-        self, worker: Worker, clock: DeriveClock, stop: Callable[[], bool], *, within: float
+        self,
+        worker: Worker,
+        clock: DeriveClock,
+        stop: Callable[[], bool],
+        *,
+        within: float,
+        tick: Callable[[], None],
     ) -> bytes | None:
-        """The original, once what is left of its GET is in (the wait on `clock`); the
-        job is still held. None: a stop came first (the job goes back). Raises what the
-        GET raised, or Transient past `within` seconds (a store that hangs): counted as
-        any failed attempt, retried with backoff."""
+        """The original, once what is left of its GET is in (the wait on `clock`, with
+        `tick` run every STOP_POLL_S); the job is still held. None: a stop came first
+        (the job goes back). Raises what the GET raised, or Transient past `within`
+        seconds (a store that hangs): counted as any failed attempt, retried."""
         give_up_at = time.monotonic() + within
         with clock.spending(Spent.ORIGINAL):
             if self.original is None:  # not fetched ahead: its GET now
@@ -93,6 +99,7 @@ class Attempt:
                 except TimeoutError:
                     if stop():
                         return None
+                    tick()
 
     def derive(self, worker: Worker, original: bytes, clock: DeriveClock) -> Derivation:
         """Derive the started job's original (on `clock`)."""

@@ -209,7 +209,11 @@ class WorkerLoop:
         within = self.terms.job_timeout
         try:
             original = attempt.original_in(
-                self.worker, self.clock, self._stop_requested, within=within
+                self.worker,
+                self.clock,
+                self._stop_requested,
+                within=within,
+                tick=lambda: self._release_late(attempt),
             )
         except Exception as error:  # its GET failed: classified by the attempt
             self._commit_stored()  # outcomes in order: the earlier commits first
@@ -223,14 +227,13 @@ class WorkerLoop:
                 start = may_start(
                     now, claimed_at=attempt.claimed_at, waited=attempt.waited, terms=self.terms
                 )
-                if not start:
-                    log.info("job %s: too little lease left to start; released", attempt.job.id)
             if start:
                 attempt.stage, attempt.started_at = Stage.DERIVING, now
         if not start or original is None:
             self._commit_stored()
-            self._release(attempt)
+            self._release(attempt, late=original is not None and not self.stopping)
             return
+        self._release_late(attempt)
         if self.stored and now - (self.stored[0][0].started_at or now) >= FLUSH_AFTER_S:
             self._commit_stored()
         self.worker.hooks.job_started(attempt.job)  # its deadline runs from here
@@ -252,6 +255,22 @@ class WorkerLoop:
                 attempt.lane = self.lanes.submit(self._store_and_commit, attempt, derivation)
         if self.lanes is None:
             self._store_and_commit(attempt, derivation)
+
+    def _release_late(self, ahead: Attempt) -> None:
+        """Held jobs behind `ahead` (about to start, or waiting for its original) whose
+        own latest start has passed go back now, unburned: each would wait for a whole
+        job more, and its lease might not outlast the wait."""
+        now = time.monotonic()
+        with self.cond:
+            late = [
+                a
+                for a in self.attempts
+                if a.stage is Stage.HELD
+                and a is not ahead
+                and not may_start(now, claimed_at=a.claimed_at, waited=a.waited, terms=self.terms)
+            ]
+        for attempt in late:
+            self._release(attempt, late=True)
 
     def _wait_for_a_place(self, *, claimed: bool) -> None:
         """Every held job is being stored: wait until one ends, a stop comes, or (when
@@ -303,10 +322,12 @@ class WorkerLoop:
 
     # -- outcomes (either thread) -------------------------------------------------------
 
-    def _release(self, attempt: Attempt) -> None:
-        """Give a held job back. Not while a claim is on its way: one decided before the
-        stop (a store lane's, folded into its commit) would take the released row
-        straight back, to be released again."""
+    def _release(self, attempt: Attempt, *, late: bool = False) -> None:
+        """Give a held job back (`late`: its latest start has passed). Not while a claim
+        is on its way: one decided before the stop (a store lane's, folded into its
+        commit) would take the released row straight back, to be released again."""
+        if late:
+            log.info("job %s: too little of its lease left to start; released", attempt.job.id)
         with self.cond:
             while self.claiming:
                 self.cond.wait()
