@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from derivd.derive_clock import DeriveClock, Spent
 from derivd.errors import ErrorCode, Permanent, Transient
 from derivd.handlers.base import Derivation
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.pipeline import Stage
 from derivd.queue.db import DatabaseUnavailable, Finished, Job
 from derivd.queue.retry import record_failure

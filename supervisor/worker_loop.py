@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from derivd.attempt import STOP_POLL_S, UNKNOWN, Attempt, Outcome, commit
 from derivd.derive_clock import DeriveClock, Spent
 from derivd.handlers.base import Derivation
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.pipeline import (
     OnStop,
     Stage,

@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from derivd import __version__
 from derivd.config import Config
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.ops.metrics import Metrics
 from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.pipe import WorkerProc
