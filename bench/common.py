@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -113,11 +114,33 @@ def machine(dsn: str, peers_python: str | None = None) -> list[str]:
     return lines
 
 
+def machine_brief() -> list[str]:
+    """The machine without a database to ask: cores, memory, OS, Python."""
+    mem_kb = 0
+    with open("/proc/meminfo", encoding="ascii") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemTotal:"):
+                mem_kb = int(line.split()[1])
+    return [
+        f"cpus: {os.cpu_count()}  memory: {mem_kb / 1024 / 1024:.1f} GiB  "
+        f"os: {platform.platform()}  python {platform.python_version()}"
+    ]
+
+
 def save_results(name: str, data: dict[str, object]) -> Path:
-    """Write bench/out/<name>.json (what bench/plots.py reads)."""
+    """Write bench/out/<name>.json: what bench/plots.py draws and bench/results.py puts in
+    RESULTS.md, with the command that produced it, the day and the machine. `figures`
+    (markdown, optional) is shown as written; without it the lists of rows are tables."""
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{name}.json"
-    path.write_text(json.dumps({"bench": name, **data}, indent=2) + "\n")
+    record: dict[str, object] = {
+        "bench": name,
+        "command": " ".join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+        "when": time.strftime("%Y-%m-%d", time.gmtime()),
+        "machine": machine_brief(),
+        **data,
+    }
+    path.write_text(json.dumps(record, indent=2) + "\n")
     return path
 
 

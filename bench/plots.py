@@ -1,7 +1,7 @@
-"""`python bench/plots.py`: PNG charts beside bench/RESULTS.md from the benchmarks'
-machine-readable outputs (bench/out/*.json), and the charts section of RESULTS.md.
+"""`python bench/plots.py`: PNG charts in bench/charts/ from the benchmarks' machine-readable
+outputs (bench/out/*.json); bench/results.py puts each under its benchmark's figures.
 
-    throughput.json  (bench/queue_peers.py)  -> chart-throughput.png: derivd vs peers
+    throughput.json  (bench/throughput.py)   -> chart-throughput.png: derivd vs peers
     latency.json     (bench/latency.py)      -> chart-latency.png: pickup latency CDF
     derive.json      (bench/derive.py)       -> chart-derive.png: ours vs plain per input
     e2e.json         (bench/e2e.py)          -> chart-e2e.png: derivd vs a naive pool
@@ -9,8 +9,6 @@ machine-readable outputs (bench/out/*.json), and the charts section of RESULTS.m
     sharp.json       (bench/sharp.py)        -> chart-sharp.png: derivd whole vs sharp
     similar.json     (bench/similar.py)      -> chart-similar.png: client.similar vs rows
     traffic.json     (bench/traffic.py)      -> chart-traffic.png: priorities, tenants
-    bounds.json      (bench/bounds.py)       -> chart-bounds.png: bounds' and fsyncs' cost
-    claim_events.json (bench/claim_events.py) -> chart-claim_events.png: the claimed event
     store_latency.json (bench/store_latency.py) -> chart-store_latency.png: far vs near store
     webhooks.json    (bench/webhooks.py)     -> chart-webhooks.png: outbox cost, delivery
     server_instructions.json (bench/server_instructions.py) -> chart-server_instructions.png
@@ -25,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -40,8 +37,7 @@ from matplotlib.figure import Figure
 
 BENCH = Path(__file__).resolve().parent
 OUT = BENCH / "out"
-RESULTS = BENCH / "RESULTS.md"
-BEGIN, END = "<!-- charts: written by bench/plots.py -->", "<!-- /charts -->"
+CHART_DIR = BENCH / "charts"
 COLOURS = {"derivd": "#4a7bd0", "pgqueuer": "#d9822b", "procrastinate": "#7a9a3a"}
 
 Data = dict[str, Any]
@@ -65,7 +61,7 @@ def throughput(data: Data) -> tuple[Figure, str]:
             ax.text(i, rate, f"{rate:,.0f}", ha="center", va="bottom", fontsize=7)
     axes[0][0].set_ylabel("no-op jobs/s (drain)")
     fig.suptitle("Queue throughput: derivd vs pgqueuer and procrastinate")
-    return fig, "Queue throughput, derivd vs peers (bench/queue_peers.py)"
+    return fig, "Queue throughput, derivd vs peers (bench/throughput.py)"
 
 
 def latency(data: Data) -> tuple[Figure, str]:
@@ -206,7 +202,7 @@ def similar(data: Data) -> tuple[Figure, str]:
 
 
 def traffic(data: Data) -> tuple[Figure, str]:
-    """Issue 20's four figures, each with and without the feature, side by side."""
+    """bench/traffic.py's four figures, each with and without the feature, side by side."""
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
     panels = [
         ("live upload wait, s (log)", ["p50_s", "p99_s"],
@@ -238,46 +234,6 @@ def traffic(data: Data) -> tuple[Figure, str]:
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"Traffic: priorities, tenants, the claim at scale (load {data['load'][0]})")
     return fig, "Priorities, tenants and the claim at scale (bench/traffic.py)"
-
-
-def bounds(data: Data) -> tuple[Figure, str]:
-    """Issue 27's hot-path costs: a statement's client-side bound by mechanism, and an
-    fs PUT with and without the directory fsyncs."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2))
-    arms = list(data["claims"])
-    cpu = [data["claims"][a]["bound_cpu_us"] for a in arms]
-    left.bar(arms, cpu, color="#4a7bd0")
-    left.set_ylabel("client CPU us per statement")
-    left.set_title("the bound alone")
-    kinds = list(data["puts"])
-    right.bar(kinds, [data["puts"][k]["ms"] for k in kinds], color="#d9822b")
-    right.set_ylabel("ms per 4 KiB PUT")
-    right.set_title("fs store PUT")
-    for ax, values in ((left, cpu), (right, [data["puts"][k]["ms"] for k in kinds])):
-        ax.grid(axis="y", alpha=0.3)
-        for i, v in enumerate(values):
-            ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
-    return fig, "Client-side bounds and fs directory fsyncs (bench/bounds.py)"
-
-
-def claim_events(data: Data) -> tuple[Figure, str]:
-    """Server CPU, WAL and wall time per job, with and without the capped claim's event."""
-    rows = data["rows"]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    labels = [f"{r['build']}\ncap {r['cap'] or 'none'}" for r in rows]
-    for ax, (key, title) in zip(
-        axes, [("server_ms", "server CPU ms/job"), ("wal_b", "WAL B/job"),
-               ("wall_ms", "wall ms/job")], strict=True
-    ):  # fmt: skip
-        values = [r[key] for r in rows]
-        ax.bar(range(len(rows)), values, color=["#4a7bd0", "#999"] * (len(rows) // 2 + 1))
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
-        for i, v in enumerate(values):
-            ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
-        ax.set_title(title, fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("The capped claim's `claimed` event (medians of interleaved rounds)")
-    return fig, "The capped claim's event for the history checker (bench/claim_events.py)"
 
 
 def store_latency(data: Data) -> tuple[Figure, str]:
@@ -319,7 +275,7 @@ def store_latency(data: Data) -> tuple[Figure, str]:
 
 
 def webhooks(data: Data) -> tuple[Figure, str]:
-    """Issue 29: the commit's server CPU per build, commit-to-delivery latency, and the
+    """The commit's server CPU per build, commit-to-delivery latency, and the
     deliveries of a backlog per second."""
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     cpu = data["commit_cpu_ms"]
@@ -348,7 +304,7 @@ def webhooks(data: Data) -> tuple[Figure, str]:
 
 
 def server_instructions(data: Data) -> tuple[Figure, str]:
-    """Issue 27: the server's instructions per noop job (commit + next claim) per build."""
+    """The server's instructions per noop job (commit + next claim) per build."""
     kir = data["kir"]
     names = list(kir)
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
@@ -405,8 +361,6 @@ CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "sharp": sharp,
     "similar": similar,
     "traffic": traffic,
-    "bounds": bounds,
-    "claim_events": claim_events,
     "store_latency": store_latency,
     "webhooks": webhooks,
     "server_instructions": server_instructions,
@@ -414,7 +368,7 @@ CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
 }
 
 
-def draw(out: Path = OUT, into: Path = BENCH) -> list[tuple[str, str]]:
+def draw(out: Path = OUT, into: Path = CHART_DIR) -> list[tuple[str, str]]:
     """Every chart whose input exists: [(png file name, caption)]."""
     made = []
     for name, plot in CHARTS.items():
@@ -438,29 +392,13 @@ def draw(out: Path = OUT, into: Path = BENCH) -> list[tuple[str, str]]:
     return made
 
 
-def embed(results: Path, charts: list[tuple[str, str]]) -> None:
-    """Write the charts section of RESULTS.md (replaced on every run, kept in place)."""
-    lines = [BEGIN, "## Charts", "",
-             "Drawn by bench/plots.py from the machine-readable results of the latest runs "
-             "(bench/out/*.json); a run made on a busier machine than the tables above "
-             "shows its own figures in the chart's title.", ""]  # fmt: skip
-    lines += [f"![{caption}]({png})\n" for png, caption in charts] or ["(none yet)\n"]
-    block = "\n".join(lines) + END
-    text = results.read_text() if results.exists() else ""
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block, text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    results.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT, help="where the JSON results are")
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--charts", type=Path, default=CHART_DIR, help="where the PNGs go")
     args = parser.parse_args()
-    embed(args.results, draw(args.out, args.results.parent))
+    args.charts.mkdir(parents=True, exist_ok=True)
+    draw(args.out, args.charts)
 
 
 if __name__ == "__main__":

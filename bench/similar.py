@@ -3,8 +3,9 @@ what a band index would buy and cost.
 
 Seeds `ready` rows with random dhashes (generate_series: seconds, not minutes) plus
 near-duplicates planted at 1-7 bits, then times `client.similar(max_distance=6)` at each size:
-as shipped (derivd_similar scans the ready rows) and with the optional GIN index of the
-README on the dhash's four 16-bit bands (derivd_similar then probes it: migration 0013).
+as shipped (derivd_similar scans the ready rows) and with the optional GIN index of
+docs/integrating.md on the dhash's four 16-bit bands (derivd_similar then probes
+it: migration 0013).
 The index's price: its size, build time, and what a job's fenced commit pays for it (time
 and WAL per job, claim + commit with an analysis).
 
@@ -59,7 +60,7 @@ SIZES = """
 SELECT pg_relation_size('archive_files_dhash_bands') / 1048576.0,
        pg_table_size('archive_files') / 1048576.0
 """
-# The optional index of README "Analysis of the original", as written there.
+# The optional index of docs/integrating.md ("From Python"), as written there.
 INDEX = """
 CREATE INDEX archive_files_dhash_bands ON archive_files
  USING gin (derivd_dhash_bands(original_dhash)) WHERE original_dhash IS NOT NULL;

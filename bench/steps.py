@@ -6,8 +6,7 @@
 The 720x588 cover JPEG q80 variant of bench/sharp.py, on sharp's fixture and on one 12 MP
 phone photo, both backends, one thread (as a worker). Each step is called through the
 handler's own functions (`decode_original`, `derive_variants`); `--label` names the tree
-in the JSON (steps-before.json was made with the handlers before issue 23, whose decode
-functions had other names):
+in the JSON:
 
 - decode + resize: sniff, header, limits and the decode to the base the variants need,
   rendered to memory (libvips streams the two together, so they are one step here);

@@ -1,4 +1,4 @@
-"""Production traffic (issue 20), side by side in one run, on one private cluster:
+"""Production traffic, side by side in one run, on one private cluster:
 
 1. live uploads' queue wait (p50/p99) during a backfill of `--backfill` re-derivations,
    the backfill below live uploads (priority -10) vs at their priority (no priorities);
@@ -234,7 +234,8 @@ def _claims(dsn: str, claims: int, statement: str) -> list[float]:
 # machine the load moves within a minute, and a p99 measured for one build after the
 # other compares two loads, not two builds (the first runs of this table: 12.7 ms with
 # tenants vs 1.36 ms for the baseline, measured minutes apart; interleaved, the three
-# p99s are within noise of each other). bench/RESULTS.md, "Traffic", says more.
+# p99s are within noise of each other). bench/RESULTS.md, "Priorities, tenants and
+# backfill", says more.
 BLOCK = 100
 
 
@@ -332,7 +333,7 @@ def baseline_db(pg: EmbeddedCluster, name: str, ref: str) -> str:
         for path in names:
             if path.endswith(".sql"):
                 conn.execute(git("show", f"{ref}:{path}"))  # type: ignore[arg-type]
-        # Before functions.sql (issue 22) the migrations held every body.
+        # Before functions.sql the migrations held every body.
         if "sql/functions.sql" in git("ls-tree", "--name-only", ref, "sql/").split():
             conn.execute(git("show", f"{ref}:sql/functions.sql"))  # type: ignore[arg-type]
     return dsn
@@ -611,7 +612,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
-        "--baseline", default="7f664ba^2", help="git ref of today's build (main before issue 20)"
+        "--baseline", default="7f664ba^2", help="git ref of the build before priorities and tenants"
     )
     parser.add_argument("--only", choices=["drain", "capped"], help="run this scenario alone")
     parser.add_argument("--drain-jobs", type=int, default=5000)

@@ -1,4 +1,4 @@
-"""Webhooks (issue 29): what the outbox costs the derivation commit, and how fast and at
+"""Webhooks: what the outbox costs the derivation commit, and how fast and at
 what server cost its events reach a local receiver.
 
 1. Server CPU per job of the worker's commit (+ next claim, one statement, one client,

@@ -113,7 +113,7 @@ def log_problems_only() -> None:
     pyvips routes every level of libvips' log into Python logging, and libvips logs ~10
     INFO lines a derive ("threadpool completed with 1 workers", "reducev: 9 point mask"):
     each one a call from C into Python that takes the GIL, often from a libvips thread,
-    to build a line the `pyvips` logger then drops (`derivd.ops.logs`). GLib's handler
+    to build a line the `pyvips` logger then drops (`derivd.logs`). GLib's handler
     drops them in C unless G_MESSAGES_DEBUG asks for them; MESSAGE and above still reach
     Python as before. Uses pyvips' own callback and handler id (its exit hook removes that
     id), and leaves everything as it was where a pyvips lacks them.

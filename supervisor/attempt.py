@@ -11,6 +11,7 @@ which thread a stage runs is `derivd.worker_loop`'s. The crash order is objects 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 from derivd.derive_clock import DeriveClock, Spent
 from derivd.errors import ErrorCode, Permanent, Transient
 from derivd.handlers.base import Derivation
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.pipeline import Stage
 from derivd.queue.db import DatabaseUnavailable, Finished, Job
 from derivd.queue.retry import record_failure
@@ -54,7 +55,7 @@ class Attempt:
 
     job: Job
     claimed_at: float  # monotonic, taken before its claim was sent
-    original: Future[bytes]  # its GET, issued as it was claimed (`fetch`)
+    original: Future[bytes] | None  # its GET, issued as it was claimed (`fetch`)
     waited: bool  # claimed behind another job still to derive (derivd.pipeline.may_start)
     stage: Stage = Stage.HELD
     started_at: float | None = None  # monotonic: its derive began (its deadline runs)
@@ -62,27 +63,47 @@ class Attempt:
     lane: Future[None] | None = field(default=None, repr=False)  # its store and commit
 
     @classmethod
-    def fetch(cls, worker: Worker, job: Job, claimed_at: float, *, waited: bool) -> Attempt:
-        """The first stage: a claimed job's GET, issued at once on the worker's I/O
-        threads, so that it overlaps whatever the worker does before the job starts."""
-        return cls(job, claimed_at, worker.io.submit(worker.fetch, job), waited)
+    def fetch(
+        cls, worker: Worker, job: Job, claimed_at: float, *, waited: bool, ahead: bool
+    ) -> Attempt:
+        """The first stage: a claimed job's GET. `ahead`: issued at once on the worker's
+        I/O threads, so that it overlaps whatever the worker does before the job starts;
+        else when the job is taken up, on the deriving thread (at depth 1 there is
+        nothing to overlap it with, and a batch's originals are not all held at once)."""
+        original = worker.io.submit(worker.fetch, job) if ahead else None
+        return cls(job, claimed_at, original, waited)
 
-    def derive(
-        self, worker: Worker, clock: DeriveClock, stop: Callable[[], bool]
-    ) -> Derivation | None:
-        """Wait for what is left of the original's GET, then derive it, each wait on
-        `clock`. None: a stop came before the derive began (the job goes back)."""
+    def original_in(
+        self,
+        worker: Worker,
+        clock: DeriveClock,
+        stop: Callable[[], bool],
+        *,
+        within: float,
+        tick: Callable[[], None],
+    ) -> bytes | None:
+        """The original, once what is left of its GET is in (the wait on `clock`, with
+        `tick` run every STOP_POLL_S); the job is still held. None: a stop came first
+        (the job goes back). Raises what the GET raised, or Transient past `within`
+        seconds (a store that hangs): counted as any failed attempt, retried."""
+        give_up_at = time.monotonic() + within
         with clock.spending(Spent.ORIGINAL):
+            if self.original is None:  # not fetched ahead: its GET now
+                return None if stop() else worker.fetch(self.job)
             while True:
+                left = give_up_at - time.monotonic()
+                if left <= 0:
+                    raise Transient(f"its original was not in within {within:g} s")
                 try:
-                    original = self.original.result(timeout=STOP_POLL_S)
-                    break
+                    return self.original.result(timeout=min(STOP_POLL_S, left))
                 except TimeoutError:
                     if stop():
                         return None
-        if stop():
-            return None
-        self.original = _done(b"")  # the original's bytes go before the next derive
+                    tick()
+
+    def derive(self, worker: Worker, original: bytes, clock: DeriveClock) -> Derivation:
+        """Derive the started job's original (on `clock`)."""
+        self.original = None  # the original's bytes go with this call
         with clock.spending(Spent.DERIVE):
             return worker.derive_original(original)
 
@@ -114,7 +135,8 @@ class Attempt:
 
     def release(self, worker: Worker) -> Outcome:
         """Give a job that never started back: fenced, no attempt burned."""
-        self.original.cancel()
+        if self.original is not None:
+            self.original.cancel()
         try:
             released = worker.queue.release(self.job)
         except DatabaseUnavailable as error:
@@ -192,9 +214,3 @@ def _record(worker: Worker, job: Job, *, retry: bool, code: ErrorCode) -> Outcom
 
 def _lease_lost(job: Job) -> None:
     event(log, "lease lost", logging.WARNING, file_id=job.id, attempt=job.attempt)
-
-
-def _done(value: bytes) -> Future[bytes]:
-    future: Future[bytes] = Future()
-    future.set_result(value)
-    return future

@@ -73,7 +73,7 @@ class State:
     def config(self) -> Config:
         if self._config is None:
             self._config = load_config(self.config_path, required=self.explicit)
-            from derivd.ops.logs import setup_logging
+            from derivd.logs import setup_logging
             from derivd.redact import dsn_password, url_secrets
 
             setup_logging(
@@ -207,7 +207,7 @@ def enqueue(
     from derivd.ops.enqueue import expand_paths, upload_and_queue
     from derivd.priorities import priority_problem, tenant_problem
     from derivd.queue.db import QueueDB
-    from derivd.storage.base import open_storage
+    from derivd.storage.configured import open_storage
 
     problem = priority_problem(priority) or tenant_problem(tenant)
     if problem:

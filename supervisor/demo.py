@@ -22,7 +22,7 @@ from derivd.ops.enqueue import upload_and_queue
 from derivd.ops.gallery import Sample, write_gallery
 from derivd.processes.daemon import run_daemon
 from derivd.queue.db import QueueDB
-from derivd.storage.base import open_storage
+from derivd.storage.configured import open_storage
 from derivd.storage.fs import FsStorage
 
 

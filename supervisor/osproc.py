@@ -45,7 +45,7 @@ M_MMAP_THRESHOLD = -3
 # threshold only as big chunks come back (up to 32 MiB), and it trims the heap's free top
 # beyond twice the threshold. A worker allocates and frees buffers of a few MB for every
 # image (decoded pixels, Pillow's images), and in a worker that heuristic often did not
-# settle: each buffer was mapped anew and faulted in page by page (bench/RESULTS.md: the
+# settle: each buffer was mapped anew and faulted in page by page (bench/sharp.py: the
 # Pillow backend ~1,900 minor faults and ~2.5 CPU ms per image of sharp's task). Pinned at
 # its ceiling, such buffers are reused from the heap; up to 64 MiB of freed heap top stays
 # with the process (the RSS recycle bound still counts it).

@@ -43,7 +43,7 @@ def capacity(depth: int, claim_batch: int) -> int:
 
 class Stage(StrEnum):
     HELD = "held"  # claimed, not started; its original's GET may be in flight
-    DERIVING = "deriving"  # started: the worker's one derive (its original awaited first)
+    DERIVING = "deriving"  # started: the worker's one derive, its original in
     STORING = "storing"  # write-ahead, then its variants' PUTs
     COMMITTING = "committing"  # its fenced commit is sent (and may carry the next claim)
 
@@ -137,10 +137,11 @@ def may_start(now: float, *, claimed_at: float, waited: bool, terms: StartTerms)
     did not wait always starts, so a lease shorter than a job (which the config check
     refuses) can never turn into claim-release forever.
 
-    Why this holds: jobs start in claim order, each only up to its own latest start, and
-    the job ahead of a held one ends its derive within job_timeout of its start (or the
-    supervisor kills it and releases the held one). So a held job's turn comes before
-    its claimed_at + lease, while its lease still holds: it starts or goes back fenced."""
+    Why this holds: jobs start in claim order; as one starts (and while it waits for its
+    original) every job held behind it that is past its own latest start goes back; the
+    job that starts ends its derive within job_timeout (or the supervisor kills it and
+    releases the ones held). So a held job's turn comes while its lease still holds,
+    with kill_grace and the margin to spare: it starts or goes back fenced."""
     return not waited or now <= latest_start(claimed_at, terms)
 
 

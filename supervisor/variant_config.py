@@ -11,12 +11,32 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from derivd.handlers.base import ANIMATED_FORMATS, AVIF_MAX_PIXELS, FORMATS, VariantSpec
 
-if TYPE_CHECKING:
-    from derivd.config import VariantSettings
+
+class VariantValues(Protocol):
+    """What this module reads of a `[variant:NAME]` section (`derivd.config.VariantSettings`
+    declares the keys; naming them here keeps this module below the config that uses it)."""
+
+    @property
+    def size(self) -> str: ...
+    @property
+    def fit(self) -> str: ...
+    @property
+    def gravity(self) -> str: ...
+    @property
+    def format(self) -> str: ...
+    @property
+    def quality(self) -> int: ...
+    @property
+    def lossless(self) -> bool: ...
+    @property
+    def upscale(self) -> bool: ...
+    @property
+    def animated(self) -> bool: ...
+
 
 SECTION_PREFIX = "variant:"
 MAX_SIDE = 16383  # WebP's limit per side, the smallest of the four formats
@@ -97,7 +117,7 @@ def _items(text: str) -> list[str]:
 
 
 def build_variants(
-    listed: str, sections: Mapping[str, VariantSettings]
+    listed: str, sections: Mapping[str, VariantValues]
 ) -> tuple[tuple[VariantSpec, ...], list[VariantProblem]]:
     """The specs for `[derive] variants = listed`, given the `[variant:NAME]` sections
     (keyed by NAME), and every problem found."""
@@ -133,7 +153,7 @@ def build_variants(
 
 
 def _from_section(
-    name: str, values: VariantSettings, problems: list[VariantProblem]
+    name: str, values: VariantValues, problems: list[VariantProblem]
 ) -> VariantSpec | None:
     section = SECTION_PREFIX + name
     found: list[VariantProblem] = []

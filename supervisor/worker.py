@@ -27,10 +27,11 @@ from derivd.errors import ErrorCode, Permanent
 from derivd.fingerprint import configured_set, set_problem, slot
 from derivd.handlers.base import Analysis, Derivation, DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.pipeline import worker_depth
 from derivd.queue.db import DatabaseUnavailable, Finished, Job, QueueDB, StoredVariant
-from derivd.storage.base import ObjectMissing, Storage, derived_key, open_storage
+from derivd.storage.base import ObjectMissing, Storage, derived_key
+from derivd.storage.configured import open_storage
 from derivd.storage.parallel import Put, put_all
 from derivd.worker_loop import WorkerLoop
 

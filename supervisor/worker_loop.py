@@ -13,13 +13,12 @@ Threads, all in the worker process (made after fork):
   (one round trip);
 - the I/O threads run each claimed job's GET as soon as it is claimed.
 
-A job is *held* from its claim and *started* when this thread takes it up (it waits for
-what is left of its GET, then derives it): `job_started` then, the supervisor's deadline
-for it runs from there, and only the job started last is counted when its worker dies.
-A held job starts only while its own lease still covers a whole job
-(`derivd.pipeline.may_start`), otherwise it goes back unburned: the time it waited
-behind another job never costs it its lease or an attempt. A stop sends back every
-job whose derive has not begun, and lets the others end.
+A job is *held* from its claim and *started* when its derive begins, once its original
+is in (`job_started`: the supervisor's deadline for it runs from there, and only the job
+started last is counted when its worker dies). A held job starts only while its own
+lease still covers a whole job (`derivd.pipeline.may_start`), otherwise it goes back
+unburned: the time it waited behind another job never costs it its lease or an
+attempt. A stop sends back every held job and lets the started ones end.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING
 from derivd.attempt import STOP_POLL_S, UNKNOWN, Attempt, Outcome, commit
 from derivd.derive_clock import DeriveClock, Spent
 from derivd.handlers.base import Derivation
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.pipeline import (
     OnStop,
     Stage,
@@ -196,30 +195,45 @@ class WorkerLoop:
             ahead = any(a.stage in (Stage.HELD, Stage.DERIVING) for a in self.attempts)
             for i, job in enumerate(jobs):
                 waited = ahead or i > 0
-                self.attempts.append(Attempt.fetch(self.worker, job, sent, waited=waited))
+                attempt = Attempt.fetch(
+                    self.worker, job, sent, waited=waited, ahead=not self.inline
+                )
+                self.attempts.append(attempt)
             self.claiming -= reserved
             self.cond.notify_all()
 
     def _take_up(self, attempt: Attempt) -> None:
-        """Start `attempt` and derive it here, then hand it to a store lane; or give it
-        back unburned (a stop, or too little of its lease left for a whole job)."""
-        self._stop_requested()
+        """Once its original is in, start `attempt` and derive it here, then hand it to a
+        store lane; or give it back unburned (a stop, or too little of its lease left for
+        a whole job)."""
+        within = self.terms.job_timeout
+        try:
+            original = attempt.original_in(
+                self.worker,
+                self.clock,
+                self._stop_requested,
+                within=within,
+                tick=lambda: self._release_late(attempt),
+            )
+        except Exception as error:  # its GET failed: classified by the attempt
+            self._commit_stored()  # outcomes in order: the earlier commits first
+            self._end([attempt], [attempt.fail(self.worker, error)])
+            return
         now = time.monotonic()
         with self.cond:
-            if self.stopping and on_stop(attempt.stage) is OnStop.RELEASE:
-                start = False
+            if original is None or self._stop_requested():
+                start = on_stop(attempt.stage) is not OnStop.RELEASE
             else:
                 start = may_start(
                     now, claimed_at=attempt.claimed_at, waited=attempt.waited, terms=self.terms
                 )
             if start:
                 attempt.stage, attempt.started_at = Stage.DERIVING, now
-        if not start:
-            if not self.stopping:
-                log.info("job %s: too little of its lease left to start; released", attempt.job.id)
+        if not start or original is None:
             self._commit_stored()
-            self._release(attempt)
+            self._release(attempt, late=original is not None and not self.stopping)
             return
+        self._release_late(attempt)
         if self.stored and now - (self.stored[0][0].started_at or now) >= FLUSH_AFTER_S:
             self._commit_stored()
         self.worker.hooks.job_started(attempt.job)  # its deadline runs from here
@@ -228,15 +242,12 @@ class WorkerLoop:
         except DatabaseUnavailable as error:
             log.warning("claim failed: %s", error)
         try:
-            derivation = attempt.derive(self.worker, self.clock, self._stop_requested)
+            derivation = attempt.derive(self.worker, original, self.clock)
         except Exception as error:  # classified by the attempt
             self._commit_stored()  # outcomes in order: the earlier commits first
             self._end([attempt], [attempt.fail(self.worker, error)])
             return
-        if derivation is None:  # a stop before its derive began: back, unburned
-            self._commit_stored()
-            self._release(attempt)
-            return
+        del original  # its bytes go before the next job's
         with self.cond:
             # Nothing to PUT (noop): its commit is next, and carries the next claim.
             attempt.stage = Stage.STORING if derivation else Stage.COMMITTING
@@ -244,6 +255,22 @@ class WorkerLoop:
                 attempt.lane = self.lanes.submit(self._store_and_commit, attempt, derivation)
         if self.lanes is None:
             self._store_and_commit(attempt, derivation)
+
+    def _release_late(self, ahead: Attempt) -> None:
+        """Held jobs behind `ahead` (about to start, or waiting for its original) whose
+        own latest start has passed go back now, unburned: each would wait for a whole
+        job more, and its lease might not outlast the wait."""
+        now = time.monotonic()
+        with self.cond:
+            late = [
+                a
+                for a in self.attempts
+                if a.stage is Stage.HELD
+                and a is not ahead
+                and not may_start(now, claimed_at=a.claimed_at, waited=a.waited, terms=self.terms)
+            ]
+        for attempt in late:
+            self._release(attempt, late=True)
 
     def _wait_for_a_place(self, *, claimed: bool) -> None:
         """Every held job is being stored: wait until one ends, a stop comes, or (when
@@ -295,10 +322,12 @@ class WorkerLoop:
 
     # -- outcomes (either thread) -------------------------------------------------------
 
-    def _release(self, attempt: Attempt) -> None:
-        """Give a held job back. Not while a claim is on its way: one decided before the
-        stop (a store lane's, folded into its commit) would take the released row
-        straight back, to be released again."""
+    def _release(self, attempt: Attempt, *, late: bool = False) -> None:
+        """Give a held job back (`late`: its latest start has passed). Not while a claim
+        is on its way: one decided before the stop (a store lane's, folded into its
+        commit) would take the released row straight back, to be released again."""
+        if late:
+            log.info("job %s: too little of its lease left to start; released", attempt.job.id)
         with self.cond:
             while self.claiming:
                 self.cond.wait()

@@ -2,7 +2,7 @@
 `derivd run --burst` (fs store) and a worker on S3 (moto), then the row, `client.result`,
 `client.similar` and `derivd show --json`.
 
-These need handlers that analyse (issue 19, the HEIC/analysis half): until then each
+These need handlers that analyse: until then each
 skips with one line, and turns on by itself once `derive` returns an Analysis.
 """
 

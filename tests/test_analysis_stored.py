@@ -1,4 +1,4 @@
-"""The original's analysis from the handler to the row and back (issue 19): the worker
+"""The original's analysis from the handler to the row and back: the worker
 hands it to the fenced commit, `derivd.client.result()` returns it as `Result.original`
 once the file is ready, `derivd.client.similar` finds near-duplicates by dhash, and the
 database refuses what the worker would refuse (migration 0013)."""
@@ -294,9 +294,9 @@ def test_similar_answers_at_most_its_limit(conn: psycopg.Connection[Any], queue:
 def test_the_readme_similar_sql_answers_as_the_client_does(
     conn: psycopg.Connection[Any], queue: QueueDB
 ) -> None:
-    """README "From any other language" gives the statements for other languages: as
+    """docs/integrating.md, "From any other language", gives the statements for other languages: as
     written ($1 the file, $2 the distance), each finds what client.similar finds."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "integrating.md").read_text("utf-8")
     block = readme.split("-- similar:", 1)[1].split("```", 1)[0]
     code = "\n".join(line.split("--")[0] for line in block.splitlines()[1:])
     statements = [s.replace("$1", "%(id)s").replace("$2", "%(max)s") for s in code.split(";")]
@@ -313,9 +313,9 @@ def test_the_readme_similar_sql_answers_as_the_client_does(
 def test_the_optional_band_index_gives_the_same_answers(
     conn: psycopg.Connection[Any], queue: QueueDB
 ) -> None:
-    """README's CREATE INDEX, as written: derivd_similar then probes it (up to 7 bits)
+    """docs/integrating.md's CREATE INDEX, as written: derivd_similar then probes it (up to 7 bits)
     and finds exactly what the scan finds."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "integrating.md").read_text("utf-8")
     create = readme.split("```sql\nCREATE INDEX CONCURRENTLY archive_files_dhash_bands", 1)[1]
     create = "CREATE INDEX CONCURRENTLY archive_files_dhash_bands" + create.split("```", 1)[0]
     rng = random.Random(19)

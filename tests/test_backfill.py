@@ -22,12 +22,13 @@ from derivd import client
 from derivd.config import Config
 from derivd.fingerprint import configured_set
 from derivd.ops.backfill import Apply, BackfillRunning, Plan, differences, scan
-from derivd.ops.dashboard import Snapshot
 from derivd.ops.dashboard_page import render
+from derivd.ops.dashboard_view import Snapshot
 from derivd.ops.status import as_json, collect, render_table
 from derivd.ops.sweep import Sweeper
 from derivd.queue.db import QueueDB
-from derivd.storage.base import Storage, new_original_key, open_storage
+from derivd.storage.base import Storage, new_original_key
+from derivd.storage.configured import open_storage
 from derivd.worker import Worker
 
 pytestmark = pytest.mark.pooler

@@ -27,7 +27,7 @@ from test_backfill import (
 from test_supervisor import DaemonRun, supervisor  # noqa: F401  (the fixture)
 
 from derivd.queue.db import QueueDB
-from derivd.storage.base import open_storage
+from derivd.storage.configured import open_storage
 
 pytestmark = pytest.mark.pooler
 

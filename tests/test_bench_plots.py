@@ -1,5 +1,6 @@
-"""bench/plots.py: a chart per benchmark output present, a skip per absent one, and a
-charts section of RESULTS.md that is replaced, not repeated, on every run."""
+"""bench/plots.py: a chart per benchmark output present, a skip per absent or malformed one;
+bench/results.py: RESULTS.md made from the outputs alone, each with its command, machine
+and chart, and the page in the tree is what the outputs in the tree give."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="matplotlib (setup.cfg's bench extra) absent")
 
-PLOTS = Path(__file__).resolve().parent.parent / "bench" / "plots.py"
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+PLOTS = BENCH / "plots.py"
+RESULTS_PY = BENCH / "results.py"
 
 
-def _plots() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("derivd_bench_plots", PLOTS)
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -26,7 +29,7 @@ def _plots() -> ModuleType:
 
 
 def test_charts_for_what_is_present_and_one_section(tmp_path: Path) -> None:
-    plots = _plots()
+    plots = _load(PLOTS, "derivd_bench_plots")
     out = tmp_path / "out"
     out.mkdir()
     run = {"system": "derivd", "processes": 2, "concurrency": "1 job/process", "jobs": 100,
@@ -54,9 +57,6 @@ def test_charts_for_what_is_present_and_one_section(tmp_path: Path) -> None:
                "cpu_s": {"worker main thread": 4.0, "PostgreSQL": 0.3, "idle or elsewhere": 0.5}}
               for side in ("this tree", "#HEAD~1")]  # fmt: skip
     (out / "anatomy.json").write_text(json.dumps({"roles": roles, "runs": bursts}))
-    results = tmp_path / "RESULTS.md"
-    results.write_text("# Results\n\ntext\n")
-
     made = plots.draw(out, tmp_path)
     assert [png for png, _ in made] == [
         "chart-throughput.png",
@@ -67,10 +67,41 @@ def test_charts_for_what_is_present_and_one_section(tmp_path: Path) -> None:
     ]
     for png, _ in made:
         assert (tmp_path / png).read_bytes().startswith(b"\x89PNG")
-    plots.embed(results, made)
-    plots.embed(results, made)  # a second run replaces its section
-    text = results.read_text()
-    assert text.startswith("# Results\n\ntext\n")
-    assert text.count("## Charts") == 1
-    assert "](chart-throughput.png)" in text and "](chart-latency.png)" in text
-    assert "chart-derive.png" not in text
+    assert not (tmp_path / "chart-derive.png").exists()
+
+
+def test_results_come_from_the_outputs_with_command_machine_and_chart(tmp_path: Path) -> None:
+    results = _load(RESULTS_PY, "derivd_bench_results")
+    out, charts = tmp_path / "out", tmp_path / "charts"
+    out.mkdir()
+    charts.mkdir()
+    record = {"bench": "latency", "command": "python bench/latency.py", "when": "2026-12-07",
+              "machine": ["cpus: 2", "python 3.11"],
+              "figures": "| p50 ms |\n|---|\n| 1.2 |"}  # fmt: skip
+    (out / "latency.json").write_text(json.dumps(record))
+    rows = [{"input": "a.jpg", "ratio": 0.5, "detail": {"x": 1}}, {"input": "b|c", "ratio": 512.4}]
+    (out / "derive.json").write_text(json.dumps({"bench": "derive", "rows": rows}))
+    (charts / "chart-latency.png").write_bytes(b"\x89PNG")
+    page = results.render(out, charts)
+    latency = page.split("## Pickup latency\n", 1)[1].split("\n## ", 1)[0]
+    assert "- command: `python bench/latency.py`" in latency
+    assert "- machine: cpus: 2; python 3.11" in latency and "| 1.2 |" in latency
+    assert "](charts/chart-latency.png)" in latency
+    image_handlers = page.split("## Image handlers\n", 1)[1].split("\n## ", 1)[0]
+    assert "- command: `not recorded`" in image_handlers and "chart-" not in image_handlers
+    assert "| input | ratio |" in image_handlers and "| a.jpg | 0.5 |" in image_handlers
+    assert "| b\\|c | 512 |" in image_handlers  # a bar stays in its cell
+    assert page.count("## Pickup latency") == 1 and "`throughput`" in page  # not run yet
+
+
+def test_the_results_page_is_current() -> None:
+    results = _load(RESULTS_PY, "derivd_bench_results")
+    assert (BENCH / "RESULTS.md").read_text(encoding="utf-8") == results.render(), (
+        "run `python bench/results.py`"
+    )
+
+
+def test_every_output_in_the_tree_is_a_catalogued_benchmark() -> None:
+    results = _load(RESULTS_PY, "derivd_bench_results")
+    names = {entry.name for entry in results.CATALOGUE}
+    assert {path.stem for path in (BENCH / "out").glob("*.json")} <= names

@@ -1,4 +1,4 @@
-"""Nothing waits on the database without a bound (issue 27, item 6): the health probe
+"""Nothing waits on the database without a bound: the health probe
 (`derivd status`), a worker's claim, and the supervisor's lease renewal, which has a
 lane of its own beside the maintenance rounds. A frozen server is tests/fixtures/pgproxy
 (it stops relaying); a lock is held by a real second connection. Each test waits on the

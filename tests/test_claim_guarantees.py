@@ -1,4 +1,4 @@
-"""What the claim must never do (issue 27, items 2, 3 and 7's attempt cap), on a real
+"""What the claim must never do, on a real
 PostgreSQL, direct and through PgBouncer: wait for a tenant's lock (two claims meeting
 two tenants in different orders deadlocked, rolling back the commit that shares their
 transaction), leave a tenant below its cap unclaimed, cap untenanted rows together, or

@@ -97,7 +97,8 @@ def test_the_batch_enqueue_of_derivd_enqueue_applies_the_same_rule(
     assert conn.execute("SELECT count(*) FROM archive_files").fetchone() == (0,)
 
 
-# The registration any language sends before waiting (README "From any other language").
+# The registration any language sends before waiting (docs/integrating.md, "From any
+# other language").
 REGISTER = (
     "INSERT INTO derivd_waiters (file_id, waiter, until)"
     " VALUES (%s, gen_random_uuid(), now() + interval '1 minute')"

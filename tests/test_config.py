@@ -174,7 +174,7 @@ def test_job_timeout_must_stay_well_below_the_lease(tmp_path: Path) -> None:
 
 
 def test_orphan_guard_must_outlast_the_longest_attempt(tmp_path: Path) -> None:
-    """Issue 27 item 4: with renew = yes an attempt may PUT until job_timeout +
+    """With renew = yes an attempt may PUT until job_timeout +
     kill_grace, far past the lease; a guard between the two would let the sweep delete
     objects an attempt is still writing (and they would then leak)."""
     renewed = {

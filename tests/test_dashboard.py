@@ -19,15 +19,9 @@ from fixtures.work import claim_one, commit_one
 from helpers import sql, wait_for
 
 from derivd.config import Config, load_config
-from derivd.ops.dashboard import (
-    Dashboard,
-    HostView,
-    Minute,
-    Snapshot,
-    read_snapshot,
-    registry_hosts,
-)
+from derivd.ops.dashboard import Dashboard, read_snapshot, registry_hosts
 from derivd.ops.dashboard_page import chart, render
+from derivd.ops.dashboard_view import HostView, Minute, Snapshot
 from derivd.ops.metrics import Metrics
 from derivd.ops.status import Report, evaluate
 from derivd.ops.web import Response
@@ -154,11 +148,11 @@ def test_reads_are_cached_for_the_refresh_interval(dsn: str, queue: QueueDB) -> 
 def test_a_frozen_database_gets_the_last_view_with_its_age_and_one_reader(
     dsn: str, queue: QueueDB
 ) -> None:
-    """Issue 21, item 11: requests never wait on a slow read, nor start reads of their
+    """Requests never wait on a slow read, nor start reads of their
     own: one reader at a time, the others get the last snapshot and how old it is.
-    Issue 27: every request still waited READ_WAIT_S (2 s) for the frozen read; now the
-    first wait that runs out is the last, and a read that fails keeps the last view on
-    the page, saying it is stale and why."""
+    Once a wait has run out, requests answer at once from the last reading (they used to
+    wait READ_WAIT_S each while the read stayed frozen), and a read that fails keeps the
+    last view on the page, saying it is stale and why."""
     seed_queue(queue, ready=1, rejected=0, queued=1)
     cfg = defaults(DERIVD_METRICS_INTERVAL="10")
     now = [1000.0]

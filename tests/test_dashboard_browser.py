@@ -26,8 +26,8 @@ from helpers import sql, stop_process, wait_for
 from PIL import Image
 from test_dashboard import Cells
 
-from derivd.ops.dashboard import Minute
 from derivd.ops.dashboard_page import STYLE, chart
+from derivd.ops.dashboard_view import Minute
 from derivd.ops.gallery import ORIGINAL_BOX, Sample, fit, write_gallery
 from derivd.queue.db import QueueDB, StoredVariant
 from derivd.storage.base import new_original_key
@@ -225,7 +225,7 @@ def test_the_rendered_dashboard_matches_the_database(
     assert problems == {"recent_rejected_ratio"}
 
     out = os.environ.get("PYTEST_DERIVD_SCREENSHOT")
-    if out:  # PYTEST_DERIVD_SCREENSHOT=docs/dashboard.png: the README's picture
+    if out:  # PYTEST_DERIVD_SCREENSHOT=docs/dashboard.png: operating.md's picture
         screenshot(url, profile, Path(out))
 
 

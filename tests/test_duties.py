@@ -118,7 +118,7 @@ def test_expired_lease_on_the_last_attempt_is_rejected_once(queue: QueueDB) -> N
     assert (row["status"], row["error_code"]) == ("rejected", "attempts_exhausted")
 
 
-# -- event partitions (issue 21, item 12) -------------------------------------------------
+# -- event partitions -------------------------------------------------
 
 
 def _insert_event(queue: QueueDB, at_sql: str) -> str:
@@ -184,7 +184,7 @@ def test_partition_ddl_gives_up_behind_a_long_reader_and_a_later_round_does_it(
     assert not done.busy and len(done.rehomed) == 1
 
 
-# -- LISTEN (issue 21, item 14) -----------------------------------------------------------
+# -- LISTEN -----------------------------------------------------------
 
 
 @pytest.mark.pooler
@@ -207,7 +207,7 @@ def test_every_reconnect_checks_for_a_pooler_and_says_so_once(
     listener.close()
 
 
-# -- bounded statements (issue 21, item 11) -----------------------------------------------
+# -- bounded statements -----------------------------------------------
 
 
 def test_a_supervisor_statement_gives_up_when_the_server_freezes(dsn: str) -> None:

@@ -1,4 +1,4 @@
-"""`derivd enqueue` interrupted between its uploads and its INSERT (issue 27, item 4): every
+"""`derivd enqueue` interrupted between its uploads and its INSERT: every
 original it stored is either a queued row or in the orphan registry, and the sweep
 deletes the ones no row names. The interruption is a real one: the table is locked by a
 second connection, the command blocks in its INSERT and gets SIGINT there."""

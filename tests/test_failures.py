@@ -36,7 +36,7 @@ from derivd.config import Config
 from derivd.errors import CorruptContent
 from derivd.handlers.base import DerivedVariant, DeriveSpec, Handler
 from derivd.handlers.registry import create_handler
-from derivd.ops.logs import JsonFormatter, TextFormatter
+from derivd.logs import JsonFormatter, TextFormatter
 from derivd.ops.sweep import Sweeper
 from derivd.processes.duties import ExhaustedRejection
 from derivd.queue.db import QueueDB
@@ -384,7 +384,7 @@ REFUSED_KEYS = ["../../etc/passwd", "/abs.jpg", "originals/My Photo.jpg"]
 
 
 def insert_queued(dsn: str, key: str, version: str) -> int:
-    """The enqueue any language may run (README), bypassing derivd.client's checks."""
+    """The enqueue any language may run (docs/integrating.md), bypassing derivd.client's checks."""
     (found,) = sql(
         dsn,
         "INSERT INTO archive_files (status, original_key, original_version) "

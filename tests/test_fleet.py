@@ -1,4 +1,4 @@
-"""Supervisors with a heartbeat, as real process trees (issue 12): a job whose lease is
+"""Supervisors with a heartbeat, as real process trees: a job whose lease is
 revoked is killed at the next heartbeat; with renewal a job may run past its lease."""
 
 from __future__ import annotations

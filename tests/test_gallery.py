@@ -1,5 +1,5 @@
-"""The demo gallery paints each original's placeholder and colour (issue 19): the ThumbHash
-decoder (derivd.ops.thumbhash), the page it feeds, and the page in a real browser."""
+"""The demo gallery paints each original's placeholder and colour: the ThumbHash
+decoder (derivd.ops.thumbhash_decoder), the page it feeds, and the page in a real browser."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from PIL import Image
 from test_dashboard_browser import browser, screenshot
 
 from derivd.client import Original
-from derivd.ops import thumbhash
+from derivd.ops import thumbhash_decoder
 from derivd.ops.gallery import Sample, write_gallery
 from derivd.storage.fs import FsStorage
 
@@ -35,20 +35,20 @@ def b64(data: bytes) -> str:
 
 def test_a_flat_hash_decodes_to_its_colour_at_its_aspect() -> None:
     wide = flat_hash(TEAL, landscape=True)
-    assert thumbhash.aspect_ratio(wide) == 7 / 3
-    w, h, rgba = thumbhash.to_rgba(wide)
+    assert thumbhash_decoder.aspect_ratio(wide) == 7 / 3
+    w, h, rgba = thumbhash_decoder.to_rgba(wide)
     assert (w, h) == (32, 14)
     pixels = {rgba[i : i + 4] for i in range(0, len(rgba), 4)}
     assert len(pixels) == 1  # flat: no AC term contributes
     (pixel,) = pixels
     assert all(abs(got - want) <= 6 for got, want in zip(pixel[:3], TEAL, strict=True)), pixel
     assert pixel[3] == 255
-    tall_w, tall_h, _ = thumbhash.to_rgba(flat_hash(TEAL, landscape=False, short=5))
+    tall_w, tall_h, _ = thumbhash_decoder.to_rgba(flat_hash(TEAL, landscape=False, short=5))
     assert (tall_w, tall_h) == (23, 32)  # 5/7 of 32, rounded
 
 
 def test_the_data_uri_is_a_png_of_the_placeholder(tmp_path: Path) -> None:
-    uri = thumbhash.png_data_uri(b64(flat_hash(TEAL, landscape=True)).rstrip("="))
+    uri = thumbhash_decoder.png_data_uri(b64(flat_hash(TEAL, landscape=True)).rstrip("="))
     assert uri.startswith("data:image/png;base64,")
     png = tmp_path / "p.png"
     png.write_bytes(base64.b64decode(uri.split(",", 1)[1]))
@@ -71,7 +71,7 @@ def test_the_gallery_shows_each_placeholder_and_colour(tmp_path: Path) -> None:
     page = gallery(tmp_path, placeholder).read_text()
     assert page.count('data-kind="placeholder"') == 1  # the queued sample has no analysis
     figure = page.split('data-kind="placeholder"', 1)[1].split("</figure>", 1)[0]
-    assert f'src="{thumbhash.png_data_uri(placeholder)}"' in figure
+    assert f'src="{thumbhash_decoder.png_data_uri(placeholder)}"' in figure
     assert 'width="120" height="160"' in figure  # the original's aspect (600x800)
     assert '<span class="swatch" style="background:#ff0000"></span>#ff0000' in figure
 

@@ -1,4 +1,4 @@
-"""What escapes a decoder, codecs a backend lacks, and CIELAB TIFF (issue 11, defects 4-5).
+"""What escapes a decoder, codecs a backend lacks, and CIELAB TIFF.
 
 Case tables live in tests/imagegen.py (tiff_offsets_*, tiff_jpeg2000, tiff_cielab run on
 both backends in test_handlers.py and through `derivd run` in test_hostile.py); this
@@ -100,7 +100,7 @@ def test_cielab_read_as_rgb_would_be_a_visible_mistake() -> None:
     assert max(ImageStat.Stat(ImageChops.difference(as_rgb, scene)).mean) > MISTAKE_MAD
 
 
-# --- decoder faults and encoder faults (issue 21, item 9) -----------------------------------
+# --- decoder faults and encoder faults -----------------------------------
 
 RAISE_IF_DECODED = "a pixel was decoded"
 

@@ -1,4 +1,4 @@
-"""The heartbeat statement and the host registry on a real PostgreSQL (issue 12): one
+"""The heartbeat statement and the host registry on a real PostgreSQL: one
 statement per host checks (and with renewal extends) every held lease, fenced by id +
 token; hosts register, go stale after three missed heartbeats, are pruned
 after the guard and deregister on a clean stop. All times are the database's."""
@@ -129,8 +129,8 @@ class ReportsHeldBack:
     """Worker hooks that are the supervisor's side of the pipe (WorkerProc), with one
     fault injected: each time the worker reports outcomes (its commit is done), the
     supervisor's heartbeat duty runs its round and decides whom to kill, as
-    Supervisor.on_lost does, BEFORE the report arrives. That is the race of issue 21
-    item 10, made to happen on every job."""
+    Supervisor.on_lost does, BEFORE the report arrives. That race, made to
+    happen on every job."""
 
     def __init__(self, config: Config, supervisor_db: QueueDB) -> None:
         self.db = supervisor_db

@@ -104,7 +104,7 @@ def held_by(*jobs: Job, running: Job | None = None) -> WorkerProc:
 
 
 def test_a_crashed_workers_jobs_all_go_back_the_running_one_counted() -> None:
-    """Issue 27 item 8: every job a dead worker reported claimed goes back at once; the
+    """Every job a dead worker reported claimed goes back at once; the
     one it was running is counted (worker_died), the rest burn no attempt."""
     settings = QueueSettings(max_attempts=3, retry_base=2.0, retry_max=60.0, retry_jitter=False)
     running, unstarted, derived = job(1), job(2), job(3)

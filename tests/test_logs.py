@@ -21,8 +21,7 @@ from fixtures.s3 import TEST_REGION, TEST_SECRET_KEY, MotoServer
 from helpers import role_dsn
 from PIL import Image
 
-from derivd import redact
-from derivd.ops import logs
+from derivd import logs, redact
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
 

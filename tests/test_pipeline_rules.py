@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from derivd.config import QueueSettings
 from derivd.pipeline import (
     OnStop,
     Stage,
@@ -24,7 +25,6 @@ from derivd.pipeline import (
 )
 from derivd.processes.child import crash_summary
 from derivd.processes.duties import to_kill
-from derivd.config import QueueSettings
 from derivd.processes.lifecycle import (
     Exit,
     crash_returns,
@@ -180,21 +180,33 @@ def test_a_held_job_starts_only_while_its_lease_covers_a_whole_job() -> None:
     assert may_start(10_000.0, claimed_at=100.0, waited=True, terms=renewed)
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
-@pytest.mark.parametrize("seed", range(50))
-def test_a_held_job_always_starts_or_goes_back_before_its_lease_ends(depth: int, seed: int) -> None:
-    """Jobs in claim order behind one another, each deriving anything up to job_timeout
-    (a longer one is killed: the supervisor releases the rest), claimed whenever: each
-    one's turn comes while its lease holds, with the kill's grace and the margin left;
-    so a wait never costs a held job its lease, started or released."""
+@pytest.mark.parametrize("seed", range(200))
+def test_a_held_job_always_starts_or_goes_back_before_its_lease_ends(seed: int) -> None:
+    """Jobs taken up in claim order, claimed whenever, each waiting for its original
+    (the GET, up to job_timeout) and deriving up to job_timeout (longer ones are killed:
+    the supervisor releases the rest). The loop's rules: a job past its latest start
+    goes back at its turn, and as a job starts every job held behind it that is past
+    its own latest start goes back. Each one's turn, or its release, comes while its
+    lease holds, kill_grace to spare: a wait never costs a held job its lease."""
     rng = random.Random(seed)
-    lease, terms = TERMS.lease_s, TERMS
-    now, claims = 0.0, sorted(rng.uniform(0.0, 60.0) for _ in range(depth * 4))
-    for claimed_at in claims:
+    terms = TERMS
+    held = sorted(rng.uniform(0.0, 90.0) for _ in range(12))
+    now = 0.0
+    while held:
+        claimed_at = held.pop(0)
         now = max(now, claimed_at)  # its turn: the job ahead ended its derive
-        assert now < claimed_at + lease - terms.kill_grace
-        if may_start(now, claimed_at=claimed_at, waited=True, terms=terms):
-            now += rng.uniform(0.0, terms.job_timeout)  # its derive, within its deadline
+        assert now < claimed_at + terms.lease_s - terms.kill_grace, (seed, claimed_at, now)
+        if not may_start(now, claimed_at=claimed_at, waited=True, terms=terms):
+            continue  # goes back, fenced
+        # Its GET: held jobs behind it that pass their latest start go back meanwhile
+        # (within a poll of it), then the rest that are late as it starts.
+        start = now + rng.uniform(0.0, terms.job_timeout)
+        for other in [c for c in held if c <= start]:
+            if not may_start(start, claimed_at=other, waited=True, terms=terms):
+                back_at = max(other, min(start, latest_start(other, terms) + 0.2))
+                assert back_at < other + terms.lease_s - terms.kill_grace
+                held.remove(other)
+        now = start + rng.uniform(0.0, terms.job_timeout)  # its derive
 
 
 def test_a_commit_waits_for_the_next_only_in_a_batch_of_short_jobs() -> None:
@@ -240,6 +252,17 @@ def test_the_supervisor_reads_the_last_depth_starts_from_the_pipe() -> None:
     worker.depth = 1
     worker.starts = worker.starts[-1:]
     assert [j.id for j, _ in worker.in_flight()] == [3]
+
+
+def test_the_supervisor_keeps_the_depth_its_worker_reports_when_ready() -> None:
+    """One function decides the depth (worker_depth, in the worker, which knows its
+    backend); the supervisor keeps what the worker says."""
+    worker = proc(1)
+    worker.apply({"t": "ready", "cpu_s": 0.1, "depth": 3})
+    assert worker.ready and worker.depth == 3
+    older = proc(1)
+    older.apply({"t": "ready", "cpu_s": 0.1})  # a worker that says nothing: one job
+    assert older.depth == 1
 
 
 def test_a_job_held_past_newer_starts_keeps_its_start() -> None:

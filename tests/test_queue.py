@@ -114,7 +114,7 @@ def test_fail_and_release_are_fenced(queue: QueueDB) -> None:
 
 
 def test_a_dead_workers_job_goes_back_counted_then_exhausted(queue: QueueDB) -> None:
-    """derivd_worker_died (issue 27 item 8): `worker_died` on the attempt, back to
+    """derivd_worker_died: `worker_died` on the attempt, back to
     `queued` after the delay with the attempt counted; on the last one, rejected
     attempts_exhausted. Fenced: a stale token changes nothing."""
     (file_id,) = queue.enqueue([("originals/a", "1")])
@@ -426,7 +426,7 @@ def test_the_commit_and_the_claim_each_have_one_body_the_others_compose_them(
     queue: QueueDB,
 ) -> None:
     """One copy of each: derivd_commit_outcomes holds the commit (each id's outcome:
-    committed, a re-derivation rejected, lost; issue 27), derivd_claim (with the tenant
+    committed, a re-derivation rejected, lost), derivd_claim (with the tenant
     cap, migration 0014, and the write-ahead prefix) the claim, the expired-lease rule
     written once in it; the worker's `commit_and_claim` composes the two in one
     statement, commit first, and the older signatures (derivd_commit_and_claim and

@@ -1,4 +1,5 @@
-"""The README's examples for upload APIs run as written (on the test database and store)."""
+"""docs/integrating.md's examples for upload APIs run as written (on the test database and
+store)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from fixtures.work import claim_one, commit_one
 from derivd import client
 from derivd.queue.db import QueueDB, StoredVariant
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "integrating.md"
 
 
 def python_block(containing: str) -> str:
-    """The README's one ```python block that contains `containing`."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+    """The page's one ```python block that contains `containing`."""
+    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(encoding="utf-8"), re.S)
     (block,) = [b for b in blocks if containing in b]
     return block
 
@@ -37,7 +38,7 @@ def test_the_fs_store_example_stores_a_version_and_finds_each_variant(
 ) -> None:
     code = python_block("FsStorage(").replace('"/srv/derivd/objects"', repr(str(fs_root)))
     app: dict[str, Any] = {}
-    exec(compile(code, "README.md", "exec"), app)  # the README's module, as an app has it
+    exec(compile(code, "integrating.md", "exec"), app)  # the page's module, as an app has it
     store = app["store"]
     with psycopg.connect(dsn, autocommit=True) as db:
         file_id = app["save_upload"](db, b"original bytes")

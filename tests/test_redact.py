@@ -1,7 +1,7 @@
 """The one masker (derivd.redact): no fragment of a secret in `config show`, the log or an
 error line, whatever quoting or encoding the secret arrives in.
 
-Issue 11, defect 1: `DERIVD_DATABASE_DSN="host=db password='hunter2 is long'" derivd
+Once, `DERIVD_DATABASE_DSN="host=db password='hunter2 is long'" derivd
 config show` printed `password=*** is long'`.
 """
 
@@ -13,9 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
-from derivd import redact
+from derivd import logs, redact
 from derivd.config import ConfigError, load_config
-from derivd.ops import logs
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]
 

@@ -1,4 +1,4 @@
-"""Re-derivations (backfill) on the failure side (issue 27, items 1 and 7): a swap never
+"""Re-derivations (backfill) on the failure side: a swap never
 takes a variant set other than the configured one, a re-derivation never shows as a
 file (counts, rejected share, an app's query over archive_files), an operator's retry
 never dies on one, a file that keeps failing keeps one job row, and the heartbeat never
@@ -25,7 +25,8 @@ from derivd.config import Config
 from derivd.fingerprint import set_problem
 from derivd.ops.status import collect
 from derivd.queue.db import Finished, QueueDB, StoredVariant
-from derivd.storage.base import new_original_key, open_storage
+from derivd.storage.base import new_original_key
+from derivd.storage.configured import open_storage
 
 __all__ = ["store"]  # the fs / S3 fixture of test_backfill, used here by name
 

@@ -1,14 +1,14 @@
 """The schema a command runs against: checked first, and migrated safely from two hosts.
 
-Issue 11, defect 7: against a database never migrated (or behind, or newer), `run`,
+Against a database never migrated (or behind, or newer), `run`,
 `enqueue`, `retry` and `delete` printed tracebacks, and `enqueue` uploaded the original
-before failing. Every command now says what `status` says, in one line, exit 3, before it
+before failing. Every command says what `status` says, in one line, exit 3, before it
 touches storage.
 
-Defect 6: `derivd migrate` is promised safe from two hosts at once; here two run at once
+`derivd migrate` is promised safe from two hosts at once; here two run at once
 against an empty database.
 
-Issue 22: sql/schema.sql and sql/functions.sql are the readable home of the schema; an
+sql/schema.sql and sql/functions.sql are the readable home of the schema; an
 empty database migrated is exactly them (pg_dump of both), and every `migrate` puts
 functions.sql's bodies back, except on a database a newer derivd migrated; a function
 this version needs and the database lacks is refused like a missing migration.

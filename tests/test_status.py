@@ -254,7 +254,7 @@ def test_each_host_shows_its_connection_budget() -> None:
 def test_a_pooled_listen_path_and_default_events_are_warned_of(
     run_cli: RunCli, dsn: str, direct_dsn: str
 ) -> None:
-    """Issue 21, items 12 and 14: what degrades the fleet without making it unhealthy is
+    """What degrades the fleet without making it unhealthy is
     shown, and the exit status stays 0."""
     with QueueDB.open(dsn) as queue:
         queue.conn.execute(

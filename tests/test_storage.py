@@ -165,7 +165,7 @@ class SyncLog:
 
 def test_fs_put_syncs_the_rename_and_every_new_directory(fs_root: Path) -> None:
     """A PUT's version id is recorded by the commit: the object's directory entries must
-    be durable when put returns (issue 27, item 5). Without these fsyncs a power loss can
+    be durable when put returns. Without these fsyncs a power loss can
     leave a `ready` row naming a file that never reached the disk."""
     log = SyncLog()
     store = FsStorage(fs_root, sync_dir=log)

@@ -209,7 +209,7 @@ def claim_token(dsn: str, file_id: int) -> Any:
 
 
 def test_sigkill_worker_mid_job(supervisor: Callable[..., DaemonRun], tmp_path: Path) -> None:
-    """Issue 27 item 8: the supervisor returns a dead worker's job at once, fenced by its
+    """The supervisor returns a dead worker's job at once, fenced by its
     token, the attempt counted, with one `worker_died` event; the lease (600 s) is never
     waited for."""
     sup = supervisor(queue=LONG_LEASE).start()
@@ -556,7 +556,7 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
 
 
-# ------------------------------------------------------------- claim_batch > 1 (issue 7)
+# ------------------------------------------------------------- claim_batch > 1
 
 BATCH = {"queue": {"claim_batch": "5"}}
 

@@ -14,7 +14,7 @@ from PIL import Image
 from test_pipeline import enqueue_bytes, jpeg
 
 from derivd.config import Config, VariantSettings
-from derivd.storage.base import open_storage
+from derivd.storage.configured import open_storage
 
 SECTIONS = {
     "card": VariantSettings(size="300x200", fit="cover", format="avif, webp, jpeg"),

@@ -1,4 +1,4 @@
-"""The operator's and the app's view (issue 29): `derivd status` (table and --json) per
+"""The operator's and the app's view: `derivd status` (table and --json) per
 endpoint, `derivd webhooks list|test|replay`, `derivd files` and `derivd similar`: the
 views a user had to write SQL for."""
 
@@ -126,8 +126,8 @@ def test_similar_prints_the_near_duplicates(
 
 def test_the_dashboard_shows_each_endpoint(dsn: str, queue: QueueDB, tmp_path: Path) -> None:
     from derivd.config import load_config
-    from derivd.ops.dashboard import Snapshot
     from derivd.ops.dashboard_page import render
+    from derivd.ops.dashboard_view import Snapshot
     from derivd.ops.status import collect
     from derivd.ops.webhook_view import endpoint_lines
 

@@ -1,4 +1,4 @@
-"""`[webhook:NAME]` sections (issue 29): validated like every other section, the secret
+"""`[webhook:NAME]` sections: validated like every other section, the secret
 from the file, the environment or a file of its own, never printed; a bad endpoint is
 refused by `config check` and at start, exit 2, naming file, section and key. And the
 delivery decisions, which are pure (derivd.webhooks.policy)."""

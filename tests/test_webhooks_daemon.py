@@ -1,4 +1,4 @@
-"""`derivd run` with `[webhook:NAME]` sections (issue 29): its child POSTs what the
+"""`derivd run` with `[webhook:NAME]` sections: its child POSTs what the
 outbox holds to a real receiver that verifies with `standardwebhooks`; the supervisor
 itself never does (its process makes no HTTP call: the deliverer is a child process of
 its own); SIGHUP adds and removes endpoints. Direct and through PgBouncer."""

@@ -1,4 +1,4 @@
-"""Delivery (issue 29) against a real receiver on 127.0.0.1 that verifies every request
+"""Delivery against a real receiver on 127.0.0.1 that verifies every request
 with the `standardwebhooks` library: each behaviour of a receiver ends `delivered` or
 `failed` as DESIGN.md "Webhooks" says, and nothing hangs (every wait below is a liveness
 bound, not a timing check). The delivering loop runs in a thread of the test here; the

@@ -1,4 +1,4 @@
-"""The transactional outbox (issue 29; DESIGN.md "Webhooks"): the statement that makes a
+"""The transactional outbox (DESIGN.md "Webhooks"): the statement that makes a
 file ready, rejected, re-derived or deleted inserts one delivery per subscribed endpoint
 in its own transaction; a commit that loses its fence inserts none; without endpoints,
 none at all. Through PgBouncer too (`pooler`)."""

@@ -1,4 +1,4 @@
-"""The README's Python webhook receiver works as written: served by a WSGI server on
+"""docs/integrating.md's Python webhook receiver works as written: served by a WSGI server on
 127.0.0.1, it verifies what derivd's deliverer POSTs and handles each event once,
 replays (the same webhook-id) included."""
 
@@ -18,7 +18,7 @@ from test_webhooks_delivery import delivering, endpoint
 
 from derivd.queue.db import QueueDB, StoredVariant
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "integrating.md"
 KEY = b"derivd test secret, 32 bytes!!!!"
 SECRET = "whsec_" + base64.b64encode(KEY).decode()
 VARIANT = StoredVariant("thumb", "derived/1/t/thumb.webp", "v1", "ab" * 32, 32, 24)
@@ -30,11 +30,11 @@ class Quiet(WSGIRequestHandler):
 
 
 def receiver_module(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(encoding="utf-8"), re.S)
     (code,) = [b for b in blocks if "def derivd_events(" in b]
     monkeypatch.setenv("APP_WEBHOOK_SECRET", SECRET)
     module: dict[str, Any] = {}
-    exec(compile(code, "README.md", "exec"), module)
+    exec(compile(code, "integrating.md", "exec"), module)
     return module
 
 
@@ -43,7 +43,7 @@ def test_the_readme_receiver_verifies_and_handles_each_event_once(
 ) -> None:
     app = receiver_module(monkeypatch)
     handled: list[dict[str, Any]] = []
-    app["handle"] = handled.append  # the README's handle() prints; the test keeps them
+    app["handle"] = handled.append  # the page's handle() prints; the test keeps them
     server = make_server("127.0.0.1", 0, app["derivd_events"], handler_class=Quiet)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}/"

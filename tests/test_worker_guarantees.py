@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psycopg
 import pytest
 from helpers import sql, wait_for
-from test_supervisor import FAST, DaemonRun, kinds, processing_rows
+from test_supervisor import DaemonRun, kinds, processing_rows
+from test_supervisor import supervisor as supervisor  # the fixture `daemon` asks for
 
 from derivd.queue.db import QueueDB
 from derivd.storage.base import new_original_key
@@ -25,27 +26,15 @@ DEPTHS = [1, 2]
 
 
 @pytest.fixture
-def daemon(tmp_path: Path, dsn: str, fs_root: Path) -> Iterator[Callable[..., DaemonRun]]:
-    """`daemon(depth, queue={...}, ...)`: one worker at `[supervisor] pipeline` = depth
-    on the fault handler, FAST leases and deadlines unless overridden."""
-    made: list[DaemonRun] = []
+def daemon(request: pytest.FixtureRequest) -> Callable[..., DaemonRun]:
+    """`daemon(depth, queue={...}, ...)`: test_supervisor's `derivd run` (one worker,
+    FAST leases and deadlines unless overridden) at `[supervisor] pipeline` = depth."""
+    supervisor: Callable[..., DaemonRun] = request.getfixturevalue("supervisor")
 
     def make(depth: int, **settings: dict[str, str]) -> DaemonRun:
-        merged = {name: dict(values) for name, values in FAST.items()}
-        for extra in ({"supervisor": {"pipeline": str(depth)}}, settings):
-            for name, values in extra.items():
-                merged.setdefault(name, {}).update(values)
-        sup = DaemonRun(tmp_path, dsn, fs_root, merged)
-        made.append(sup)
-        return sup
+        return supervisor(**{**settings, "supervisor": {"pipeline": str(depth)}})
 
-    yield make
-    for sup in made:
-        workers = sup.workers() if sup.proc and sup.proc.poll() is None else []
-        sup.stop()
-        for pid in workers:
-            if os.path.exists(f"/proc/{pid}"):
-                os.kill(pid, signal.SIGKILL)
+    return make
 
 
 def enqueue_in_order(sup: DaemonRun, scripts: Sequence[str]) -> list[int]:
@@ -151,7 +140,8 @@ def test_a_crash_counts_only_the_running_job_and_returns_the_held_ones_unburned(
     sup.start()
     wait_for(Path(f"{gate}.started").exists, "the slow job deriving")
     claimed(sup, running, *held)
-    victim = wait_for(lambda: sup.worker_on_job(running), "the worker running it")
+    [victim] = sup.workers()  # the one worker: its title names the running job
+    assert sup.worker_on_job(running) == victim
     os.kill(victim, signal.SIGKILL)
     row = wait_for(lambda: sup.status_is(running, "rejected"), "the running job charged")
     assert row["error_code"] == "attempts_exhausted"

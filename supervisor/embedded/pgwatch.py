@@ -12,7 +12,7 @@ watchdog stops it, as soon as the dead supervisor's last child is gone. A proces
 wants the cluster while the watchdog is stopping it waits for the shared lock, then
 starts the server again (and a watchdog of its own).
 
-Run as `python -m derivd.embedded.pgwatch DATA_DIR LOG_FILE` (ensure_watchdog does).
+The watchdog process itself is `derivd.embedded.pgwatch_main` (ensure_watchdog runs it).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from derivd.osproc import pid_alive
 
 USERS = "pgcluster.users"
 PIDFILE = "pgwatch.pid"
-_MODULE = "derivd.embedded.pgwatch"
+_MODULE = "derivd.embedded.pgwatch_main"  # the watchdog process, run with -m
+# In a watchdog's command line, this release's or an earlier one's (which ran this module).
+_MARK = b"derivd.embedded.pgwatch"
 
 
 class Users:
@@ -73,7 +75,7 @@ def _is_watchdog(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return _MODULE.encode() in cmdline
+    return _MARK in cmdline
 
 
 def ensure_watchdog(state_dir: Path, data_dir: Path, log_file: Path) -> None:
@@ -94,27 +96,3 @@ def ensure_watchdog(state_dir: Path, data_dir: Path, log_file: Path) -> None:
         cwd="/",
     )
     pidfile.write_text(f"{proc.pid}\n")
-
-
-def watch(data_dir: Path, log_file: Path) -> None:
-    """Wait until no process uses the cluster, then stop its server if it runs."""
-    from derivd.embedded.pgcluster import EmbeddedCluster  # the cluster imports this module
-
-    cluster = EmbeddedCluster(data_dir, log_file=log_file)
-    fd = os.open(cluster.state_dir / USERS, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # granted once every user has gone
-        if cluster.is_running():
-            with open(log_file, "a", encoding="utf-8") as log:
-                log.write("--- derivd watchdog: no derivd process uses the cluster; stopping\n")
-            cluster.stop("fast")
-    finally:
-        pidfile = cluster.state_dir / PIDFILE
-        with contextlib.suppress(OSError, ValueError):
-            if int(pidfile.read_text().strip()) == os.getpid():
-                pidfile.unlink()  # still under the lock: never a successor's file
-        os.close(fd)
-
-
-if __name__ == "__main__":
-    watch(Path(sys.argv[1]), Path(sys.argv[2]))

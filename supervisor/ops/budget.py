@@ -1,4 +1,4 @@
-"""How many database connections a host holds, by role (README "Running many hosts").
+"""How many database connections a host holds, by role (docs/operating.md, "Running many hosts").
 
 `derivd status` shows it per host; the same formula sizes PostgreSQL's
 `max_connections` (no pooler) or PgBouncer's `max_client_conn` (with one).

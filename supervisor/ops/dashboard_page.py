@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from derivd.ops.dashboard import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
+from derivd.ops.dashboard_view import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
 from derivd.ops.durations import duration
 from derivd.ops.status import Report, reading_age
 

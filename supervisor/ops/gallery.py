@@ -27,7 +27,7 @@ from pathlib import Path
 from PIL import Image
 
 from derivd.client import Original
-from derivd.ops.thumbhash import png_data_uri
+from derivd.ops.thumbhash_decoder import png_data_uri
 from derivd.queue.db import StoredVariant
 from derivd.storage.base import Storage
 

@@ -40,9 +40,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from derivd.config import Config
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.queue.db import DatabaseUnavailable, QueueDB
-from derivd.storage.base import Storage, StorageUnavailable, derived_prefix, open_storage
+from derivd.storage.base import Storage, StorageUnavailable, derived_prefix
+from derivd.storage.configured import open_storage
 
 log = logging.getLogger("derivd.sweep")
 

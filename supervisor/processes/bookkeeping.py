@@ -9,7 +9,7 @@ import logging
 import uuid
 
 from derivd.config import Config
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.ops.metrics import Metrics
 from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.lifecycle import Returned

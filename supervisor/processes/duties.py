@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from derivd import __version__
 from derivd.config import Config
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.ops.metrics import Metrics
 from derivd.processes.dbthread import DatabaseThread
 from derivd.processes.pipe import WorkerProc
@@ -157,8 +157,8 @@ def lost_tokens(sent: Iterable[Job], valid: set[int]) -> set[uuid.UUID]:
 def to_kill(workers: Iterable[WorkerProc], lost: set[uuid.UUID]) -> list[WorkerProc]:
     """Workers with a job in flight whose lease is lost and that are not being killed
     already. A lost job that has not started yet is left alone: the worker would start
-    it and fail its commit, and the next heartbeat finds it running. A pipelined worker
-    is killed for any of its jobs in flight (a derive cannot be interrupted otherwise);
+    it and fail its commit, and the next heartbeat finds it running. A worker is killed
+    for any job it started and holds (a derive cannot be interrupted otherwise);
     the supervisor releases the others it held, fenced, without burning their attempts
     (derivd.processes.lifecycle.to_release)."""
     found = []

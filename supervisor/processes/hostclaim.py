@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.osproc import pid_alive
 from derivd.queue.db import HostInfo, QueueDB
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from derivd.config import Config, ConfigError
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.ops.metrics import Metrics
 from derivd.osproc import SignalQueue, sd_notify, set_proctitle, watchdog_interval
 from derivd.processes.bookkeeping import Bookkeeping

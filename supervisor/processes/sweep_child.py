@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 
 from derivd.config import Config
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.osproc import set_proctitle
 from derivd.processes.duties import Duty
 from derivd.processes.forked import become_child, exit_code, fork_child

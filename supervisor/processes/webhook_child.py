@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from derivd.config import Config
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.ops.metrics import Metrics
 from derivd.osproc import set_proctitle
 from derivd.processes.dbthread import DatabaseThread

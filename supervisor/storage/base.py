@@ -14,12 +14,9 @@ import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from derivd.errors import Permanent, ResourceLimit, Transient
-
-if TYPE_CHECKING:
-    from derivd.config import Config
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_KEY_LENGTH = 512
@@ -144,19 +141,3 @@ class Storage(Protocol):
 
     def list_keys(self, prefix: str = "") -> Iterator[str]:
         """Keys that have at least one version, under prefix."""
-
-
-def open_storage(config: Config) -> Storage:
-    """Create the configured store. Call in the process that will use it (after fork)."""
-    if config.storage.backend == "s3":
-        from derivd.storage.s3 import S3Storage
-
-        return S3Storage(
-            bucket=config.storage.bucket,
-            endpoint_url=config.storage.endpoint_url or None,
-            region=config.storage.region or None,
-            prefix=config.storage.prefix,
-        )
-    from derivd.storage.fs import FsStorage
-
-    return FsStorage(config.fs_root)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from derivd.errors import Transient
-from derivd.ops.logs import event
+from derivd.logs import event
 from derivd.queue.db import QueueDB, QueueListener
 from derivd.queue.webhook_queries import DELIVERIES_CHANNEL, Delivery
 from derivd.webhooks.endpoints import Endpoint

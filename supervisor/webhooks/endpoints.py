@@ -16,12 +16,36 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from derivd.redact import register_secret
 
-if TYPE_CHECKING:
-    from derivd.config import WebhookSettings
+
+class WebhookValues(Protocol):
+    """What this module reads of a `[webhook:NAME]` section (`derivd.config.WebhookSettings`
+    declares the keys; naming them here keeps this module below the config that uses it)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def secret(self) -> str: ...
+    @property
+    def secret_env(self) -> str: ...
+    @property
+    def secret_file(self) -> str: ...
+    @property
+    def events(self) -> str: ...
+    @property
+    def tenants(self) -> str: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def retry_horizon(self) -> float: ...
+    @property
+    def retry_base(self) -> float: ...
+    @property
+    def concurrency(self) -> int: ...
+
 
 SECTION_PREFIX = "webhook:"
 EVENTS = ("file.ready", "file.rejected", "file.rederived", "file.deleted")
@@ -108,7 +132,7 @@ def decode_secret(text: str) -> bytes | None:
 
 
 def _secret_text(
-    section: str, settings: WebhookSettings, env: Mapping[str, str]
+    section: str, settings: WebhookValues, env: Mapping[str, str]
 ) -> tuple[str | None, EndpointProblem | None]:
     """The secret's text from the one place the section names, or a problem."""
     given = [k for k in ("secret", "secret_env", "secret_file") if getattr(settings, k)]
@@ -135,7 +159,7 @@ def _secret_text(
 
 
 def build_endpoint(
-    name: str, settings: WebhookSettings, env: Mapping[str, str]
+    name: str, settings: WebhookValues, env: Mapping[str, str]
 ) -> tuple[Endpoint | None, list[EndpointProblem]]:
     section = SECTION_PREFIX + name
     problems: list[EndpointProblem] = []
@@ -167,7 +191,7 @@ def build_endpoint(
 
 
 def build_endpoints(
-    sections: Mapping[str, WebhookSettings], env: Mapping[str, str]
+    sections: Mapping[str, WebhookValues], env: Mapping[str, str]
 ) -> tuple[tuple[Endpoint, ...], list[EndpointProblem]]:
     """Every `[webhook:NAME]` section as an Endpoint, in file order, and the problems."""
     endpoints: list[Endpoint] = []

@@ -1,5 +1,8 @@
 """Logging set-up: one line per event, as text (`key=value`) or JSON objects.
 
+On the floor every room may use (the worker, the processes, the webhooks, the operators'
+views): it imports nothing of derivd but `derivd.redact`.
+
 Call sites pass structured fields with `extra={"fields": {...}}` (see `event`). Only
 safe values go there: ids, codes, durations. Exception text of user content is logged at
 DEBUG only, and credentials never reach a log record (DSNs are masked before logging).

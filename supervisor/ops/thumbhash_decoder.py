@@ -1,6 +1,7 @@
-"""Paint a ThumbHash placeholder (README "Analysis"): the reference decoder of Evan
-Wallace's ThumbHash (MIT, github.com/evanw/thumbhash, `thumbHashToRGBA`), ported step for
-step, and a PNG of the result for the demo gallery (a data URI: no script on the page).
+"""The demo gallery's ThumbHash decoder: paints a placeholder (docs/integrating.md,
+"Analysis of the original") with the reference decoder of Evan Wallace's ThumbHash (MIT,
+github.com/evanw/thumbhash, `thumbHashToRGBA`), ported step for step, and a PNG of the
+result for the gallery (a data URI: no script on the page).
 
 What an app does in its own client; derivd itself only encodes (derivd.handlers).
 """
