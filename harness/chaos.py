@@ -633,10 +633,13 @@ class Chaos:
                     continue
                 os.kill(pid, signal.SIGSTOP)
                 # Still on that job once stopped, and the row is leased: the token is its.
+                # Claimed since the last PostgreSQL restart: a worker whose connection
+                # the restart closed could not write late at all, fenced or not.
                 rows = world.query(
-                    "SELECT lease_token::text FROM archive_files "
-                    "WHERE id = %s AND status = 'processing'",
-                    (file_id,),
+                    "SELECT lease_token::text FROM archive_files WHERE id = %s"
+                    " AND status = 'processing'"
+                    " AND lease_until - make_interval(secs => %s) > to_timestamp(%s)",
+                    (file_id, LEASE_S, max((end for _, end in self.tally.outages), default=0)),
                 )
                 if job_of(title(pid)) == file_id and rows:
                     return pid, file_id, rows[0][0]
