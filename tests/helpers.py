@@ -110,15 +110,15 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 60.0) -> int:
     return int(proc.returncode)
 
 
-# A failure of the worker, known and named, that the chaos runs find: the worker reports a
-# job started when its loop takes it up, before the wait for the rest of its GET and the
-# claim ahead; DESIGN.md ("Pipelined worker") starts it when its derive starts. A worker
-# killed in between is charged for a job whose derive never began. A run failing on this
-# invariant alone is an expected failure, with this reason; any other failure fails.
+# A failure of the worker, known and named, that the chaos runs can find: the worker
+# reports a job started, then sends its claim ahead, then derives; DESIGN.md ("Pipelined
+# worker") starts a job when its derive starts. A worker killed during that claim is
+# charged for a job whose derive never began. A run failing on this invariant alone is
+# an expected failure, with this reason; any other failure fails the test.
 CHARGED_BEFORE_ITS_DERIVE = {
     "history: a crash or timeout charges only a started attempt": (
-        "the worker reports a job started before the wait for its GET and the claim ahead,"
-        " not as its derive starts: a kill in between charges a job that never derived"
+        "the worker reports a job started before its claim ahead, not as its derive"
+        " starts: a kill during that claim charges a job that never derived"
     )
 }
 
