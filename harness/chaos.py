@@ -373,6 +373,20 @@ class World:
                 time.sleep(0.2)
         return {i: (name, expected) for i, (name, expected, _) in zip(ids, inputs, strict=True)}
 
+    def reachable(self) -> float:
+        """When derivd's DSN (PgBouncer's, with a pooler) answers a query (Unix time)."""
+        dsn = self.bouncer.dsn(self.dsn) if self.bouncer else self.dsn
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with psycopg.connect(dsn, connect_timeout=5) as conn:
+                    conn.execute("SELECT 1")
+                return time.time()
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    return time.time()
+                time.sleep(0.1)
+
     def stretch(self, keys: list[str]) -> None:
         """Draw which of these originals' first derive takes 50-90 % of the job timeout,
         and tell the handler before they are queued."""
@@ -486,28 +500,39 @@ class Chaos:
             self.tally.busy_kills.append((job, now))
         return True
 
-    def kill_with_one_waiting(self, supervisor: int | None = None, host: str | None = None) -> None:
+    def kill_with_one_waiting(
+        self,
+        supervisor: int | None = None,
+        host: str | None = None,
+        feed: Callable[[], None] | None = None,
+    ) -> None:
         """SIGKILL a worker in the middle of a job while a job claimed on its host waits
-        for its derive (held behind a running one: pipeline 2 and up); the held job must
-        go back unburned, only the running one is charged. `supervisor` and `host`: the
-        host's (default: the world's one supervisor)."""
+        for its derive (held behind a running one: pipeline 2 and up; held = leased, its
+        token not in the derive log); the held job must go back unburned, only the
+        running one is charged. `supervisor` and `host`: the host's (default: the
+        world's one supervisor). `feed` queues work first, so that jobs wait."""
+        if feed is not None:
+            feed()
         where = "" if host is None else " AND claimed_by = %s"
-        deadline = time.monotonic() + 8.0
+        deadline = time.monotonic() + 15.0
         while time.monotonic() < deadline:
             fleet = workers(self.world.sup_pid if supervisor is None else supervisor)
             running = {pid: job_of(text) for pid, text in fleet.items() if job_of(text)}
-            held = {r[0] for r in self.world.query(
-                "SELECT id FROM archive_files WHERE status = 'processing'" + where,
-                (host,) if host else ())}  # fmt: skip
-            waiting = sorted(held - set(running.values()))
-            if running and waiting:
+            leased = self.world.query(
+                "SELECT id, lease_token::text FROM archive_files WHERE status = 'processing'"
+                + where,
+                (host,) if host else (),
+            )
+            started = {s.token for s in derive_log.read(self.world.derive_log)}
+            held = sorted(int(i) for i, token in leased if token not in started)
+            if running and held:
                 pid = self.rng.choice(sorted(running))
                 if self.sigkill(pid, fleet[pid]):
                     self.tally.waiting_kills += 1
                     say(f"SIGKILL worker pid {pid} ({fleet[pid]}) while file(s) "
-                        f"{waiting[:4]} wait behind running jobs")  # fmt: skip
+                        f"{held[:4]} wait behind running jobs")  # fmt: skip
                 return
-            time.sleep(0.02)
+            time.sleep(0.05)
         self.tally.notes.append("kill: no job caught waiting behind a running one")
 
     def terminate_in_commit(self) -> None:
@@ -573,11 +598,13 @@ class Chaos:
         return None
 
     def restart_postgres(self) -> None:
+        """Stop and start PostgreSQL; the outage lasts until derivd's own DSN answers
+        again (through PgBouncer, that is later: it waits before it logs in again)."""
         say("restarting PostgreSQL")
         began = time.time()
         self.world.pg.stop()  # the same instance starts again on its port and socket
         self.world.pg.start()
-        self.tally.outages.append((began, time.time()))
+        self.tally.outages.append((began, self.world.reachable()))
         self.tally.pg_restarts += 1
 
     def freeze_past_lease(self, feed: Callable[[], None]) -> None:
@@ -711,7 +738,7 @@ def run_chaos(
         elif action == "terminate":
             chaos.terminate_in_commit()
         elif action == "kill_waiting":
-            chaos.kill_with_one_waiting()
+            chaos.kill_with_one_waiting(feed=feed)
         elif action == "kill_deliverer":
             if world.hooks.kill_deliverer(world.sup_pid, title):
                 say("SIGKILL webhook deliverer")
@@ -833,7 +860,7 @@ def _check_deaths_recorded(world: World, tally: Tally) -> Check:
         (jobs,),
     )
     missing = unrecorded_deaths(
-        tally.busy_kills, [(int(f), str(k), float(a)) for f, k, a in events]
+        tally.busy_kills, [(int(f), str(k), float(a)) for f, k, a in events], tally.outages
     )
     return Check(
         "each busy worker killed: worker_died for its job",

@@ -285,7 +285,7 @@ def run(
         elif action == "terminate":
             mischief.terminate_in_commit()
         elif action == "kill_waiting":
-            mischief.kill_with_one_waiting(fleet.procs["h3"].pid, "h3")
+            mischief.kill_with_one_waiting(fleet.procs["h3"].pid, "h3", feed)
     while waves:
         feed()
     for watcher in watchers:

@@ -9,7 +9,7 @@ Written from the design, not from derivd's code: they need only the records a ru
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -575,13 +575,20 @@ TITLE_LAG_S = 0.5
 
 
 def unrecorded_deaths(
-    kills: list[tuple[int, float]], events: list[tuple[int, str, float]]
+    kills: list[tuple[int, float]],
+    events: list[tuple[int, str, float]],
+    outages: Sequence[tuple[float, float]] = (),
 ) -> list[int]:
     """The jobs of busy workers killed (job id, when) with neither a `worker_died` event
     after the kill (the supervisor returns a dead worker's jobs at once: DESIGN.md) nor
-    an end of their attempt just before it (the title was a moment old)."""
+    an end of their attempt just before it (the title was a moment old). A kill while
+    the database was away (`outages`: start, end) is not one: the death cannot be
+    recorded then, and the job waits for its lease (`losses_followed_up`,
+    `no_live_rows`)."""
     missing = []
     for job, killed_at in kills:
+        if any(began <= killed_at <= ended for began, ended in outages):
+            continue
         mine = [(kind, at) for file_id, kind, at in events if file_id == job]
         died = any(kind == "worker_died" and at >= killed_at - TITLE_LAG_S for kind, at in mine)
         ended = any(
