@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from derivd.derive_clock import DeriveClock, Spent
 from derivd.errors import ErrorCode, Permanent, Transient
@@ -24,9 +23,7 @@ from derivd.logs import event
 from derivd.pipeline import Stage
 from derivd.queue.db import DatabaseUnavailable, Finished, Job
 from derivd.queue.retry import record_failure
-
-if TYPE_CHECKING:
-    from derivd.worker import Worker
+from derivd.worker import Worker
 
 log = logging.getLogger("derivd.worker")
 
