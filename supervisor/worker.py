@@ -46,6 +46,7 @@ class ClaimTerms(TypedDict):
     host: str | None
     tenant_cap: int
     write_ahead: bool
+    key_prefix: str
 
 
 log = logging.getLogger("derivd.worker")
@@ -206,6 +207,7 @@ class Worker:
             host=self.config.host_id,
             tenant_cap=q.max_in_flight_per_tenant,
             write_ahead=self.stores_objects,
+            key_prefix=self.storage.prefix,
         )
 
     def claim_many(self, limit: int) -> list[Job]:
@@ -228,7 +230,7 @@ class Worker:
         event(
             log,
             "job finished",
-            file_id=job.id,
+            **job.log_fields(),
             attempt=job.attempt,
             outcome=outcome,
             code=code or "-",
@@ -285,7 +287,10 @@ class Worker:
 
     def _store(self, job: Job, variants: Sequence[DerivedVariant]) -> list[StoredVariant]:
         # Under the file's prefix: a re-derivation's objects belong to the file it serves.
-        keys = [derived_key(job.for_file, job.token, v.name, v.extension) for v in variants]
+        keys = [
+            derived_key(job.for_file, job.token, v.name, v.extension, self.storage.prefix)
+            for v in variants
+        ]
         if keys and not (self.stores_objects and self.queue.write_ahead_durable(job)):
             # Write-ahead: a crash after a PUT leaves a record for the orphan sweep. The
             # claim registered the attempt's prefix; this is its flush when no durable

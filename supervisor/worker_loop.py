@@ -346,7 +346,7 @@ class WorkerLoop:
         is on its way: one decided before the stop (a store lane's, folded into its
         commit) would take the released row straight back, to be released again."""
         if late:
-            log.info("job %s: too little of its lease left to start; released", attempt.job.id)
+            log.info("%s: too little of its lease left to start; released", attempt.job.label)
         with self.cond:
             while self.claiming:
                 self.cond.wait()
