@@ -49,7 +49,14 @@ $(TEST_STAMP): setup.cfg pyproject.toml $(SOURCES)
 
 install-run: system-deps-run $(RUN_STAMP)
 
-install: system-deps $(TEST_STAMP)
+# The Node upload service the suite runs (tests/node): its npm packages, exactly as
+# package-lock.json pins them, in tests/node/node_modules (git-ignored).
+NODE_STAMP := tests/node/node_modules/.package-lock.json
+$(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then npm ci --prefix tests/node --no-audit --no-fund --loglevel=error && touch $@; \
+	else echo "optional: npm not found: the Node client's test skips"; fi
+
+install: system-deps $(TEST_STAMP) $(NODE_STAMP)
 
 run: install-run
 	$(BIN)/derivd -c $(CONFIG) demo
@@ -112,4 +119,4 @@ bench: install
 clean:
 	@if [ -d var ] && [ -x $(BIN)/python ]; then $(BIN)/python -c \
 	  'from pathlib import Path; from derivd.embedded.pgcluster import discard; discard(Path("var/pg"))'; fi
-	rm -rf $(VENV) var build *.egg-info
+	rm -rf $(VENV) var build *.egg-info tests/node/node_modules

@@ -1,7 +1,8 @@
 #!/bin/sh
 # The programs pip cannot bring. `sh etc/system-deps.sh run` (make run): PostgreSQL's
 # server, which derivd needs. `sh etc/system-deps.sh test` (make test, make install): also
-# pgbouncer, chromium and faketime, which the test suite drives, and jpegtran, which makes
+# pgbouncer, chromium, faketime and Node (the upload service in tests/node), which the
+# test suite drives, and jpegtran, which makes
 # its arithmetic-coded JPEG (the tests that need one skip, each with one line, where it
 # is missing).
 # Root with apt-get: install what is missing, with one `apt-get update` at most.
@@ -26,6 +27,7 @@ has_pgbouncer() { command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbounc
 has_chromium() { [ -x /usr/bin/chromium ]; }
 has_faketime() { command -v faketime >/dev/null 2>&1; }
 has_jpegtran() { command -v jpegtran >/dev/null 2>&1; }
+has_node() { command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; }
 
 missing() {
     out=""
@@ -35,6 +37,7 @@ missing() {
         has_chromium || out="$out chromium"
         has_faketime || out="$out faketime"
         has_jpegtran || out="$out libjpeg-turbo-progs"
+        has_node || out="$out nodejs npm"
     fi
     echo "$out"
 }
@@ -63,6 +66,9 @@ for pkg in $todo; do
             echo "optional: /usr/bin/chromium not found: apt-get install chromium (its tests skip without it)" ;;
         faketime)
             echo "optional: faketime not found: apt-get install faketime (its tests skip without it)" ;;
+        nodejs)
+            echo "optional: node or npm not found: apt-get install nodejs npm (the Node client's test skips without them)" ;;
+        npm) ;;
         libjpeg-turbo-progs)
             echo "optional: jpegtran not found: apt-get install libjpeg-turbo-progs (its tests skip without it)" ;;
     esac

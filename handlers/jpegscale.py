@@ -8,13 +8,15 @@ faster than libvips' jpegload at the same scale (sharp's fixture at 1/2: ~11 vs 
 ms; whole: ~18 vs ~29), so every JPEG it takes goes through it, at whatever scale.
 
 It takes only what it renders as the backend's own path would: a YCbCr, RGB or grey
-JPEG, decoded without a single warning. CMYK and YCCK (the backends colour-manage them
-through LittleCMS; simplejpeg's own conversion is naive) and anything libjpeg-turbo
-warns about or refuses (truncated data, extraneous bytes, 12-bit, lossless): `None`, and
-the backend's own path decodes the file and decides, exactly as before (a truncated
-JPEG is `corrupt_content` there, on the first attempt). The caller reads the header and
-checks the limits first, and applies the ICC profile and EXIF orientation from that
-header after the decode, as its own path does. libjpeg-turbo decodes the whole image at
+JPEG, decoded without a single warning, and for a caller that asks, CMYK and YCCK ones as
+CMYK (never converted here: the backends colour-manage them through LittleCMS, and
+simplejpeg's own conversion is naive). Damaged data (truncated, a bad Huffman code,
+extraneous bytes: `jpegcheck.is_damage`) is `corrupt_content` here, on the first attempt.
+Whatever else libjpeg-turbo warns about or refuses (an unknown JFIF revision, 12-bit,
+lossless), and CMYK for a caller that does not ask: `None`, and the backend's own path
+decodes the file, after `jpegcheck.check_jpeg` has looked at its data. The caller reads
+the header and checks the limits first, and applies the ICC profile and EXIF orientation
+from that header after the decode, as its own path does. libjpeg-turbo decodes the whole image at
 once where libvips streams it: an image larger than `MAX_DECODED_BYTES` at its scale is
 left to libvips (and Pillow's own decoder, which holds it whole anyway).
 
@@ -25,10 +27,9 @@ worker decodes, never in the supervisor (tests/test_boot.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
-from derivd.handlers.lazy_numpy import numpy
+from derivd.handlers.jpegcheck import raise_if_damage, simplejpeg
 
 # The most bytes one fast decode may hold: a 12 MP phone photo whole (36 MiB) fits, so
 # a 1600 px preview of it (decoded whole: the shrink, 2.5, leaves no DCT scale room) is
@@ -36,17 +37,19 @@ from derivd.handlers.lazy_numpy import numpy
 MAX_DECODED_BYTES = 64 * 1024 * 1024
 
 # simplejpeg's colour spaces (TurboJPEG's TJCS_*) the fast path renders: YCbCr and
-# RGB-coded JPEGs come out in colour, grey ones grey.
+# RGB-coded JPEGs come out in colour, grey ones grey, CMYK and YCCK ones (if asked) CMYK.
 _COLOUR = frozenset({"YCbCr", "RGB"})
+_CMYK = frozenset({"CMYK", "YCCK"})
 # Bytes a pixel of each mode (Pillow's names, and simplejpeg's but GRAY): RGB for libvips;
 # RGBX for Pillow, which stores RGB as 4 bytes a pixel and so reads RGBX in place.
-_BYTES = {"RGB": 3, "RGBX": 4, "L": 1}
+_BYTES = {"RGB": 3, "RGBX": 4, "L": 1, "CMYK": 4}
 
 
 @dataclass(frozen=True)
 class Scaled:
-    """The decoded pixels: `height` rows of `width` pixels of `mode` (L, RGB or RGBX), the
-    stored image (EXIF orientation not applied) at `eighths`/8 of each side."""
+    """The decoded pixels: `height` rows of `width` pixels of `mode` (L, RGB, RGBX, or
+    CMYK with the values the file stores, inverted in Adobe's files), the stored image
+    (EXIF orientation not applied) at `eighths`/8 of each side."""
 
     pixels: Any  # a C-contiguous uint8 numpy array; any buffer-protocol reader takes it
     width: int
@@ -65,33 +68,26 @@ class Scaled:
         return self.stored[0] * self.eighths / 8, self.stored[1] * self.eighths / 8
 
 
-@cache
-def simplejpeg() -> Any:  # simplejpeg carries no py.typed
-    """simplejpeg, loaded with the first JPEG, not at the worker's boot; numpy (which it
-    imports) through `lazy_numpy`, which tunes it first."""
-    numpy()
-    import simplejpeg as module
-
-    return module
-
-
 def scaled_size(stored: tuple[int, int], eighths: int) -> tuple[int, int]:
     """libjpeg-turbo's size of `stored` decoded at eighths/8 (TJSCALED: rounded up)."""
     return -(-stored[0] * eighths // 8), -(-stored[1] * eighths // 8)
 
 
 def decode_scaled(original: bytes, stored: tuple[int, int], eighths: int, colour: str = "RGB",
-                  max_bytes: int = MAX_DECODED_BYTES) -> Scaled | None:  # fmt: skip
+                  max_bytes: int = MAX_DECODED_BYTES, cmyk: bool = False
+                  ) -> Scaled | None:  # fmt: skip
     """The JPEG at `eighths`/8 of its stored size, colour ones as `colour` (RGB or RGBX),
-    or None where the backend's own path must decode it (see the module docstring), or
-    when it would take more than `max_bytes`. `stored` is the size the backend's header
-    read; a file whose frame header libjpeg-turbo reads otherwise is not taken either."""
+    CMYK and YCCK ones as CMYK when `cmyk`, or None where the backend's own path must
+    decode it (see the module docstring), or when it would take more than `max_bytes`;
+    CorruptContent for damaged data. `stored` is the size the backend's header read; a
+    file whose frame header libjpeg-turbo reads otherwise is not taken either."""
     turbo = simplejpeg()
     try:
         height, width, colourspace, _ = turbo.decode_jpeg_header(original)
     except ValueError:
         return None
-    mode = colour if colourspace in _COLOUR else "L" if colourspace == "Gray" else None
+    mode = (colour if colourspace in _COLOUR else "L" if colourspace == "Gray"
+            else "CMYK" if cmyk and colourspace in _CMYK else None)  # fmt: skip
     want = scaled_size(stored, eighths)
     if mode is None or (width, height) != stored:
         return None
@@ -105,7 +101,8 @@ def decode_scaled(original: bytes, stored: tuple[int, int], eighths: int, colour
     try:
         pixels = turbo.decode_jpeg(original, colorspace=wanted, min_width=least[0],
                                    min_height=least[1], strict=True)  # fmt: skip
-    except ValueError:  # strict: every libjpeg-turbo warning is one
+    except ValueError as e:  # strict: every libjpeg-turbo warning is one
+        raise_if_damage(str(e))  # corrupt_content, on the first attempt
         return None
     if (pixels.shape[1], pixels.shape[0]) != want:
         return None

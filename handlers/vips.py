@@ -43,6 +43,7 @@ from derivd.handlers.base import (
     encoding,
 )
 from derivd.handlers.geometry import base_size, jpeg_eighths
+from derivd.handlers.jpegcheck import check_jpeg
 from derivd.handlers.jpegscale import decode_scaled
 from derivd.handlers.sniff import (
     TIFF_BITS_PER_SAMPLE,
@@ -225,6 +226,8 @@ def decode_base(original: bytes, size: tuple[int, int], header: Header, all_fram
     relabelled = header.relabelled
     if relabelled is None:
         scaled = None if all_frames else turbo_scaled(original, header, size, shrink_on_load)
+        if scaled is None:
+            check_jpeg(original)  # libvips publishes what libjpeg only warns about
         if scaled is not None and header.icc is None:
             return checked_base(scaled, size)  # resized and upright: the base (`from_scaled`)
         if scaled is None and not all_frames:

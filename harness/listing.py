@@ -12,10 +12,11 @@ VERSIONS_SUFFIX = ".versions"  # derivd.storage.base.RESERVED_SUFFIX, the fs lay
 
 def s3_objects(client: Any, bucket: str, prefix: str = "") -> Iterator[tuple[str, str]]:
     """(key, version id) of every version and delete marker in `bucket` (a boto3
-    client); `prefix` is the store's [storage] prefix, taken off the keys."""
+    client) under `prefix`; keys whole, as the tables hold them (keys are the store's
+    real keys, [storage] prefix included)."""
     for page in client.get_paginator("list_object_versions").paginate(Bucket=bucket, Prefix=prefix):
         for item in page.get("Versions", []) + page.get("DeleteMarkers", []):
-            yield item["Key"].removeprefix(prefix), item["VersionId"]
+            yield item["Key"], item["VersionId"]
 
 
 def fs_objects(root: Path) -> Iterator[tuple[str, str]]:

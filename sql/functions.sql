@@ -53,6 +53,28 @@
 -- before the table exists when the schema is built from the files (tests/test_schema.py).
 -- A broken rule raises check_violation under the constraint name it had as a CHECK of
 -- its own (as psycopg's diag.constraint_name reports it).
+-- The app's context on a file (README "For upload APIs"): what is wrong with this
+-- external id and metadata, in one line, or NULL when they are fine (both NULL too).
+-- The one copy of their bounds: the row's rule below, and what derivd.client and
+-- `derivd enqueue` ask before they write. external_id: 1-200 characters, no control
+-- characters. metadata: a JSON object, at most 4096 bytes as JSON text.
+CREATE OR REPLACE FUNCTION derivd_app_context_problem(external_id text, metadata jsonb)
+RETURNS text
+LANGUAGE sql IMMUTABLE AS $$
+SELECT CASE
+    WHEN external_id IS NOT NULL AND NOT (char_length(external_id) BETWEEN 1 AND 200)
+        THEN 'external_id must be 1-200 characters, not '
+             || char_length(external_id)
+    WHEN external_id ~ '[[:cntrl:]]'
+        THEN 'external_id must hold no control characters'
+    WHEN metadata IS NOT NULL AND jsonb_typeof(metadata) <> 'object'
+        THEN 'metadata must be a JSON object, not a JSON ' || jsonb_typeof(metadata)
+    WHEN octet_length(metadata::text) > 4096
+        THEN 'metadata must be at most 4096 bytes as JSON text, not '
+             || octet_length(metadata::text)
+END;
+$$;
+
 CREATE OR REPLACE FUNCTION derivd_file_row_holds(r record)
 RETURNS boolean
 LANGUAGE plpgsql IMMUTABLE AS $$
@@ -91,9 +113,24 @@ BEGIN
                   AND r.original_placeholder ~ '^[A-Za-z0-9+/]{16,64}={0,2}$'
                   AND r.original_dhash IS NOT NULL)) IS FALSE
             THEN 'archive_files_original_check'
+        -- A queued row names its original by key and version (derivd reads originals
+        -- by version): an INSERT without them is refused here, not rejected later.
+        WHEN (r.status <> 'queued'
+              OR (r.original_key <> '' AND coalesce(r.original_version, '') <> '')) IS FALSE
+            THEN 'archive_files_original_key_check'
+        -- The app's context: derivd_app_context_problem, asked only of a row that has one.
+        WHEN (r.external_id IS NOT NULL OR r.metadata IS NOT NULL)
+             AND derivd_app_context_problem(r.external_id, r.metadata) IS NOT NULL
+            THEN 'archive_files_app_context_check'
     END;
     IF broken IS NULL THEN
         RETURN true;
+    END IF;
+    IF broken = 'archive_files_app_context_check' THEN
+        RAISE EXCEPTION 'new row for relation "archive_files" violates check constraint "%"',
+                        broken
+              USING ERRCODE = 'check_violation', CONSTRAINT = broken, TABLE = 'archive_files',
+                    DETAIL = derivd_app_context_problem(r.external_id, r.metadata);
     END IF;
     RAISE EXCEPTION 'new row for relation "archive_files" violates check constraint "%"',
                     broken
@@ -280,8 +317,9 @@ END $$;
 -- The outbox (DESIGN.md "Webhooks"): one delivery per endpoint subscribed to `event` (and
 -- to the file's tenant, when it names tenants) for this file, in the caller's
 -- transaction, with the body as it will be POSTed and signed: {"type", "timestamp" (the
--- event's), "data": the file's id, tenant, status, error code and attempts, and for
--- file.ready / file.rederived every variant and the analysis}. A re-derivation's job row
+-- event's), "data": the file's id, tenant, status, error code and attempts, the app's
+-- external_id and metadata, the original's bucket, key and version, and for
+-- file.ready / file.rederived every variant (its key the store's own) and the analysis}. A re-derivation's job row
 -- is no file of its own: it announces nothing (its commit announces file.rederived for
 -- the file). Wakes the delivering processes (`derivd_deliveries`, constant payload: one
 -- notification per transaction). Returns the deliveries inserted. An endpoint removed
@@ -313,6 +351,9 @@ BEGIN
                'data', jsonb_build_object(
                    'file_id', f.id, 'tenant', f.tenant, 'status', f.status,
                    'error_code', f.error_code, 'attempts', f.attempts,
+                   'external_id', f.external_id, 'metadata', f.metadata,
+                   'bucket', (SELECT s.bucket FROM derivd_store AS s),
+                   'original_key', f.original_key, 'original_version', f.original_version,
                    'variants', CASE WHEN derivd_outbox.event IN ('file.ready', 'file.rederived')
                        THEN coalesce((SELECT jsonb_agg(jsonb_build_object(
                                 'name', v.name, 'format', v.format, 'key', v.key,
@@ -1572,3 +1613,78 @@ RETURNS SETOF bigint
 LANGUAGE sql STABLE AS $$
     SELECT derivd_similar(file_id, max_distance, 100)
 $$;
+
+-- == Where the functions look ===========================================================
+
+-- [database] schema (`derivd migrate` calls it after this file, only with a schema):
+-- each function of `signatures` (this file's, as `name(types)`) looks its names up in
+-- the schema it lives in, whoever calls it: an app's INSERT on a connection of its own
+-- (search_path: public) fires the triggers and the row's rule, which must find derivd's
+-- tables and functions.
+CREATE OR REPLACE FUNCTION derivd_pin_search_path(signatures text[])
+RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    s text;
+BEGIN
+    FOREACH s IN ARRAY signatures LOOP
+        EXECUTE format('ALTER FUNCTION %s SET search_path = %I', to_regprocedure(s),
+                       current_schema());
+    END LOOP;
+END $$;
+
+-- == For upload APIs =====================================================================
+
+-- Deletion (`derivd delete`, derivd.client.delete, any app's SQL): each live file among
+-- `ids` moves to `deleting`, which revokes its lease: a running attempt can no longer
+-- commit or fail the row. The files' re-derivations go too, live or rejected (their
+-- attempts' commits then fail their fence; objects to the orphan sweep): deleted first,
+-- so their rows are locked before the files' (`locked` waits for `revoked`: a
+-- re-derivation's commit locks its job row, then the file, so this order cannot deadlock
+-- with it). The sweep removes the objects after [sweep] delete_guard, then marks the
+-- row `deleted` (and announces file.deleted). `actor` goes to the events. Returns the
+-- ids it moved (not those already deleting or deleted, nor unknown ones).
+CREATE OR REPLACE FUNCTION derivd_delete(ids bigint[], actor text)
+RETURNS SETOF bigint
+LANGUAGE sql AS $$
+WITH revoked AS (
+    DELETE FROM derivd_rederivations
+     WHERE file_id = ANY(ids)
+    RETURNING id
+), locked AS (
+    SELECT id
+      FROM archive_files
+     WHERE id = ANY(ids) AND status NOT IN ('deleting', 'deleted')
+       AND (SELECT count(*) FROM revoked) >= 0  -- after `revoked`
+     ORDER BY id
+       FOR UPDATE
+), done AS (
+    UPDATE archive_files AS f
+       SET status = 'deleting', lease_token = NULL, lease_until = NULL, updated_at = now(),
+           error_code = NULL  -- a rejected file's code stays in its events
+      FROM locked AS l
+     WHERE f.id = l.id
+    RETURNING f.id, f.attempts
+), requested_event AS (
+    INSERT INTO archive_events (file_id, kind, attempt, actor)
+    SELECT id, 'delete_requested', attempts, actor FROM done
+    RETURNING 1
+)
+SELECT id FROM done ORDER BY id;
+$$;
+
+-- One file, as an app deletes it: `SELECT derivd_delete_file($1)`. Returns the file's
+-- status after the call: 'deleting' (now, or already) or 'deleted'; NULL when no file
+-- has this id. `actor` (default 'app') goes to the events.
+CREATE OR REPLACE FUNCTION derivd_delete_file(file_id bigint, actor text DEFAULT 'app')
+RETURNS text
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    now_status text;
+BEGIN
+    PERFORM derivd_delete(ARRAY[derivd_delete_file.file_id], derivd_delete_file.actor);
+    SELECT f.status INTO now_status FROM archive_files AS f
+     WHERE f.id = derivd_delete_file.file_id;
+    RETURN now_status;
+END $$;

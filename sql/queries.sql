@@ -56,6 +56,19 @@ CREATE TABLE IF NOT EXISTS derivd_migrations (
     applied_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- name: pin_search_path
+-- [database] schema: every function of sql/functions.sql (`signatures`) looks its names
+-- up in the schema it lives in (derivd_pin_search_path).
+SELECT derivd_pin_search_path(%(signatures)s::text[]);
+
+-- name: current_schema
+-- Where `migrate` creates what it creates (the first schema of the search_path).
+SELECT current_schema();
+
+-- name: migrations_key_prefix
+-- The store's key prefix for migration 0025 (transaction-local: nothing else sees it).
+SELECT set_config('derivd.key_prefix', %(prefix)s::text, true);
+
 -- name: migrations_applied
 SELECT name FROM derivd_migrations ORDER BY name;
 
@@ -207,14 +220,31 @@ SELECT pid, version, started_at, heartbeat_s,
 -- A supervisor starts: its registry row, idle and started now. Fenced: it replaces only
 -- the row it was shown (`seen_pid` + `seen_started_at`: a stale one, or its own crashed
 -- run's), never one another run has written since; nothing returned: try again.
-INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s)
-VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, 0, %(heartbeat_s)s)
+INSERT INTO derivd_hosts AS r (host, pid, version, backend, workers, busy, heartbeat_s,
+                               variant_set)
+VALUES (%(host)s, %(pid)s, %(version)s, %(backend)s, %(workers)s, 0, %(heartbeat_s)s,
+        %(variant_set)s)
 ON CONFLICT (host) DO UPDATE
    SET pid = EXCLUDED.pid, version = EXCLUDED.version, backend = EXCLUDED.backend,
        workers = EXCLUDED.workers, busy = 0, heartbeat_s = EXCLUDED.heartbeat_s,
-       last_heartbeat = now(), started_at = now()
+       last_heartbeat = now(), started_at = now(), variant_set = EXCLUDED.variant_set
  WHERE r.pid = %(seen_pid)s AND r.started_at = %(seen_started_at)s::timestamptz
 RETURNING started_at;
+
+-- name: host_variant_set
+-- A supervisor's variant set changed (a reload), or its row was made again by a
+-- heartbeat after a prune: the registry learns it. Fenced on the run, as the heartbeat.
+UPDATE derivd_hosts
+   SET variant_set = %(variant_set)s
+ WHERE host = %(host)s AND pid = %(pid)s
+   AND (%(started_at)s::timestamptz IS NULL OR started_at = %(started_at)s::timestamptz)
+RETURNING host;
+
+-- name: live_variant_sets
+-- `derivd backfill`: the variant set of every live host (NULL: unknown).
+SELECT host, variant_set FROM derivd_hosts
+ WHERE NOT derivd_host_stale(last_heartbeat, heartbeat_s)
+ ORDER BY host;
 
 -- name: deregister_host
 -- A clean stop. Fenced on the pid and the start: a supervisor under the same name (a
@@ -424,14 +454,15 @@ SELECT EXISTS (SELECT 1 FROM archive_events_default) AS present;
 
 -- name: enqueue
 -- Queue confirmed originals (key and version already stored), all at one priority and
--- tenant (NULL: none). Returns the new ids in order. Their write-ahead entries (what
+-- tenant (NULL: none), with one external id and metadata (NULL: none). Returns the new ids in order. Their write-ahead entries (what
 -- `derivd enqueue` registered before the PUTs: enqueue_write_ahead) go in the same
 -- statement: an original is either queued or still in the orphan registry, never neither.
 WITH confirmed AS (
     DELETE FROM pending_objects WHERE key = ANY(%(keys)s::text[])
 )
-INSERT INTO archive_files (status, original_key, original_version, priority, tenant)
-SELECT 'queued', k, v, %(priority)s, %(tenant)s
+INSERT INTO archive_files (status, original_key, original_version, priority, tenant,
+                           external_id, metadata)
+SELECT 'queued', k, v, %(priority)s, %(tenant)s, %(external_id)s, %(metadata)s::jsonb
   FROM unnest(%(keys)s::text[], %(versions)s::text[]) WITH ORDINALITY AS t(k, v, n)
  ORDER BY n
 RETURNING id;
@@ -446,40 +477,14 @@ SELECT k, 0, %(token)s FROM unnest(%(keys)s::text[]) AS k
 ON CONFLICT (key) DO NOTHING;
 
 -- name: request_delete
--- Deletion revokes the lease: a running attempt can no longer commit or fail the row.
--- The files' re-derivations go too, live or rejected (their attempts' commits then fail
--- their fence; objects to the orphan sweep): deleted first, so their rows are locked
--- before the files' (the CTE `locked` waits for `revoked`: a re-derivation's commit locks
--- its job row, then the file, so this order cannot deadlock with it). Only the ids
--- asked for are returned.
-WITH revoked AS (
-    DELETE FROM derivd_rederivations
-     WHERE file_id = ANY(%(ids)s::bigint[])
-    RETURNING id
-), locked AS (
-    SELECT id
-      FROM archive_files
-     WHERE id = ANY(%(ids)s::bigint[]) AND status NOT IN ('deleting', 'deleted')
-       AND (SELECT count(*) FROM revoked) >= 0  -- after `revoked`
-     ORDER BY id
-       FOR UPDATE
-), done AS (
-    UPDATE archive_files AS f
-       SET status = 'deleting', lease_token = NULL, lease_until = NULL, updated_at = now(),
-           error_code = NULL  -- a rejected file's code stays in its events
-      FROM locked AS l
-     WHERE f.id = l.id
-    RETURNING f.id, f.attempts
-), requested_event AS (
-    INSERT INTO archive_events (file_id, kind, attempt, actor)
-    SELECT id, 'delete_requested', attempts, %(actor)s FROM done
-    RETURNING 1
-)
-SELECT id FROM done ORDER BY id;
+-- `derivd delete`: the deletion every app calls too (derivd_delete in sql/functions.sql).
+SELECT id FROM derivd_delete(%(ids)s::bigint[], %(actor)s::text) AS id;
 
 -- name: operator_retry
 -- Operator's retry: rejected rows (by id, or all, optionally of one code) go back to
--- `queued` with their attempts reset; who did it goes to the events.
+-- `queued` with their attempts reset; who did it goes to the events. A row without a
+-- key or version stays rejected (no attempt could read it; the row's rule refuses it
+-- queued: archive_files_original_key_check), left out so the others still go.
 WITH done AS (
     UPDATE archive_files
        SET status = 'queued', attempts = 0, error_code = NULL, available_at = now(),
@@ -488,6 +493,7 @@ WITH done AS (
      WHERE status = 'rejected'
        AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
        AND (%(code)s::text IS NULL OR error_code = %(code)s::text)
+       AND original_key <> '' AND coalesce(original_version, '') <> ''
     RETURNING id
 ), retry_event AS (
     INSERT INTO archive_events (file_id, kind, attempt, actor)
@@ -540,7 +546,8 @@ SELECT id, status, attempts, available_at, lease_token, lease_until, original_ke
        original_version, derived_key, derived_version, sha256, width, height, error_code,
        created_at, updated_at, claimed_at, claimed_by, finished_at, original_width,
        original_height, original_format, original_frames, original_has_alpha,
-       original_colour, original_placeholder, original_dhash
+       original_colour, original_placeholder, original_dhash, external_id, metadata,
+       (SELECT s.bucket FROM derivd_store AS s) AS bucket
   FROM archive_files WHERE id = %(id)s;
 
 -- name: file_variants
@@ -688,11 +695,30 @@ UNLISTEN {channel};
 
 -- name: client_enqueue
 -- derivd.client.enqueue: one confirmed original (key and version id) becomes `queued`,
--- at a priority (-100..100, higher first) and for a tenant (NULL: none).
+-- at a priority (-100..100, higher first) and for a tenant (NULL: none), with the app's
+-- external id and metadata (NULL: none; their bounds are the row's rules).
 -- The same statement any upload API may run in any language (see the README).
-INSERT INTO archive_files (status, original_key, original_version, priority, tenant)
-VALUES ('queued', %(key)s, %(version)s, %(priority)s, %(tenant)s)
+INSERT INTO archive_files (status, original_key, original_version, priority, tenant,
+                           external_id, metadata)
+VALUES ('queued', %(key)s, %(version)s, %(priority)s, %(tenant)s, %(external_id)s,
+        %(metadata)s::jsonb)
 RETURNING id;
+
+-- name: store_record
+-- `derivd migrate` and every supervisor at start: where the store is (derivd_store).
+INSERT INTO derivd_store (backend, bucket) VALUES (%(backend)s, %(bucket)s)
+ON CONFLICT (one) DO UPDATE
+   SET backend = EXCLUDED.backend, bucket = EXCLUDED.bucket, updated_at = now()
+ WHERE (derivd_store.backend, derivd_store.bucket)
+       IS DISTINCT FROM (EXCLUDED.backend, EXCLUDED.bucket);
+
+-- name: app_context_problem
+-- derivd.client.enqueue and `derivd enqueue`, before they write: the row's own rule.
+SELECT derivd_app_context_problem(%(external_id)s::text, %(metadata)s::jsonb) AS problem;
+
+-- name: client_delete
+-- derivd.client.delete: the deletion any app calls (derivd_delete_file); NULL: unknown id.
+SELECT derivd_delete_file(%(id)s::bigint, %(actor)s::text) AS status;
 
 -- name: wait_register
 -- derivd.client.wait, first: the file this waiter waits for, until its deadline. Only
@@ -712,10 +738,12 @@ DELETE FROM derivd_waiters WHERE until < now() - interval '1 minute' RETURNING f
 SELECT status FROM archive_files WHERE id = %(id)s;
 
 -- name: client_result
--- derivd.client.result: the row, every variant (one per variant and format) and the
+-- derivd.client.result: the row (with the app's context and the original's bucket,
+-- key and version), every variant (one per variant and format) and the
 -- original's analysis; only a ready row's variants and analysis are official (NULL
 -- analysis: none, or the handler analysed nothing). No row: unknown id.
-SELECT f.status, f.error_code,
+SELECT f.status, f.error_code, f.external_id, f.metadata, f.original_key,
+       f.original_version, (SELECT s.bucket FROM derivd_store AS s) AS bucket,
        coalesce((SELECT jsonb_agg(jsonb_build_object(
                     'name', v.name, 'key', v.key, 'version', v.version, 'format', v.format,
                     'width', v.width, 'height', v.height, 'bytes', v.bytes,
@@ -730,6 +758,15 @@ SELECT f.status, f.error_code,
            'placeholder', f.original_placeholder, 'dhash', f.original_dhash) END AS original
   FROM archive_files AS f
  WHERE f.id = %(id)s;
+
+-- name: similar_distances
+-- `derivd similar`: the same answer (derivd_similar, in its order), each id with its
+-- distance in bits from the file's dhash.
+SELECT s.id, bit_count((f.original_dhash # o.original_dhash)::bit(64))::integer AS distance
+  FROM derivd_similar(%(id)s, %(max)s, %(limit)s) WITH ORDINALITY AS s(id, n)
+  JOIN archive_files AS f ON f.id = s.id
+ CROSS JOIN (SELECT original_dhash FROM archive_files WHERE id = %(id)s) AS o
+ ORDER BY s.n;
 
 -- name: similar
 -- derivd.client.similar: the other ready files within `max` bits of this file's dhash,
@@ -1026,6 +1063,9 @@ CREATE DATABASE {name};
 
 -- name: create_database_from_template
 CREATE DATABASE {name} TEMPLATE {template};
+
+-- name: create_schema
+CREATE SCHEMA IF NOT EXISTS {name};
 
 -- name: drop_database
 DROP DATABASE IF EXISTS {name} WITH (FORCE);

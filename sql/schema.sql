@@ -91,6 +91,11 @@ CREATE TABLE archive_files (
     -- derivd_rederivations); kept, with its index, for hosts of the release before
     -- during a rolling upgrade. Always NULL.
     rederive_of      bigint,
+    -- The app's own context (migration 0025): its reference and a small JSON object,
+    -- carried unchanged to the client's result, `derivd show` and every webhook. Their
+    -- bounds are rules of the row (derivd_file_row_holds).
+    external_id      text,
+    metadata         jsonb,
     -- Every rule of a row (its status and error code from the vocabularies, a lease
     -- exactly while processing, a code exactly when rejected, the analysis all or
     -- nothing and well-formed, priority and tenant within their domains) in one CHECK:
@@ -149,6 +154,18 @@ CREATE TABLE archive_variants (
     bytes        bigint,
     PRIMARY KEY (file_id, name, format),
     CONSTRAINT archive_variants_format_check CHECK (format IN ('webp', 'avif', 'jpeg', 'png'))
+);
+
+-- Where the originals and variants live, as an app and a webhook receiver name it (one
+-- row; migration 0025): recorded by `derivd migrate` and by every supervisor at start,
+-- read by the outbox and derivd.client.result. Keys in the rows are the store's whole
+-- keys (`[storage] prefix` included): bucket + key opens an object with a plain GET.
+CREATE TABLE derivd_store (
+    one        boolean     PRIMARY KEY DEFAULT true,
+    backend    text        NOT NULL,
+    bucket     text,
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT derivd_store_one_row CHECK (one)
 );
 
 -- Write-ahead record of every object a worker is about to PUT. The fenced commit deletes
@@ -391,6 +408,10 @@ CREATE TABLE derivd_hosts (
     heartbeat_s    double precision NOT NULL,
     started_at     timestamptz      NOT NULL DEFAULT now(),
     last_heartbeat timestamptz      NOT NULL DEFAULT now(),
+    -- The variant set it derives (derivd.fingerprint.target_digest; migration 0025),
+    -- what `derivd backfill` compares with the set it rolls out. NULL: unknown (a host
+    -- of an earlier release, or a row the heartbeat made again after a prune).
+    variant_set    text,
     CONSTRAINT derivd_hosts_host_check CHECK (
         octet_length(host) BETWEEN 1 AND 200 AND host !~ '[[:cntrl:]]'),
     CONSTRAINT derivd_hosts_heartbeat_check CHECK (heartbeat_s > 0)

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from derivd.derive_clock import DeriveClock, Spent
 from derivd.errors import ErrorCode, Permanent, Transient
@@ -24,9 +23,7 @@ from derivd.logs import event
 from derivd.pipeline import Stage
 from derivd.queue.db import DatabaseUnavailable, Finished, Job
 from derivd.queue.retry import record_failure
-
-if TYPE_CHECKING:
-    from derivd.worker import Worker
+from derivd.worker import Worker
 
 log = logging.getLogger("derivd.worker")
 
@@ -116,21 +113,21 @@ class Attempt:
         with backoff, anything else retried and ended `processing_failed`. Fenced."""
         job = self.job
         if isinstance(error, Permanent):
-            log.debug("job %s rejected: %s", job.id, error, exc_info=True)
+            log.debug("%s rejected: %s", job.label, error, exc_info=True)
             return _record(worker, job, retry=False, code=error.code)
         if isinstance(error, Transient):
             # The message may carry text we did not write (a plugin's, a library's): the
             # class name is what INFO and above get; the text stays at DEBUG.
             log.warning(
-                "job %s attempt %s failed transiently: %s",
-                job.id,
+                "%s attempt %s failed transiently: %s",
+                job.label,
                 job.attempt,
                 error if error.own_words else type(error).__name__,
             )
-            log.debug("job %s transient failure: %s", job.id, error, exc_info=True)
+            log.debug("%s transient failure: %s", job.label, error, exc_info=True)
             return _record(worker, job, retry=True, code=error.code)
-        log.error("job %s attempt %s failed: %s", job.id, job.attempt, type(error).__name__)
-        log.debug("job %s failure detail", job.id, exc_info=True)
+        log.error("%s attempt %s failed: %s", job.label, job.attempt, type(error).__name__)
+        log.debug("%s failure detail", job.label, exc_info=True)
         return _record(worker, job, retry=True, code="processing_failed")
 
     def release(self, worker: Worker) -> Outcome:
@@ -141,7 +138,7 @@ class Attempt:
             released = worker.queue.release(self.job)
         except DatabaseUnavailable as error:
             # The row stays `processing` until its lease expires; the attempt counts.
-            log.warning("job %s: could not release: %s", self.job.id, error)
+            log.warning("%s: could not release: %s", self.job.label, error)
             return UNKNOWN
         if not released:
             _lease_lost(self.job)
@@ -189,7 +186,7 @@ def commit(
         elif job.id in committed.rejected:
             # A re-derivation whose set is not its run's configured one (this worker
             # runs another configuration than the backfill's): the file keeps its set.
-            log.error("job %s: its variant set is not the backfill's target", job.id)
+            log.error("%s: its variant set is not the backfill's target", job.label)
             outcomes.append(Outcome("rejected", "processing_failed"))
         else:
             _lease_lost(job)
@@ -204,7 +201,7 @@ def _record(worker: Worker, job: Job, *, retry: bool, code: ErrorCode) -> Outcom
         )
     except DatabaseUnavailable as error:
         # The row stays `processing`; its lease expires and the attempt is counted.
-        log.warning("job %s: could not record failure: %s", job.id, error)
+        log.warning("%s: could not record failure: %s", job.label, error)
         return Outcome("unknown", code)
     if status is None:
         _lease_lost(job)
@@ -213,4 +210,4 @@ def _record(worker: Worker, job: Job, *, retry: bool, code: ErrorCode) -> Outcom
 
 
 def _lease_lost(job: Job) -> None:
-    event(log, "lease lost", logging.WARNING, file_id=job.id, attempt=job.attempt)
+    event(log, "lease lost", logging.WARNING, **job.log_fields(), attempt=job.attempt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -175,9 +176,10 @@ def migrate(state: State) -> None:
     from derivd.embedded.runtime import database
     from derivd.queue.db import check_schema
     from derivd.queue.db import migrate as apply_migrations
+    from derivd.storage.configured import store_name
 
     with database(state.config, auto_migrate=False, check=False) as dsn:
-        applied = apply_migrations(dsn)
+        applied = apply_migrations(dsn, store_name(state.config), state.config.database.schema)
         check_schema(dsn)  # a schema newer than this version is refused, not "up to date"
     click.echo(f"applied: {', '.join(applied)}" if applied else "schema is up to date")
 
@@ -190,10 +192,22 @@ def migrate(state: State) -> None:
     "--tenant",
     help=f"Whose files these are (at most {TENANT_MAX_CHARS} characters); none by default.",
 )
+@click.option("--external-id", help="Your own reference, carried to results and webhooks.")
+@click.option(
+    "--metadata",
+    metavar="JSON",
+    help="A small JSON object carried to results and webhooks, e.g. '{\"album\": 7}'.",
+)
 @pass_state
 @friendly_errors
 def enqueue(
-    state: State, paths: tuple[Path, ...], quiet: bool, priority: int, tenant: str | None
+    state: State,
+    paths: tuple[Path, ...],
+    quiet: bool,
+    priority: int,
+    tenant: str | None,
+    external_id: str | None,
+    metadata: str | None,
 ) -> None:
     """Upload originals (files, or directories walked recursively) and queue them.
 
@@ -203,6 +217,7 @@ def enqueue(
     skipped. Prints one line per file: the new row id and the path; then run
     `derivd run` (or let a running one pick them up) and watch `derivd status`.
     """
+    from derivd.client import InvalidContext, app_context
     from derivd.embedded.runtime import database
     from derivd.ops.enqueue import expand_paths, upload_and_queue
     from derivd.priorities import priority_problem, tenant_problem
@@ -218,6 +233,10 @@ def enqueue(
         database(state.config, create=False) as dsn,
         QueueDB.open(dsn, role="derivd-enqueue") as queue,
     ):
+        try:
+            context = app_context(queue, external_id, _json_arg("--metadata", metadata))
+        except InvalidContext as error:
+            die(str(error), 2)
         storage = open_storage(state.config)
         storage.check()
         with click.progressbar(
@@ -230,9 +249,20 @@ def enqueue(
                 progress=lambda _: bar.update(1),
                 priority=priority,
                 tenant=tenant,
+                context=context,
             )
     for file_id, path in zip(ids, files, strict=True):
         click.echo(str(file_id) if quiet else f"{file_id}\t{path}")
+
+
+def _json_arg(option: str, text: str | None) -> Any:
+    """An option's JSON value (None when not given); one line, exit 2, when it is not JSON."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        die(f"{option} is not JSON: {error}", 2)
 
 
 @main.command()
@@ -250,9 +280,14 @@ def enqueue(
     BACKFILL_PRIORITY,
     f"with --apply, the re-derivations' priority (below live uploads at {DEFAULT_PRIORITY})",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="With --apply: queue even while live hosts derive another variant set.",
+)
 @pass_state
 @friendly_errors
-def backfill(state: State, apply_: bool, max_queued: int, priority: int) -> None:
+def backfill(state: State, apply_: bool, max_queued: int, priority: int, force: bool) -> None:
     """Re-derive ready files whose variants differ from the configured ones.
 
     \b
@@ -262,11 +297,13 @@ def backfill(state: State, apply_: bool, max_queued: int, priority: int) -> None
     keeping at most --max-queued claimable. Each file stays `ready`, its old variants
     readable, until its re-derivation commits the new set; the old objects go to the
     sweep after [sweep] delete_guard. Ctrl-C or a crash: run it again to resume. One
-    --apply runs at a time (any host).
+    --apply runs at a time (any host). While live hosts derive another variant set
+    (the registry knows each one's), --apply refuses: their workers would reject every
+    re-derivation; --force queues anyway (a warning), as when they restart soon.
     """
     from derivd.embedded.runtime import database
-    from derivd.fingerprint import configured_set
-    from derivd.ops.backfill import Apply, BackfillRunning, scan
+    from derivd.fingerprint import configured_set, target_digest
+    from derivd.ops.backfill import Apply, BackfillRunning, fleet_problem, scan
     from derivd.priorities import priority_problem
     from derivd.queue.db import QueueDB
 
@@ -279,6 +316,11 @@ def backfill(state: State, apply_: bool, max_queued: int, priority: int) -> None
         database(config, create=False) as dsn,
         QueueDB.open(dsn, role="derivd-backfill") as queue,
     ):
+        problem = fleet_problem(queue.live_variant_sets(), target_digest(configured))
+        if problem and apply_ and not force:
+            die(problem)
+        if problem:
+            click.echo(f"derivd: warning: {problem.removesuffix(', or pass --force')}", err=True)
         if not apply_:
             for line in scan(queue, configured).lines(configured):
                 click.echo(line)
@@ -724,8 +766,9 @@ def files(
 @pass_state
 @friendly_errors
 def similar(state: State, file_id: int, max_distance: int, limit: int, as_json: bool) -> None:
-    """The ready files that look like file ID (near-duplicates by dhash), nearest first."""
-    import json
+    """The ready files that look like file ID (near-duplicates by dhash), nearest first:
+    one line each, its id and its distance in bits (--json: `similar`, the ids, and
+    `distances`, theirs in the same order)."""
 
     from derivd.embedded.runtime import database
     from derivd.queue.db import QueueDB
@@ -733,11 +776,15 @@ def similar(state: State, file_id: int, max_distance: int, limit: int, as_json: 
     with database(state.config, read_only=True) as dsn, QueueDB.open(dsn, role="derivd-cli") as q:
         if q.status_of(file_id) is None:
             die(f"no file with id {file_id}")
-        ids = q.similar(file_id, max_distance, limit)
+        found = q.similar_distances(file_id, max_distance, limit)
     if as_json:
-        click.echo(json.dumps({"id": file_id, "max_distance": max_distance, "similar": ids}))
+        ids, distances = [i for i, _ in found], [d for _, d in found]
+        answer = {"id": file_id, "max_distance": max_distance, "similar": ids}
+        click.echo(json.dumps({**answer, "distances": distances}))
+    elif found:
+        click.echo("\n".join(f"{i}\t{d} bit{'s' if d != 1 else ''}" for i, d in found))
     else:
-        click.echo("\n".join(map(str, ids)) if ids else "no similar ready file")
+        click.echo("no similar ready file")
 
 
 @main.group()

@@ -4,6 +4,10 @@
     status = wait(conn, file_id, timeout=30)  # 'ready', 'rejected', ... or None
     done = result(conn, file_id)              # status, error code, variants, original
     ids = similar(conn, file_id)              # ready files that look the same (dhash)
+    delete(conn, file_id)                     # as `derivd delete`: 'deleting' or 'deleted'
+
+Keys are the store's real keys: `enqueue` takes the key the app PUT (with any prefix it
+PUT under), and every key a result names opens with a plain GET of its bucket and key.
 
 Connections: any psycopg 3 connection, in autocommit mode or not.
 
@@ -28,9 +32,10 @@ connection (psycopg >= 3.2.4 then keeps notifications that arrive during a query
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +58,7 @@ __all__ = [
     "FINAL",
     "ClientError",
     "ConnectionBusy",
+    "InvalidContext",
     "InvalidKey",
     "InvalidPriority",
     "InvalidTenant",
@@ -61,6 +67,7 @@ __all__ = [
     "Result",
     "UnknownFile",
     "Variant",
+    "delete",
     "enqueue",
     "result",
     "similar",
@@ -82,6 +89,11 @@ class InvalidPriority(ClientError, ValueError):
 
 class InvalidTenant(ClientError, ValueError):
     """A tenant longer than 200 characters, empty, or with control characters."""
+
+
+class InvalidContext(ClientError, ValueError):
+    """An external id or metadata outside their bounds (derivd_app_context_problem in
+    sql/functions.sql: the message says which), or metadata that is not JSON."""
 
 
 class UnknownFile(ClientError, LookupError):
@@ -126,6 +138,11 @@ class Result:
     error_code: str | None
     variants: tuple[Variant, ...]
     original: Original | None = None  # None until ready (and from a handler that analyses nothing)
+    external_id: str | None = None  # the app's reference, as enqueued
+    metadata: dict[str, Any] | None = None  # the app's JSON object, as enqueued
+    bucket: str | None = None  # the store's bucket (None: the fs store)
+    original_key: str = ""  # the key the app PUT: bucket + key opens it
+    original_version: str | None = None
 
 
 def enqueue(
@@ -135,6 +152,8 @@ def enqueue(
     *,
     priority: int = DEFAULT_PRIORITY,
     tenant: str | None = None,
+    external_id: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
 ) -> int:
     """Queue a stored original, read later by key AND version id. Returns the row id.
     A missing version (None: the PUT to an unversioned bucket returned none) raises
@@ -147,7 +166,10 @@ def enqueue(
 
     `priority`: -100..100, higher runs first (0: live uploads; backfill uses -10).
     `tenant`: whose file it is (None: no tenant); tenants with work at one priority
-    share the claims."""
+    share the claims. `external_id` (the app's own reference, 1-200 characters) and
+    `metadata` (a JSON object, at most 4 KiB as JSON) come back unchanged in `result`,
+    `derivd show` and every webhook; InvalidContext, and nothing queued, outside those
+    bounds."""
     if not isinstance(original_key, str) or not original_key.strip():
         raise ValueError("original_key is required: the key the original was stored under")
     if not isinstance(original_version, str) or not original_version.strip():
@@ -161,9 +183,43 @@ def enqueue(
     problem = tenant_problem(tenant)
     if problem:
         raise InvalidTenant(problem)
-    return QueueDB(conn).enqueue_one(
-        original_key, original_version, priority=priority, tenant=tenant
+    queue = QueueDB(conn)
+    context = app_context(queue, external_id, metadata)
+    return queue.enqueue_one(
+        original_key, original_version, priority=priority, tenant=tenant, **context
     )
+
+
+def app_context(
+    queue: QueueDB, external_id: str | None, metadata: Mapping[str, Any] | None
+) -> dict[str, str | None]:
+    """The app's context as the enqueue statements take it (metadata as JSON text), once
+    the database's rule (derivd_app_context_problem) has found nothing wrong with it:
+    InvalidContext otherwise, before any row is written."""
+    if external_id is None and metadata is None:
+        return {"external_id": None, "metadata": None}
+    try:
+        text = None if metadata is None else json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise InvalidContext(f"metadata is not JSON: {error}") from None
+    problem = queue.app_context_problem(external_id, text)
+    if problem:
+        raise InvalidContext(problem)
+    return {"external_id": external_id, "metadata": text}
+
+
+def delete(conn: psycopg.Connection[Any], file_id: int, *, actor: str = "app") -> str:
+    """Delete a file as `derivd delete` does (derivd_delete_file in sql/functions.sql):
+    it moves to `deleting` at once, revoking any lease, so a running attempt can no
+    longer commit; after [sweep] delete_guard the sweep removes the original's every
+    version and every variant, marks it `deleted` and announces `file.deleted`. Returns
+    the file's status now ('deleting', or 'deleted' when it was already); `actor` goes
+    to its events. UnknownFile for an id no row has."""
+    with _own(conn):
+        status = QueueDB(conn).delete_file(file_id, actor)
+    if status is None:
+        raise UnknownFile(f"no file with id {file_id}")
+    return status
 
 
 def wait(conn: psycopg.Connection[Any], file_id: int, timeout: float) -> str | None:
@@ -216,6 +272,11 @@ def result(conn: psycopg.Connection[Any], file_id: int) -> Result:
         error_code=row["error_code"],
         variants=tuple(Variant(**v) for v in row["variants"]),
         original=Original(**row["original"]) if row["original"] else None,
+        external_id=row["external_id"],
+        metadata=row["metadata"],
+        bucket=row["bucket"],
+        original_key=str(row["original_key"]),
+        original_version=row["original_version"],
     )
 
 

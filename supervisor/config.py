@@ -14,6 +14,7 @@ import configparser
 import dataclasses
 import difflib
 import os
+import re
 import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -21,7 +22,8 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from derivd.handlers.base import DeriveSpec, VariantSpec
-from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn
+from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn, shown_url
+from derivd.storage.base import prefix_problem
 from derivd.variant_config import (
     SECTION_PREFIX,
     build_variants,
@@ -112,9 +114,20 @@ DAYS_MAX = 36_500  # a century of days
 COUNT_MAX = 1_000_000_000  # fits PostgreSQL's integer
 
 
+# A schema name derivd puts in search_path and in DDL as it is: nothing to quote.
+SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def schema_name_problem(value: str) -> str | None:
+    """[database] schema: empty, or a name derivd uses as it is (nothing to quote)."""
+    if not value or SCHEMA_NAME.match(value):
+        return None
+    return f"{value!r} is not a lower-case name (a letter or _, then letters, digits or _)"
+
+
 def one_of(*choices: str) -> Check:
     def check(value: str) -> str | None:
-        return None if value in choices else f"must be one of: {', '.join(choices)}"
+        return None if value in choices else f"{value!r} is not one of: {', '.join(choices)}"
 
     return check
 
@@ -196,6 +209,12 @@ class DatabaseSettings:
         check=check_dsn,
         mask=mask_dsn,
     )
+    schema: str = setting(
+        "",
+        "where derivd's tables live: a schema of its own beside the app's (e.g. derivd), "
+        "or the app's; empty: the connection's search_path (public)",
+        check=schema_name_problem,
+    )
     listen_retry: float = setting(
         1.0,
         "seconds between a supervisor's attempts to (re)open its LISTEN connection, each "
@@ -215,7 +234,11 @@ class StorageSettings:
         "", "s3: endpoint for MinIO/Ceph/other S3 APIs; empty: AWS", mask=mask_url
     )
     region: str = setting("", "s3: region; empty: from the AWS environment/profile")
-    prefix: str = setting("", "s3: key prefix inside the bucket, e.g. derivd/")
+    prefix: str = setting(
+        "",
+        "s3: where in the bucket derivd writes its objects, e.g. derivd/ (part of their keys)",
+        check=lambda value: prefix_problem(value) if value else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -397,7 +420,9 @@ class WebhookSettings:
     """`[webhook:NAME]`: one receiver of signed events (derivd.webhooks.endpoints checks
     the secret and builds the Endpoint)."""
 
-    url: str = setting("", "http:// or https:// URL the events are POSTed to", check=check_url)
+    url: str = setting(
+        "", "http:// or https:// URL the events are POSTed to", check=check_url, mask=shown_url
+    )
     secret: str = setting(
         "",
         "Standard Webhooks secret, whsec_<base64>; or set secret_env or secret_file instead",
@@ -697,7 +722,13 @@ def config_location(given: Path | None, env: Mapping[str, str]) -> tuple[Path, b
 
 
 def _read_ini(path: Path, problems: list[Problem]) -> dict[str, dict[str, str]]:
-    parser = configparser.ConfigParser(interpolation=None, strict=True)
+    # Comments as in the INI readers people know: on their own line, or after a value
+    # following whitespace (`events = file.ready  # default: all four`). Without the
+    # inline ones, `tenants =   # empty: every tenant` named the tenant "# empty: ...".
+    # A `#` or `;` not after whitespace stays in the value (`https://host/#part`).
+    parser = configparser.ConfigParser(
+        interpolation=None, strict=True, inline_comment_prefixes=("#", ";")
+    )
     try:
         with path.open(encoding="utf-8") as handle:
             parser.read_file(handle)

@@ -29,7 +29,7 @@ def worker_depth(
       pipeline overlaps a job's store round trips with the next one's derive; with no
       round trip there is nothing to overlap, and a second job held would only keep its
       row claimed longer and double the worker's transactions in flight (+25 % server
-      CPU per noop job: bench/RESULTS.md, "Sitting of 2026-12-03")."""
+      CPU per noop job when it did: bench/RESULTS.md)."""
     if claim_batch > 1 or not (reads_original or stores_objects):
         return 1
     return pipeline

@@ -100,6 +100,15 @@ def mask_url(url: str) -> str:
     return _URL_USERINFO.sub(r"\1" + MASK + "@", url.strip())
 
 
+def shown_url(url: str) -> str:
+    """A webhook URL as derivd shows it anywhere (`webhooks list`, `config show`): without
+    its query, which may carry a token of the receiver's (`?token=…`)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    return urlunsplit((*parts[:3], "…" if parts.query else "", ""))
+
+
 def url_secrets(url: str) -> list[str]:
     """The user name and password of a URL, to register: a library's error may echo
     them in some other spelling than the URL's."""

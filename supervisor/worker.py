@@ -1,6 +1,6 @@
 """One worker: what it holds and the work it does on one job (GET the original, derive,
-write-ahead and PUT the variants). Its loop is `derivd.worker_loop`, an attempt's stages
-and their outcomes `derivd.attempt`.
+write-ahead and PUT the variants). Its loop is `derivd.worker_loop` (`run`), an
+attempt's stages and their outcomes `derivd.attempt`.
 
 Everything a worker holds (database connection, storage client, image library) is created
 by `Worker.create` in the process that runs it, after any fork. Work happens outside any
@@ -15,7 +15,6 @@ import os
 import random
 import select
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ from derivd.queue.db import DatabaseUnavailable, Finished, Job, QueueDB, StoredV
 from derivd.storage.base import ObjectMissing, Storage, derived_key
 from derivd.storage.configured import open_storage
 from derivd.storage.parallel import Put, put_all
-from derivd.worker_loop import WorkerLoop
 
 # How a re-derivation's ending outcomes are reported (the others, retry, lease_lost, ...,
 # are an attempt's whatever it derives).
@@ -48,6 +46,7 @@ class ClaimTerms(TypedDict):
     host: str | None
     tenant_cap: int
     write_ahead: bool
+    key_prefix: str
 
 
 log = logging.getLogger("derivd.worker")
@@ -196,27 +195,7 @@ class Worker:
             self._io.shutdown(wait=True)
         self.queue.close()
 
-    # -- the loop ----------------------------------------------------------------------
-
-    def run(
-        self,
-        should_stop: Callable[[], bool],
-        *,
-        idle: IdleWait | None = None,
-        burst: bool = False,
-        max_jobs: int = 0,
-    ) -> str:
-        """Work until told to stop (derivd.worker_loop). Returns why it stopped: stopped,
-        drained, max_jobs. Jobs held and not started are given back on the way out."""
-        loop = WorkerLoop(self, self.depth)
-        return loop.run(should_stop, idle or IdleWait(), burst=burst, max_jobs=max_jobs)
-
-    def run_claimed(self, jobs: Sequence[Job], *, claimed_at: float | None = None) -> None:
-        """Run jobs claimed already, in claim order, through the same loop (no claim of
-        its own), each to its reported outcome. `claimed_at`: taken before their claim
-        was sent (default: now)."""
-        sent = time.monotonic() if claimed_at is None else claimed_at
-        WorkerLoop(self, self.depth, claims=False).run_claimed(jobs, IdleWait(), claimed_at=sent)
+    # -- what its loop asks of it (derivd.worker_loop) ---------------------------------
 
     def claim_terms(self) -> ClaimTerms:
         """What every claim of this worker asks for, from [queue] and the host: one place
@@ -228,6 +207,7 @@ class Worker:
             host=self.config.host_id,
             tenant_cap=q.max_in_flight_per_tenant,
             write_ahead=self.stores_objects,
+            key_prefix=self.storage.prefix,
         )
 
     def claim_many(self, limit: int) -> list[Job]:
@@ -250,7 +230,7 @@ class Worker:
         event(
             log,
             "job finished",
-            file_id=job.id,
+            **job.log_fields(),
             attempt=job.attempt,
             outcome=outcome,
             code=code or "-",
@@ -307,7 +287,10 @@ class Worker:
 
     def _store(self, job: Job, variants: Sequence[DerivedVariant]) -> list[StoredVariant]:
         # Under the file's prefix: a re-derivation's objects belong to the file it serves.
-        keys = [derived_key(job.for_file, job.token, v.name, v.extension) for v in variants]
+        keys = [
+            derived_key(job.for_file, job.token, v.name, v.extension, self.storage.prefix)
+            for v in variants
+        ]
         if keys and not (self.stores_objects and self.queue.write_ahead_durable(job)):
             # Write-ahead: a crash after a PUT leaves a record for the orphan sweep. The
             # claim registered the attempt's prefix; this is its flush when no durable

@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 from derivd.attempt import STOP_POLL_S, UNKNOWN, Attempt, Outcome, commit
 from derivd.derive_clock import DeriveClock, Spent
@@ -45,9 +44,7 @@ from derivd.pipeline import (
     on_stop,
 )
 from derivd.queue.db import DatabaseUnavailable, Finished, Job
-
-if TYPE_CHECKING:
-    from derivd.worker import IdleWait, Worker
+from derivd.worker import IdleWait, Worker
 
 log = logging.getLogger("derivd.worker")
 
@@ -55,6 +52,28 @@ log = logging.getLogger("derivd.worker")
 # started (a claim batch of short jobs shares one commit round trip; a job that ran
 # this long is committed before the next one starts).
 FLUSH_AFTER_S = 0.05
+
+
+def run(
+    worker: Worker,
+    should_stop: Callable[[], bool],
+    *,
+    idle: IdleWait | None = None,
+    burst: bool = False,
+    max_jobs: int = 0,
+) -> str:
+    """Work until told to stop, at the worker's depth. Returns why it stopped: stopped,
+    drained, max_jobs. Jobs held and not started are given back on the way out."""
+    loop = WorkerLoop(worker, worker.depth)
+    return loop.run(should_stop, idle or IdleWait(), burst=burst, max_jobs=max_jobs)
+
+
+def run_claimed(worker: Worker, jobs: Sequence[Job], *, claimed_at: float | None = None) -> None:
+    """Run jobs claimed already, in claim order, through the same loop (no claim of its
+    own), each to its reported outcome. `claimed_at`: taken before their claim was sent
+    (default: now)."""
+    sent = time.monotonic() if claimed_at is None else claimed_at
+    WorkerLoop(worker, worker.depth, claims=False).run_claimed(jobs, IdleWait(), claimed_at=sent)
 
 
 class WorkerLoop:
@@ -327,7 +346,7 @@ class WorkerLoop:
         is on its way: one decided before the stop (a store lane's, folded into its
         commit) would take the released row straight back, to be released again."""
         if late:
-            log.info("job %s: too little of its lease left to start; released", attempt.job.id)
+            log.info("%s: too little of its lease left to start; released", attempt.job.label)
         with self.cond:
             while self.claiming:
                 self.cond.wait()

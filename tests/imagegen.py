@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import lzma
 import os
+import random
 import struct
 import zlib
 from collections.abc import Callable
@@ -560,6 +561,47 @@ def png_bad_crc() -> bytes:
     return bytes(data)
 
 
+def scan_start(data: bytes) -> int:
+    """Where a JPEG's entropy-coded data starts: just past its first SOS segment."""
+    sos = data.index(b"\xff\xda")
+    return sos + 2 + struct.unpack(">H", data[sos + 2 : sos + 4])[0]
+
+
+def scan_flipped(data: bytes, count: int = 40) -> bytes:
+    """`count` bytes in the middle of a JPEG's scan data flipped (each XOR 0x5a), as a
+    bad sector or a broken transfer would: libjpeg only warns about that."""
+    out = bytearray(data)
+    middle = (scan_start(data) + len(data)) // 2
+    for at in range(middle, middle + count):
+        out[at] ^= 0x5A
+    return bytes(out)
+
+
+def scan_overwritten(data: bytes, upto: int | None = None) -> bytes:
+    """A JPEG's scan data overwritten with (seeded) random bytes up to byte `upto` (by
+    default its end marker), as a half-rewritten file: libjpeg warns, then errs past the
+    scan, and libvips published the grey it decoded."""
+    start, end = scan_start(data), min(len(data) - 2, upto or len(data))
+    return data[:start] + random.Random(43).randbytes(end - start) + data[end:]
+
+
+def jpeg_scan_flipped() -> bytes:
+    return scan_flipped(jpeg())
+
+
+def jpeg_scan_overwritten() -> bytes:
+    return scan_overwritten(jpeg())
+
+
+def jpeg_progressive_scan_flipped() -> bytes:
+    return scan_flipped(jpeg_progressive())
+
+
+def jpeg_cmyk_scan_flipped() -> bytes:
+    """CMYK: the fast decode leaves it to each backend's own decoder."""
+    return scan_flipped(jpeg_cmyk())
+
+
 # --- the table -----------------------------------------------------------------------------
 
 READY = "ready"
@@ -617,6 +659,11 @@ CASES: list[tuple[str, Factory, str]] = [
     # damaged
     ("jpeg_truncated", truncated(jpeg, 0.5), "corrupt_content"),
     ("jpeg_progressive_truncated", truncated(jpeg_progressive, 0.5), "corrupt_content"),
+    # libjpeg's warnings, not errors: its decoder would fill in grey or garbage
+    ("jpeg_scan_flipped", jpeg_scan_flipped, "corrupt_content"),
+    ("jpeg_scan_overwritten", jpeg_scan_overwritten, "corrupt_content"),
+    ("jpeg_progressive_scan_flipped", jpeg_progressive_scan_flipped, "corrupt_content"),
+    ("jpeg_cmyk_scan_flipped", jpeg_cmyk_scan_flipped, "corrupt_content"),
     ("png_truncated", truncated(png_rgb, 0.5), "corrupt_content"),
     ("png_bad_crc", png_bad_crc, "corrupt_content"),
     ("webp_truncated", truncated(webp_lossy, 0.6), "corrupt_content"),

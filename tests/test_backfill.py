@@ -30,6 +30,7 @@ from derivd.queue.db import QueueDB
 from derivd.storage.base import Storage, new_original_key
 from derivd.storage.configured import open_storage
 from derivd.worker import Worker
+from derivd.worker_loop import run
 
 pytestmark = pytest.mark.pooler
 
@@ -61,7 +62,7 @@ def configured(cfg: Config) -> dict[str, str]:
 def drain(cfg: Config) -> None:
     worker = Worker.create(cfg, cfg.database.dsn)
     try:
-        worker.run(lambda: False, burst=True)
+        run(worker, lambda: False, burst=True)
     finally:
         worker.close()
 

@@ -241,8 +241,12 @@ def test_libvips_info_lines_stay_in_c_and_its_warnings_reach_python(
         handler.derive(jpeg, spec)
         clean = [r.getMessage() for r in caplog.records if r.getMessage().startswith("VIPS:")]
         caplog.clear()
-        with pytest.raises(CorruptContent):
-            handler.derive(jpeg[: len(jpeg) // 2], spec)
-        truncated = [r for r in caplog.records if r.getMessage().startswith("VIPS:")]
+        # JFIF 3.01: libjpeg warns, and it is no damage (handlers/jpegcheck.py), so the
+        # file reaches libvips' own decoder, which passes the warning on.
+        unknown_jfif = bytearray(jpeg)
+        unknown_jfif[unknown_jfif.index(b"JFIF\x00") + 5] = 3
+        handler.derive(bytes(unknown_jfif), spec)
+        warned = [r for r in caplog.records if r.getMessage().startswith("VIPS:")]
     assert clean == []
-    assert truncated and all(r.levelno >= logging.WARNING for r in truncated)
+    assert warned and all(r.levelno >= logging.WARNING for r in warned)
+    assert any("JFIF revision" in r.getMessage() for r in warned)

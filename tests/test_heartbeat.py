@@ -24,6 +24,7 @@ from derivd.processes.duties import Heartbeat, held_jobs, lost_tokens, to_kill
 from derivd.processes.pipe import WorkerProc, kept_starts
 from derivd.queue.db import HostInfo, Job, QueueDB
 from derivd.worker import JobResult
+from derivd.worker_loop import run
 
 LONG = 60.0
 HOST = HostInfo("host-a", 4242, "0.1.0", "vips", 2, 1, 10.0)
@@ -186,7 +187,7 @@ def test_a_heartbeat_never_kills_a_worker_whose_job_committed(
     hooks.proc.depth = worker.depth  # as its "ready" message tells the supervisor
     worker.hooks = hooks
     try:
-        assert worker.run(lambda: False, burst=True) == "drained"
+        assert run(worker, lambda: False, burst=True) == "drained"
     finally:
         worker.close()
     assert sorted(hooks.raced) == ids  # the heartbeat ran after each commit, before its report

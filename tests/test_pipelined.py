@@ -25,6 +25,7 @@ from test_supervisor import FAST, DaemonRun, kinds, processing_rows
 from derivd.queue.db import Job, QueueDB
 from derivd.storage.base import new_original_key
 from derivd.storage.s3 import S3Storage
+from derivd.worker_loop import run
 
 PIPELINED = {"supervisor": {"pipeline": "2"}}
 
@@ -198,7 +199,7 @@ def stop_mid_claim(
     monkeypatch.setattr(worker.queue, "release", recorded_release)
     monkeypatch.setattr(worker, "fetch", held_fetch)
     loop = threading.Thread(
-        target=lambda: seen.outcome.append(worker.run(stop.is_set, burst=True)), daemon=True
+        target=lambda: seen.outcome.append(run(worker, stop.is_set, burst=True)), daemon=True
     )
     loop.start()
     try:
@@ -398,7 +399,7 @@ def test_a_lease_lost_while_waiting_in_the_pipeline_is_never_committed(
     recorder = Recorder()
     worker.hooks = recorder
     outcome: list[str] = []
-    runner = threading.Thread(target=lambda: outcome.append(worker.run(lambda: False, burst=True)))
+    runner = threading.Thread(target=lambda: outcome.append(run(worker, lambda: False, burst=True)))
     runner.start()
     try:
         assert arrived.wait(60)

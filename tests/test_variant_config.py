@@ -49,7 +49,7 @@ BAD: list[tuple[dict[str, str], str]] = [
     ({"size": "10", "format": "webp, webp"}, "[variant:v] format: a format is listed twice"),
     ({"format": "webp"}, "[variant:v] size: required"),
     ({"size": "320", "fit": "cover"}, "[variant:v] fit: cover fills a box"),
-    ({"size": "320", "fit": "crop"}, "[variant:v] fit: must be one of: inside, cover"),
+    ({"size": "320", "fit": "crop"}, "[variant:v] fit: 'crop' is not one of: inside, cover"),
     ({"size": "320", "gravity": "entropy"}, "[variant:v] gravity: only fit = cover crops"),
     ({"size": "320", "format": "jpeg", "lossless": "yes"},
      "[variant:v] lossless: lossless is for webp only, not jpeg"),

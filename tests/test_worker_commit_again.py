@@ -17,6 +17,7 @@ from derivd.handlers.registry import create_handler
 from derivd.queue.db import QueueDB
 from derivd.storage.fs import FsStorage
 from derivd.worker import Worker
+from derivd.worker_loop import run
 
 
 class DropsItsConnection:
@@ -59,7 +60,7 @@ def test_a_failed_commit_and_claim_sends_the_commit_again_before_calling_it_unkn
     recorder = Recorder()
     worker.hooks = recorder
     try:
-        assert worker.run(lambda: False, burst=True) == "drained"
+        assert run(worker, lambda: False, burst=True) == "drained"
     finally:
         worker.close()
     # The first commit carried the next claim; both went with the connection.

@@ -3,7 +3,7 @@ real PostgreSQL (DESIGN.md "The lease protocol", "Pipelined worker"): a commit w
 answer was lost is sent again; a crash counts only the job that was running, every job
 held behind it goes back unburned; `job_timeout` counts a job's own work, never its wait
 behind another; a stop releases each held job once. Faults come from
-tests/faulthandlers.py scripts and from the test's own database session; every wait is
+tests/faulthandlers.py scripts and from the test's own database connection; every wait is
 on an event, never a sleep."""
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from derivd.storage import s3 as s3_module
 from derivd.storage.base import attempt_prefix, derived_key
 from derivd.storage.fs import FsStorage
 from derivd.storage.s3 import S3Storage
+from derivd.worker_loop import run
 
 pytestmark = pytest.mark.pooler
 
@@ -82,7 +83,7 @@ def test_every_put_finds_its_record_and_the_steady_state_registers_nothing_more(
     first_id, second_id = enqueue(tmp_path, FsStorage(fs_root), dsn, 2)
     worker = make_worker(config, dsn, BeforePut(FsStorage(fs_root), look))
     try:
-        assert worker.run(lambda: False, burst=True) == "drained"
+        assert run(worker, lambda: False, burst=True) == "drained"
     finally:
         worker.close()
     rows = sql(dsn, "SELECT status FROM archive_files ORDER BY id")
@@ -229,7 +230,7 @@ def test_variants_of_a_handler_that_declared_none_are_registered_before_their_pu
     handler = _StoresUndeclared(create_handler("pillow", config.derive_spec()))
     worker = make_worker(config, dsn, BeforePut(FsStorage(fs_root), look), handler)
     try:
-        assert worker.run(lambda: False, burst=True) == "drained"
+        assert run(worker, lambda: False, burst=True) == "drained"
     finally:
         worker.close()
     rows = sql(dsn, "SELECT status FROM archive_files ORDER BY id")

@@ -8,8 +8,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from derivd.config import Config
-from derivd.queue.db import check_schema, migrate
+from derivd.queue.db import check_schema, in_schema, migrate
 from derivd.redact import mask_dsn
+from derivd.storage.configured import store_name
 
 if TYPE_CHECKING:
     from derivd.embedded.pgcluster import EmbeddedCluster
@@ -38,7 +39,8 @@ def database(
     """Yield a DSN. An empty `[database] dsn` starts the private cluster under state_dir
     (and stops it on exit if this process started it); derivd owns that database, so its
     schema is brought up to date at once. A configured database is migrated only by
-    `derivd migrate`. With `check` (every command but `migrate`) the schema must be this
+    `derivd migrate`. The DSN finds derivd's tables in `[database] schema` (in_schema).
+    With `check` (every command but `migrate`) the schema must be this
     version's, else SchemaMismatch before the caller does anything.
 
     `read_only` (commands that only look: `status`, `show`) never creates a cluster nor
@@ -48,11 +50,13 @@ def database(
     Without `create` (commands that work on files already there: `enqueue`, `delete`,
     `retry`, `backfill`) the same: a new cluster there would hold files no daemon serves.
     """
+    schema = config.database.schema
     if config.database.dsn:
         log.debug("database %s", mask_dsn(config.database.dsn))
+        dsn = in_schema(config.database.dsn, schema)
         if check:
-            check_schema(config.database.dsn)
-        yield config.database.dsn
+            check_schema(dsn)
+        yield dsn
         return
     from derivd.embedded.pgcluster import EmbeddedClusterError
 
@@ -60,9 +64,9 @@ def database(
     if (read_only or not create) and not cluster.exists():
         raise EmbeddedClusterError(no_cluster_message(config))
     with cluster:
-        dsn = cluster.dsn()
+        dsn = in_schema(cluster.dsn(), schema)
         if auto_migrate and not read_only:
-            applied = migrate(dsn)
+            applied = migrate(dsn, store_name(config), schema)
             if applied:
                 log.info("embedded database migrated: %s", ", ".join(applied))
         if check:

@@ -31,6 +31,22 @@ class BackfillRunning(Exception):
     """Another `derivd backfill --apply` holds the lease."""
 
 
+def fleet_problem(live: Mapping[str, str | None], target: str) -> str | None:
+    """Why rolling out the set whose digest is `target` would fail now, or None: live
+    hosts (host -> the set they derive, None: unknown, an earlier release) deriving
+    another set reject every re-derivation their workers claim (a commit must hold
+    exactly the configured set). No live host: None (the jobs wait for hosts)."""
+    other = sorted(host for host, digest in live.items() if digest != target)
+    if not other:
+        return None
+    named = ", ".join(other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
+    return (
+        f"live host(s) {named} derive another variant set than this configuration (or an "
+        "unknown one): their workers would reject every re-derivation. Restart them with "
+        "this configuration first, or pass --force"
+    )
+
+
 def differences(current: Fingerprints, configured: Mapping[str, str]) -> dict[str, str]:
     """For each variant slot that differs: `missing` (configured, not stored), `changed`
     (stored with another or no fingerprint) or `extra` (stored, not configured)."""

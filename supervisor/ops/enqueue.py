@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from derivd.priorities import DEFAULT_PRIORITY
@@ -34,10 +34,12 @@ def upload_and_queue(
     progress: Callable[[Path], None] | None = None,
     priority: int = DEFAULT_PRIORITY,
     tenant: str | None = None,
+    context: Mapping[str, str | None] | None = None,
 ) -> list[int]:
     """Upload each file under a generated key, then queue the confirmed versions in
-    batches (one INSERT per batch), all at `priority` for `tenant`. Returns the new row
-    ids in input order.
+    batches (one INSERT per batch), all at `priority` for `tenant`, with the app's
+    `context` (external_id, metadata as JSON text: derivd.client.app_context). Returns
+    the new row ids in input order.
 
     Each batch's keys are registered write-ahead (the orphan registry) before its first
     PUT, and the INSERT clears them: interrupted between the two (Ctrl-C, a crash, the
@@ -46,14 +48,14 @@ def upload_and_queue(
     ids: list[int] = []
     token = uuid.uuid4()  # this run's, never a lease: nothing keeps its orphans alive
     for chunk in batched(paths, batch):
-        keys = [new_original_key() for _ in chunk]
+        keys = [new_original_key(storage.prefix) for _ in chunk]
         queue.enqueue_write_ahead(keys, token)
         originals: list[tuple[str, str | None]] = []
         for path, key in zip(chunk, keys, strict=True):
             originals.append((key, storage.put(key, path.read_bytes(), CONTENT_TYPE)))
             if progress:
                 progress(path)
-        ids += queue.enqueue(originals, priority=priority, tenant=tenant)
+        ids += queue.enqueue(originals, priority=priority, tenant=tenant, **(context or {}))
     return ids
 
 

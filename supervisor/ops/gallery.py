@@ -71,6 +71,7 @@ STYLE = (
     "border:1px solid #e3e6ea;padding:.8em;margin:0 0 1em}"
     "figure{margin:0;max-width:100%}img{display:block;max-width:100%;height:auto;"
     "background:repeating-conic-gradient(#eee 0 25%,#fff 0 50%) 0 0/16px 16px}"
+    "figure{min-width:0}"
     ".nothing{display:flex;align-items:center;justify-content:center;width:160px;"
     "height:120px;border:1px dashed #b8bec6;color:#6b7480;font-size:12px;text-align:center}"
     "figcaption{font-size:12px;color:#4a5360}.rejected{color:#a11818;font-weight:600}"
@@ -180,7 +181,7 @@ def _figure(figure: Figure) -> str:
         width, height = figure.shown
         picture = (
             f'<img src="{esc(figure.src)}" alt="{esc(figure.name)}" width="{width}" '
-            f'height="{height}" loading="lazy">'
+            f'height="{height}"{_within_window(width, height)} loading="lazy">'
         )
     swatch = (
         f'<span class="swatch" style="background:{esc(figure.swatch)}"></span>'
@@ -191,6 +192,15 @@ def _figure(figure: Figure) -> str:
         f"<figure{label}>{picture}<figcaption><b>{esc(figure.name)}</b><br>"
         f"{swatch}{esc(figure.caption)}</figcaption></figure>"
     )
+
+
+def _within_window(width: int, height: int) -> str:
+    """A style that shows a picture at its size but never wider or taller than the window
+    (the demo's `preview:1600` in a 1280 x 800 one), scaled down whole: a width known
+    before the image loads, the height following from the width and height attributes."""
+    if width <= 1 or height <= 1:
+        return ""
+    return f' style="width:min({width}px,100%,calc((100vh - 5em) * {width / height:.4f}))"'
 
 
 def _describe_bytes(data: bytes) -> str:

@@ -64,8 +64,8 @@ def _plain(values: dict[str, Any]) -> dict[str, Any]:
 def _json_value(value: Any) -> Any:
     if isinstance(value, datetime):
         return value.astimezone(UTC).isoformat()
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
+    if value is None or isinstance(value, bool | int | float | str | dict | list):
+        return value  # metadata: the app's JSON object as it is
     return str(value)  # uuid
 
 
@@ -99,11 +99,16 @@ def _row_lines(row: dict[str, Any]) -> list[str]:
     ]
     pairs = [
         ("original", f"{row['original_key']}  version {row['original_version'] or '-'}"),
+        *([("bucket", row["bucket"])] if row.get("bucket") else []),
         ("attempts", str(row["attempts"])),
         ("created", stamp(row["created_at"])),
         ("available", stamp(row["available_at"])),
         ("claimed", f"{stamp(row['claimed_at'])}  by {row['claimed_by'] or '-'}"),
     ]
+    if row.get("external_id") is not None:
+        pairs.append(("external id", row["external_id"]))
+    if row.get("metadata") is not None:
+        pairs.append(("metadata", json.dumps(row["metadata"], ensure_ascii=False)))
     if row["lease_token"] is not None:
         pairs.append(("lease", f"{row['lease_token']}  until {stamp(row['lease_until'])}"))
     pairs.append(("finished", stamp(row["finished_at"])))

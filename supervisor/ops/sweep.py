@@ -218,7 +218,9 @@ class Sweeper:
                 self._renew()
                 if original_key is not None:  # None: a re-derivation's row (its file's)
                     report.objects_deleted += self.storage.delete_all_versions(original_key)
-                report.objects_deleted += self.storage.delete_all_versions(derived_prefix(file_id))
+                report.objects_deleted += self.storage.delete_all_versions(
+                    derived_prefix(file_id, self.storage.prefix)
+                )
                 # Fenced on `deleting`: False means another pass finished it first.
                 if self.queue.mark_deleted(file_id):
                     report.deletions_completed.append(file_id)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import secrets
 import time
-import urllib.parse
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from derivd.redact import shown_url
 from derivd.webhooks.endpoints import Endpoint
 
 
@@ -88,12 +88,6 @@ def test_body(endpoint: str) -> str:
         },
         separators=(", ", ": "),
     )
-
-
-def shown_url(url: str) -> str:
-    """The URL without its query (which may carry a token of the receiver's)."""
-    parts = urllib.parse.urlsplit(url)
-    return urllib.parse.urlunsplit((*parts[:3], "…" if parts.query else "", ""))
 
 
 def configured_json(endpoints: Sequence[Endpoint]) -> list[dict[str, Any]]:

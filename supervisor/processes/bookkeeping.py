@@ -21,7 +21,7 @@ log = logging.getLogger("derivd.supervisor")
 
 def warn(message: str, job: Job, **fields: object) -> None:
     """A warning about one attempt: its file and attempt number, and `fields`."""
-    event(log, message, logging.WARNING, file_id=job.id, attempt=job.attempt, **fields)
+    event(log, message, logging.WARNING, **job.log_fields(), attempt=job.attempt, **fields)
 
 
 class Bookkeeping:
@@ -66,7 +66,13 @@ class Bookkeeping:
         """Fenced: a row that moved on since (committed, reclaimed) just gets `lease_lost`."""
 
         def logged(released: bool | None) -> None:
-            event(log, "job released", file_id=job.id, attempt=job.attempt, released=bool(released))
+            event(
+                log,
+                "job released",
+                **job.log_fields(),
+                attempt=job.attempt,
+                released=bool(released),
+            )
 
         self.thread.submit("release", lambda db: db.release(job), logged)
 

@@ -27,6 +27,7 @@ from derivd.processes.pipe import Reporter
 from derivd.processes.reasons import StopReason
 from derivd.redact import one_line
 from derivd.worker import IdleWait, Worker
+from derivd.worker_loop import run
 
 log = logging.getLogger("derivd.worker")
 
@@ -143,7 +144,9 @@ def _main(spec: ChildSpec) -> int:
 
     max_jobs = _jittered(config.supervisor.max_jobs_per_worker, random.Random())
     try:
-        reason = StopReason(worker.run(should_stop, idle=idle, burst=spec.burst, max_jobs=max_jobs))
+        reason = StopReason(
+            run(worker, should_stop, idle=idle, burst=spec.burst, max_jobs=max_jobs)
+        )
     finally:
         worker.close()
     if reason is StopReason.STOPPED and reporter.recycle and not stop.requested:

@@ -8,6 +8,7 @@ metrics endpoint (with the dashboard) live as long as the supervisor. See
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -25,6 +26,7 @@ from derivd.processes.supervisor import RunResult, Supervisor
 from derivd.queue.db import DatabaseUnavailable, HostInfo, QueueDB
 from derivd.queue.webhook_queries import DeliveriesLeft
 from derivd.redact import redact
+from derivd.storage.configured import store_name
 
 log = logging.getLogger("derivd")
 
@@ -70,19 +72,25 @@ def _supervise(config: Config, dsn: str, burst: bool) -> RunResult:
         if isinstance(host, str):
             return RunResult(2, host)
         metrics = Metrics()
-        supervisor = Supervisor(
-            config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config), host=host
-        )
-        if config.metrics.listen:
-            from derivd.ops.dashboard import Dashboard  # ~20 ms of imports: only to serve it
-
-            # The dashboard follows the supervisor's current config (SIGHUP reloads it).
-            dashboard = Dashboard(dsn, lambda: supervisor.config, metrics)
-            metrics.serve(
-                config.metrics.listen,
-                dashboard=dashboard.route,
-                where=config.where("metrics", "listen"),
+        try:
+            supervisor = Supervisor(
+                config, dsn, burst=burst, metrics=metrics, reload=_reload_from(config), host=host
             )
+            if config.metrics.listen:
+                from derivd.ops.dashboard import Dashboard  # ~20 ms of imports: only to serve
+
+                # The dashboard follows the supervisor's current config (SIGHUP reloads it).
+                dashboard = Dashboard(dsn, lambda: supervisor.config, metrics)
+                metrics.serve(
+                    config.metrics.listen,
+                    dashboard=dashboard.route,
+                    where=config.where("metrics", "listen"),
+                )
+        except BaseException:
+            # A start that fails here (the metrics port taken, ...) leaves no registry
+            # row behind: the next start would wait for it to go stale.
+            _leave_registry(dsn, host)
+            raise
         log.info("%s", listening_line(metrics.address))
         try:
             result = supervisor.run()
@@ -139,9 +147,16 @@ def _say_what_is_left(dsn: str, endpoints: list[str]) -> None:
 
 
 def _claim_host_id(config: Config, dsn: str) -> HostInfo | str:
-    """This run's registry row, before the first fork; or why another run holds it."""
+    """This run's registry row, before the first fork; or why another run holds it.
+    Records where the store is, too (the bucket webhooks and results name)."""
     with QueueDB.open(dsn, role="derivd-supervisor") as queue:
+        queue.record_store(store_name(config))
         return claim_host(queue, host_info(config, busy=0))
+
+
+def _leave_registry(dsn: str, host: HostInfo) -> None:
+    with contextlib.suppress(DatabaseUnavailable), QueueDB.open(dsn, role="derivd-supervisor") as q:
+        q.deregister_host(host.host, host.pid, host.started_at)
 
 
 def _reload_from(config: Config) -> Callable[[], Config]:

@@ -37,6 +37,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from derivd import __version__
 from derivd.config import Config
+from derivd.fingerprint import configured_set, target_digest
 from derivd.logs import event
 from derivd.ops.metrics import Metrics
 from derivd.processes.dbthread import DatabaseThread
@@ -138,7 +139,13 @@ def host_info(config: Config, *, busy: int) -> HostInfo:
         workers=config.worker_count,
         busy=busy,
         heartbeat_s=config.queue.heartbeat_s,
+        variant_set=variant_set_of(config),
     )
+
+
+def variant_set_of(config: Config) -> str:
+    """The digest of the variant set `config` derives (what backfill rolls out)."""
+    return target_digest(configured_set(config.derive_spec(), config.derive.backend))
 
 
 def held_jobs(workers: Iterable[WorkerProc]) -> list[Job]:
@@ -187,6 +194,7 @@ class Heartbeat(DatabaseDuty[set[int]]):
         self.last_ok: float | None = None  # monotonic time of the last answered heartbeat
         # This run's start in the registry: the heartbeat refreshes that row only.
         self.started_at: datetime | None = None
+        self.variant_set_told: str | None = None  # what the registry last learned
 
     @property
     def interval(self) -> float:
@@ -212,7 +220,11 @@ class Heartbeat(DatabaseDuty[set[int]]):
         """The ids of `jobs` whose lease still holds (renewed with [queue] renew)."""
         config = self.config()
         info = replace(host_info(config, busy=busy), started_at=self.started_at)
-        return db.heartbeat(info, jobs, renew=config.queue.renew, lease_s=config.queue.lease)
+        valid = db.heartbeat(info, jobs, renew=config.queue.renew, lease_s=config.queue.lease)
+        if info.variant_set != self.variant_set_told and db.record_variant_set(info):
+            # Once per change (a reload; the first beat, after a prune re-made the row).
+            self.variant_set_told = info.variant_set
+        return valid
 
     def on_heartbeat(self, sent: list[Job], valid: set[int] | None) -> None:
         self.metrics.heartbeat(ok=valid is not None)

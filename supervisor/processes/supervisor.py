@@ -597,8 +597,9 @@ class Supervisor:
             for duty in self.duties:
                 duty.stop()
             self.webhooks.stop()
-            if self.outcome is None:  # a clean stop: leave the registry
-                self.books.deregister(self.host)
+            # A clean stop, or a halt (a boot failure, its jobs released): leave the
+            # registry, or the next start under this name waits for the row to go stale.
+            self.books.deregister(self.host)
             # Both lanes finish their queues at once, within the one close timeout.
             ends_at = self.clock() + self._close_timeout()
             for lane in self.lanes:

@@ -31,5 +31,9 @@ class ClusterAdmin:
             query = self._identifiers("create_database_from_template", name=name, template=template)
             self.conn.execute(query)
 
+    def create_schema(self, name: str) -> None:
+        """[database] schema, made by `migrate` when missing."""
+        self.conn.execute(self._identifiers("create_schema", name=name))
+
     def drop_database(self, name: str) -> None:
         self.conn.execute(self._identifiers("drop_database", name=name))

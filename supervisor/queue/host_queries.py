@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import datetime
 from typing import Any
 
@@ -13,6 +13,7 @@ from derivd.queue.records import (
     Job,
 )
 from derivd.queue.statements import Statements
+from derivd.storage.base import StoreName
 
 
 def _held(job: Job) -> dict[str, Any]:
@@ -40,6 +41,18 @@ class HostQueries(Statements):
         """The registry row under `host` (pid, version, started_at, heartbeat_s,
         heartbeat_age_s, alive), None when there is none."""
         return self._one("host_holder", {"host": host})
+
+    def record_store(self, store: StoreName) -> None:
+        """Where the store is (derivd_store): the bucket results and webhooks name."""
+        self._all("store_record", asdict(store))
+
+    def record_variant_set(self, host: HostInfo) -> bool:
+        """The registry learns `host`'s variant set (fenced on its run); False: no row."""
+        return bool(self._all("host_variant_set", host.__dict__))
+
+    def live_variant_sets(self) -> dict[str, str | None]:
+        """host -> the variant set it derives (None: unknown), of every live host."""
+        return {r["host"]: r["variant_set"] for r in self._all("live_variant_sets")}
 
     def register_host(
         self, host: HostInfo, *, replacing: Mapping[str, Any] | None = None

@@ -27,10 +27,12 @@ class OperatorQueries(Statements):
         *,
         priority: int = DEFAULT_PRIORITY,
         tenant: str | None = None,
+        external_id: str | None = None,
+        metadata: str | None = None,
     ) -> list[int]:
         """Queue stored originals given as (key, version id), at one priority and for
-        one tenant. Returns the new ids. InvalidKey, and nothing queued, when a key is
-        one the stores refuse."""
+        one tenant, with one external id and metadata (JSON text). Returns the new ids.
+        InvalidKey, and nothing queued, when a key is one the stores refuse."""
         if not originals:
             return []
         params = {
@@ -38,6 +40,8 @@ class OperatorQueries(Statements):
             "versions": [version for _, version in originals],
             "priority": priority,
             "tenant": tenant,
+            "external_id": external_id,
+            "metadata": metadata,
         }
         return [r["id"] for r in self._all("enqueue", params)]
 

@@ -28,6 +28,22 @@ class Job:
         """The file id under whose prefix this job's objects are stored."""
         return self.id if self.file_id is None else self.file_id
 
+    @property
+    def label(self) -> str:
+        """How a log line's text names this job: `file 7`, or `rederive job 53 of file 7`
+        (a job id is no file id: `derivd show 53` knows no such file)."""
+        if self.for_file == self.id:
+            return f"file {self.id}"
+        return f"rederive job {self.id} of file {self.for_file}"
+
+    def log_fields(self) -> dict[str, int]:
+        """How a log line names this job: its file, and a re-derivation as a job of its
+        file (`rederive_job=53 file_id=7`): a job id is no file id (`derivd show 53`
+        knows no such file)."""
+        if self.for_file == self.id:
+            return {"file_id": self.id}
+        return {"rederive_job": self.id, "file_id": self.for_file}
+
 
 class Committed(frozenset[int]):
     """The ids a fenced commit made official (a set, as callers test membership), and
@@ -80,6 +96,9 @@ class HostInfo:
     # The start the registry recorded for this run (register_host): the fence of its
     # heartbeats and of its clean stop. None: unfenced (tests, benchmarks).
     started_at: datetime | None = None
+    # The variant set its workers derive (derivd.fingerprint.target_digest): what
+    # `derivd backfill` compares. None: not told.
+    variant_set: str | None = None
 
 
 @dataclass(frozen=True)

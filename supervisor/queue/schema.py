@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from derivd import __version__
+from derivd.queue.cluster_admin import ClusterAdmin
 from derivd.queue.session import (
     PARENT_STATEMENT_TIMEOUT_S,
     Bound,
@@ -18,11 +21,22 @@ from derivd.queue.session import (
 )
 from derivd.queue.sqlfiles import function_signatures, functions, migrations, query
 from derivd.redact import one_line
+from derivd.storage.base import StoreName
 
 
-def migrate(dsn: str) -> list[str]:
+def migrate(dsn: str, store: StoreName | None = None, schema: str = "") -> list[str]:
     """Apply pending migrations in order, then sql/functions.sql, in one transaction,
-    under an advisory lock. Returns the names of the migrations it applied.
+    under an advisory lock, and record where the store is (`store`: derivd_store).
+    Returns the names of the migrations it applied.
+
+    `schema` ([database] schema; `dsn` is `in_schema` of it): created when missing, and
+    every function's search_path, so that an app's statement on a connection of its own
+    (an INSERT firing the triggers and the row's rule, `derivd_delete_file`) finds
+    derivd's tables. A table of derivd's name already there, not derivd's (the app's
+    `archive_files`): SchemaMismatch in one line naming it and the option.
+
+    `store.prefix` is the transaction's `derivd.key_prefix`: migration 0025 adds it to
+    the keys already in the rows (keys are the store's real keys from then on).
 
     Safe to run from two hosts at once: the second waits for the lock, then finds no
     migration left and replaces the functions with the same bodies (two sessions
@@ -40,18 +54,52 @@ def migrate(dsn: str) -> list[str]:
         conn.autocommit = False
         with conn.transaction():
             conn.execute(query("migrations_lock"))
+            if schema:
+                ClusterAdmin(conn).create_schema(schema)
             conn.execute(query("migrations_table"))
+            where = schema or str(conn.execute(query("current_schema")).fetchone()[0])  # type: ignore[index]
+            if store is not None:
+                conn.execute(query("migrations_key_prefix"), {"prefix": store.prefix})
             done = {row[0] for row in conn.execute(query("migrations_applied"))}
             if newer := newer_schema(done, {m.name for m in packaged}):
                 raise SchemaMismatch(newer)
             for migration in packaged:
                 if migration.name in done:
                     continue
-                conn.execute(migration.sql)  # type: ignore[arg-type]  # package data
+                try:
+                    conn.execute(migration.sql)  # type: ignore[arg-type]  # package data
+                except (psycopg.errors.DuplicateTable, psycopg.errors.DuplicateObject) as error:
+                    raise SchemaMismatch(_clash(error, where)) from None
                 conn.execute(query("migrations_record"), {"name": migration.name})
                 applied.append(migration.name)
             conn.execute(functions())  # type: ignore[arg-type]  # package data
+            if schema:
+                # Every function looks its names up in the schema, whoever calls it
+                # (CREATE OR REPLACE drops the setting: every migrate sets it again).
+                conn.execute(query("pin_search_path"), {"signatures": function_signatures()})
+            if store is not None:
+                conn.execute(query("store_record"), asdict(store))
     return applied
+
+
+def _clash(error: psycopg.Error, where: str) -> str:
+    """One line for a migration that met an object of derivd's name it did not make."""
+    what = error.diag.message_primary or "an object of derivd's name exists"
+    return (
+        f"{what} in schema {where} and is not derivd's: give derivd a schema of its own "
+        "with [database] schema (e.g. schema = derivd), or migrate into another database"
+    )
+
+
+def in_schema(dsn: str, schema: str) -> str:
+    """`dsn` whose sessions find derivd's tables in `schema` ([database] schema; empty:
+    `dsn` as it is). A startup option: through a transaction pooler, which refuses it,
+    set the role's search_path instead (README)."""
+    if not schema:
+        return dsn
+    params = conninfo_to_dict(dsn)
+    options = f"{params.get('options') or ''} -c search_path={schema}".strip()
+    return make_conninfo(dsn, options=options)
 
 
 NO_SCHEMA = "the database has no derivd schema; run `derivd migrate`"

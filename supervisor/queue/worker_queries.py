@@ -14,7 +14,7 @@ from derivd.queue.records import (
     Job,
 )
 from derivd.queue.statements import Statements
-from derivd.storage.base import ATTEMPT_PREFIX_FORMAT
+from derivd.storage.base import attempt_prefix_format
 
 
 def _claim_params(
@@ -24,6 +24,7 @@ def _claim_params(
     host: str | None,
     tenant_cap: int,
     write_ahead: bool,
+    key_prefix: str,
 ) -> dict[str, Any]:
     """The claim's named parameters, shared by `claim` and `commit_and_claim`."""
     return {
@@ -32,7 +33,7 @@ def _claim_params(
         "max_attempts": max_attempts,
         "host": host,
         "tenant_cap": tenant_cap,
-        "prefix_format": ATTEMPT_PREFIX_FORMAT if write_ahead else None,
+        "prefix_format": attempt_prefix_format(key_prefix) if write_ahead else None,
     }
 
 
@@ -106,13 +107,16 @@ class WorkerQueries(Statements):
         host: str | None = None,
         tenant_cap: int = 0,
         write_ahead: bool = True,
+        key_prefix: str = "",
     ) -> list[Job]:
         """Lease up to `limit` rows in one statement, in claim order; each row gets its
         own token and lease, and records `host` as its holder. `tenant_cap`: at most that
         many rows in flight per tenant (0: no cap). `write_ahead`: register each attempt's
         key prefix (not flushed: `write_ahead_durable`); false for a worker that stores
-        no objects."""
-        params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap, write_ahead)
+        no objects. `key_prefix`: the store's (storage.base.attempt_prefix)."""
+        params = _claim_params(
+            limit, lease_s, max_attempts, host, tenant_cap, write_ahead, key_prefix
+        )
         with self._lock:
             jobs = _jobs(self._all("claim", params, bound_s=self.claim_bound_s))
             self._unflushed.update(j.token for j in jobs)
@@ -158,11 +162,14 @@ class WorkerQueries(Statements):
         host: str | None = None,
         tenant_cap: int = 0,
         write_ahead: bool = True,
+        key_prefix: str = "",
     ) -> tuple[Committed, list[Job]]:
         """`commit_many` and `claim_many` in one durable statement (one round trip, one
         transaction): the ids that committed, and the newly claimed jobs in claim order.
         Every fence is the same as in the two separate calls."""
-        params = _claim_params(limit, lease_s, max_attempts, host, tenant_cap, write_ahead)
+        params = _claim_params(
+            limit, lease_s, max_attempts, host, tenant_cap, write_ahead, key_prefix
+        )
         params["jobs"] = json.dumps([_commit_row(f) for f in results])
         with self._lock:
             rows = self._all("commit_and_claim", params, bound_s=self.claim_bound_s)

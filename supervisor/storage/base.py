@@ -1,9 +1,13 @@
 """Object storage: the protocol both stores honour, key rules, and the factory.
 
-Keys are generated here (never taken from user input) and validated by both stores and
-at enqueue (`validate_key`, the one rule): a key a store refuses names no object it can
-ever read, so it never enters the queue through derivd, and a worker that meets one (a
-row inserted by other means) rejects it at once as `missing_original`.
+Keys are the store's real keys: what a row, a result or a webhook names opens with a
+plain GET of the bucket and that key. `[storage] prefix` (s3) is where derivd puts what
+it writes (its variants, the originals `derivd enqueue` uploads): part of the keys it
+generates here, never added inside a store. An app's original is read under the key the
+app PUT. Keys are validated by both stores and at enqueue (`validate_key`, the one
+rule): a key a store refuses names no object it can ever read, so it never enters the
+queue through derivd, and a worker that meets one (a row inserted by other means)
+rejects it at once as `missing_original`.
 Every PUT returns the version id it created; reads are always by key and version, so an
 original can never change under a job and attempts never overwrite each other's bytes.
 """
@@ -14,6 +18,7 @@ import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 from derivd.errors import Permanent, ResourceLimit, Transient
@@ -83,28 +88,44 @@ def validate_key(key: str) -> str:
     return key
 
 
-def new_original_key() -> str:
-    return f"originals/{uuid.uuid4().hex}"
+def prefix_problem(prefix: str) -> str | None:
+    """Why `prefix` cannot start keys (None: it can): empty, or segments a key may hold."""
+    try:
+        validate_key(prefix + "x")
+    except InvalidKey as error:
+        return str(error)
+    return None
 
 
-def derived_prefix(file_id: int) -> str:
-    return f"derived/{file_id}/"
+def new_original_key(prefix: str = "") -> str:
+    return f"{prefix}originals/{uuid.uuid4().hex}"
 
 
-# Every object of one attempt lies under this prefix (file id, lease token); the claim
-# registers it write-ahead in SQL (`claim` in sql/queries.sql fills it with format()),
-# so the orphan sweep can delete what a crashed attempt wrote.
+def derived_prefix(file_id: int, prefix: str = "") -> str:
+    return f"{prefix}derived/{file_id}/"
+
+
+# Every object of one attempt lies under this prefix (file id, lease token) after the
+# store's `prefix`; the claim registers it write-ahead in SQL (`claim` in
+# sql/queries.sql fills it with format()), so the orphan sweep can delete what a crashed
+# attempt wrote. (A prefix holds no `%`: validate_key.)
 ATTEMPT_PREFIX_FORMAT = "derived/%s/%s/"
 
 
-def attempt_prefix(file_id: int, token: uuid.UUID) -> str:
-    return ATTEMPT_PREFIX_FORMAT % (file_id, token)
+def attempt_prefix_format(prefix: str = "") -> str:
+    return prefix + ATTEMPT_PREFIX_FORMAT
 
 
-def derived_key(file_id: int, token: uuid.UUID, variant: str, extension: str = "webp") -> str:
+def attempt_prefix(file_id: int, token: uuid.UUID, prefix: str = "") -> str:
+    return attempt_prefix_format(prefix) % (file_id, token)
+
+
+def derived_key(
+    file_id: int, token: uuid.UUID, variant: str, extension: str = "webp", prefix: str = ""
+) -> str:
     """Unique per attempt: the lease token is part of the key; one key per variant and
     format (`thumb.avif`, `thumb.webp`)."""
-    return validate_key(f"{attempt_prefix(file_id, token)}{variant}.{extension}")
+    return validate_key(f"{attempt_prefix(file_id, token, prefix)}{variant}.{extension}")
 
 
 # Derived keys are never written twice (the lease token is in the key), so caches and
@@ -112,13 +133,25 @@ def derived_key(file_id: int, token: uuid.UUID, variant: str, extension: str = "
 IMMUTABLE = "public, max-age=31536000, immutable"
 
 
-def cache_control(key: str) -> str | None:
-    """The Cache-Control a store sends with `key`: immutable for derivatives only."""
-    return IMMUTABLE if key.startswith("derived/") else None
+def cache_control(key: str, prefix: str = "") -> str | None:
+    """The Cache-Control a store sends with `key` (under its `prefix`): immutable for
+    derivatives only."""
+    return IMMUTABLE if key.startswith(prefix + "derived/") else None
+
+
+@dataclass(frozen=True)
+class StoreName:
+    """Where derivd's objects live, as an app and a webhook receiver name them: the
+    backend, the bucket (s3; None for fs) and the prefix of the keys derivd writes."""
+
+    backend: str
+    bucket: str | None
+    prefix: str
 
 
 class Storage(Protocol):
     name: str
+    prefix: str  # what the keys derivd generates for this store start with
 
     def check(self) -> None:
         """Raise StorageConfigError when the store cannot keep versions (start-up)."""

@@ -1,4 +1,5 @@
-"""The store the configuration names: `open_storage(config)`.
+"""The store the configuration names: `open_storage(config)`, and `store_name(config)`,
+where it is as apps and webhook receivers name it.
 
 Apart from `derivd.storage.base` so that the protocol every backend implements imports no
 backend: `fs` and `s3` import the base, this module imports them.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from derivd.storage.base import Storage
+from derivd.storage.base import Storage, StoreName
 
 if TYPE_CHECKING:
     from derivd.config import Config
@@ -28,3 +29,10 @@ def open_storage(config: Config) -> Storage:
     from derivd.storage.fs import FsStorage
 
     return FsStorage(config.fs_root)
+
+
+def store_name(config: Config) -> StoreName:
+    """The backend, the bucket (s3; None for fs) and the prefix of derivd's own keys."""
+    if config.storage.backend == "s3":
+        return StoreName("s3", config.storage.bucket, config.storage.prefix)
+    return StoreName(config.storage.backend, None, "")

@@ -7,6 +7,11 @@ image viewer). A version id sorts by creation time; each PUT writes a temporary 
 renames it into place, so a reader never sees half an object. Keys are validated and
 resolved paths are checked to stay inside the root.
 
+The layout is a contract (README, "From any other language"): an app in any language
+stores an original by writing `<root>/<key>.versions/.tmp-…`, syncing it, and renaming it
+to `<version><the key's extension>` (a version id of letters and digits, new per write),
+then INSERTs the key and that version. tests/node/upload.mjs does exactly that.
+
 Durable before it answers: a PUT returns a version id the commit then records, so the
 object must survive a power loss from that moment. The file's bytes are fsynced before
 the rename, and the rename lives in its directory, which is fsynced after it; so is the
@@ -80,6 +85,7 @@ def _writing(where: Path) -> Iterator[None]:
 
 class FsStorage:
     name = "fs"
+    prefix = ""  # keys derivd generates start at the root
 
     def __init__(self, root: Path, *, sync_dir: Callable[[Path], None] = fsync_dir) -> None:
         self.root = root.resolve()

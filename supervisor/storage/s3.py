@@ -75,7 +75,9 @@ class S3Storage:
         return self._client
 
     def _full(self, key: str) -> str:
-        return self.prefix + validate_key(key.rstrip("/")) + ("/" if key.endswith("/") else "")
+        """The key as S3 names it: the key itself (keys are the store's real keys; the
+        prefix is part of those derivd generates), validated."""
+        return validate_key(key.rstrip("/")) + ("/" if key.endswith("/") else "")
 
     def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
         """Run one S3 call, translating failures into outcomes with safe messages."""
@@ -119,7 +121,7 @@ class S3Storage:
             Key=self._full(key),
             Body=data,
             ContentType=content_type,
-            **({"CacheControl": cc} if (cc := cache_control(key)) else {}),
+            **({"CacheControl": cc} if (cc := cache_control(key, self.prefix)) else {}),
             **checksum,
         )
         version = answer.get("VersionId")
@@ -185,10 +187,10 @@ class S3Storage:
 
     def list_keys(self, prefix: str = "") -> Iterator[str]:
         seen: set[str] = set()
-        for key, _ in self._versions(self.prefix + prefix):
+        for key, _ in self._versions(prefix):
             if key not in seen:
                 seen.add(key)
-                yield key.removeprefix(self.prefix)
+                yield key
 
 
 def _no_continue_for_small_bodies(model: Any, params: dict[str, Any], **_: Any) -> None:
