@@ -572,6 +572,9 @@ def table_rows(verdicts: list[Verdict]) -> list[tuple[str, str, str]]:
 # A chaos run reads a worker's process title a moment before it kills it: the job the
 # title names may have ended in between.
 TITLE_LAG_S = 0.5
+# The supervisor records a death a moment after it: one a moment before an outage meets
+# the database gone.
+RECORD_LAG_S = 1.0
 
 
 def unrecorded_deaths(
@@ -582,12 +585,12 @@ def unrecorded_deaths(
     """The jobs of busy workers killed (job id, when) with neither a `worker_died` event
     after the kill (the supervisor returns a dead worker's jobs at once: DESIGN.md) nor
     an end of their attempt just before it (the title was a moment old). A kill while
-    the database was away (`outages`: start, end) is not one: the death cannot be
-    recorded then, and the job waits for its lease (`losses_followed_up`,
-    `no_live_rows`)."""
+    the database was away (`outages`: start, end), or a moment before, is not one: the
+    death cannot be recorded then, and the job waits for its lease
+    (`losses_followed_up`, `no_live_rows`)."""
     missing = []
     for job, killed_at in kills:
-        if any(began <= killed_at <= ended for began, ended in outages):
+        if any(began - RECORD_LAG_S <= killed_at <= ended for began, ended in outages):
             continue
         mine = [(kind, at) for file_id, kind, at in events if file_id == job]
         died = any(kind == "worker_died" and at >= killed_at - TITLE_LAG_S for kind, at in mine)

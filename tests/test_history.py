@@ -396,9 +396,11 @@ def test_a_busy_worker_killed_must_leave_worker_died_or_have_just_ended_its_job(
     ]
     assert unrecorded_deaths(kills, events) == [3, 4]
     assert unrecorded_deaths([], events) == []
-    # killed while the database was away: the supervisor could not record it
+    # killed while the database was away, or a moment before: the supervisor could not
+    # record it
     assert unrecorded_deaths(kills, events, outages=[(99.0, 101.0)]) == []
-    assert unrecorded_deaths(kills, events, outages=[(100.5, 101.0)]) == [3, 4]
+    assert unrecorded_deaths(kills, events, outages=[(100.5, 101.0)]) == []
+    assert unrecorded_deaths(kills, events, outages=[(101.5, 102.0)]) == [3, 4]
 
 
 # --------------------------------------------------------------------------- derives
