@@ -43,7 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from derivd.config import load_config
 from derivd.osproc import pid_alive
+from derivd.processes.duties import variant_set_of
 from derivd.queue.db import QueueDB
 from derivd.storage.base import new_original_key
 from harness import chaos
@@ -161,6 +163,16 @@ def reload_variants(world: World, tally: Tally) -> None:
     while any(pid_alive(p) and p in chaos.workers(world.sup_pid) for p in old):
         if time.monotonic() > deadline:
             tally.notes.append("reload: old workers still running after 90 s")
+            break
+        time.sleep(0.1)
+    # `backfill --apply` refuses while a live host derives another set: the host
+    # registry learns the new one with the supervisor's next heartbeat.
+    target = variant_set_of(load_config(world.ini))
+    while world.query(
+        "SELECT 1 FROM derivd_hosts WHERE variant_set IS DISTINCT FROM %s", (target,)
+    ):
+        if time.monotonic() > deadline:
+            tally.notes.append("reload: the host registry still names the old set after 90 s")
             break
         time.sleep(0.1)
     say(f"reloaded: variants {AFTER!r}; workers {sorted(chaos.workers(world.sup_pid))}")
