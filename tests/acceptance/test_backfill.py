@@ -40,7 +40,6 @@ from derivd.queue.db import QueueDB
 from derivd.storage.base import new_original_key
 from derivd.storage.configured import open_storage
 from derivd.worker import Worker
-from derivd.worker_loop import run
 
 pytestmark = pytest.mark.pooler
 

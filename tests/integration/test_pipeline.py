@@ -12,9 +12,6 @@ from configs import make_config
 from fixtures.work import enqueue_bytes, make_worker, run_job, run_one
 from PIL import Image
 
-from derivd.ops.enqueue import upload_and_queue
-from derivd.queue.db import QueueDB
-from derivd.storage.base import Storage
 from derivd.worker_loop import run
 
 
