@@ -94,10 +94,13 @@ test: lint typecheck pytest
 # While you work: lint and the unit tier (no database, no daemon, no mypy).
 test-fast: lint test-unit
 
+# Each chaos run at every pipeline depth (harness/: the runs and the history checker).
 chaos: install
-	$(BIN)/python bench/chaos.py --full
-	$(BIN)/python bench/fleet_chaos.py --full
-	$(BIN)/python bench/backfill_chaos.py
+	for depth in 1 2 3; do \
+	  $(BIN)/python -m harness.chaos --full --pipeline $$depth || exit 1; \
+	  $(BIN)/python -m harness.fleet_chaos --full --pipeline $$depth || exit 1; \
+	  $(BIN)/python -m harness.backfill_chaos --pipeline $$depth || exit 1; \
+	done
 
 # Charts need matplotlib: setup.cfg's `bench` extra, installed here only (not a runtime
 # dependency). bench/plots.py draws from bench/out/*.json, skipping what is absent.

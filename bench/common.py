@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from derivd.embedded.pgcluster import EmbeddedCluster  # noqa: E402
 from derivd.queue.db import migrate  # noqa: E402
+from harness.tables import table  # noqa: E402, F401  (bench's scripts import it from here)
 
 
 @contextmanager
@@ -111,23 +112,6 @@ def machine(dsn: str, peers_python: str | None = None) -> list[str]:
             f"procrastinate {_pip_version(peers_python, 'procrastinate')}"
         )
     return lines
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    out = []
-    for n, row in enumerate(cells):
-        out.append("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
-        if n == 0:
-            out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(out)
-
-
-def _fmt(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.2f}" if value < 100 else f"{value:.0f}"
-    return str(value)
 
 
 def machine_brief() -> list[str]:

@@ -1,5 +1,7 @@
-"""What a run left behind, read once: every row, variant, event, registry entry and
-stored object, as plain records for `harness.invariants` to check.
+"""What a run left behind, read once: every row, variant, event, registry entry, webhook
+delivery and stored object, as plain records for `harness.invariants` to check; and what
+the run itself recorded beside derivd's tables (the handler's log of derive starts, the
+processes it killed, the database outages it caused).
 
 Nothing here interprets the history; it only reads it. Events are kept in id order:
 the identity is drawn when an event is inserted, after its statement took the locks it
@@ -65,6 +67,56 @@ class Event:
     error_code: str | None
     actor: str | None
     tenant: str | None  # the claimed row's tenant, on `claimed` events
+    at: float | None = None  # its transaction's start (database time, Unix seconds)
+
+
+@dataclass(frozen=True)
+class DeriveStart:
+    """One derive as the run's handler saw it begin (harness.derive_log): the job (a
+    file's id, or a re-derivation's), the attempt's token and number, the process, when
+    (Unix seconds, the machine's clock: the database's `now()` reads the same)."""
+
+    job: int
+    token: str
+    attempt: int
+    pid: int
+    at: float
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A webhook endpoint as the database knows it (derivd_webhook_endpoints)."""
+
+    name: str
+    events: tuple[str, ...]
+    tenants: tuple[str, ...] | None
+    removed: bool
+
+    def subscribed(self, event: str, tenant: str | None) -> bool:
+        return (
+            not self.removed
+            and event in self.events
+            and (self.tenants is None or tenant in self.tenants)
+        )
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One outbox row: an event of a file for an endpoint."""
+
+    endpoint: str
+    event: str
+    file_id: int
+
+
+@dataclass(frozen=True)
+class Disruptions:
+    """What the run did to derivd besides its inputs: processes it killed (pid, when)
+    and spans the database was away (start, end; Unix seconds). An attempt whose
+    process was killed, or whose end fell in an outage, may leave no record of its own."""
+
+    kills: tuple[tuple[int, float], ...] = ()
+    outages: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,6 +135,11 @@ class History:
     pending_keys: set[str] = field(default_factory=set)
     retired_keys: set[str] = field(default_factory=set)
     objects: list[StoredObject] = field(default_factory=list)  # the store's listing
+    endpoints: list[Endpoint] = field(default_factory=list)
+    deliveries: list[Delivery] = field(default_factory=list)
+    # The handler's log of derive starts; None: the run kept none (nothing to compare).
+    derive_starts: list[DeriveStart] | None = None
+    disruptions: Disruptions = field(default_factory=Disruptions)
 
     def events_of(self) -> dict[int, list[Event]]:
         """file id -> its events, in id order."""
@@ -143,14 +200,47 @@ def _events(conn: psycopg.Connection[Any]) -> list[Event]:
     tenant = _or_null(_columns(conn, "archive_events"), "tenant")
     query = (
         "SELECT id, file_id, kind, attempt, lease_token::text AS lease_token, error_code,"
-        f" actor, {tenant} FROM archive_events ORDER BY id"
+        f" actor, {tenant}, extract(epoch FROM at)::float8 AS at FROM archive_events ORDER BY id"
     )
     return [Event(**e) for e in conn.execute(query)]
 
 
-def load(dsn: str, objects: Iterable[tuple[str, str]]) -> History:
+def _webhooks(conn: psycopg.Connection[Any]) -> tuple[list[Endpoint], list[Delivery]]:
+    """The endpoints and the outbox (none before the release that added webhooks)."""
+    if not _columns(conn, "derivd_deliveries"):
+        return [], []
+    removed = (
+        "removed_at IS NOT NULL"
+        if "removed_at" in _columns(conn, "derivd_webhook_endpoints")
+        else "false"
+    )
+    endpoints = [
+        Endpoint(r["name"], tuple(r["events"]), _tuple(r["tenants"]), r["removed"])
+        for r in conn.execute(
+            f"SELECT name, events, tenants, {removed} AS removed FROM derivd_webhook_endpoints"
+        )
+    ]
+    deliveries = [
+        Delivery(**d)
+        for d in conn.execute("SELECT endpoint, event, file_id FROM derivd_deliveries ORDER BY id")
+    ]
+    return endpoints, deliveries
+
+
+def _tuple(values: list[str] | None) -> tuple[str, ...] | None:
+    return None if values is None else tuple(values)
+
+
+def load(
+    dsn: str,
+    objects: Iterable[tuple[str, str]],
+    derive_starts: Iterable[DeriveStart] | None = None,
+    disruptions: Disruptions | None = None,
+) -> History:
     """Read the tables of `dsn` (directly: not through a pooler, one snapshot) and take
-    the store's listing `objects`, (key, version) pairs (harness.listing)."""
+    the store's listing `objects`, (key, version) pairs (harness.listing), and what the
+    run recorded itself: its handler's derive starts (harness.derive_log), what it did
+    to derivd."""
     with psycopg.connect(dsn, row_factory=dict_row) as conn:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         rows = _rows(conn)
@@ -158,6 +248,7 @@ def load(dsn: str, objects: Iterable[tuple[str, str]]) -> History:
         events = _events(conn)
         pending = {r["key"] for r in conn.execute("SELECT key FROM pending_objects")}
         retired = {r["key"] for r in conn.execute("SELECT key FROM derivd_retired_objects")}
+        endpoints, deliveries = _webhooks(conn)
     return History(
         rows=rows,
         variants=variants,
@@ -165,4 +256,8 @@ def load(dsn: str, objects: Iterable[tuple[str, str]]) -> History:
         pending_keys=pending,
         retired_keys=retired,
         objects=[StoredObject(k, v) for k, v in objects],
+        endpoints=endpoints,
+        deliveries=deliveries,
+        derive_starts=None if derive_starts is None else list(derive_starts),
+        disruptions=disruptions or Disruptions(),
     )

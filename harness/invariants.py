@@ -8,11 +8,12 @@ Written from the design, not from derivd's code: they need only the records a ru
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from harness.history import FINAL, LIVE, Event, History, StoredObject
+from harness.history import FINAL, LIVE, DeriveStart, Event, History, StoredObject
 
 if TYPE_CHECKING:
     from derivd.config import Config
@@ -31,17 +32,22 @@ class Rules:
     # first is the primary variant that derived_* describe.
     slots: Mapping[str, str | None]
     tenant_cap: int = 0  # [queue] max_in_flight_per_tenant (0: none)
+    job_timeout: float = 0.0  # [supervisor] job_timeout (0: timeouts not measured)
+    lease: float = 0.0  # [queue] lease (0: unknown)
 
     @classmethod
     def from_config(cls, config: Config) -> Rules:
         """The rules a derivd configuration sets: its cap, its variant set (with the
-        fingerprint of the spec each slot is made by) and its tenant cap."""
+        fingerprint of the spec each slot is made by), its tenant cap, its job timeout
+        and lease."""
         from derivd.fingerprint import configured_set
 
         return cls(
             max_attempts=config.queue.max_attempts,
             slots=configured_set(config.derive_spec(), config.derive.backend),
             tenant_cap=config.queue.max_in_flight_per_tenant,
+            job_timeout=config.supervisor.job_timeout,
+            lease=config.queue.lease,
         )
 
 
@@ -299,6 +305,165 @@ def tenants_within_cap(history: History, rules: Rules) -> Verdict:
     return verdict
 
 
+# The supervisor learns that a job started a moment before the handler's first line;
+# events carry their transaction's start. What a timeout's measure may lose to both.
+TIMEOUT_SLACK_S = 0.2
+# Events that charge an attempt's end to its worker: a death (when its fence held, a
+# `retry` or `rejected` of the same token follows) and a timeout kill (recorded only
+# when its fence held).
+CHARGED_MOVES = ("retry", "rejected", "rederive_rejected")
+
+
+def _charges(history: History) -> list[Event]:
+    """The worker_died and timeout events that cost their attempt."""
+    moved: dict[str | None, int] = {}  # token -> id of its last fenced move
+    for event in history.events:
+        if event.kind in CHARGED_MOVES:
+            moved[event.lease_token] = event.id
+    return [
+        e
+        for e in history.events
+        if e.kind == "timeout" or (e.kind == "worker_died" and moved.get(e.lease_token, 0) > e.id)
+    ]
+
+
+def _first_starts(history: History) -> dict[str, DeriveStart]:
+    """token -> its attempt's first derive start."""
+    out: dict[str, DeriveStart] = {}
+    for start in history.derive_starts or ():
+        out.setdefault(start.token, start)
+    return out
+
+
+def charges_only_started(history: History, rules: Rules) -> Verdict:
+    """A crash or a timeout costs only the attempt that was running (DESIGN.md
+    "Pipelined worker"): each charged `worker_died` or `timeout` names an attempt whose
+    derive had started (the handler's log), and a timeout came `job_timeout` after that
+    start at the earliest: the wait behind another job is not the job's time."""
+    verdict = Verdict("a crash or timeout charges only a started attempt", 0, "charges")
+    charges = _charges(history)
+    if history.derive_starts is None:
+        verdict.unit = "charges (no derive log kept)"
+        if charges:
+            verdict.violations.append(f"{len(charges)} charge(s) and no derive log to judge them")
+        return verdict
+    started = _first_starts(history)
+    for charge in charges:
+        verdict.checked += 1
+        what = (
+            f"file {charge.file_id}: {charge.kind} charged attempt {charge.attempt} "
+            f"(event {charge.id}, token {_short(charge.lease_token)})"
+        )
+        start = started.get(charge.lease_token or "")
+        if start is None:
+            verdict.violations.append(f"{what}, whose derive never started")
+            continue
+        if charge.kind != "timeout" or not rules.job_timeout or charge.at is None:
+            continue
+        own = charge.at - start.at
+        if own < rules.job_timeout - TIMEOUT_SLACK_S:
+            verdict.violations.append(
+                f"{what} {own:.2f}s after its derive started (job_timeout {rules.job_timeout:g}s)"
+            )
+    return verdict
+
+
+def _excused(start: DeriveStart, history: History, rules: Rules) -> str | None:
+    """Why an attempt that derived may have left no event: the run killed its process
+    after the derive began, or the database went away before its lease ran out."""
+    for pid, at in history.disruptions.kills:
+        if pid == start.pid and at >= start.at:
+            return "killed"
+    for began, ended in history.disruptions.outages:
+        if ended >= start.at and (not rules.lease or began <= start.at + rules.lease):
+            return "outage"
+    return None
+
+
+def derives_accounted_for(history: History, rules: Rules) -> Verdict:
+    """Every derive has its outcome on record, so a file is derived again only for a
+    recorded cause: each attempt derives once (the handler's log), and each attempt
+    that derived left an event of its token (committed, failed, released, lost its
+    lease, timed out, died) unless the run killed its process or took the database
+    away meanwhile. A commit whose answer was lost is not a cause: it is sent again.
+    And every commit's derive is in the log (the log is whole)."""
+    verdict = Verdict("every derive has a recorded outcome", 0, "derive starts")
+    if history.derive_starts is None:
+        verdict.unit = "derive starts (no derive log kept: nothing to check)"
+        return verdict
+    outcomes: dict[str, list[Event]] = {}
+    for event in history.events:
+        if event.kind != "claimed" and event.lease_token is not None:
+            outcomes.setdefault(event.lease_token, []).append(event)
+    counts = Counter(s.token for s in history.derive_starts)
+    later: dict[int, list[DeriveStart]] = {}
+    for start in history.derive_starts:
+        later.setdefault(start.job, []).append(start)
+    for token, start in _first_starts(history).items():
+        verdict.checked += counts[token]
+        if start.job < 0:
+            verdict.violations.append(f"a derive by pid {start.pid}: the handler found no job")
+            continue
+        what = f"job {start.job}: attempt {start.attempt} (token {_short(token)}, pid {start.pid})"
+        if counts[token] > 1:
+            verdict.violations.append(f"{what} derived {counts[token]} times")
+        if outcomes.get(token) or _excused(start, history, rules):
+            continue
+        again = [s.attempt for s in later[start.job] if s.token != token and s.at > start.at]
+        tail = f"; derived again by attempt(s) {again}" if again else ""
+        verdict.violations.append(f"{what} derived and left no outcome{tail}")
+    for event in history.events:
+        if event.kind in ("ready", "rederived") and event.lease_token not in counts:
+            verdict.violations.append(
+                f"file {event.file_id}: {event.kind} by attempt {event.attempt} (token "
+                f"{_short(event.lease_token)}) whose derive is not in the log"
+            )
+    return verdict
+
+
+# A final transition's event -> the webhook event its outbox rows carry.
+ANNOUNCED = {
+    "ready": "file.ready",
+    "rejected": "file.rejected",
+    "exhausted": "file.rejected",
+    "deleted": "file.deleted",
+    "rederived": "file.rederived",
+}
+
+
+def final_transitions_announced(history: History, rules: Rules) -> Verdict:
+    """With an endpoint configured, every final transition of a file (its event:
+    ready, rejected or exhausted, deleted, and a re-derivation's swap) has its outbox
+    row for each endpoint subscribed to that event and the file's tenant, written with
+    it (DESIGN.md "Webhooks"). That each final state has its event is
+    `final_states_stay_final`'s."""
+    verdict = Verdict("every final transition has its outbox rows", 0, "events x endpoints")
+    if not any(not e.removed for e in history.endpoints):
+        verdict.unit = "events x endpoints (no endpoint configured: nothing to check)"
+        return verdict
+    events = Counter(
+        (e.file_id, ANNOUNCED[e.kind])
+        for e in history.events
+        if e.kind in ANNOUNCED
+        and (row := history.rows.get(e.file_id)) is not None
+        and row.rederive_of is None
+    )
+    rows = Counter((d.file_id, d.event, d.endpoint) for d in history.deliveries)
+    for (file_id, kind), n in sorted(events.items()):
+        tenant = history.rows[file_id].tenant
+        for endpoint in history.endpoints:
+            if not endpoint.subscribed(kind, tenant):
+                continue
+            verdict.checked += n
+            have = rows[(file_id, kind, endpoint.name)]
+            if have < n:
+                verdict.violations.append(
+                    f"file {file_id}: {n} {kind} event(s), {have} outbox row(s) for "
+                    f"endpoint {endpoint.name}"
+                )
+    return verdict
+
+
 # --------------------------------------------------------------------------- objects
 
 
@@ -385,6 +550,9 @@ INVARIANTS: tuple[Callable[[History, Rules], Verdict], ...] = (
     final_states_stay_final,
     attempts_within_cap,
     losses_followed_up,
+    charges_only_started,
+    derives_accounted_for,
+    final_transitions_announced,
     tenants_within_cap,
     objects_owned,
     objects_present,
@@ -404,16 +572,26 @@ def table_rows(verdicts: list[Verdict]) -> list[tuple[str, str, str]]:
 # A chaos run reads a worker's process title a moment before it kills it: the job the
 # title names may have ended in between.
 TITLE_LAG_S = 0.5
+# The supervisor records a death a moment after it: one a moment before an outage meets
+# the database gone.
+RECORD_LAG_S = 1.0
 
 
 def unrecorded_deaths(
-    kills: list[tuple[int, float]], events: list[tuple[int, str, float]]
+    kills: list[tuple[int, float]],
+    events: list[tuple[int, str, float]],
+    outages: Sequence[tuple[float, float]] = (),
 ) -> list[int]:
     """The jobs of busy workers killed (job id, when) with neither a `worker_died` event
     after the kill (the supervisor returns a dead worker's jobs at once: DESIGN.md) nor
-    an end of their attempt just before it (the title was a moment old)."""
+    an end of their attempt just before it (the title was a moment old). A kill while
+    the database was away (`outages`: start, end), or a moment before, is not one: the
+    death cannot be recorded then, and the job waits for its lease
+    (`losses_followed_up`, `no_live_rows`)."""
     missing = []
     for job, killed_at in kills:
+        if any(began - RECORD_LAG_S <= killed_at <= ended for began, ended in outages):
+            continue
         mine = [(kind, at) for file_id, kind, at in events if file_id == job]
         died = any(kind == "worker_died" and at >= killed_at - TITLE_LAG_S for kind, at in mine)
         ended = any(

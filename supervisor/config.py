@@ -655,13 +655,6 @@ class Config:
     def worker_count(self) -> int:
         return self.supervisor.workers or os.cpu_count() or 1
 
-    @property
-    def pipeline_depth(self) -> int:
-        """Jobs one worker holds at once: `[supervisor] pipeline`, or 1 with claim_batch
-        above 1 (a batch of short jobs already shares its round trips; a pipeline would
-        only hold its rows longer)."""
-        return 1 if self.queue.claim_batch > 1 else self.supervisor.pipeline
-
     def derive_spec(self) -> DeriveSpec:
         """`[derive]` with every listed variant, sections included (validated at load)."""
         specs, problems = build_variants(self.derive.variants, self.variant_sections)

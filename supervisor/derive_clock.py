@@ -1,4 +1,4 @@
-"""Where a pipelined worker's deriving thread spends its time (`derivd.pipelined`).
+"""Where a worker's deriving thread spends its time (`derivd.worker_loop`).
 
 The thread that derives is the worker's core: while it waits for a claimed job's
 original (its GET not in yet) or for a place in the pipeline (every held job storing or

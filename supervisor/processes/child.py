@@ -27,6 +27,7 @@ from derivd.processes.pipe import Reporter
 from derivd.processes.reasons import StopReason
 from derivd.redact import one_line
 from derivd.worker import IdleWait, Worker
+from derivd.worker_loop import run
 
 log = logging.getLogger("derivd.worker")
 
@@ -134,7 +135,8 @@ def _main(spec: ChildSpec) -> int:
     idle = IdleWait([stop.wake_r, spec.cmd_r], on_wait=reporter.idle)
     # CPU since fork (a forked child's counters start at zero): what a worker's boot
     # costs, reported so a `run --burst` of an autoscaled host can be read for it.
-    reporter.send({"t": "ready", "cpu_s": round(time.process_time(), 4)})
+    # Its depth (derivd.pipeline.worker_depth): how many job starts its supervisor keeps.
+    reporter.send({"t": "ready", "cpu_s": round(time.process_time(), 4), "depth": worker.depth})
     reporter.busy()
 
     def should_stop() -> bool:
@@ -142,7 +144,9 @@ def _main(spec: ChildSpec) -> int:
 
     max_jobs = _jittered(config.supervisor.max_jobs_per_worker, random.Random())
     try:
-        reason = StopReason(worker.run(should_stop, idle=idle, burst=spec.burst, max_jobs=max_jobs))
+        reason = StopReason(
+            run(worker, should_stop, idle=idle, burst=spec.burst, max_jobs=max_jobs)
+        )
     finally:
         worker.close()
     if reason is StopReason.STOPPED and reporter.recycle and not stop.requested:

@@ -164,8 +164,8 @@ def lost_tokens(sent: Iterable[Job], valid: set[int]) -> set[uuid.UUID]:
 def to_kill(workers: Iterable[WorkerProc], lost: set[uuid.UUID]) -> list[WorkerProc]:
     """Workers with a job in flight whose lease is lost and that are not being killed
     already. A lost job that has not started yet is left alone: the worker would start
-    it and fail its commit, and the next heartbeat finds it running. A pipelined worker
-    is killed for any of its jobs in flight (a derive cannot be interrupted otherwise);
+    it and fail its commit, and the next heartbeat finds it running. A worker is killed
+    for any job it started and holds (a derive cannot be interrupted otherwise);
     the supervisor releases the others it held, fenced, without burning their attempts
     (derivd.processes.lifecycle.to_release)."""
     found = []

@@ -32,17 +32,17 @@ HEALTHY_AFTER = 30.0  # a worker that lived this long resets its slot's backoff
 
 
 def overdue(worker: WorkerProc, now: float, *, job_timeout: float) -> list[Job]:
-    """The jobs in flight in `worker` that have run `job_timeout` or longer since their
-    start (a pipelined worker's each from its claim)."""
+    """The jobs `worker` started and holds that have run `job_timeout` or longer since
+    their own start (their derive began): the time a job waited held behind another
+    one is never counted."""
     return [job for job, started in worker.in_flight() if now - started >= job_timeout]
 
 
 def timed_out(worker: WorkerProc, now: float, *, job_timeout: float) -> Job | None:
     """The job a TIMEOUT kill fails: the first overdue job, oldest start first. A job
-    claimed behind it waits in the pipeline while that one runs, so its own deadline may
-    also have passed when the supervisor looks (a late wake-up, the same start): it did
-    nothing wrong and goes back unburned with the rest (`to_release`). A job that hangs
-    on its own is the oldest in flight once the ones before it are done, so it is still
+    started after it may also be past its own deadline when the supervisor looks (a late
+    wake-up): it goes back unburned with the rest (`to_release`). A job that hangs on its
+    own is the oldest in flight once the ones before it are done, so it is still
     charged, and attempts stay bounded."""
     late = overdue(worker, now, job_timeout=job_timeout)
     return late[0] if late else None
@@ -113,17 +113,19 @@ def classify_exit(worker: WorkerProc, status: int, *, burst: bool) -> Exit:
 
 
 def to_release(worker: WorkerProc, kind: Exit | None = None) -> list[Job]:
-    """What a dead worker held that goes back without burning an attempt. A job it had
-    in flight when it crashed stays `processing`: its attempt counts (the lease expires,
-    or the supervisor returns it), so a job that kills workers cannot loop; with two in
-    flight both count, since either may have been the one. Killed for one job's timeout
-    or lost lease (`kind`), everything else it held did nothing wrong and goes back:
-    the supervisor has failed or recorded that job already (and taken it from `held`).
-    The rest, unstarted or derived but never committed, always goes back."""
+    """What a dead worker held that goes back without burning an attempt: every job but
+    the one it was running (`WorkerProc.running`: started last, still held), whose
+    attempt counts (the supervisor returns it, or its lease expires), so a job that
+    kills workers cannot loop. A job held and not started did not run; one started
+    before the running one had ended its derive (its store or commit was left): neither
+    is charged for its neighbour. Killed for one job's timeout or lost lease (`kind`),
+    everything else it held goes back: the supervisor has failed or recorded that job
+    already (and taken it from `held`)."""
     if kind in (Exit.TIMEOUT, Exit.LEASE_LOST):
         return list(worker.held.values())
-    flying = {job.token for job, _ in worker.in_flight()}
-    return [j for j in worker.held.values() if j.token not in flying]
+    running = worker.running()
+    token = running[0].token if running else None
+    return [j for j in worker.held.values() if j.token != token]
 
 
 @dataclass(frozen=True)
@@ -151,16 +153,17 @@ def crash_returns(
     """What becomes of each job a crashed worker (Exit.CRASH) held, by its own reports on
     its pipes: every job it said it claimed and gave no outcome for, whatever its stage.
 
-    The jobs it was running (its last job start; a pipelined worker's every job in
-    flight, whatever its stage, since any of them may be the one) go back fenced by their
-    tokens with their attempts counted: one may be what killed the worker, and a job that
-    kills its workers must not loop (on its last allowed attempt it ends
-    `attempts_exhausted`; otherwise it waits the retry delay of its attempt, as after any
-    failure, so it does not kill the replacement at once). Every other job it held
-    (claimed and not started, derived and not committed by a batch) did not run when it
-    died: it goes back without burning an attempt, as at a graceful stop."""
+    The job it was running (`WorkerProc.running`) goes back fenced by its token with its
+    attempt counted: it may be what killed the worker, and a job that kills its workers
+    must not loop (on its last allowed attempt it ends `attempts_exhausted`; otherwise it
+    waits the retry delay of its attempt, as after any failure, so it does not kill the
+    replacement at once). Every other job it held (claimed and not started, or past its
+    derive and not committed) goes back without burning an attempt, as at a graceful
+    stop (`to_release`)."""
+    running = worker.running()
     died = []
-    for job, _ in worker.in_flight():
+    if running is not None:
+        job = running[0]
         died.append(
             Returned(job, job.attempt >= settings.max_attempts, delay_after(job, settings, rng))
         )

@@ -2,7 +2,8 @@
 
 A child reports over its status pipe, one JSON object per line:
 
-    {"t": "ready", "cpu_s": 0.12}                    booted (CPU s since fork), about to claim
+    {"t": "ready", "cpu_s": 0.12, "depth": 2}        booted (CPU s since fork), about to claim;
+                                                     its depth (derivd.pipeline.worker_depth)
     {"t": "boot_error", "msg": "..."}                could not boot; exit EXIT_BOOT_ERROR
     {"t": "claimed", "jobs": [{id, token, attempt, file_id?}]} rows it now holds (one claim)
     {"t": "finished", "results": [[id, outcome, code, duration_s, wait_s], ...], "rss_mb": ...}
@@ -14,8 +15,9 @@ kept below PIPE_BUF (a long list is split over several lines) so that one write 
 whole line: the parent never reads half a line from a child killed mid-write.
 
 Over its progress pipe, which the parent does not wait on (a job start costs one small
-write and no wake-up of the parent), the child writes a fixed-size record per job start:
-the lease token and the CLOCK_MONOTONIC start time (the parent's deadline for that job).
+write and no wake-up of the parent), the child writes a fixed-size record per job start
+(when its derive begins; a job claimed and not started is only held): the lease token
+and the CLOCK_MONOTONIC start time (the parent's deadline for that job runs from it).
 
 The parent writes WAKE to the child's command pipe to end an idle wait; stopping is
 SIGTERM, killing is SIGKILL to the child's process group (the supervisor's business).
@@ -88,6 +90,7 @@ class Reporter:
         self.slot = slot
         self.max_rss_mb = max_rss_mb
         self.recycle = False
+        self.running: uuid.UUID | None = None  # the token of the job its title names
 
     def send(self, message: dict[str, Any]) -> None:
         self.write(encode(message))
@@ -114,6 +117,7 @@ class Reporter:
         # title, so whoever sees "job N" in ps knows the supervisor can learn of it.
         with contextlib.suppress(OSError):
             os.write(self.progress_w, PROGRESS.pack(job.token.bytes, time.monotonic()))
+        self.running = job.token
         set_proctitle(f"derivd: worker {self.slot} job {job.id}")
 
     def jobs_finished(self, results: Sequence[JobResult]) -> None:
@@ -126,7 +130,10 @@ class Reporter:
         ]
         for line in encode_lines("finished", "results", rows, rss_mb=round(rss, 1)):
             self.write(line)
-        self.busy()
+        # The title keeps naming the job it runs while the ones before it end.
+        if self.running is None or any(r.job.token == self.running for r in results):
+            self.running = None
+            self.busy()
 
 
 # -- the parent's end ------------------------------------------------------------------
@@ -145,8 +152,8 @@ class WorkerProc:
     spawned_at: float
     ready: bool = False
     held: dict[int, Job] = field(default_factory=dict)  # claimed, no outcome yet
-    # Jobs the child may have in flight at once: its [supervisor] pipeline (1: the job it
-    # started last is the one running; a batch's earlier jobs are done or waiting).
+    # Jobs the child has at different stages at once, as it reported when ready
+    # (derivd.pipeline.worker_depth): how many of its latest starts are kept.
     depth: int = 1
     # the last `depth` starts, and older ones of jobs still held (`read_progress`)
     starts: list[tuple[uuid.UUID, float]] = field(default_factory=list)
@@ -228,22 +235,18 @@ class WorkerProc:
         self.starts = [] if start is None else [start]
 
     def in_flight(self) -> list[tuple[Job, float]]:
-        """The jobs the child is working on, oldest start first, each with its start: of
-        its recorded starts, those it still holds. A job's deadline runs from its
-        start (a pipelined child starts each job as it claims it)."""
+        """The jobs the child started and still holds, oldest start first, each with its
+        start: a job's deadline runs from its start (its derive began), never from its
+        claim; a job held and not started has none."""
         by_token = {job.token: job for job in self.held.values()}
         return [(by_token[t], at) for t, at in self.starts if t in by_token]
 
     def running(self) -> tuple[Job, float] | None:
-        """The job the child started last, with its start time, while it holds it."""
-        last = self.last_start
-        if last is None:
-            return None
-        token, started = last
-        for job in self.held.values():
-            if job.token == token:
-                return job, started
-        return None
+        """The job the child is running, with its start time: of the jobs it started and
+        still holds, the one it started last (it derives one job at a time; the ones
+        started before it are being stored or committed)."""
+        flying = self.in_flight()
+        return flying[-1] if flying else None
 
     def read_messages(self) -> list[dict[str, Any]]:
         """The complete status lines read so far, decoded; EOF sets `eof`. A line that is
@@ -298,6 +301,7 @@ class WorkerProc:
         kind = message.get("t")
         if kind == "ready":
             self.ready = True
+            self.depth = max(1, int(message.get("depth", self.depth)))
         elif kind == "claimed":
             for data in message["jobs"]:
                 job = job_from_message(data)

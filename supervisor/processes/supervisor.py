@@ -217,7 +217,6 @@ class Supervisor:
             run_child(spec)  # never returns
 
         worker = self.spawn(slot, self.generation, start)
-        worker.depth = self.config.pipeline_depth
         self.workers[worker.pid] = worker
         event(log, "worker spawned", logging.DEBUG, slot=slot, pid=worker.pid)
 

@@ -39,7 +39,7 @@ class Statements:
         self.bound_s: float | None = None  # the supervisor's connections: see `connect`
         self.generic_plans = False  # a worker's connection: see `open_connection`
         self._pooled: bool | None = None  # found when this handle opened `conn`
-        # One statement at a time: a pipelined worker's threads share this handle.
+        # One statement at a time: a worker loop's threads share this handle.
         self._lock = threading.RLock()
         # Tokens claimed by a claim that did not wait for its WAL flush, so their
         # write-ahead prefix (`claim` in sql/queries.sql) may not be durable yet; emptied

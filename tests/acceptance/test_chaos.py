@@ -1,8 +1,11 @@
-"""The short chaos run (bench/chaos.py without --full) as part of the suite.
+"""The short chaos run (harness/chaos.py without --full) as part of the suite, at
+pipeline depths 2 (direct) and 3 (through PgBouncer); the backfill chaos run is the
+suite's run at depth 1 (tests/test_backfill_chaos.py), `make chaos` runs every depth.
 
 It starts its own PostgreSQL, moto server, fault proxy and `derivd run`, so it shares
 nothing with the other tests. Its checks are invariants (nothing lost, nothing committed
-twice, nothing leaked, valid images ready, hostile ones rejected with their code), never
+twice, nothing leaked, valid images ready, hostile ones rejected with their code, no
+attempt charged for another's crash or wait, no derive without its outcome), never
 timings; the deadlines inside it only bound a run that would otherwise hang.
 """
 
@@ -20,7 +23,7 @@ from fixtures.cli import derivd_command
 from fixtures.faultproxy import FaultProxy
 from fixtures.pgbouncer import NO_PGBOUNCER, find_pgbouncer
 from fixtures.s3 import TEST_REGION
-from helpers import chaos_run, stop_process
+from helpers import CHARGED_BEFORE_ITS_DERIVE, chaos_run, stop_process
 
 from derivd.queue.db import QueueDB
 from derivd.storage.base import derived_key, new_original_key
@@ -30,7 +33,7 @@ from derivd.storage.s3 import S3Storage
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
-CHAOS = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
+NEEDS_PGBOUNCER = pytest.mark.skipif(find_pgbouncer() is None, reason=NO_PGBOUNCER)
 
 
 # It starts PostgreSQL, moto, a fault proxy and `derivd run` itself (no fixtures tell the
@@ -38,22 +41,25 @@ CHAOS = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
 @pytest.mark.acceptance
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "pooler",
+    ("pooler", "depth"),
     [
-        pytest.param([], id="direct"),
-        pytest.param(
-            ["--pooler"],
-            id="pgbouncer",
-            marks=pytest.mark.skipif(find_pgbouncer() is None, reason=NO_PGBOUNCER),
-        ),
+        pytest.param([], 2, id="direct-pipeline2"),
+        pytest.param(["--pooler"], 3, id="pgbouncer-pipeline3", marks=NEEDS_PGBOUNCER),
     ],
 )
-def test_short_chaos_run_keeps_every_invariant(pooler: list[str]) -> None:
-    output = chaos_run(CHAOS, "--seed", "20240611", *pooler, timeout=600)
+def test_short_chaos_run_keeps_every_invariant(pooler: list[str], depth: int) -> None:
+    output = chaos_run(
+        "harness.chaos",
+        *("--seed", "20240611", "--pipeline", str(depth), *pooler),
+        timeout=600,
+        known=CHARGED_BEFORE_ITS_DERIVE,
+    )
     # The run really did its tricks (a run where nothing happened proves nothing).
     assert "froze worker" in output, output
     assert "restarting PostgreSQL" in output, output
     assert "SIGKILL worker" in output, output
+    assert "in a commit" in output, output  # a worker's connection cut off mid-commit
+    assert "wait behind running jobs" in output, output
 
 
 def test_a_put_retried_after_the_connection_broke_leaves_one_version(

@@ -19,6 +19,7 @@ from fixtures.faketime import find_libfaketime
 from fixtures.faultproxy import FaultProxy
 from fixtures.pgbouncer import NO_PGBOUNCER
 from fixtures.s3 import MotoServer
+from helpers import failed_checks
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -196,4 +197,19 @@ def test_the_chaos_run_is_not_a_unit_test() -> None:
     unit = _pytest("--collect-only", "-m", "unit", "tests/acceptance/test_chaos.py")
     assert "test_short_chaos_run_keeps_every_invariant" not in unit, unit
     acceptance = _pytest("--collect-only", "-m", "acceptance", "tests/acceptance/test_chaos.py")
-    assert "test_short_chaos_run_keeps_every_invariant[direct]" in acceptance, acceptance
+    assert "test_short_chaos_run_keeps_every_invariant[direct-pipeline2]" in acceptance, acceptance
+
+
+def test_a_chaos_runs_failing_checks_are_read_from_its_table() -> None:
+    """What chaos_run compares with the known failures: the FAIL rows' names only."""
+    table = (
+        "| invariant | result | detail |\n|---|---|---|\n"
+        "| sweep ran (orphan guard 0) | PASS | sweep: 0 exhausted |\n"
+        "| history: a crash or timeout charges only a started attempt | FAIL | 3 charges |\n"
+        "| webhooks: every signature verifies | FAIL | unverified: [7] |\n"
+        "note: | not a row | FAIL |\n"
+    )
+    assert failed_checks(table) == [
+        "history: a crash or timeout charges only a started attempt",
+        "webhooks: every signature verifies",
+    ]

@@ -226,7 +226,7 @@ def test_help_teaches_the_failure_commands(cli: Callable[..., CompletedProcess[s
 def test_a_rejected_file_can_be_deleted(
     cli: Callable[..., CompletedProcess[str]], queue: QueueDB, fs_root: Path
 ) -> None:
-    """Found by bench/backfill_chaos.py: `derivd delete` of a rejected file broke the
+    """Found by harness/backfill_chaos.py: `derivd delete` of a rejected file broke the
     row's own CHECK (a rejected row has an error code, any other none), exit 1 with the
     failing row printed. The code stays in the file's events."""
     storage = FsStorage(fs_root)

@@ -45,6 +45,7 @@ from derivd.storage.base import ObjectMissing, Storage, StorageUnavailable, deri
 from derivd.storage.fs import FsStorage
 from derivd.storage.s3 import S3Storage
 from derivd.worker import IdleWait, Worker
+from derivd.worker_loop import run
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -470,7 +471,7 @@ def test_worker_that_dies_every_time_is_rejected_after_exactly_max_attempts(
     def child() -> None:
         # Everything is created after the fork, as in a real worker.
         worker = make_worker(config, dsn, FsStorage(fs_root), KillsItself(runs))
-        worker.run(lambda: False, idle=IdleWait(), burst=True)
+        run(worker, lambda: False, idle=IdleWait(), burst=True)
         worker.close()
 
     exit_codes: list[int] = []

@@ -24,6 +24,7 @@ from derivd.processes.duties import Heartbeat, held_jobs, lost_tokens, to_kill
 from derivd.processes.pipe import WorkerProc, kept_starts
 from derivd.queue.db import Job, QueueDB
 from derivd.worker import JobResult
+from derivd.worker_loop import run
 
 LONG = 60.0
 
@@ -136,7 +137,6 @@ class ReportsHeldBack:
         self.proc = WorkerProc(
             pid=1, slot=1, generation=1, status_r=-1, progress_r=-1, cmd_w=-1, spawned_at=0.0
         )
-        self.proc.depth = config.pipeline_depth
         self.lock = threading.Lock()  # a pipelined worker reports from its store lanes
         self.heartbeat = Heartbeat(
             lambda: config, None, Metrics(), lambda: [self.proc], on_lost=self.on_lost
@@ -183,9 +183,10 @@ def test_a_heartbeat_never_kills_a_worker_whose_job_committed(
     ids = enqueue(queue, 3)
     hooks = ReportsHeldBack(config, queue)
     worker = make_worker(config, dsn)
+    hooks.proc.depth = worker.depth  # as its "ready" message tells the supervisor
     worker.hooks = hooks
     try:
-        assert worker.run(lambda: False, burst=True) == "drained"
+        assert run(worker, lambda: False, burst=True) == "drained"
     finally:
         worker.close()
     assert sorted(hooks.raced) == ids  # the heartbeat ran after each commit, before its report

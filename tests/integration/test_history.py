@@ -6,6 +6,9 @@ so the chaos runs' PASS means something.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +19,11 @@ from configs import make_config
 from fixtures.work import claim_one, make_worker, run_one
 from helpers import sql
 
-from derivd.queue.db import QueueDB
+from derivd.queue.db import Job, QueueDB
 from derivd.storage.base import derived_key, new_original_key
 from derivd.storage.fs import FsStorage
-from harness.history import load
+from harness import derive_log
+from harness.history import Disruptions, load
 from harness.invariants import Rules, Verdict, check, unrecorded_deaths
 from harness.listing import fs_objects
 
@@ -32,22 +36,51 @@ class World:
     store: FsStorage
     rules: Rules
     ids: list[int]
+    derive_log: Path  # the handler's (harness.derive_log)
+    disruptions: Disruptions = dataclasses.field(default_factory=Disruptions)
 
     def verdicts(self) -> dict[str, Verdict]:
-        history = load(self.dsn, fs_objects(self.store.root))
+        history = load(
+            self.dsn,
+            fs_objects(self.store.root),
+            derive_log.read(self.derive_log),
+            self.disruptions,
+        )
         return {v.name: v for v in check(history, self.rules)}
 
     def failing(self) -> dict[str, list[str]]:
         return {name: v.violations for name, v in self.verdicts().items() if not v.ok}
 
+    def queue_one(self) -> int:
+        original = new_original_key()
+        with QueueDB.open(self.dsn, role="test") as queue:
+            (file_id,) = queue.enqueue([(original, self.store.put(original, b"x", "image/jpeg"))])
+        return file_id
+
+    def claim(self) -> Job:
+        with QueueDB.open(self.dsn, role="test") as queue:
+            job = claim_one(queue, lease_s=30, max_attempts=MAX_ATTEMPTS)
+        assert job is not None
+        return job
+
+    def derive_started(self, job: Job, *, at: float | None = None, pid: int = 4242) -> None:
+        """A line of the handler's log, as a worker's derive of `job` writes it."""
+        line = {"job": job.id, "token": str(job.token), "attempt": job.attempt, "pid": pid,
+                "at": time.time() if at is None else at}  # fmt: skip
+        with self.derive_log.open("a") as log:
+            log.write(json.dumps(line) + "\n")
+
 
 @pytest.fixture
-def world(dsn: str, fs_root: Path) -> World:
-    """Three files made ready by the real worker (pillow, two variants, fs store)."""
+def world(dsn: str, fs_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> World:
+    """Three files made ready by the real worker (pillow, two variants, fs store), its
+    derives logged by harness.derive_log's handler as in the chaos runs."""
+    log = tmp_path / "derives.jsonl"
+    monkeypatch.setenv(derive_log.LOG_ENV, str(log))
     config = make_config(
         dsn,
         fs_root=fs_root,
-        derive={"backend": "pillow", "variants": "preview:320, thumb:64"},
+        derive={"backend": "harness.derive_log:Pillow", "variants": "preview:320, thumb:64"},
         queue={"max_attempts": MAX_ATTEMPTS},
     )
     store = FsStorage(fs_root)
@@ -61,7 +94,7 @@ def world(dsn: str, fs_root: Path) -> World:
     while run_one(worker) is not None:
         pass
     assert [r["status"] for r in sql(dsn, "SELECT status FROM archive_files")] == ["ready"] * 3
-    return World(dsn, store, Rules.from_config(config), ids)
+    return World(dsn, store, Rules.from_config(config), ids, log)
 
 
 def only(world: World, name: str) -> list[str]:
@@ -79,6 +112,19 @@ def test_a_history_made_by_the_worker_passes_every_invariant(world: World) -> No
     assert checked["variants belong to the commit that installed them"] == 6
     assert checked["every stored object has an owner"] == 9  # 3 originals, 6 variants
     assert checked["no two ready commits for one attempt"] == 3
+    assert checked["every derive has a recorded outcome"] == 3
+
+
+def test_the_derive_log_names_each_attempt_the_worker_derived(world: World) -> None:
+    """The handler finds the job it derives for on its caller's stack: the log names
+    the attempts that committed."""
+    logged = [(s.job, s.token, s.attempt) for s in derive_log.read(world.derive_log)]
+    ready = sql(
+        world.dsn,
+        "SELECT file_id, lease_token::text AS token, attempt FROM archive_events"
+        " WHERE kind = 'ready' ORDER BY id",
+    )
+    assert logged == [(r["file_id"], r["token"], r["attempt"]) for r in ready]
 
 
 def test_a_ready_file_missing_a_variant_is_reported(world: World) -> None:
@@ -350,3 +396,230 @@ def test_a_busy_worker_killed_must_leave_worker_died_or_have_just_ended_its_job(
     ]
     assert unrecorded_deaths(kills, events) == [3, 4]
     assert unrecorded_deaths([], events) == []
+    # killed while the database was away, or a moment before: the supervisor could not
+    # record it
+    assert unrecorded_deaths(kills, events, outages=[(99.0, 101.0)]) == []
+    assert unrecorded_deaths(kills, events, outages=[(100.5, 101.0)]) == []
+    assert unrecorded_deaths(kills, events, outages=[(101.5, 102.0)]) == [3, 4]
+
+
+# --------------------------------------------------------------------------- derives
+
+
+def worker_died(world: World, job: Job) -> None:
+    """The supervisor's record of a worker's death holding `job` (the attempt counted)."""
+    with QueueDB.open(world.dsn, role="test") as queue:
+        assert queue.worker_died(job, max_attempts=MAX_ATTEMPTS, delay_s=0) == "queued"
+
+
+def timed_out(world: World, job: Job) -> None:
+    """The supervisor's record of a timeout kill of `job`."""
+    with QueueDB.open(world.dsn, role="test") as queue:
+        queue.fail(
+            job,
+            retry=True,
+            code="resource_limit",
+            max_attempts=MAX_ATTEMPTS,
+            delay_s=0,
+            extra_event="timeout",
+        )
+
+
+def test_a_death_charged_to_an_attempt_that_never_started_is_reported(world: World) -> None:
+    """Two workers die, each holding a job: the one whose derive had started is charged
+    rightly; the one only held (claimed, waiting behind another) is charged wrongly."""
+    running, held = world.queue_one(), world.queue_one()
+    jobs = {j.id: j for j in (world.claim(), world.claim())}
+    world.derive_started(jobs[running])
+    worker_died(world, jobs[running])
+    worker_died(world, jobs[held])
+    verdict = world.verdicts()["a crash or timeout charges only a started attempt"]
+    assert verdict.checked == 2
+    (violation,) = verdict.violations
+    assert violation.startswith(f"file {held}: worker_died charged attempt 1 (event ")
+    assert violation.endswith(f"token {str(jobs[held].token)[:8]}), whose derive never started")
+
+
+def test_a_death_whose_fence_failed_charges_nothing(world: World) -> None:
+    """A death recorded after the attempt had moved on (released, here) costs nothing:
+    no charge to judge."""
+    world.queue_one()
+    job = world.claim()
+    with QueueDB.open(world.dsn, role="test") as queue:
+        assert queue.release(job)
+        assert queue.worker_died(job, max_attempts=MAX_ATTEMPTS, delay_s=0) is None
+    verdict = world.verdicts()["a crash or timeout charges only a started attempt"]
+    assert (verdict.checked, verdict.violations) == (0, [])
+
+
+def test_a_timeout_before_job_timeout_of_its_own_derive_is_reported(world: World) -> None:
+    """job_timeout 5 s: a job that derived 6 s is rightly killed; one that started its
+    derive 2 s before the kill (it waited behind the other) was charged for the wait."""
+    world.rules = dataclasses.replace(world.rules, job_timeout=5.0)
+    slow, waited = world.queue_one(), world.queue_one()
+    jobs = {j.id: j for j in (world.claim(), world.claim())}
+    world.derive_started(jobs[slow], at=time.time() - 6)
+    world.derive_started(jobs[waited], at=time.time() - 2)
+    timed_out(world, jobs[slow])
+    timed_out(world, jobs[waited])
+    verdict = world.verdicts()["a crash or timeout charges only a started attempt"]
+    assert verdict.checked == 2
+    (violation,) = verdict.violations
+    assert violation.startswith(f"file {waited}: timeout charged attempt 1 (event ")
+    assert " 2." in violation and violation.endswith(
+        "s after its derive started (job_timeout 5s)"
+    ), violation
+
+
+def test_a_charge_without_a_derive_log_is_reported(world: World) -> None:
+    """The check cannot pass by having nothing to compare with."""
+    world.queue_one()
+    job = world.claim()
+    worker_died(world, job)
+    world.derive_log.unlink()
+    history = load(world.dsn, fs_objects(world.store.root))  # no derive log
+    verdict = {v.name: v for v in check(history, world.rules)}[
+        "a crash or timeout charges only a started attempt"
+    ]
+    assert verdict.violations == ["1 charge(s) and no derive log to judge them"]
+
+
+def expire(world: World, file_id: int) -> None:
+    sql(
+        world.dsn,
+        "UPDATE archive_files SET lease_until = now() - interval '1 second' WHERE id = %s",
+        (file_id,),
+    )
+
+
+def test_a_derive_that_left_no_outcome_is_reported(world: World) -> None:
+    """Attempt 1 derived and its commit was never recorded (no event of its token); its
+    lease ran out and attempt 2 derived the file again: derived twice, no cause."""
+    file_id = world.queue_one()
+    first = world.claim()
+    world.derive_started(first)
+    expire(world, file_id)
+    second = world.claim()
+    assert (second.id, second.attempt) == (file_id, 2)
+    world.derive_started(second)
+    timed_out(world, second)  # any outcome of its own
+    (violation,) = only(world, "every derive has a recorded outcome")
+    assert violation == (
+        f"job {file_id}: attempt 1 (token {str(first.token)[:8]}, pid 4242) derived and left"
+        " no outcome; derived again by attempt(s) [2]"
+    )
+
+
+def test_a_derive_killed_or_cut_off_by_an_outage_is_excused(world: World) -> None:
+    """The run killed the process that derived, or took the database away before the
+    attempt's lease ran out: it had no chance to record its outcome."""
+    world.rules = dataclasses.replace(world.rules, lease=8.0)
+    killed_id, cut_id = world.queue_one(), world.queue_one()
+    jobs = {j.id: j for j in (world.claim(), world.claim())}
+    started = time.time() - 30
+    world.derive_started(jobs[killed_id], at=started, pid=111)
+    world.derive_started(jobs[cut_id], at=started, pid=222)
+    for file_id in (killed_id, cut_id):
+        expire(world, file_id)
+    for job in (world.claim(), world.claim()):
+        world.derive_started(job)
+        timed_out(world, job)
+    world.disruptions = Disruptions(
+        kills=((111, started + 1),), outages=((started + 7, started + 9),)
+    )
+    assert "every derive has a recorded outcome" not in world.failing()
+    # An outage that began after the attempt's lease had run out excuses nothing.
+    world.disruptions = Disruptions(
+        kills=((111, started + 1),), outages=((started + 9, started + 11),)
+    )
+    (violation,) = only(world, "every derive has a recorded outcome")
+    assert violation.startswith(f"job {cut_id}: attempt 1 (token ")
+
+
+def test_an_attempt_derived_twice_is_reported(world: World) -> None:
+    world.queue_one()
+    job = world.claim()
+    world.derive_started(job)
+    world.derive_started(job)
+    timed_out(world, job)
+    (violation,) = only(world, "every derive has a recorded outcome")
+    assert violation == (
+        f"job {job.id}: attempt 1 (token {str(job.token)[:8]}, pid 4242) derived 2 times"
+    )
+
+
+def test_a_commit_missing_from_the_derive_log_is_reported(world: World) -> None:
+    """The log is whole: a commit whose derive it lacks means it lost lines (or the
+    handler named the wrong job)."""
+    lines = world.derive_log.read_text().splitlines()
+    world.derive_log.write_text("\n".join(lines[1:]) + "\n")
+    (violation,) = only(world, "every derive has a recorded outcome")
+    assert violation.startswith(f"file {world.ids[0]}: ready by attempt 1 (token ")
+    assert violation.endswith(") whose derive is not in the log")
+
+
+# --------------------------------------------------------------------------- webhooks
+
+
+def endpoint(world: World, name: str, events: list[str], tenants: list[str] | None = None) -> None:
+    sql(
+        world.dsn,
+        "INSERT INTO derivd_webhook_endpoints (name, events, tenants) VALUES (%s, %s, %s)",
+        (name, events, tenants),
+    )
+
+
+def test_a_final_transition_without_its_outbox_row_is_reported(world: World) -> None:
+    """An endpoint for file.rejected (one for tenant `t` only, too): a rejection through
+    the fenced failure writes its outbox row; a row rejected `exhausted` (as a claim
+    does when the attempts are used up) without one is reported, once, for the endpoint
+    subscribed to it. The ready files, made before any endpoint, owe nothing to it."""
+    endpoint(world, "app", ["file.rejected"])
+    endpoint(world, "other-tenant", ["file.rejected"], ["t"])
+    rejected, exhausted = world.queue_one(), world.queue_one()
+    job = world.claim()
+    assert job.id == rejected
+    with QueueDB.open(world.dsn, role="test") as queue:
+        assert (
+            queue.fail(
+                job, retry=False, code="corrupt_content", max_attempts=MAX_ATTEMPTS, delay_s=0
+            )
+            == "rejected"
+        )
+    sql(
+        world.dsn,
+        "UPDATE archive_files SET status = 'rejected', error_code = 'attempts_exhausted',"
+        " finished_at = now() WHERE id = %s",
+        (exhausted,),
+    )
+    sql(
+        world.dsn,
+        "INSERT INTO archive_events (file_id, kind, attempt, error_code)"
+        " VALUES (%s, 'exhausted', 0, 'attempts_exhausted')",
+        (exhausted,),
+    )
+    verdict = world.verdicts()["every final transition has its outbox rows"]
+    assert verdict.checked == 2
+    assert verdict.violations == [
+        f"file {exhausted}: 1 file.rejected event(s), 0 outbox row(s) for endpoint app"
+    ]
+
+
+def test_without_an_endpoint_no_outbox_row_is_owed(world: World) -> None:
+    verdict = world.verdicts()["every final transition has its outbox rows"]
+    assert (verdict.checked, verdict.violations) == (0, [])
+    assert verdict.unit.endswith("(no endpoint configured: nothing to check)")
+
+
+def test_a_final_state_without_its_event_is_reported(world: World) -> None:
+    """A statement that rejects a row and records nothing: the other half of a final
+    state's record, the state machine's check."""
+    file_id = world.queue_one()
+    sql(
+        world.dsn,
+        "UPDATE archive_files SET status = 'rejected', error_code = 'attempts_exhausted'"
+        " WHERE id = %s",
+        (file_id,),
+    )
+    violations = only(world, "every row's events follow the state machine")
+    assert f"file {file_id}: rejected without any event" in violations, violations

@@ -12,6 +12,8 @@ from configs import make_config
 from fixtures.work import enqueue_bytes, make_worker, run_job, run_one
 from PIL import Image
 
+from derivd.worker_loop import run
+
 
 def jpeg(width: int, height: int) -> bytes:
     buffer = io.BytesIO()
@@ -134,7 +136,7 @@ def test_noop_commits_ready_without_objects(dsn: str, fs_root: Path, tmp_path: P
     config = make_config(dsn, fs_root=fs_root, derive={"backend": "noop"})
     worker = make_worker(config, dsn)
     (file_id,) = enqueue_bytes(tmp_path, worker.storage, dsn, {"a.bin": b"anything"})
-    assert worker.run(lambda: False, burst=True) == "drained"
+    assert run(worker, lambda: False, burst=True) == "drained"
     row = worker.queue.file_row(file_id)
     assert row is not None and row["status"] == "ready" and row["derived_key"] is None
     worker.close()
@@ -151,15 +153,16 @@ def test_a_pipeline_holds_jobs_only_for_a_backend_with_round_trips_to_overlap(
     backend: str,
     pipelined: bool,
 ) -> None:
-    """At `pipeline = 2`, `noop` (no GET, no PUT) runs the one-job loop; a backend that
-    stores runs the pipelined one, which logs where its time went as it stops."""
+    """At `pipeline = 2`, `noop` (no GET, no PUT) runs the loop at depth 1; a backend
+    that stores runs it at depth 2. Either logs where its time went as it stops."""
     config = make_config(
         dsn, fs_root=fs_root, derive={"backend": backend}, supervisor={"pipeline": 2}
     )
     worker = make_worker(config, dsn)
     ids = enqueue_bytes(tmp_path, worker.storage, dsn, {f"{n}.txt": b"ok" for n in range(3)})
     with caplog.at_level(logging.INFO, logger="derivd"):
-        assert worker.run(lambda: False, burst=True) == "drained"
+        assert run(worker, lambda: False, burst=True) == "drained"
     assert [worker.queue.file_row(i)["status"] for i in ids] == ["ready"] * 3  # type: ignore[index]
-    assert any("pipeline time" in r.getMessage() for r in caplog.records) is pipelined
+    assert worker.depth == (2 if pipelined else 1)
+    assert any("pipeline time" in r.getMessage() for r in caplog.records)
     worker.close()

@@ -1,6 +1,8 @@
-""", the worker's side: a commit-and-claim that fails (here: the server
-ends the worker's connection) sends its fenced commit again before calling any attempt
-unknown. Direct only: the fault finds the worker's server connection by its name."""
+"""The worker's side of a lost commit, in one process: a commit-and-claim that fails
+(here: the server ends the worker's connection) sends its fenced commit again before
+calling any attempt unknown (the daemon's cases at every depth are
+tests/test_worker_guarantees.py). Direct only: the fault finds the worker's server
+connection by its name."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from derivd.handlers.registry import create_handler
 from derivd.queue.db import QueueDB
 from derivd.storage.fs import FsStorage
 from derivd.worker import Worker
+from derivd.worker_loop import run
 
 
 class DropsItsConnection:
@@ -57,14 +60,15 @@ def test_a_failed_commit_and_claim_sends_the_commit_again_before_calling_it_unkn
     recorder = Recorder()
     worker.hooks = recorder
     try:
-        jobs = worker.claim_many(1)
-        assert [j.id for j in jobs] == [file_id]
-        worker.run_claimed(jobs, claim_next=True)
+        assert run(worker, lambda: False, burst=True) == "drained"
     finally:
         worker.close()
-    assert [(r.job.id, r.outcome) for r in recorder.results] == [(file_id, "ready")]
+    # The first commit carried the next claim; both went with the connection.
+    outcomes = sorted((r.job.id, r.job.attempt, r.outcome) for r in recorder.results)
+    assert outcomes == [(file_id, 1, "ready"), (other, 1, "ready")]
     rows = sql(dsn, "SELECT id, status FROM archive_files ORDER BY id")
-    assert rows == [{"id": file_id, "status": "ready"}, {"id": other, "status": "queued"}]
-    kinds = [r["kind"] for r in sql(dsn, "SELECT kind FROM archive_events WHERE file_id = %s",
-                                         (file_id,))]  # fmt: skip
-    assert kinds == ["ready"]
+    assert rows == [{"id": file_id, "status": "ready"}, {"id": other, "status": "ready"}]
+    for done in (file_id, other):
+        kinds = [r["kind"] for r in sql(dsn, "SELECT kind FROM archive_events WHERE file_id = %s",
+                                             (done,))]  # fmt: skip
+        assert kinds == ["ready"]

@@ -26,6 +26,7 @@ from derivd.storage import s3 as s3_module
 from derivd.storage.base import attempt_prefix, derived_key
 from derivd.storage.fs import FsStorage
 from derivd.storage.s3 import S3Storage
+from derivd.worker_loop import run
 
 pytestmark = pytest.mark.pooler
 
@@ -66,7 +67,12 @@ def test_every_put_finds_its_record_and_the_steady_state_registers_nothing_more(
 ) -> None:
     """The first job (a claim alone, not flushed) registers its keys as before; the next
     one, claimed by the first one's durable commit, PUTs under its claim's prefix."""
-    config = make_config(dsn, fs_root=fs_root, derive={"backend": "pillow"})
+    config = make_config(
+        dsn,
+        fs_root=fs_root,
+        derive={"backend": "pillow"},
+        supervisor={"pipeline": 1},  # the second job claimed by the first one's commit
+    )
     seen: dict[str, list[str]] = {}
 
     def look(key: str) -> None:
@@ -77,9 +83,7 @@ def test_every_put_finds_its_record_and_the_steady_state_registers_nothing_more(
     first_id, second_id = enqueue(tmp_path, FsStorage(fs_root), dsn, 2)
     worker = make_worker(config, dsn, BeforePut(FsStorage(fs_root), look))
     try:
-        assert worker.run_batch(lambda: False) == 1
-        assert worker._prefetched is not None  # claimed by the commit
-        assert worker.run_batch(lambda: False) == 1
+        assert run(worker, lambda: False, burst=True) == "drained"
     finally:
         worker.close()
     rows = sql(dsn, "SELECT status FROM archive_files ORDER BY id")
@@ -209,7 +213,12 @@ class _StoresUndeclared:
 def test_variants_of_a_handler_that_declared_none_are_registered_before_their_puts(
     dsn: str, fs_root: Path, tmp_path: Path
 ) -> None:
-    config = make_config(dsn, fs_root=fs_root, derive={"backend": "pillow"})
+    config = make_config(
+        dsn,
+        fs_root=fs_root,
+        derive={"backend": "pillow"},
+        supervisor={"pipeline": 1},  # the second job claimed by the first one's commit
+    )
     pending: dict[str, list[str]] = {}
 
     def look(key: str) -> None:
@@ -221,9 +230,7 @@ def test_variants_of_a_handler_that_declared_none_are_registered_before_their_pu
     handler = _StoresUndeclared(create_handler("pillow", config.derive_spec()))
     worker = make_worker(config, dsn, BeforePut(FsStorage(fs_root), look), handler)
     try:
-        assert worker.run_batch(lambda: False) == 1
-        assert worker._prefetched is not None  # the second, claimed by a durable commit
-        assert worker.run_batch(lambda: False) == 1
+        assert run(worker, lambda: False, burst=True) == "drained"
     finally:
         worker.close()
     rows = sql(dsn, "SELECT status FROM archive_files ORDER BY id")

@@ -22,14 +22,20 @@ FLOOR = frozenset(
     {"derivd.states", "derivd.errors", "derivd.redact", "derivd.osproc", "derivd.logs"}
 )
 # The worker: what runs in a worker process, below the operator's views.
-WORKER = ("derivd.worker", "derivd.pipelined", "derivd.pipeline", "derivd.derive_clock")
+WORKER = (
+    "derivd.worker",
+    "derivd.worker_loop",
+    "derivd.attempt",
+    "derivd.pipeline",
+    "derivd.derive_clock",
+)
 # What the supervisor's processes serve or run from derivd.ops (the metrics server, the
 # dashboard, the sweep's pass): the only arrows from derivd.processes into derivd.ops.
 SERVED_BY_PROCESSES = frozenset(
     {"derivd.ops.metrics", "derivd.ops.dashboard", "derivd.ops.durations", "derivd.ops.sweep"}
 )
 # Circles being cut elsewhere, each to be removed from here with its cut.
-TEMPORARY_CIRCLES = (frozenset({"derivd.worker", "derivd.pipelined"}),)  # the one worker loop
+TEMPORARY_CIRCLES: tuple[frozenset[str], ...] = ()
 # Arrows against a floor, each to be removed from here with its fix.
 TEMPORARY_ARROWS = frozenset(
     {

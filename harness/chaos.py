@@ -1,27 +1,36 @@
 """Chaos run: derivd under fire loses nothing, commits nothing twice, leaks nothing.
 
-    .venv/bin/python bench/chaos.py [--seed N] [--full] [--images N] [--backend vips]
+    .venv/bin/python -m harness.chaos [--seed N] [--full] [--images N] [--backend vips]
+                                      [--pipeline N] [--pooler]
 
 Builds a throw-away world in a temp dir: an embedded PostgreSQL (TCP), moto's S3 server
-behind a fault-injecting proxy, and the real `derivd run` (several prefork workers, an
-8 s lease, a 4 s job timeout). It queues a seeded mix of valid and hostile images
-(tests/support/imagegen.py CASES, each with its expected end state) in waves while it:
+behind a fault-injecting proxy, and the real `derivd run` (several prefork workers at
+`[supervisor] pipeline` --pipeline, an 8 s lease, a 4 s job timeout).
+Its backend is vips or Pillow through harness.derive_log, which logs every derive start
+and makes some first attempts derive for 50-90 % of the job timeout. It queues a seeded
+mix of valid and hostile images (tests/support/imagegen.py CASES, each with its expected end
+state) in waves while it:
 
 - switches the storage proxy between pass, 503s, connection resets (before and after
   the request reached S3) and slow responses;
-- SIGKILLs random workers (found by their process titles `derivd: worker N ...`);
+- SIGKILLs random workers (found by their process titles `derivd: worker N ...`), and
+  workers deriving while another job waits behind theirs;
+- terminates a worker's database connection in the middle of a commit
+  (`pg_terminate_backend` of a backend named `derivd-worker-...`, caught blocked on a
+  row lock the run holds): the commit's answer is lost, the commit is not;
 - freezes a worker in the middle of a job (SIGSTOP, with the supervisor frozen too, so
   nothing kills it) until its lease expired and another worker took the job over, then
   thaws it: its late commit or failure must be fenced out (a `lease_lost` event);
 - restarts PostgreSQL once;
 - SIGKILLs the supervisor's webhook deliverer twice and restarts the webhook receiver
-  (a process verifying with `standardwebhooks`) once (bench/chaos_webhooks.py).
+  (a process verifying with `standardwebhooks`) once (harness/chaos_webhooks.py).
 
 Then the faults stop, the queue drains, the supervisor is stopped with SIGTERM, one
 `derivd sweep --orphan-guard 0` runs (safe then: no attempt is live), and the
 invariants are checked and printed as a table: this run's own expectations, then every
 invariant of the state machine over the history it left (harness.invariants: events,
-tables and the bucket's listing). The exit status is 1 when any fails.
+tables, the bucket's listing, the derive log, the kills and the outage it caused). The
+exit status is 1 when any fails.
 The same --seed gives the same inputs and the same schedule of faults (what the
 processes make of it still depends on timing).
 """
@@ -32,6 +41,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import json
 import os
 import random
 import re
@@ -49,11 +59,8 @@ from typing import Any
 
 import boto3
 import psycopg
-from chaos_webhooks import Hooks, wait_delivered
-from chaos_webhooks import checks as webhook_checks
-from common import ROOT, table
 
-sys.path.insert(0, str(ROOT / "tests" / "support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 import imagegen
 from fixtures.faultproxy import FaultProxy
@@ -72,11 +79,17 @@ from derivd.embedded.pgcluster import EmbeddedCluster
 from derivd.osproc import children_of
 from derivd.queue.db import QueueDB, migrate
 from derivd.storage.base import new_original_key
+from harness import derive_log
+from harness.chaos_webhooks import Hooks, wait_delivered
+from harness.chaos_webhooks import checks as webhook_checks
+from harness.history import Disruptions
 from harness.history import load as load_history
 from harness.invariants import Rules, unrecorded_deaths
 from harness.invariants import check as check_history
 from harness.listing import s3_objects
+from harness.tables import table
 
+ROOT = Path(__file__).resolve().parent.parent
 DERIVD = Path(sys.executable).parent / "derivd"
 LEASE_S = 8.0
 JOB_TIMEOUT_S = 4.0
@@ -95,10 +108,18 @@ class Plan:
     kills: int
     stunts: int
     drain_s: float
+    terminations: int  # worker connections terminated in a commit
+    waiting_kills: int  # workers killed while a job waits behind theirs
 
 
-SHORT = Plan(images=80, waves=8, chaos_s=24.0, kills=2, stunts=1, drain_s=150.0)
-FULL = Plan(images=360, waves=30, chaos_s=90.0, kills=8, stunts=2, drain_s=300.0)
+SHORT = Plan(images=80, waves=8, chaos_s=24.0, kills=2, stunts=1, drain_s=150.0,
+             terminations=3, waiting_kills=1)  # fmt: skip
+FULL = Plan(images=360, waves=30, chaos_s=90.0, kills=8, stunts=2, drain_s=300.0,
+            terminations=10, waiting_kills=4)  # fmt: skip
+# Of every input, the share whose first attempt derives for 50-90 % of the job timeout
+# (harness.derive_log): jobs near their deadline, with others waiting behind them.
+SLOW_SHARE = 0.15
+SLOW_SPAN = (0.5, 0.9)
 
 
 def say(text: str) -> None:
@@ -169,12 +190,22 @@ class World:
         worker_count: int,
         claim_batch: int = 1,
         pooler: bool = False,
+        pipeline: int = 2,
     ) -> None:
         self.root = root
         self.seed = seed
         self.backend = backend
         self.worker_count = worker_count
         self.claim_batch = claim_batch
+        self.pipeline = pipeline
+        self.job_timeout = JOB_TIMEOUT_S
+        # Which inputs derive slowly: drawn apart from the schedule's generator, so a
+        # seed's schedule stays what it was.
+        self.slow_rng = random.Random(seed * 7919 + 1)
+        self.slow: dict[str, float] = {}  # original key -> extra derive seconds
+        self.slow_share = SLOW_SHARE
+        self.derive_log = root / "derives.jsonl"
+        self.slow_file = root / "slow-derives.json"
         self.pg = EmbeddedCluster(root / "pg" / "pgdata", listen_tcp=True, fast=True)
         self.pooler = pooler
         self.bouncer: PgBouncer | None = None
@@ -189,6 +220,12 @@ class World:
         for name in AWS_ENV_UNSET:
             self.env.pop(name, None)
         self.env.update(aws_test_env())
+        # The workers import harness.derive_log, the backend that logs each derive start.
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+        )
+        self.env[derive_log.LOG_ENV] = str(self.derive_log)
+        self.env[derive_log.SLOW_ENV] = str(self.slow_file)
         os.environ.update(aws_test_env())  # the chaos script's own boto3 client
         for name in AWS_ENV_UNSET:
             os.environ.pop(name, None)
@@ -249,6 +286,7 @@ class World:
                 "kill_grace": 1,
                 "shutdown_grace": 15,
                 "state_dir": self.root / "state",
+                "pipeline": self.pipeline,
             },
             "queue": {
                 "lease": LEASE_S,
@@ -259,7 +297,10 @@ class World:
                 "listen": "yes",
                 "claim_batch": self.claim_batch,
             },
-            "derive": {"backend": self.backend, "variants": "preview:320, thumb:64"},
+            "derive": {
+                "backend": derive_log.backend_for(self.backend),
+                "variants": "preview:320, thumb:64",
+            },
             "sweep": {"orphan_guard": LEASE_S + 1},
             "logging": {"level": "info"},
             "webhook:chaos": self.hooks.section(),
@@ -319,6 +360,7 @@ class World:
             key = new_original_key()
             answer = client.put_object(Bucket=self.bucket, Key=key, Body=data)
             originals.append((key, answer["VersionId"]))
+        self.stretch([key for key, _ in originals])
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -330,6 +372,30 @@ class World:
                     raise
                 time.sleep(0.2)
         return {i: (name, expected) for i, (name, expected, _) in zip(ids, inputs, strict=True)}
+
+    def reachable(self) -> float:
+        """When derivd's DSN (PgBouncer's, with a pooler) answers a query (Unix time)."""
+        dsn = self.bouncer.dsn(self.dsn) if self.bouncer else self.dsn
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with psycopg.connect(dsn, connect_timeout=5) as conn:
+                    conn.execute("SELECT 1")
+                return time.time()
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    return time.time()
+                time.sleep(0.1)
+
+    def stretch(self, keys: list[str]) -> None:
+        """Draw which of these originals' first derive takes 50-90 % of the job timeout,
+        and tell the handler before they are queued."""
+        for key in keys:
+            if self.slow_rng.random() < self.slow_share:
+                self.slow[key] = round(self.slow_rng.uniform(*SLOW_SPAN) * self.job_timeout, 2)
+        part = self.slow_file.with_suffix(".part")
+        part.write_text(json.dumps(self.slow))
+        part.replace(self.slow_file)  # the handler never reads half a file
 
     def close(self) -> None:
         if self.supervisor is not None and self.supervisor.poll() is None:
@@ -361,6 +427,20 @@ class Tally:
     fault_switches: Counter[str] = dataclasses.field(default_factory=Counter)
     supervisor_died: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
+    # What the history checker is told the run did: every process SIGKILLed (pid, when)
+    # and each span the database was away (start, end), Unix seconds.
+    killed: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    outages: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    terminations: int = 0
+    waiting_kills: int = 0
+
+    def disruptions(self) -> Disruptions:
+        return Disruptions(kills=tuple(self.killed), outages=tuple(self.outages))
+
+
+# A worker whose commit was cut off sends it again at once (DESIGN.md "Pipelined
+# worker"); cutting off that one too would be an outage of its own, not a lost answer.
+RECUT_AFTER_S = 5.0
 
 
 class Chaos:
@@ -368,6 +448,7 @@ class Chaos:
         self.world = world
         self.rng = rng
         self.tally = tally
+        self.cut_at: dict[str, float] = {}  # worker connection -> when its commit was cut
 
     def switch_faults(self) -> None:
         proxy = self.world.proxy
@@ -402,18 +483,128 @@ class Chaos:
             self.tally.notes.append("kill: no worker found")
             return
         pid = self.rng.choice(pool)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-            self.tally.kills += 1
-            job = job_of(fleet[pid])
-            if job is not None:
-                self.tally.busy_kills.append((job, time.time()))
+        if self.sigkill(pid, fleet[pid]):
             say(f"SIGKILL worker pid {pid} ({fleet[pid]})")
 
+    def sigkill(self, pid: int, text: str) -> bool:
+        """SIGKILL worker `pid` (its title `text`, read a moment ago), on the record."""
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        now = time.time()
+        self.tally.kills += 1
+        self.tally.killed.append((pid, now))
+        job = job_of(text)
+        if job is not None:
+            self.tally.busy_kills.append((job, now))
+        return True
+
+    def kill_with_one_waiting(
+        self,
+        supervisor: int | None = None,
+        host: str | None = None,
+        feed: Callable[[], None] | None = None,
+    ) -> None:
+        """SIGKILL a worker in the middle of a job while a job claimed on its host waits
+        for its derive (held behind a running one: pipeline 2 and up; held = leased, its
+        token not in the derive log); the held job must go back unburned, only the
+        running one is charged. `supervisor` and `host`: the host's (default: the
+        world's one supervisor). `feed` queues work first, so that jobs wait."""
+        if feed is not None:
+            feed()
+        where = "" if host is None else " AND claimed_by = %s"
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:
+            fleet = workers(self.world.sup_pid if supervisor is None else supervisor)
+            running = {pid: job_of(text) for pid, text in fleet.items() if job_of(text)}
+            leased = self.world.query(
+                "SELECT id, lease_token::text FROM archive_files WHERE status = 'processing'"
+                + where,
+                (host,) if host else (),
+            )
+            started = {s.token for s in derive_log.read(self.world.derive_log)}
+            held = sorted(int(i) for i, token in leased if token not in started)
+            if running and held:
+                pid = self.rng.choice(sorted(running))
+                if self.sigkill(pid, fleet[pid]):
+                    self.tally.waiting_kills += 1
+                    say(f"SIGKILL worker pid {pid} ({fleet[pid]}) while file(s) "
+                        f"{held[:4]} wait behind running jobs")  # fmt: skip
+                return
+            time.sleep(0.05)
+        self.tally.notes.append("kill: no job caught waiting behind a running one")
+
+    def terminate_in_commit(self) -> None:
+        """Lose a commit's answer: hold the lock of every leased row a moment, and when
+        a worker's connection (application_name derivd-worker-...) blocks on it in a
+        commit, terminate that backend (pg_terminate_backend), then let go. The commit
+        never happened; the worker must send it again, not leave the row to its lease.
+        Tries for a few seconds (rows must be leased, a worker must commit one)."""
+        deadline = time.monotonic() + 8.0
+        try:
+            with (
+                psycopg.connect(self.world.dsn, connect_timeout=5) as holder,
+                psycopg.connect(self.world.dsn, autocommit=True, connect_timeout=5) as probe,
+            ):
+                while time.monotonic() < deadline:
+                    victim = self._cut_one_commit(holder, probe)
+                    holder.rollback()
+                    if victim is not None:
+                        self.tally.terminations += 1
+                        say(f"terminated worker backend {victim} in a commit")
+                        return
+                    time.sleep(0.02)
+        except psycopg.OperationalError as error:  # PostgreSQL restarting: another time
+            self.tally.notes.append(f"terminate: {type(error).__name__}")
+            return
+        self.tally.notes.append("terminate: no worker commit caught")
+
+    def _cut_one_commit(
+        self, holder: psycopg.Connection[Any], probe: psycopg.Connection[Any]
+    ) -> int | None:
+        """In `holder`'s transaction, lock the leased rows (files' and re-derivations':
+        a re-derivation's commit takes its own row's lock); for up to a second, look for
+        a worker's commit blocked on them and terminate its backend. Its pid, or None."""
+        held = 0
+        for name in ("archive_files", "derivd_rederivations"):
+            if holder.execute("SELECT to_regclass(%s)", (name,)).fetchone() != (None,):
+                held += len(
+                    holder.execute(
+                        f"SELECT 1 FROM {name} WHERE status = 'processing' FOR UPDATE SKIP LOCKED"
+                    ).fetchall()
+                )
+        if not held:
+            return None
+        blocked = (
+            "SELECT pid, application_name FROM pg_stat_activity"
+            " WHERE %s = ANY (pg_blocking_pids(pid))"
+            " AND application_name LIKE 'derivd-worker-%%' AND query ILIKE '%%commit%%'"
+        )
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            now = time.monotonic()
+            victims = [
+                (int(pid), str(name))
+                for pid, name in probe.execute(blocked, (holder.info.backend_pid,))
+                if now - self.cut_at.get(str(name), -RECUT_AFTER_S) >= RECUT_AFTER_S
+            ]
+            if victims:
+                victim, name = self.rng.choice(sorted(victims))
+                probe.execute("SELECT pg_terminate_backend(%s)", (victim,))
+                self.cut_at[name] = now
+                return victim
+            time.sleep(0.01)
+        return None
+
     def restart_postgres(self) -> None:
+        """Stop and start PostgreSQL; the outage lasts until derivd's own DSN answers
+        again (through PgBouncer, that is later: it waits before it logs in again)."""
         say("restarting PostgreSQL")
+        began = time.time()
         self.world.pg.stop()  # the same instance starts again on its port and socket
         self.world.pg.start()
+        self.tally.outages.append((began, self.world.reachable()))
         self.tally.pg_restarts += 1
 
     def freeze_past_lease(self, feed: Callable[[], None]) -> None:
@@ -469,10 +660,13 @@ class Chaos:
                     continue
                 os.kill(pid, signal.SIGSTOP)
                 # Still on that job once stopped, and the row is leased: the token is its.
+                # Claimed since the last PostgreSQL restart: a worker whose connection
+                # the restart closed could not write late at all, fenced or not.
                 rows = world.query(
-                    "SELECT lease_token::text FROM archive_files "
-                    "WHERE id = %s AND status = 'processing'",
-                    (file_id,),
+                    "SELECT lease_token::text FROM archive_files WHERE id = %s"
+                    " AND status = 'processing'"
+                    " AND lease_until - make_interval(secs => %s) > to_timestamp(%s)",
+                    (file_id, LEASE_S, max((end for _, end in self.tally.outages), default=0)),
                 )
                 if job_of(title(pid)) == file_id and rows:
                     return pid, file_id, rows[0][0]
@@ -517,6 +711,8 @@ def run_chaos(
     schedule += [(t, "faults") for t in _ticks(rng, span, 2.0)]
     schedule += [(rng.uniform(0.1, 0.9) * span, "kill") for _ in range(plan.kills)]
     schedule += [(0.4 * span, "pg_restart")]
+    schedule += [(rng.uniform(0.1, 0.9) * span, "terminate") for _ in range(plan.terminations)]
+    schedule += [(rng.uniform(0.2, 0.9) * span, "kill_waiting") for _ in range(plan.waiting_kills)]
     schedule += [(rng.uniform(0.1, 0.9) * span, "kill_deliverer") for _ in range(2)]
     schedule += [(rng.uniform(0.2, 0.8) * span, "receiver_restart")]
     schedule += [
@@ -539,6 +735,10 @@ def run_chaos(
             chaos.kill_worker()
         elif action == "pg_restart":
             chaos.restart_postgres()
+        elif action == "terminate":
+            chaos.terminate_in_commit()
+        elif action == "kill_waiting":
+            chaos.kill_with_one_waiting(feed=feed)
         elif action == "kill_deliverer":
             if world.hooks.kill_deliverer(world.sup_pid, title):
                 say("SIGKILL webhook deliverer")
@@ -660,7 +860,7 @@ def _check_deaths_recorded(world: World, tally: Tally) -> Check:
         (jobs,),
     )
     missing = unrecorded_deaths(
-        tally.busy_kills, [(int(f), str(k), float(a)) for f, k, a in events]
+        tally.busy_kills, [(int(f), str(k), float(a)) for f, k, a in events], tally.outages
     )
     return Check(
         "each busy worker killed: worker_died for its job",
@@ -674,11 +874,23 @@ def history_checks(world: World, tally: Tally) -> list[Check]:
     bucket's listing), under the rules of the run's own configuration. The violations
     of a failing one go to the notes in full."""
     rules = Rules.from_config(load_config(world.ini))
-    history = load_history(world.dsn, s3_objects(world.s3(), world.bucket))
+    starts = derive_log.read(world.derive_log)
+    history = load_history(
+        world.dsn, s3_objects(world.s3(), world.bucket), starts, tally.disruptions()
+    )
     verdicts = check_history(history, rules)
     for verdict in verdicts:
         tally.notes += [f"{verdict.name}: {v}" for v in verdict.violations[:40]]
-    return [Check(f"history: {v.name}", v.ok, v.summary()) for v in verdicts]
+    slow = {k for k, s in world.slow.items() if s}
+    keys = {r.id: r.original_key for r in history.rows.values()}
+    stretched = sum(1 for s in starts if s.attempt == 1 and keys.get(s.job) in slow)
+    logged = Check(
+        "the derive log was kept",
+        bool(starts),
+        f"{len(starts)} derive starts by {len({s.pid for s in starts})} processes, "
+        f"{stretched} first derives for 50-90 % of job_timeout",
+    )
+    return [logged] + [Check(f"history: {v.name}", v.ok, v.summary()) for v in verdicts]
 
 
 def _check_variant_bytes(world: World) -> Check:
@@ -734,6 +946,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--backend", default="vips", choices=["vips", "pillow"])
     parser.add_argument("--claim-batch", type=int, default=1, help="[queue] claim_batch")
+    parser.add_argument("--pipeline", type=int, default=2, help="[supervisor] pipeline")
     parser.add_argument(
         "--pooler", action="store_true", help="derivd through PgBouncer (transaction mode)"
     )
@@ -748,10 +961,12 @@ def main(argv: list[str] | None = None) -> int:
     root.chmod(0o711)  # the embedded server may run as `postgres`: it must traverse
     say(
         f"chaos seed={seed} images={plan.images} workers={args.workers} backend={args.backend} "
-        f"claim_batch={args.claim_batch} pooler={'yes' if args.pooler else 'no'} "
-        f"chaos={plan.chaos_s:g}s in {root}"
+        f"claim_batch={args.claim_batch} pipeline={args.pipeline} "
+        f"pooler={'yes' if args.pooler else 'no'} chaos={plan.chaos_s:g}s in {root}"
     )
-    world = World(root, seed, args.backend, args.workers, args.claim_batch, args.pooler)
+    world = World(
+        root, seed, args.backend, args.workers, args.claim_batch, args.pooler, args.pipeline
+    )
     ok = False
     try:
         inputs = make_inputs(rng, plan.images)
@@ -792,9 +1007,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         print()
         print(
-            f"seed {seed}: {len(expected)} images, {tally.kills} worker kills, "
-            f"{tally.stunts} freeze(s) past the lease, {tally.pg_restarts} PostgreSQL restart(s), "
-            f"fault switches {dict(tally.fault_switches)}"
+            f"seed {seed}: {len(expected)} images, {tally.kills} worker kills "
+            f"({tally.waiting_kills} with a job waiting), {tally.terminations} commit(s) "
+            f"cut off, {tally.stunts} freeze(s) past the lease, {tally.pg_restarts} PostgreSQL "
+            f"restart(s), fault switches {dict(tally.fault_switches)}"
         )
         print("proxy: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items())))
         print_verdict(ok, tally.notes, world.log_path)

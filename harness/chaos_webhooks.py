@@ -1,4 +1,4 @@
-"""The chaos run's webhooks (issue 29): a receiver process on 127.0.0.1 that verifies
+"""The chaos run's webhooks: a receiver process on 127.0.0.1 that verifies
 every request with the `standardwebhooks` library and logs it (tests/support/fixtures/receiver.py),
 restarted mid-run; the supervisor's delivering child SIGKILLed; and the checks, read from
 the receiver's log and the tables alone:

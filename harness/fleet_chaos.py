@@ -1,11 +1,13 @@
 """Fleet chaos: three supervisors on one PostgreSQL and one S3 lose nothing when hosts die.
 
-    .venv/bin/python bench/fleet_chaos.py [--seed N] [--full] [--images N]
+    .venv/bin/python -m harness.fleet_chaos [--seed N] [--full] [--images N] [--pipeline N]
+                                            [--direct]
 
-Builds the world of bench/chaos.py (embedded PostgreSQL over TCP, moto's S3 behind the
-fault proxy) and runs three `derivd run` (host ids h1, h2, h3; own state dirs; 2 workers
-each) on it, with an 8 s lease. While a seeded mix of valid and hostile images is queued
-in waves it:
+Builds the world of harness/chaos.py (embedded PostgreSQL over TCP, moto's S3 behind the
+fault proxy, the derive log) and runs three `derivd run` (host ids h1, h2, h3; own state
+dirs; 2 workers each at `[supervisor] pipeline` --pipeline) on it, through PgBouncer in
+transaction mode (--direct: without), with an 8 s lease. While a seeded mix of valid and
+hostile images is queued in waves it:
 
 - kills host h1: SIGKILL to its supervisor and every process under it ("host death"),
   then measures, for every job h1 held, how long until another host claimed it again
@@ -14,10 +16,12 @@ in waves it:
 - pauses host h2 (SIGSTOP to its supervisor and workers, caught in the middle of jobs)
   until the other hosts took its jobs over, then resumes it: its heartbeat (or deadline)
   must find the loss, and its late writes must be fenced (`lease_lost`);
-- restarts PostgreSQL once.
+- restarts PostgreSQL once;
+- terminates workers' server connections in the middle of commits, and SIGKILLs one of
+  h3's workers while a job waits behind a running one (harness/chaos.py).
 
 Then the queue drains, h2 and h3 get SIGTERM, one sweep runs, and the invariants of
-bench/chaos.py are checked plus the failover bound and the registry's view of the dead
+harness/chaos.py are checked plus the failover bound and the registry's view of the dead
 host. The exit status is 1 when any fails.
 """
 
@@ -40,11 +44,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import chaos
-from chaos import Check, Tally, World, say
-from common import table
-
 from derivd.osproc import children_of
+from harness import chaos
+from harness.chaos import Check, Tally, World, say
+from harness.chaos_webhooks import wait_delivered
+from harness.tables import table
 
 HOSTS = ("h1", "h2", "h3")
 POLL_S = 0.5
@@ -59,10 +63,12 @@ class Plan:
     waves: int
     chaos_s: float
     drain_s: float
+    terminations: int  # worker connections terminated in a commit
+    waiting_kills: int  # h3's workers killed while a job waits behind theirs
 
 
-SHORT = Plan(images=300, waves=10, chaos_s=45.0, drain_s=240.0)
-FULL = Plan(images=900, waves=30, chaos_s=120.0, drain_s=600.0)
+SHORT = Plan(images=300, waves=10, chaos_s=45.0, drain_s=240.0, terminations=3, waiting_kills=1)
+FULL = Plan(images=900, waves=30, chaos_s=120.0, drain_s=600.0, terminations=10, waiting_kills=4)
 
 
 @dataclasses.dataclass
@@ -113,10 +119,13 @@ class Fleet:
     def alive(self, name: str) -> bool:
         return self.procs[name].poll() is None
 
-    def signal(self, name: str, sig: int) -> None:
+    def signal(self, name: str, sig: int, tally: Tally | None = None) -> None:
+        """Signal host `name`'s every process; a SIGKILL goes on `tally`'s record."""
         for pid in self.tree(name):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
+                if tally is not None and sig == signal.SIGKILL:
+                    tally.killed.append((pid, time.time()))
 
     def held(self, name: str) -> dict[int, str]:
         rows = self.world.query(
@@ -149,7 +158,7 @@ class Fleet:
 
 
 def host_death(
-    fleet: Fleet, failover: Failover, feed: Callable[[], None]
+    fleet: Fleet, failover: Failover, feed: Callable[[], None], tally: Tally
 ) -> list[threading.Thread]:
     """SIGKILL h1's whole tree; a thread then watches its jobs come back and the registry
     call it stale, then prune it."""
@@ -162,7 +171,7 @@ def host_death(
     deadline = time.monotonic() + 20
     while not fleet.held("h1") and time.monotonic() < deadline:
         time.sleep(0.05)
-    fleet.signal("h1", signal.SIGKILL)
+    fleet.signal("h1", signal.SIGKILL, tally)
     proxy.pass_through()
     failover.killed_at = time.monotonic()
     fleet.procs["h1"].wait()
@@ -241,7 +250,9 @@ def host_pause(fleet: Fleet, tally: Tally, feed: Callable[[], None]) -> None:
     say(f"host pause: SIGCONT h2 after its jobs moved on (lease {chaos.LEASE_S:g}s)")
 
 
-def run(fleet: Fleet, plan: Plan, rng: random.Random, tally: Tally) -> tuple[dict, Failover]:
+def run(
+    fleet: Fleet, plan: Plan, rng: random.Random, tally: Tally
+) -> tuple[dict[int, tuple[str, str]], Failover]:
     world = fleet.world
     inputs = chaos.make_inputs(rng, plan.images)
     waves = [inputs[i :: plan.waves + 1] for i in range(plan.waves + 1)]
@@ -255,7 +266,10 @@ def run(fleet: Fleet, plan: Plan, rng: random.Random, tally: Tally) -> tuple[dic
     span = plan.chaos_s
     schedule = [(i * span / plan.waves, "wave") for i in range(plan.waves)]
     schedule += [(0.25 * span, "death"), (0.5 * span, "pause"), (0.75 * span, "pg_restart")]
+    schedule += [(rng.uniform(0.1, 0.9) * span, "terminate") for _ in range(plan.terminations)]
+    schedule += [(rng.uniform(0.3, 0.9) * span, "kill_waiting") for _ in range(plan.waiting_kills)]
     schedule.sort()
+    mischief = chaos.Chaos(world, rng, tally)
     watchers: list[threading.Thread] = []
     started = time.monotonic()
     for at, action in schedule:
@@ -263,11 +277,15 @@ def run(fleet: Fleet, plan: Plan, rng: random.Random, tally: Tally) -> tuple[dic
         if action == "wave":
             feed()
         elif action == "death":
-            watchers = host_death(fleet, failover, feed)
+            watchers = host_death(fleet, failover, feed, tally)
         elif action == "pause":
             host_pause(fleet, tally, feed)
         elif action == "pg_restart":
-            chaos.Chaos(world, rng, tally).restart_postgres()
+            mischief.restart_postgres()
+        elif action == "terminate":
+            mischief.terminate_in_commit()
+        elif action == "kill_waiting":
+            mischief.kill_with_one_waiting(fleet.procs["h3"].pid, "h3", feed)
     while waves:
         feed()
     for watcher in watchers:
@@ -306,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help=f"the long run ({FULL.images} images)")
     parser.add_argument("--images", type=int, help="override the number of images")
     parser.add_argument("--backend", default="vips", choices=["vips", "pillow"])
+    parser.add_argument("--pipeline", type=int, default=2, help="[supervisor] pipeline")
+    parser.add_argument(
+        "--direct", action="store_true", help="derivd straight to PostgreSQL, not through PgBouncer"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (kept on failure)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
@@ -315,8 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(seed)
     root = Path(tempfile.mkdtemp(prefix="derivd-fleet-"))
     root.chmod(0o711)
-    say(f"fleet chaos seed={seed} images={plan.images} hosts={len(HOSTS)}x2 in {root}")
-    world = World(root, seed, args.backend, 2)
+    say(
+        f"fleet chaos seed={seed} images={plan.images} hosts={len(HOSTS)}x2 "
+        f"pipeline={args.pipeline} pooler={'no' if args.direct else 'yes'} in {root}"
+    )
+    world = World(root, seed, args.backend, 2, pooler=not args.direct, pipeline=args.pipeline)
     fleet = Fleet(world)
     ok = False
     try:
@@ -334,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
         tally.supervisor_died = not (fleet.alive("h2") and fleet.alive("h3"))
         # The surviving hosts' deliverers finish the webhooks (chaos.check_all checks them).
-        if not chaos.wait_delivered(world.query, plan.drain_s):
+        if not wait_delivered(world.query, plan.drain_s):
             tally.notes.append(f"webhooks not delivered within {plan.drain_s:g}s")
         codes = fleet.stop_all()
         survivors_ok = codes.get("h2") == 0 and codes.get("h3") == 0
