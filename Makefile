@@ -62,7 +62,7 @@ run: install-run
 	$(BIN)/derivd -c $(CONFIG) demo
 
 # The pages generated from declarations: every setting (supervisor/config.py) into
-# docs/configuring.md and the example etc/derivd.ini. tests/test_config_docs.py fails
+# docs/configuring.md and the example etc/derivd.ini. tests/unit/test_config_docs.py fails
 # while either is out of date.
 docs: install
 	$(BIN)/python -m derivd.config_docs docs/configuring.md etc/derivd.ini
@@ -74,22 +74,25 @@ lint: install
 typecheck: install
 	MYPYPATH="$$(echo build/__editable__.derivd-*)" $(BIN)/mypy -p derivd -p harness
 
+# The suite, one folder per tier (tests/conftest.py): tests/unit (no services),
+# tests/integration (PostgreSQL, moto's S3), tests/acceptance (the `derivd` process).
 pytest: install
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) tests
 
-# Each tier alone; `make test` runs them all in one pytest session.
+# Each tier alone; `make test` runs them all in one pytest session. With
+# PYTEST_DERIVD_TIER=unit a service fixture fails the test: the unit tier needs none.
 test-unit: install
-	PYTEST_DERIVD_TIER=unit $(BIN)/pytest -q -n $(PYTEST_WORKERS) -m unit tests
+	PYTEST_DERIVD_TIER=unit $(BIN)/pytest -q -n $(PYTEST_WORKERS) tests/unit
 test-integration: install
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m integration tests
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) tests/integration
 test-acceptance: install
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m acceptance tests
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) tests/acceptance
 
+# Everything: lint, strict types, every test of every tier.
 test: lint typecheck pytest
 
-# While you work: lint, types and every test but the `slow` ones (chaos runs, big inputs).
-test-fast: lint typecheck
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) -m 'not slow' tests
+# While you work: lint and the unit tier (no database, no daemon, no mypy).
+test-fast: lint test-unit
 
 chaos: install
 	$(BIN)/python bench/chaos.py --full

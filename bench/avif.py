@@ -10,7 +10,7 @@ AVIF at `[derive] quality` 80 and effort 4 (WebP effort 4; AVIF effort 2 = aom c
 and the AVIF quality that `AVIF_QUALITY` in derivd/handlers/outputs.py maps 80 to). Times
 are whole derivations (median of N after a warm-up); decode and resize are the same for
 both formats, so the difference is the encode. libvips runs with concurrency 1, Pillow's
-AVIF encoder with one thread, as in a worker. Fidelity is SSIM on luma (tests/fidelity.py)
+AVIF encoder with one thread, as in a worker. Fidelity is SSIM on luma (tests/support/fidelity.py)
 against the same variant written as PNG by the same handler: the pixels the encoder was
 given.
 
@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]
 
 os.environ.setdefault("VIPS_CONCURRENCY", "1")
 
-from fidelity import ssim  # noqa: E402  # tests/fidelity.py: the one SSIM
+from fidelity import ssim  # noqa: E402  # tests/support/fidelity.py: the one SSIM
 
 SIZES = (("1600", (1600, 1600), "inside"), ("320", (320, 320), "inside"),
          ("1200x630", (1200, 630), "cover"))  # fmt: skip

@@ -5,7 +5,7 @@
 Builds a throw-away world in a temp dir: an embedded PostgreSQL (TCP), moto's S3 server
 behind a fault-injecting proxy, and the real `derivd run` (several prefork workers, an
 8 s lease, a 4 s job timeout). It queues a seeded mix of valid and hostile images
-(tests/imagegen.py CASES, each with its expected end state) in waves while it:
+(tests/support/imagegen.py CASES, each with its expected end state) in waves while it:
 
 - switches the storage proxy between pass, 503s, connection resets (before and after
   the request reached S3) and slow responses;
@@ -53,7 +53,7 @@ from chaos_webhooks import Hooks, wait_delivered
 from chaos_webhooks import checks as webhook_checks
 from common import ROOT, table
 
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 import imagegen
 from fixtures.faultproxy import FaultProxy

@@ -1,5 +1,5 @@
 """The chaos run's webhooks (issue 29): a receiver process on 127.0.0.1 that verifies
-every request with the `standardwebhooks` library and logs it (tests/fixtures/receiver.py),
+every request with the `standardwebhooks` library and logs it (tests/support/fixtures/receiver.py),
 restarted mid-run; the supervisor's delivering child SIGKILLed; and the checks, read from
 the receiver's log and the tables alone:
 
@@ -30,7 +30,7 @@ from typing import Any
 from derivd.osproc import children_of
 
 SECRET = "whsec_" + base64.b64encode(b"derivd chaos webhook secret 32 b").decode()
-RECEIVER = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "receiver.py"
+RECEIVER = Path(__file__).resolve().parent.parent / "tests" / "support" / "fixtures" / "receiver.py"
 
 
 def free_port() -> int:

@@ -60,7 +60,7 @@ SHAPES = (
 
 def make_inputs(folder: Path, count: int) -> list[Path]:
     """Photo-like originals, cached in `folder` between runs."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     import imagegen
     from PIL import Image
 

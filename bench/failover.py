@@ -5,7 +5,7 @@ heartbeat costs the database.
 
 Per configuration (the defaults; renewal with lease 30 s and heartbeat 10 s), `trials`
 victim supervisors (`derivd run`, 1 worker each, host ids v1...) each claim one job that
-hangs on its first attempt (tests/faulthandlers.py `hang-once`), next to a rescuer
+hangs on its first attempt (tests/support/faulthandlers.py `hang-once`), next to a rescuer
 supervisor (2 workers). Each victim is SIGKILLed with all its processes at a random
 moment within one lease of its claim (the lease's age at a host's death is anything);
 the time from the kill to the rescuer's claim of that job is its failover. Target: max
@@ -43,7 +43,7 @@ from derivd.storage.base import new_original_key
 from derivd.storage.fs import FsStorage
 
 DERIVD = Path(sys.executable).parent / "derivd"
-TESTS = ROOT / "tests"
+SUPPORT = ROOT / "tests" / "support"
 
 CONFIGS = {
     "defaults (lease 45 s, heartbeat 10 s)": {},
@@ -75,7 +75,7 @@ def write_ini(path: Path, dsn: str, store: Path, extra: dict[str, dict[str, str]
 def start(ini: Path, host: str, root: Path, workers: int) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
-        "PYTHONPATH": str(TESTS),
+        "PYTHONPATH": str(SUPPORT),
         "DERIVD_SUPERVISOR_HOST_ID": host,
         "DERIVD_SUPERVISOR_STATE_DIR": str(root / f"state-{host}"),
         "DERIVD_SUPERVISOR_WORKERS": str(workers),

@@ -38,7 +38,7 @@ import psycopg
 from common import DERIVD, ROOT, cluster, fresh_db, machine, percentile, save_results, table
 from throughput import PEERS_PYTHON, ensure_peers_venv, peer
 
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 from fixtures.pgbouncer import PgBouncer
 
 from derivd.embedded.pgcluster import EmbeddedCluster

@@ -13,6 +13,7 @@ outputs (bench/out/*.json); bench/results.py puts each under its benchmark's fig
     webhooks.json    (bench/webhooks.py)     -> chart-webhooks.png: outbox cost, delivery
     server_instructions.json (bench/server_instructions.py) -> chart-server_instructions.png
     anatomy.json     (bench/anatomy.py)      -> chart-anatomy.png: a burst's CPU by role
+    previews.json    (bench/previews.py)     -> chart-previews.png: derivd vs Rails' CLIs
 
 A chart whose input is absent is skipped (and said so); the others are still drawn.
 matplotlib comes with the `bench` extra (`pip install -e '.[bench]'`), never with
@@ -120,6 +121,24 @@ def e2e(data: Data) -> tuple[Figure, str]:
     ax.legend(fontsize=8)
     ax.set_title("End to end: derivd vs a naive process pool")
     return fig, "End to end, derivd vs a naive pool (bench/e2e.py)"
+
+
+def previews(data: Data) -> tuple[Figure, str]:
+    """Per input: images/s and CPU ms a preview, derivd beside the CLI pipeline."""
+    rows = data["results"]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    xs = range(len(rows))
+    measures = (("images_per_s", "images/s"), ("cpu_ms", "CPU ms per preview"))
+    for ax, (measure, label) in zip(axes, measures, strict=True):
+        ax.bar([x - 0.2 for x in xs], [r["derivd"][measure] for r in rows], 0.4, label="derivd")
+        ax.bar([x + 0.2 for x in xs], [r["cli"][measure] for r in rows], 0.4,
+               label="ffmpeg / pdftoppm + vipsthumbnail")  # fmt: skip
+        ax.set_xticks(list(xs), [r["case"] for r in rows], fontsize=7, rotation=20, ha="right")
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Previews: derivd vs the CLI pipeline of Active Storage")
+    return fig, "Previews of videos and PDFs, derivd vs the CLI pipeline (bench/previews.py)"
 
 
 def fleet(data: Data) -> tuple[Figure, str]:
@@ -365,6 +384,7 @@ CHARTS: dict[str, Callable[[Data], tuple[Figure, str]]] = {
     "webhooks": webhooks,
     "server_instructions": server_instructions,
     "anatomy": anatomy,
+    "previews": previews,
 }
 
 

@@ -68,6 +68,11 @@ CATALOGUE = (
     Entry("avif", "AVIF against WebP", "time, bytes and fidelity at the pinned encoder settings"),
     Entry("e2e", "End to end", "the whole daemon against a naive process pool of the same library"),
     Entry(
+        "previews",
+        "Previews of videos and PDFs",
+        "poster frames and PDF pages by derivd against the CLI pipeline of Active Storage",
+    ),
+    Entry(
         "sharp", "derivd against sharp", "sharp's own benchmark task, with the plain-library floors"
     ),
     Entry(

@@ -8,7 +8,7 @@ sharp's published benchmark (test/bench/perf.js in lovell/sharp) resizes its 272
 JPEG fixture to 720 x 588 (sharp's default fit: cover, centred) and writes JPEG quality 80.
 Here both sides do that task on `--images` copies of the fixture, and on as many 12 MP
 phone-sized JPEGs (4032 x 3024, a third of them portraits stored sideways with EXIF
-orientation 6; photo-like scenes with grain from tests/imagegen.py, cached in bench/out/):
+orientation 6; photo-like scenes with grain from tests/support/imagegen.py, cached in bench/out/):
 
 - sharp: sharp SHARP_VERSION from npm, installed into bench/.sharp/ (git-ignored), run by
   bench/sharp_task.js in a fresh node process per run, both of sharp's ways to use the
@@ -31,7 +31,7 @@ sharp and derivd are each timed as a whole process (start to exit); CPU and peak
 the kernel's accounting of the process and its children (wait4): PostgreSQL's own CPU is
 not counted. The floor times its work alone: its lanes import first, then start together
 (wall from then to the last lane's end, CPU and peak RSS each lane's own, `run_floor`).
-Fidelity, the lowest over the distinct inputs: SSIM (tests/fidelity.py) of each derivd
+Fidelity, the lowest over the distinct inputs: SSIM (tests/support/fidelity.py) of each derivd
 output against sharp's output for the same input, and of the backend's variant against its
 own full decode (the handler with `shrink_on_load = off`: no shrink-on-load at all, the
 same resize; both written as PNG, so the JPEG encoder's loss does not count twice).
@@ -80,7 +80,7 @@ from common import (
     table,
 )
 
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 from fidelity import ssim
 
 from derivd.storage.fs import FsStorage

@@ -12,8 +12,14 @@ what server cost its events reach a local receiver.
    arrival.
 3. Throughput: a backlog of deliveries, then the deliverer started: deliveries/s and the
    server's CPU per delivery (claim + fenced finish), at concurrency 4 and 16.
+4. Sides (`--build REF`, default main): commit-to-delivery p50/p99 of REF and of this
+   build in the same run, rounds interleaved, each side's deliverer its own build (REF's
+   sources exported from git, its schema from its migrations); and the recovery after a
+   receiver outage of `--outage` seconds (files committed all along it, defaults
+   everywhere): from the receiver's return to the first delivery and to the last.
 
     .venv/bin/python bench/webhooks.py            # writes bench/out/webhooks.json
+    .venv/bin/python bench/webhooks.py --parts sides --build main
 """
 
 from __future__ import annotations
@@ -24,16 +30,19 @@ import json
 import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import OUT, cluster, fresh_db, machine, percentile, save_results, table
+from common import OUT, cluster, fresh_db, git, machine, percentile, save_results, table
 from fleet import load_average, server_cpu_s
 from traffic import baseline_db
 
@@ -41,7 +50,9 @@ from derivd.queue.db import QueueDB
 from derivd.webhooks.deliverer import Deliverer
 from derivd.webhooks.endpoints import Endpoint
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support")
+)
 from fixtures.receiver import Receiver
 
 KEY = b"derivd bench secret of 32 bytes!"
@@ -185,9 +196,10 @@ def latency(pg: Any, events: int) -> dict[str, float]:
             for n in range(events + 20):
                 held = conn.execute("SELECT id FROM archive_files WHERE status = 'processing'")
                 ids = [int(r[0]) for r in held.fetchall()]
-                one()
+                expected = len(arrivals.at) + len(ids)  # before the commit: it may arrive
+                one()  # before the next line runs
                 done = time.time()
-                arrivals.wait(len(arrivals.at) + len(ids))
+                arrivals.wait(expected)
                 if n >= 20:  # warm-up: connections, plans
                     lat += [(arrivals.at[i] - done) * 1000 for i in ids if i in arrivals.at]
     finally:
@@ -227,6 +239,157 @@ def throughput(pg: Any, backlog: int, concurrency: int) -> dict[str, float]:
             "delivered": got}  # fmt: skip
 
 
+# -- sides: REF's build beside this one ------------------------------------------------
+
+THIS = "this build"
+DELIVER = """
+import sys
+from derivd.webhooks.deliverer import Deliverer
+from derivd.webhooks.endpoints import Endpoint
+dsn, url, key = sys.argv[1], sys.argv[2], sys.argv[3].encode()
+Deliverer((Endpoint("app", url, key, timeout=10, concurrency=4),), dsn, host="bench",
+          poll_interval=1.0).run()
+"""
+
+
+def export_build(ref: str, into: Path) -> Path:
+    """REF's `derivd` package, laid out as the editable install lays this one out."""
+    archive = subprocess.run(["git", "archive", ref, "supervisor", "sql", "handlers"],
+                             check=True, capture_output=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    package = into / "pkg" / "derivd"
+    package.parent.mkdir()
+    (into / "supervisor").rename(package)
+    (into / "sql").rename(package / "sql")
+    (into / "handlers").rename(package / "handlers")
+    return into / "pkg"
+
+
+def side_deliverer(dsn: str, url: str, path: Path | None) -> subprocess.Popen[bytes]:
+    """The delivering loop of one side, a process of its own (REF's: its sources first)."""
+    env = dict(os.environ)
+    if path is not None:
+        env["PYTHONPATH"] = str(path)
+    return subprocess.Popen([sys.executable, "-c", DELIVER, dsn, url, KEY.decode()], env=env)
+
+
+def side_db(pg: Any, side: str, ref: str, name: str) -> str:
+    return fresh_db(pg, name) if side == THIS else baseline_db(pg, name + "_ref", ref)
+
+
+def side_latency(pg: Any, side: str, ref: str, path: Path | None, events: int) -> list[float]:
+    """Commit-to-delivery ms of `events` files, one at a time, on one side."""
+    dsn = side_db(pg, side, ref, "wh_side_latency")
+    receiver = Receiver(SECRET).start()
+    arrivals = Arrivals(receiver)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO derivd_webhook_endpoints (name, events) VALUES"
+                     " ('app', '{file.ready,file.rejected}')")  # fmt: skip
+    proc = side_deliverer(dsn, receiver.url, path)
+    lat: list[float] = []
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(SEED, {"n": events + 21})
+            one = commit_loop(conn, events)
+            one()  # the first claim
+            for n in range(events + 20):
+                held = conn.execute("SELECT id FROM archive_files WHERE status = 'processing'")
+                ids = [int(r[0]) for r in held.fetchall()]
+                expected = len(arrivals.at) + len(ids)  # before the commit: it may arrive
+                one()  # before the next line runs
+                done = time.time()
+                arrivals.wait(expected)
+                if n >= 20:  # warm-up: connections, plans
+                    lat += [(arrivals.at[i] - done) * 1000 for i in ids if i in arrivals.at]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        receiver.stop()
+    assert all(r.verified for r in receiver.answered()), "a signature did not verify"
+    return lat
+
+
+def side_recovery(
+    pg: Any, side: str, ref: str, path: Path | None, outage_s: float, wait_s: float
+) -> dict[str, float | None]:
+    """A receiver down for `outage_s` while a file is committed every half second: from
+    its return, seconds to the first delivery and to the last (None: not within wait_s)."""
+    dsn = side_db(pg, side, ref, "wh_side_recovery")
+    receiver = Receiver(SECRET).start()
+    arrivals = Arrivals(receiver)
+    most = int(outage_s * 2) + 1  # a file every half second at most
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO derivd_webhook_endpoints (name, events) VALUES"
+                     " ('app', '{file.ready,file.rejected}')")  # fmt: skip
+    proc = side_deliverer(dsn, receiver.url, path)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(SEED, {"n": most + 12})
+            one = commit_loop(conn, most + 10)
+            one()
+            for _ in range(5):
+                one()
+            arrivals.wait(5)
+            before = len(arrivals.at)
+            receiver.stop()
+            down, files = time.monotonic(), 0
+            while time.monotonic() - down < outage_s:
+                one()
+                files += 1
+                time.sleep(0.5)
+            receiver.start()  # the same port
+            up = time.time()
+        arrivals.wait(before + files, timeout=wait_s)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        receiver.stop()
+    late = sorted(t - up for t in arrivals.at.values() if t >= up)
+    complete = len(arrivals.at) >= before + files
+    return {"first_s": late[0] if late else None,
+            "all_s": late[-1] if complete and late else None,
+            "files": files, "delivered": len(late)}  # fmt: skip
+
+
+def sides(pg: Any, ref: str, rounds: int, events: int, outage_s: float) -> dict[str, Any]:
+    """REF beside this build: latency rounds interleaved, then each side's recovery."""
+    with tempfile.TemporaryDirectory(prefix="derivd-ref-") as tmp:
+        path = export_build(ref, Path(tmp))
+        builds: dict[str, Path | None] = {ref: path, THIS: None}
+        lat: dict[str, list[float]] = {side: [] for side in builds}
+        for n in range(rounds):
+            for side in list(builds)[:: 1 if n % 2 == 0 else -1]:
+                print(f"latency, {side}, round {n + 1}", file=sys.stderr, flush=True)
+                lat[side] += side_latency(pg, side, ref, builds[side], events)
+        recovery = {}
+        for side, where in builds.items():
+            print(f"recovery after {outage_s:g} s, {side}", file=sys.stderr, flush=True)
+            recovery[side] = side_recovery(pg, side, ref, where, outage_s, wait_s=900)
+    return {
+        "ref": ref,
+        "commit": git("rev-parse", "--short", ref).strip(),
+        "latency": {
+            side: {"p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99), "n": len(v)}
+            for side, v in lat.items()
+        },
+        "outage_s": outage_s,
+        "recovery": recovery,
+    }
+
+
+def print_sides(result: dict[str, Any]) -> None:
+    def seconds(value: float | None) -> str:
+        return "> 900 s" if value is None else f"{value:.1f} s"
+
+    print(f"\n4. {result['ref']} ({result['commit']}) beside this build")
+    print(table(["build", "p50 ms", "p99 ms", "n", f"first after a {result['outage_s']:g} s "
+                 "outage", "all of its backlog"],
+                [[side, f"{v['p50_ms']:.1f}", f"{v['p99_ms']:.1f}", v["n"],
+                  seconds(result["recovery"][side]["first_s"]),
+                  seconds(result["recovery"][side]["all_s"])]
+                 for side, v in result["latency"].items()]))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=3000, help="per commit-cost round")
@@ -237,8 +400,11 @@ def main() -> None:
     parser.add_argument(
         "--parts",
         default="commit,probe,latency,throughput",
-        help="which parts to run (comma-separated)",
+        help="which parts to run (comma-separated; sides: REF beside this build)",
     )
+    parser.add_argument("--build", default="main", help="the git ref of `sides`")
+    parser.add_argument("--rounds", type=int, default=3, help="latency rounds of `sides`")
+    parser.add_argument("--outage", type=float, default=60.0, help="seconds, `sides`")
     args = parser.parse_args()
     load = [load_average()]
     result: dict[str, Any] = {}
@@ -263,6 +429,8 @@ def main() -> None:
         for concurrency in (4, 16) if "throughput" in parts else ():
             print(f"throughput, concurrency {concurrency}", file=sys.stderr, flush=True)
             result["throughput"][str(concurrency)] = throughput(pg, args.backlog, concurrency)
+        if "sides" in parts:
+            result["sides"] = sides(pg, args.build, args.rounds, args.events, args.outage)
         load.append(load_average())
         result["machine"] = machine(pg.dsn("postgres"))
     # The chart's title shows the load of the run that measured the commit's cost.
@@ -286,10 +454,13 @@ def main() -> None:
         lat = result["latency"]
         print(f"\n2. commit to delivery: p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms "
               f"(mean {lat['mean_ms']:.1f}, n = {lat['n']})")  # fmt: skip
-    print("\n3. a backlog of deliveries")
-    print(table(["concurrency", "deliveries/s", "server CPU ms/delivery"],
-                [[c, f"{t['deliveries_per_s']:.0f}", f"{t['server_cpu_ms_per_delivery']:.3f}"]
-                 for c, t in result["throughput"].items()]))  # fmt: skip
+    if "sides" in result:
+        print_sides(result["sides"])
+    if result["throughput"]:
+        print("\n3. a backlog of deliveries")
+        print(table(["concurrency", "deliveries/s", "server CPU ms/delivery"],
+                    [[c, f"{t['deliveries_per_s']:.0f}", f"{t['server_cpu_ms_per_delivery']:.3f}"]
+                     for c, t in result["throughput"].items()]))  # fmt: skip
     # A run of some parts keeps the other parts' latest figures (bench/plots.py draws all).
     previous = OUT / "webhooks.json"
     kept = json.loads(previous.read_text()) if previous.exists() else {}

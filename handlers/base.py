@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Protocol, overload
+from dataclasses import dataclass, field
+from typing import Any, Protocol, overload
 
 from derivd.errors import (  # re-exported for third-party handlers
     CorruptContent,
@@ -23,6 +23,7 @@ from derivd.errors import (  # re-exported for third-party handlers
     Transient,
     UnsupportedContent,
 )
+from derivd.handlers.preview_spec import PreviewSpec
 
 __all__ = [
     "FORMATS",
@@ -34,6 +35,7 @@ __all__ = [
     "Handler",
     "MissingEncoder",
     "Permanent",
+    "PreviewSpec",
     "ResourceLimit",
     "Transient",
     "UnsupportedContent",
@@ -97,6 +99,7 @@ class DeriveSpec:
     max_frames: int = 100
     concurrency: int = 1
     shrink_on_load: str = "fast"  # fast | safe | off (see derivd.handlers.geometry)
+    previews: PreviewSpec = field(default_factory=PreviewSpec)  # documents, videos: `previews`
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,9 @@ class Analysis:
     colour: str  # "#rrggbb", sRGB
     placeholder: str  # ThumbHash, base64
     dhash: int  # 64-bit difference hash as a signed bigint
+    # What a preview's original adds (derivd.handlers.previews): a PDF's pages and page
+    # size, a video's duration, frame rate, codec and audio; None for an image.
+    media: dict[str, Any] | None = None
 
 
 class Derivation(Sequence[DerivedVariant]):

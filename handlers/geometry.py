@@ -25,7 +25,7 @@ def _side(length: int, scale: float) -> int:
     return max(1, round(length * scale))
 
 
-def scale_of(width: int, height: int, variant: VariantSpec) -> float:
+def scale_of(width: float, height: float, variant: VariantSpec) -> float:
     """The factor this variant applies to the upright original."""
     box_w, box_h = variant.bounds
     if variant.fit == "cover":

@@ -31,7 +31,7 @@ from PIL import (
     features,
 )
 
-from derivd.handlers import heif
+from derivd.handlers import heif, previews
 from derivd.handlers.analysis import Small, analyse, whole_blocks
 from derivd.handlers.base import (
     Analysis,
@@ -380,6 +380,13 @@ def decode_heif(original: bytes, spec: DeriveSpec) -> tuple[Decoded, int]:
     return Decoded([frame], [100], 0, upright), header.frames
 
 
+def decode_preview(preview: previews.Preview, spec: DeriveSpec) -> tuple[Decoded, int]:
+    """A PDF's page or a video's frame (`previews`): 8-bit sRGB pixels, to the base."""
+    image = Image.frombuffer("RGB", preview.size, preview.pixels, "raw", "RGB", 0, 1)
+    frame = _to_base(image, base_size(*preview.upright, spec.variants))
+    return Decoded([frame], [100], 0, preview.upright), preview.frames
+
+
 def decode_original(original: bytes, spec: DeriveSpec) -> tuple[Decoded, int]:
     """Everything that parses the user's bytes: the decoded base and the file's frames."""
     if heif.is_heif(original):
@@ -417,8 +424,11 @@ class PillowHandler:
     def derive(self, original: bytes, spec: DeriveSpec) -> Derivation:
         check_input_size(original, spec)
         with decoding():
-            decoded, frames = decode_original(original, spec)
+            preview = previews.preview_of(original, spec)
+            decoded, frames = decode_original(original, spec) if preview is None else (
+                decode_preview(preview, spec))  # fmt: skip
         fmt = input_format(original) or "unknown"
         with encoding():
             variants = derive_variants(decoded, spec)
-            return Derivation(variants, analysis_of(decoded, fmt, frames))
+            analysis = analysis_of(decoded, fmt, frames)
+            return Derivation(variants, previews.analysed(analysis, preview))

@@ -27,7 +27,7 @@ from typing import Any
 
 import pyvips
 
-from derivd.handlers import heif
+from derivd.handlers import heif, previews
 from derivd.handlers.analysis import Small, analyse, rgba_of, whole_blocks
 from derivd.handlers.base import (
     Analysis,
@@ -370,6 +370,17 @@ def decode_heif(original: bytes, spec: DeriveSpec) -> Decoded:
     return Decoded(base, page_height, upright, header.frames)
 
 
+def decode_preview(preview: previews.Preview, spec: DeriveSpec) -> Decoded:
+    """A PDF's page or a video's frame (`previews`): 8-bit sRGB pixels in memory, brought
+    to the base as `decode_heif` brings libheif's."""
+    image = pyvips.Image.new_from_memory(preview.pixels, *preview.size, 3, "uchar")
+    size = base_size(*preview.upright, spec.variants)
+    thumb = image.copy(interpretation="srgb").thumbnail_image(
+        size[0], height=size[1], size="force", no_rotate=True)  # fmt: skip
+    base, page_height = checked_base(thumb, size)
+    return Decoded(base, page_height, preview.upright, preview.frames)
+
+
 def _first_frame(decoded: Decoded) -> Any:
     """The base's first page (the base itself unless frames are stacked)."""
     base, page_height = decoded.base, decoded.page_height
@@ -426,11 +437,13 @@ class VipsHandler:
     def derive(self, original: bytes, spec: DeriveSpec) -> Derivation:
         check_input_size(original, spec)
         with decoding():
-            decoded = decode_original(original, spec)
+            preview = previews.preview_of(original, spec)
+            decoded = decode_original(original, spec) if preview is None else (
+                decode_preview(preview, spec))  # fmt: skip
         fmt = input_format(original) or "unknown"
         with encoding():
             variants = derive_variants(decoded.base, decoded.page_height, decoded.upright, spec)
-            return Derivation(variants, analysis_of(decoded, fmt))
+            return Derivation(variants, previews.analysed(analysis_of(decoded, fmt), preview))
 
 
 # libtiff's words for a codec this build lacks (LZMA in the bundled libtiff, JPEG 2000 in

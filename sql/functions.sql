@@ -342,6 +342,7 @@ LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 #variable_conflict use_column
 DECLARE
     n integer;
+    seq bigint := nextval('derivd_event_sequence');  -- the payload's `sequence`
 BEGIN
     INSERT INTO derivd_deliveries (endpoint, event, file_id, body)
     SELECT e.name, derivd_outbox.event, f.id,
@@ -349,6 +350,7 @@ BEGIN
                'type', derivd_outbox.event,
                'timestamp', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
                'data', jsonb_build_object(
+                   'sequence', seq,
                    'file_id', f.id, 'tenant', f.tenant, 'status', f.status,
                    'error_code', f.error_code, 'attempts', f.attempts,
                    'external_id', f.external_id, 'metadata', f.metadata,
@@ -369,7 +371,7 @@ BEGIN
                            'format', f.original_format, 'frames', f.original_frames,
                            'has_alpha', f.original_has_alpha, 'colour', f.original_colour,
                            'placeholder', f.original_placeholder,
-                           'dhash', f.original_dhash) END))::text
+                           'dhash', f.original_dhash, 'media', f.original_media) END))::text
       FROM archive_files AS f
       JOIN derivd_webhook_endpoints AS e
         ON derivd_outbox.event = ANY (e.events)
@@ -381,6 +383,56 @@ BEGIN
         PERFORM pg_notify('derivd_deliveries', '');
     END IF;
     RETURN n;
+END $$;
+
+-- Whether a delivery waits its turn: one file's events reach an endpoint in the order
+-- they happened, so a delivery waits while an earlier one of the same endpoint and file
+-- is undelivered (pending or leased). Earlier is a smaller id: a file's events are
+-- serialised by its row's lock, so the later one's row is inserted after the earlier
+-- one's commit. The claim and `run --burst`'s wait ask it of each candidate row, through
+-- the file's index.
+CREATE OR REPLACE FUNCTION derivd_delivery_waits(endpoint text, file_id bigint, id bigint)
+RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM derivd_deliveries AS d
+                    WHERE d.file_id = derivd_delivery_waits.file_id
+                      AND d.endpoint = derivd_delivery_waits.endpoint
+                      AND d.id < derivd_delivery_waits.id
+                      AND d.status IN ('pending', 'delivering'));
+$$;
+
+-- Closes an endpoint's circuit (the first success: a delivery, `derivd webhooks test`,
+-- or `derivd webhooks resume`): no failures, no pause, no probe. When it was open, its
+-- backlog flows at once: every pending delivery of it is due now (their own backoff grew
+-- while the receiver was away), and the delivering processes are woken. Returns whether
+-- it was open (the caller logs or says so).
+CREATE OR REPLACE FUNCTION derivd_circuit_close(endpoint text)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    was_open boolean;
+BEGIN
+    SELECT e.opened_at IS NOT NULL OR coalesce(e.paused_until > now(), false) INTO was_open
+      FROM derivd_webhook_endpoints AS e
+     WHERE e.name = derivd_circuit_close.endpoint
+       FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    UPDATE derivd_webhook_endpoints AS e
+       SET failures = 0, opened_at = NULL, probes = 0, paused_until = NULL,
+           probe_token = NULL, probe_until = NULL
+     WHERE e.name = derivd_circuit_close.endpoint
+       AND (e.failures > 0 OR e.opened_at IS NOT NULL OR e.paused_until IS NOT NULL
+            OR e.probe_token IS NOT NULL);
+    IF was_open THEN
+        UPDATE derivd_deliveries AS d
+           SET available_at = now()
+         WHERE d.endpoint = derivd_circuit_close.endpoint AND d.status = 'pending'
+           AND d.available_at > now();
+        PERFORM pg_notify('derivd_deliveries', '');
+    END IF;
+    RETURN was_open;
 END $$;
 
 -- The outbox for several files at once (the statements of sql/queries.sql that reject
@@ -406,8 +458,9 @@ END $$;
 -- The fenced commit of one or more finished attempts (`jobs`: a JSON array of {id,
 -- token, attempt, derived_key, derived_version, sha256, width, height, variants,
 -- original_width, original_height, original_format, original_frames, original_has_alpha,
--- original_colour, original_placeholder, original_dhash}; the analysis keys absent, as
--- from a handler that analyses nothing or a host of a release before 0013: NULLs; each
+-- original_colour, original_placeholder, original_dhash, original_media}; the analysis
+-- keys absent, as from a handler that analyses nothing or a host of a release before
+-- 0013 (original_media: before 0026, or an image): NULLs; each
 -- variant {name, format, content_type, key, version, sha256, width, height, fingerprint,
 -- bytes}, `bytes` absent from a host of a release before 0019: NULL). Each
 -- row passes or fails its own fence. A file's fenced UPDATE and its `ready` event are one
@@ -435,7 +488,8 @@ BEGIN
                     variants jsonb, original_width integer, original_height integer,
                     original_format text, original_frames integer,
                     original_has_alpha boolean, original_colour text,
-                    original_placeholder text, original_dhash bigint)
+                    original_placeholder text, original_dhash bigint,
+                    original_media jsonb)
     LOOP
         -- The fence and the attempt's `ready` event in one statement.
         WITH done AS (
@@ -454,6 +508,7 @@ BEGIN
                    original_colour = j.original_colour,
                    original_placeholder = j.original_placeholder,
                    original_dhash = j.original_dhash,
+                   original_media = j.original_media,
                    error_code = NULL,
                    lease_token = NULL,
                    lease_until = NULL,

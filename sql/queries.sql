@@ -546,8 +546,8 @@ SELECT id, status, attempts, available_at, lease_token, lease_until, original_ke
        original_version, derived_key, derived_version, sha256, width, height, error_code,
        created_at, updated_at, claimed_at, claimed_by, finished_at, original_width,
        original_height, original_format, original_frames, original_has_alpha,
-       original_colour, original_placeholder, original_dhash, external_id, metadata,
-       (SELECT s.bucket FROM derivd_store AS s) AS bucket
+       original_colour, original_placeholder, original_dhash, original_media, external_id,
+       metadata, (SELECT s.bucket FROM derivd_store AS s) AS bucket
   FROM archive_files WHERE id = %(id)s;
 
 -- name: file_variants
@@ -755,7 +755,8 @@ SELECT f.status, f.error_code, f.external_id, f.metadata, f.original_key,
            'width', f.original_width, 'height', f.original_height,
            'format', f.original_format, 'frames', f.original_frames,
            'has_alpha', f.original_has_alpha, 'colour', f.original_colour,
-           'placeholder', f.original_placeholder, 'dhash', f.original_dhash) END AS original
+           'placeholder', f.original_placeholder, 'dhash', f.original_dhash,
+           'media', f.original_media) END AS original
   FROM archive_files AS f
  WHERE f.id = %(id)s;
 
@@ -839,56 +840,88 @@ SELECT coalesce((SELECT array_agg(name ORDER BY name) FROM gone), '{}') AS remov
 
 -- name: webhook_endpoints
 -- The endpoints the database knows (`derivd webhooks list`), removed ones too.
-SELECT name, events, tenants, updated_at, failures, paused_until, last_error, removed_at
+SELECT name, events, tenants, updated_at, failures, paused_until, last_error, removed_at,
+       opened_at, probes
   FROM derivd_webhook_endpoints ORDER BY name;
 
 -- name: deliveries_claim
 -- The lease protocol for deliveries: up to `limit` rows of one endpoint, expired leases
 -- first (their process died mid-POST), then the due ones oldest first, each locked with
 -- SKIP LOCKED and given a fresh token and lease (a delivery is never POSTed by two hosts
--- at once: the lease outlasts the POST's hard timeout). Nothing while the endpoint's
--- circuit is open (paused_until), nor once it is removed (a host whose INI still has it
--- while another's sync removed it posts nothing). age_s: seconds since the event (or its
--- replay), the horizon's clock; all times are the database's.
-WITH open AS (
-    SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM derivd_webhook_endpoints AS e
-                                WHERE e.name = %(endpoint)s
-                                  AND (e.paused_until > now() OR e.removed_at IS NOT NULL))
+-- at once: the lease outlasts the POST's hard timeout). A row waits its turn while an
+-- earlier delivery of its file to this endpoint is undelivered (derivd_delivery_waits).
+-- The endpoint's circuit, fleet-wide: closed, up to `limit`; open, nothing before
+-- paused_until, then one row, the probe, and only by the one claim that locks the
+-- endpoint's row while no other probe's lease runs (its token recorded there:
+-- delivery_finish tells the probe's end from another's). Nothing once the endpoint is
+-- removed (a host whose INI still has it while another's sync removed it posts
+-- nothing). age_s: seconds since the event (or its replay), the horizon's clock; all
+-- times are the database's. `probe`: this claim is the probe.
+WITH circuit AS (
+    SELECT e.opened_at IS NOT NULL OR e.removed_at IS NOT NULL
+           OR coalesce(e.paused_until > now(), false) AS held
+      FROM derivd_webhook_endpoints AS e
+     WHERE e.name = %(endpoint)s
+), probe AS (
+    SELECT e.name FROM derivd_webhook_endpoints AS e
+     WHERE e.name = %(endpoint)s AND e.opened_at IS NOT NULL AND e.removed_at IS NULL
+       AND coalesce(e.paused_until <= now(), true)  -- NULL: an older host ended the pause
+       AND (e.probe_until IS NULL OR e.probe_until < now())
+       FOR UPDATE SKIP LOCKED
+), gate AS (
+    SELECT CASE WHEN EXISTS (SELECT 1 FROM probe) THEN 1
+                WHEN EXISTS (SELECT 1 FROM circuit WHERE held) THEN 0
+                ELSE %(limit)s::int END AS n
 ), due AS (
-    SELECT * FROM (SELECT d.id FROM derivd_deliveries AS d, open
+    SELECT * FROM (SELECT d.id FROM derivd_deliveries AS d
                     WHERE d.endpoint = %(endpoint)s AND d.status = 'delivering'
                       AND d.lease_until < now()
                     ORDER BY d.lease_until
-                    LIMIT %(limit)s
+                    LIMIT (SELECT n FROM gate)
                       FOR UPDATE OF d SKIP LOCKED) AS expired
     UNION ALL
-    SELECT * FROM (SELECT d.id FROM derivd_deliveries AS d, open
+    SELECT * FROM (SELECT d.id FROM derivd_deliveries AS d
                     WHERE d.endpoint = %(endpoint)s AND d.status = 'pending'
                       AND d.available_at <= now()
-                    ORDER BY d.available_at
-                    LIMIT %(limit)s
+                      AND NOT derivd_delivery_waits(d.endpoint, d.file_id, d.id)
+                    ORDER BY d.available_at, d.id
+                    LIMIT (SELECT n FROM gate)
                       FOR UPDATE OF d SKIP LOCKED) AS pending
-    LIMIT %(limit)s
+    LIMIT (SELECT n FROM gate)
+), claimed AS (
+    UPDATE derivd_deliveries AS d
+       SET status = 'delivering',
+           lease_token = gen_random_uuid(),
+           lease_until = now() + make_interval(secs => %(lease_s)s),
+           attempts = d.attempts + 1,
+           claimed_by = %(host)s
+      FROM due
+     WHERE d.id = due.id
+    RETURNING d.id, d.lease_token, d.lease_until, d.attempts, d.event, d.file_id, d.body,
+              d.webhook_id, extract(epoch FROM now() - d.retry_from)::float8 AS age_s
+), probing AS (
+    UPDATE derivd_webhook_endpoints AS e
+       SET probe_token = c.lease_token, probe_until = c.lease_until
+      FROM probe AS p, (SELECT * FROM claimed LIMIT 1) AS c
+     WHERE e.name = p.name
+    RETURNING e.name
 )
-UPDATE derivd_deliveries AS d
-   SET status = 'delivering',
-       lease_token = gen_random_uuid(),
-       lease_until = now() + make_interval(secs => %(lease_s)s),
-       attempts = d.attempts + 1,
-       claimed_by = %(host)s
-  FROM due
- WHERE d.id = due.id
-RETURNING d.id, d.lease_token, d.attempts, d.event, d.file_id, d.body,
-          extract(epoch FROM now() - d.retry_from)::float8 AS age_s;
+SELECT c.id, c.lease_token, c.attempts, c.event, c.file_id, c.body, c.webhook_id, c.age_s,
+       EXISTS (SELECT 1 FROM probing) AS probe
+  FROM claimed AS c;
 
 -- name: delivery_finish
 -- The fenced end of one attempt (id + token): `delivered`, `failed`, or `pending` again
 -- after delay_s; not `pending` again once its endpoint was removed (the sync left this
 -- row to its POST): `failed`, "endpoint removed". Zero rows: the lease was lost
--- (another host has it now), nothing changes. The endpoint's circuit, fleet-wide: a success closes it; each failure counts,
--- and from `threshold` consecutive failures on, the endpoint's claims stop for
--- pause_base * 2^(failures - threshold) seconds (at most pause_max), every due row of it
--- together. Its row is written only when that changes something (a hot row otherwise).
+-- (another host has it now), nothing changes. The endpoint's circuit, fleet-wide: a
+-- success closes it (derivd_circuit_close: an open one lets its backlog flow at once).
+-- A failure counts; the `threshold`-th in a row opens it for pause_base seconds; while
+-- open, only the probe's failure (its token on the endpoint's row) moves it: the pause
+-- doubles with each failed probe, at most pause_max (the POSTs in flight when it opened
+-- fail too, and must not grow it). Its row is written only when that changes something
+-- (a hot row otherwise). Returns whether the circuit `opened` or `closed` now, and
+-- `pause_s`: until its next probe.
 WITH ending AS (
     SELECT CASE WHEN %(status)s = 'pending'
                  AND EXISTS (SELECT 1 FROM derivd_deliveries AS d
@@ -908,32 +941,61 @@ WITH ending AS (
       FROM ending AS n
      WHERE d.id = %(id)s AND d.lease_token = %(token)s  -- the fence
     RETURNING d.endpoint
-), circuit AS (
+), failing AS (
     UPDATE derivd_webhook_endpoints AS e
-       SET failures = CASE WHEN %(ok)s THEN 0 ELSE e.failures + 1 END,
+       SET failures = e.failures + 1,
+           opened_at = CASE WHEN e.opened_at IS NULL AND e.failures + 1 >= %(threshold)s
+                            THEN now() ELSE e.opened_at END,
+           probes = CASE WHEN e.opened_at IS NOT NULL AND e.probe_token = %(token)s
+                         THEN e.probes + 1 ELSE e.probes END,
            paused_until = CASE
-               WHEN %(ok)s THEN NULL
-               WHEN e.failures + 1 >= %(threshold)s
+               WHEN e.opened_at IS NULL AND e.failures + 1 >= %(threshold)s
+               THEN now() + make_interval(secs => least(%(pause_max)s, %(pause_base)s))
+               WHEN e.opened_at IS NOT NULL AND e.probe_token = %(token)s
                THEN now() + make_interval(secs => least(
                         %(pause_max)s::float8,
-                        %(pause_base)s * power(2, least(e.failures + 1 - %(threshold)s, 20))))
+                        %(pause_base)s * power(2, least(e.probes + 1, 30))))
                ELSE e.paused_until END,
-           last_error = CASE WHEN %(ok)s THEN e.last_error ELSE %(error)s END,
-           last_error_at = CASE WHEN %(ok)s THEN e.last_error_at ELSE now() END
+           probe_token = CASE WHEN e.probe_token = %(token)s THEN NULL ELSE e.probe_token END,
+           probe_until = CASE WHEN e.probe_token = %(token)s THEN NULL ELSE e.probe_until END,
+           last_error = %(error)s,
+           last_error_at = now()
       FROM done
-     WHERE e.name = done.endpoint
-       AND (NOT %(ok)s OR e.failures > 0 OR e.paused_until IS NOT NULL)
-    RETURNING 1
+     WHERE e.name = done.endpoint AND NOT %(ok)s
+    RETURNING e.opened_at = now() AND e.probes = 0 AS opened,
+              extract(epoch FROM e.paused_until - now())::float8 AS pause_s
+), closing AS (
+    SELECT derivd_circuit_close(e.name) AS was_open
+      FROM done JOIN derivd_webhook_endpoints AS e ON e.name = done.endpoint
+     WHERE %(ok)s AND (e.failures > 0 OR e.opened_at IS NOT NULL OR e.paused_until IS NOT NULL)
 )
-SELECT (SELECT count(*) FROM done)::int AS finished, (SELECT count(*) FROM circuit)::int;
+SELECT (SELECT count(*) FROM done)::int AS finished,
+       coalesce((SELECT f.opened FROM failing AS f), false) AS opened,
+       coalesce((SELECT c.was_open FROM closing AS c), false) AS closed,
+       (SELECT f.pause_s FROM failing AS f) AS pause_s;
+
+-- name: circuit_close
+-- `derivd webhooks resume NAME` and a `derivd webhooks test` answered 2xx: the
+-- endpoint's circuit closes (derivd_circuit_close). `found`: the database knows it;
+-- `was_open`: its circuit was open (its backlog is due now).
+SELECT EXISTS (SELECT 1 FROM derivd_webhook_endpoints WHERE name = %(endpoint)s) AS found,
+       derivd_circuit_close(%(endpoint)s) AS was_open;
 
 -- name: webhook_stats
 -- Per endpoint the database knows: backlog (pending + delivering), the oldest undelivered
 -- event's age, deliveries delivered and failed in the last `window_s` seconds, failed
 -- rows kept (until replayed or past retention), and the circuit: consecutive failures,
--- paused or not, the last error and its age; `removed`: no longer configured (listed
--- while its failed rows are kept). Bounded by the backlog and the window.
+-- paused or not, open or not (and for how long), a probe in flight, seconds to the next
+-- probe (NULL: not open; 0: due), failed probes, the last error and its age; `removed`: no longer
+-- configured (listed while its failed rows are kept). Bounded by the backlog and the
+-- window.
 SELECT e.name, e.failures, coalesce(e.paused_until > now(), false) AS paused, e.last_error,
+       e.opened_at IS NOT NULL AS open, e.probes,
+       extract(epoch FROM now() - e.opened_at)::float8 AS open_age_s,
+       coalesce(e.probe_until > now(), false) AS probing,
+       CASE WHEN e.opened_at IS NOT NULL OR e.paused_until > now()
+            THEN greatest(0, extract(epoch FROM e.paused_until - now()))::float8 END
+           AS next_probe_s,
        e.removed_at IS NOT NULL AS removed,
        extract(epoch FROM now() - e.last_error_at)::float8 AS last_error_age_s,
        (SELECT count(*) FROM derivd_deliveries AS d
@@ -989,14 +1051,16 @@ SELECT c.replayed
 -- `run --burst`'s last deliverer, with nothing left to claim: whether one of these
 -- endpoints still has a delivery to wait for: one leased (in flight here or on another
 -- host; an expired lease is claimable again), or one due within `within_s` seconds whose
--- endpoint's circuit is closed by then and which is not removed. Through the partial
--- indexes of leased and due rows.
+-- endpoint's circuit is closed by then, which is not removed and not waiting its turn
+-- behind an earlier delivery of its file (that one's own time counts). Through the
+-- partial indexes of leased and due rows.
 SELECT EXISTS (SELECT 1 FROM derivd_deliveries AS d
                 WHERE d.endpoint = ANY (%(endpoints)s::text[]) AND d.status = 'delivering')
     OR EXISTS (SELECT 1 FROM derivd_deliveries AS d
                  LEFT JOIN derivd_webhook_endpoints AS e ON e.name = d.endpoint
                 WHERE d.endpoint = ANY (%(endpoints)s::text[]) AND d.status = 'pending'
                   AND d.available_at <= now() + make_interval(secs => %(within_s)s)
+                  AND NOT derivd_delivery_waits(d.endpoint, d.file_id, d.id)
                   AND e.removed_at IS NULL
                   AND (e.paused_until IS NULL
                        OR e.paused_until <= now() + make_interval(secs => %(within_s)s)))

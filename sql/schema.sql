@@ -96,6 +96,9 @@ CREATE TABLE archive_files (
     -- bounds are rules of the row (derivd_file_row_holds).
     external_id      text,
     metadata         jsonb,
+    -- What a PDF or video original adds to the analysis (pages and page size; duration,
+    -- frame rate, codec, audio): a JSON object, NULL for images (migration 0026).
+    original_media   jsonb,
     -- Every rule of a row (its status and error code from the vocabularies, a lease
     -- exactly while processing, a code exactly when rejected, the analysis all or
     -- nothing and well-formed, priority and tenant within their domains) in one CHECK:
@@ -296,7 +299,10 @@ CREATE DOMAIN derivd_webhook_event AS text CONSTRAINT derivd_webhook_event_check
     VALUE IN ('file.ready', 'file.rejected', 'file.rederived', 'file.deleted'));
 
 -- One row per endpoint: its subscription, and the circuit the delivering processes of
--- every host share (consecutive failures; no claims before paused_until). removed_at:
+-- every host share (migration 0024): consecutive failures; opened_at (NULL: closed) once
+-- enough failed in a row; while open no claim before paused_until, then one probe at a
+-- time (probe_token: the probe's lease token, until probe_until), the pause doubling
+-- with each failed probe (probes) up to the endpoint's cap. removed_at:
 -- no longer configured (migration 0021): subscribed to nothing, its undelivered rows
 -- ended `failed` by the sync, the row kept while deliveries of it are.
 CREATE TABLE derivd_webhook_endpoints (
@@ -308,14 +314,22 @@ CREATE TABLE derivd_webhook_endpoints (
     paused_until  timestamptz,
     last_error    text,
     last_error_at timestamptz,
-    removed_at    timestamptz
+    removed_at    timestamptz,
+    opened_at     timestamptz,
+    probes        integer     NOT NULL DEFAULT 0,
+    probe_token   uuid,
+    probe_until   timestamptz
 );
 
 -- One row per event and endpoint, delivered under the lease protocol: `pending` (due at
 -- available_at) -> `delivering` (leased: token + lease_until, claimed by a host) ->
 -- `delivered`, back to `pending` with backoff, or `failed` past the endpoint's horizon
--- (counted from retry_from: the event, or its replay). The id is the webhook-id
--- (`msg_<id>`): the same on every retry. `body` is the exact text POSTed and signed.
+-- (counted from retry_from: the event, or its replay). webhook_id is fixed when the
+-- event is written, the same on every retry and replay, and globally unique (a random
+-- UUID; rows older than migration 0024 keep `msg_<id>`, the id they were sent with).
+-- A file's deliveries to one endpoint go in id order: a later one waits while an
+-- earlier one is undelivered (derivd_delivery_waits). `body` is the exact text POSTed
+-- and signed.
 -- last_error: one safe line ("http 500", "timeout"), never a response's text.
 CREATE TABLE derivd_deliveries (
     id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -334,6 +348,8 @@ CREATE TABLE derivd_deliveries (
     finished_at  timestamptz,
     last_status  integer,
     last_error   text,
+    webhook_id   text        NOT NULL
+                 DEFAULT 'msg_' || replace(gen_random_uuid()::text, '-', ''),
     CONSTRAINT derivd_deliveries_status_check
         CHECK (status IN ('pending', 'delivering', 'delivered', 'failed')),
     CONSTRAINT derivd_deliveries_event_check CHECK (event::derivd_webhook_event IS NOT NULL),
@@ -350,6 +366,10 @@ CREATE INDEX derivd_deliveries_finished ON derivd_deliveries (endpoint, status, 
     WHERE status IN ('delivered', 'failed');
 CREATE INDEX derivd_deliveries_file ON derivd_deliveries (file_id);
 CREATE INDEX derivd_deliveries_created ON derivd_deliveries (created_at);
+
+-- The `sequence` of every payload: a file's events are numbered in the order they
+-- happened (its row's lock serialises them), from one counter of the database.
+CREATE SEQUENCE derivd_event_sequence AS bigint;
 
 -- == Events ===========================================================================-- Append-only history with safe fields only: no exception text, paths or credentials.
 -- UPDATE, DELETE and TRUNCATE are refused on every partition, and `[sweep]

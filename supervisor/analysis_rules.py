@@ -8,6 +8,7 @@ the two to the same answers.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import replace
 
@@ -42,6 +43,19 @@ def problem(analysis: Analysis) -> str | None:
         return "dhash must be an integer"
     if not DHASH_MIN <= a.dhash <= DHASH_MAX:
         return "dhash must be a signed 64-bit integer"
+    return _media_problem(a.media)
+
+
+def _media_problem(media: object) -> str | None:
+    """`media` (a preview's facts) is None or a JSON object: the commit sends it as JSON."""
+    if media is None:
+        return None
+    if not isinstance(media, dict):
+        return "media must be a JSON object or None"
+    try:
+        json.dumps(media, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        return f"media is not JSON: {str(error)[:80]}"
     return None
 
 

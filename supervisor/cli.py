@@ -165,7 +165,7 @@ def run(state: State, burst: bool, workers: int | None) -> None:
     if workers is not None:
         # Through the environment, so that a SIGHUP reload keeps the override.
         os.environ["DERIVD_SUPERVISOR_WORKERS"] = str(workers)
-    exit_without_teardown(run_daemon(state.config, burst=burst))
+    exit_without_teardown(run_daemon(state.config.signing(), burst=burst))
 
 
 @main.command()
@@ -461,7 +461,7 @@ def config() -> None:
 def config_check(state: State) -> None:
     """Validate the INI file; print each problem with its file, section and key."""
     try:
-        cfg = state.config
+        cfg = state.config.signing()  # what `run` needs, its webhook secrets included
     except ConfigError as error:
         click.echo(str(error), err=True)
         sys.exit(2)
@@ -789,7 +789,7 @@ def similar(state: State, file_id: int, max_distance: int, limit: int, as_json: 
 
 @main.group()
 def webhooks() -> None:
-    """The [webhook:NAME] endpoints: their state, a test event, replays."""
+    """The [webhook:NAME] endpoints: their state, a test event, replays, resume."""
 
 
 @webhooks.command("list")
@@ -829,16 +829,58 @@ def webhooks_list(state: State, as_json: bool) -> None:
 @friendly_errors
 def webhooks_test(state: State, name: str) -> None:
     """POST one signed test event (file_id 0) to endpoint NAME now, from here, and say
-    what it answered: exit 0 on 2xx, 1 otherwise. Nothing enters the outbox."""
+    what it answered: exit 0 on 2xx (which closes its circuit: its backlog flows), 1
+    otherwise. Nothing enters the outbox."""
     from derivd.ops.webhook_view import send_test
 
     endpoint = next((e for e in state.config.webhooks if e.name == name), None)
     if endpoint is None:
         known = ", ".join(e.name for e in state.config.webhooks) or "none"
         die(f"no [webhook:{name}] section in {state.config.source} (known: {known})", 2)
+    state.config.signing(name)
     ok, line = send_test(endpoint)
     click.echo(line)
+    if ok:  # the first success closes the circuit, a test's included
+        _close_after_test(state, name)
     sys.exit(0 if ok else 1)
+
+
+def _close_after_test(state: State, name: str) -> None:
+    """The test's answer stands whether or not this host reaches the database: without
+    it, the circuit closes at the next probe that succeeds."""
+    from derivd.embedded import EmbeddedError
+    from derivd.errors import Transient
+    from derivd.queue.db import SchemaMismatch
+
+    try:
+        _close_circuit(state, name, quiet=True)
+    except (Transient, EmbeddedError, SchemaMismatch) as error:
+        click.echo(f"{name}: its circuit was not closed from here ({error}); the next "
+                   "probe that succeeds closes it")  # fmt: skip
+
+
+@webhooks.command("resume")
+@click.argument("name")
+@pass_state
+@friendly_errors
+def webhooks_resume(state: State, name: str) -> None:
+    """Close endpoint NAME's circuit by hand: its backlog is due now, and the delivering
+    processes take it at once (after a receiver's fix that no probe has seen yet)."""
+    _close_circuit(state, name, quiet=False)
+
+
+def _close_circuit(state: State, name: str, *, quiet: bool) -> None:
+    from derivd.embedded.runtime import database
+    from derivd.queue.db import QueueDB
+
+    with database(state.config) as dsn, QueueDB.open(dsn, role="derivd-cli") as q:
+        found, was_open = q.close_circuit(name)
+    if not found and not quiet:
+        die(f"the database knows no endpoint {name!r} (`derivd webhooks list`)", 2)
+    if was_open:
+        click.echo(f"{name}: circuit closed; its backlog is due now")
+    elif not quiet:
+        click.echo(f"{name}: circuit already closed")
 
 
 @webhooks.command("replay")

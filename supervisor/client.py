@@ -129,6 +129,9 @@ class Original:
     colour: str  # "#rrggbb", sRGB, lower case: the representative colour
     placeholder: str  # ThumbHash of the image, base64
     dhash: int  # 64-bit difference hash, signed (PostgreSQL bigint)
+    # A PDF's {pages, page, page_size} or a video's {duration, frame_rate, codec, audio,
+    # frame_time}; None for an image (README, "Previews").
+    media: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from derivd.handlers.base import DeriveSpec, VariantSpec
+from derivd.handlers.base import DeriveSpec, PreviewSpec, VariantSpec
+from derivd.handlers.preview_spec import KINDS
 from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn, shown_url
 from derivd.storage.base import prefix_problem
 from derivd.variant_config import (
@@ -162,6 +163,17 @@ def check_handler(value: str) -> str | None:
         return None
     known = known_handlers()
     return None if value in known else f"unknown backend {value!r}; known: {', '.join(known)}"
+
+
+def listed_kinds(text: str) -> frozenset[str]:
+    return frozenset(k.strip() for k in text.split(",") if k.strip())
+
+
+def check_kinds(value: str) -> str | None:
+    unknown = sorted(listed_kinds(value) - set(KINDS))
+    if unknown:
+        return f"unknown kind {unknown[0]!r}; kinds: {', '.join(KINDS)}"
+    return None
 
 
 def parse_variants(text: str) -> tuple[VariantSpec, ...]:
@@ -366,6 +378,31 @@ class DeriveSettings:
         100, "most frames (pages) an original may declare", check=positive(COUNT_MAX)
     )
     concurrency: int = setting(1, "libvips threads per worker", check=in_range(1, 64))
+    accept: str = setting(
+        "image, pdf, video",
+        "kinds of original accepted (image, pdf, video); another is unsupported_content",
+        check=check_kinds,
+    )
+    max_pages: int = setting(10_000, "most pages a PDF may declare", check=positive(COUNT_MAX))
+    pdf_page: int = setting(
+        1, "the PDF page previewed (a shorter document: its last)", check=positive(COUNT_MAX)
+    )
+    max_duration: float = setting(
+        3 * HOUR,
+        "longest video accepted, in seconds, as its container declares",
+        check=positive(DAYS_MAX * DAY),
+    )
+    max_streams: int = setting(
+        32,
+        "most streams (video, audio, subtitles, data) a video may hold",
+        check=positive(10_000),
+    )
+    frame_offset: float = setting(
+        0.1,
+        "where a video's preview frame is looked for, as a fraction of its duration (the "
+        "keyframe at or before it; almost uniform frames are skipped)",
+        check=fraction,
+    )
     shrink_on_load: str = setting(
         "fast",
         "JPEG/WebP decoded at the largest reduction the variants allow (fast, as sharp), or "
@@ -385,6 +422,14 @@ class DeriveSettings:
             max_frames=self.max_frames,
             concurrency=self.concurrency,
             shrink_on_load=self.shrink_on_load,
+            previews=PreviewSpec(
+                accept=listed_kinds(self.accept),
+                max_pages=self.max_pages,
+                max_duration_s=self.max_duration,
+                max_streams=self.max_streams,
+                frame_offset=self.frame_offset,
+                pdf_page=self.pdf_page,
+            ),
         )
 
 
@@ -453,6 +498,12 @@ class WebhookSettings:
     concurrency: int = setting(
         4, "POSTs in flight to this endpoint at once, per host", check=in_range(1, 64)
     )
+    circuit_max: float = setting(
+        60.0,
+        "most seconds between probes while the endpoint's circuit is open (the pause "
+        "starts at retry_base and doubles with each failed probe)",
+        check=positive(DAY),
+    )
 
 
 @dataclass(frozen=True)
@@ -516,8 +567,23 @@ class StatusSettings:
     )
     max_rejected_ratio: float = setting(
         0.2,
-        "unhealthy when a larger share of the jobs finished in the window was rejected; 0: off",
+        "a larger share of the jobs finished in the window rejected (users' bad uploads, "
+        "mostly) is reported beside the verdict, unhealthy only with fail_on_rejected; 0: off",
         check=fraction,
+    )
+    fail_on_rejected: bool = setting(
+        False, "a rejected share above max_rejected_ratio makes the verdict unhealthy (yes/no)"
+    )
+    max_webhook_age: float = setting(
+        900.0,
+        "unhealthy when an endpoint's oldest undelivered event has waited longer (seconds); 0: off",
+        check=non_negative(365 * DAY),
+    )
+    max_webhook_open: float = setting(
+        300.0,
+        "unhealthy when an endpoint's circuit has been open longer while events wait for it "
+        "(seconds); 0: off",
+        check=non_negative(365 * DAY),
     )
     min_finished: int = setting(
         20,
@@ -569,6 +635,8 @@ class Config:
     # `[webhook:NAME]` sections by NAME, in file order, and their endpoints (secrets read).
     webhook_sections: Mapping[str, WebhookSettings] = field(default_factory=dict)
     webhooks: tuple[Endpoint, ...] = ()
+    # Secrets of `webhooks` that could not be read: a problem only where derivd signs.
+    unread_secrets: tuple[Problem, ...] = ()
     source: str = DEFAULTS
     # Where each (section, key) came from when it is not `source`: "environment NAME".
     origins: Mapping[tuple[str, str], str] = field(default_factory=dict)
@@ -592,7 +660,12 @@ class Config:
         specs, problems = build_variants(self.derive.variants, self.variant_sections)
         if problems:
             raise ValueError("; ".join(str(self.problem(*p)) for p in problems))
-        return self.derive.spec(specs)
+        spec = self.derive.spec(specs)
+        # What one preview render may allocate comes from the worker's own bound.
+        memory = self.supervisor.max_worker_rss_mb * 1024 * 1024
+        return dataclasses.replace(
+            spec, previews=dataclasses.replace(spec.previews, memory_bytes=memory)
+        )
 
     @property
     def host_id(self) -> str:
@@ -602,6 +675,15 @@ class Config:
     def where(self, section: str, key: str | None) -> str:
         """The file (or environment variable) a setting came from, for error messages."""
         return self.origins.get((section, key), self.source) if key else self.source
+
+    def signing(self, endpoint: str | None = None) -> Config:
+        """This configuration for a command that signs webhooks (`run`, `webhooks test`
+        of `endpoint`): ConfigError unless every secret it signs with was read."""
+        wanted = None if endpoint is None else WEBHOOK_PREFIX + endpoint
+        unread = [p for p in self.unread_secrets if wanted in (None, p.section)]
+        if unread:
+            raise ConfigError(unread)
+        return self
 
     def problem(self, section: str, key: str | None, message: str) -> Problem:
         """A problem with one setting, named where that setting came from."""
@@ -613,10 +695,13 @@ class Config:
         return dataclasses.replace(self, **{section: dataclasses.replace(current, **values)})
 
 
+# Config's fields that are no fixed `[section]`.
+_NOT_SECTIONS = ("source", "variant_sections", "webhook_sections", "webhooks", "unread_secrets",
+                 "origins")  # fmt: skip
 SECTIONS: dict[str, type[Any]] = {
     f.name: f.default_factory  # type: ignore[misc]
     for f in fields(Config)
-    if f.name not in ("source", "variant_sections", "webhook_sections", "webhooks", "origins")
+    if f.name not in _NOT_SECTIONS
 }
 # What `unknown section` lists: the fixed sections and the named sections' patterns.
 KNOWN_SECTIONS = (*SECTIONS, f"{SECTION_PREFIX}NAME", f"{WEBHOOK_PREFIX}NAME")
@@ -922,7 +1007,7 @@ def load_config(
     }
     if problems:
         raise ConfigError(problems)
-    webhooks, webhook_problems = build_endpoints(webhook_sections, env)
+    webhooks, webhook_problems, unread = build_endpoints(webhook_sections, env)
     config = Config(
         **sections,
         variant_sections=variant_sections,
@@ -930,6 +1015,9 @@ def load_config(
         webhooks=webhooks,
         source=where,
         origins=origins,
+    )
+    config = dataclasses.replace(
+        config, unread_secrets=tuple(config.problem(*problem) for problem in unread)
     )
     problems = _cross_checks(config)
     problems += [config.problem(sec, key, msg) for sec, key, msg in webhook_problems]

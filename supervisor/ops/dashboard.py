@@ -30,7 +30,7 @@ import psycopg
 from derivd.config import Config
 from derivd.ops.dashboard_view import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
 from derivd.ops.metrics import Metrics
-from derivd.ops.status import StatusUnavailable, collect, evaluate
+from derivd.ops.status import StatusUnavailable, collect, evaluate, notices
 from derivd.ops.web import Response
 from derivd.queue.db import PARENT_STATEMENT_TIMEOUT_S, DatabaseUnavailable, QueueDB
 from derivd.redact import one_line
@@ -89,6 +89,7 @@ def read_snapshot(queue: QueueDB, config: Config, hosts: tuple[HostView, ...]) -
     return replace(
         Snapshot.taken(config, report),
         alarms=tuple(evaluate(report, config.status)),
+        notices=tuple(notices(report, config.status)),
         hosts=hosts,
         in_flight=tuple(
             InFlight(

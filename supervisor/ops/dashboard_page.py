@@ -12,11 +12,11 @@ import html
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from derivd.ops.dashboard_view import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
 from derivd.ops.durations import duration
 from derivd.ops.status import Report, reading_age
+from derivd.ops.webhook_view import circuit_state, circuit_text
 
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#1d2430;background:#fafafa}
@@ -121,6 +121,7 @@ def _percent(value: float | None) -> str:
 
 def _signals(snapshot: Snapshot, report: Report) -> str:
     limits, crossed = snapshot.limits, {a.signal for a in snapshot.alarms}
+    noticed = {a.signal for a in snapshot.notices}
     stats, window = report.stats, duration(report.window_s)
     judged = report.recent_finished >= limits.min_finished
     oldest = stats.oldest_claimable_age_s
@@ -140,6 +141,8 @@ def _signals(snapshot: Snapshot, report: Report) -> str:
             verdict, css = "off", "muted"
         elif not is_judged:
             verdict, css = f"judged from {limits.min_finished}", "muted"
+        elif signal in noticed:
+            verdict, css = "high (reported)", "unknown"
         else:
             verdict, css = ("UNHEALTHY", "bad") if signal in crossed else ("ok", "ok")
         raw = "" if value is None else f"{value:g}"
@@ -213,6 +216,10 @@ def _signals(snapshot: Snapshot, report: Report) -> str:
 def _problems(snapshot: Snapshot) -> str:
     """What to do about each crossed threshold (the hints of `derivd status`)."""
     hints = "".join(f'<li class="bad">{esc(a.signal)}: {esc(a.hint)}</li>' for a in snapshot.alarms)
+    hints += "".join(
+        f'<li class="unknown">{esc(a.signal)} (reported): {esc(a.hint)}</li>'
+        for a in snapshot.notices
+    )
     return f'<ul id="problems">{hints}</ul>' if hints else ""
 
 
@@ -247,12 +254,6 @@ def _backfill(report: Report) -> str:
     )
 
 
-def _circuit(w: dict[str, Any]) -> str:
-    if w.get("removed"):
-        return "removed"  # from the INI: its undelivered rows ended failed, kept here
-    return "paused" if w["paused"] else "closed"
-
-
 def _webhooks(report: Report) -> str:
     """Per endpoint: backlog, oldest undelivered, delivered / failed in the window, failed
     rows kept, the circuit and the last error (none of it secret)."""
@@ -266,8 +267,8 @@ def _webhooks(report: Report) -> str:
         f"{w['delivered_recent']}</td>"
         f'<td class="num failed" data-value="{w["failed_recent"]}">{w["failed_recent"]}</td>'
         f'<td class="num kept" data-value="{w["failed_kept"]}">{w["failed_kept"]}</td>'
-        f'<td class="state {"bad" if w["paused"] or w.get("removed") else "ok"}">'
-        f"{_circuit(w)}</td>"
+        f'<td class="state {"ok" if circuit_text(w) in ("ok", "failing") else "bad"}" '
+        f'data-circuit="{circuit_state(w)}">{esc(circuit_text(w))}</td>'
         f'<td class="last-error">{esc(w["last_error"] or "-")}</td></tr>'
         for w in report.webhooks
     )

@@ -54,6 +54,7 @@ class Snapshot:
     limits: StatusSettings
     report: Report | None  # None: the database could not answer (see error)
     alarms: tuple[Alarm, ...] = ()
+    notices: tuple[Alarm, ...] = ()  # crossed, reported beside the verdict
     error: str | None = None
     hosts: tuple[HostView, ...] = ()
     in_flight: tuple[InFlight, ...] = ()

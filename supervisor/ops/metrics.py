@@ -53,10 +53,16 @@ WEBHOOK_GAUGES = {
     "delivered_recent": "Deliveries delivered over the [status] window, per endpoint",
     "failed_recent": "Deliveries failed over the [status] window, per endpoint",
     "failed_kept": "Failed deliveries kept (until replayed or past retention), per endpoint",
-    "paused": "1 while the endpoint's circuit is open (its claims pause), per endpoint",
+    "paused": "1 while the endpoint's circuit pauses its claims, per endpoint",
+    "circuit_open": "1 while the endpoint's circuit is open (one probe at a time), per endpoint",
+    "next_probe_seconds": "Seconds until the open circuit's next probe (0: due, or closed)",
     "removed": "1 once the endpoint left the INI (listed while its failed rows are kept)",
 }
-WEBHOOK_COLUMNS = {"oldest_undelivered_seconds": "oldest_undelivered_age_s"}
+WEBHOOK_COLUMNS = {
+    "oldest_undelivered_seconds": "oldest_undelivered_age_s",
+    "circuit_open": "open",
+    "next_probe_seconds": "next_probe_s",
+}
 
 
 class Metrics:

@@ -131,7 +131,13 @@ def _analysis_lines(analysis: dict[str, Any] | None) -> list[str]:
         ("colour", a["colour"]),
         ("placeholder", f"{a['placeholder']} (ThumbHash, base64)"),
         ("dhash", f"{a['dhash'] & UNSIGNED_64:016x} ({a['dhash']})"),
+        *([("media", _media_text(a["media"]))] if a.get("media") else []),
     ])]  # fmt: skip
+
+
+def _media_text(media: dict[str, Any]) -> str:
+    """A preview's facts on one line: `pages 12, page 1, page_size [612.0, 792.0]`."""
+    return ", ".join(f"{key} {value}" for key, value in media.items())
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:

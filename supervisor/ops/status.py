@@ -7,10 +7,13 @@ The exit status makes it a health check (cron, systemd, Kubernetes):
     2  bad configuration or usage (like every derivd command)
     3  cannot tell: the database is unreachable or has no derivd schema
 
-The thresholds tell the usual troubles apart: claimable work waiting too long (too
-little capacity), expired leases piling up (workers crash or hang, or the lease is too
-short), a large rejected share (bad input, or a broken backend), and claimable work with
-no live supervisor to claim it (derivd is not running: `[status] min_hosts`).
+The verdict is the service's health, and its thresholds tell the usual troubles apart:
+claimable work waiting too long (too little capacity), expired leases piling up (workers
+crash or hang, or the lease is too short), claimable work with no live supervisor to
+claim it (derivd is not running: `[status] min_hosts`), and a webhook endpoint whose
+events wait too long or whose circuit stays open (`max_webhook_age`,
+`max_webhook_open`). A large rejected share is mostly users' bad uploads: it is reported
+beside the verdict, and fails it only with `[status] fail_on_rejected`.
 
 A probe never hangs: its connection and every statement are bounded (PROBE_TIMEOUT_S,
 client-side everywhere, plus statement_timeout and lock_timeout on a direct connection),
@@ -145,6 +148,7 @@ class Alarm:
     value: float
     limit: float
     hint: str
+    endpoint: str | None = None  # the webhook endpoint a webhook signal is about
 
 
 def collect(queue: QueueDB, limits: StatusSettings) -> Report:
@@ -185,7 +189,23 @@ def _backfill(queue: QueueDB) -> Progress | None:
 
 
 def evaluate(report: Report, limits: StatusSettings) -> list[Alarm]:
-    """The thresholds crossed, each with what to do about it. A limit of 0 is off."""
+    """The thresholds crossed that make the service unhealthy, each with what to do
+    about it. A limit of 0 is off."""
+    alarms: list[Alarm] = [*_service_alarms(report, limits), *_webhook_alarms(report, limits)]
+    rejected = _rejected_alarm(report, limits)
+    if rejected and limits.fail_on_rejected:
+        alarms.append(rejected)
+    return alarms
+
+
+def notices(report: Report, limits: StatusSettings) -> list[Alarm]:
+    """The thresholds crossed that are reported beside the verdict: a rejected share
+    above its limit, unless [status] fail_on_rejected makes it unhealthy."""
+    rejected = _rejected_alarm(report, limits)
+    return [rejected] if rejected and not limits.fail_on_rejected else []
+
+
+def _service_alarms(report: Report, limits: StatusSettings) -> list[Alarm]:
     alarms: list[Alarm] = []
     age = report.stats.oldest_claimable_age_s or 0.0
     if limits.max_oldest_age and age > limits.max_oldest_age:
@@ -209,24 +229,6 @@ def evaluate(report: Report, limits: StatusSettings) -> list[Alarm]:
                 "restarts; if jobs legitimately run that long, raise [queue] lease",
             )
         )
-    ratio = report.recent_rejected_ratio
-    if (
-        limits.max_rejected_ratio
-        and ratio is not None
-        and report.recent_finished >= limits.min_finished
-        and ratio > limits.max_rejected_ratio
-    ):
-        alarms.append(
-            Alarm(
-                "recent_rejected_ratio",
-                ratio,
-                limits.max_rejected_ratio,
-                "many jobs are rejected: unsupported/corrupt_content or resource_limit "
-                "mean bad input; missing_original: the upload API queues keys or versions "
-                "the store does not have; processing_failed or attempts_exhausted mean a "
-                "broken backend or crashing workers",
-            )
-        )
     if limits.min_hosts and report.claimable and report.live_hosts < limits.min_hosts:
         alarms.append(
             Alarm(
@@ -237,6 +239,49 @@ def evaluate(report: Report, limits: StatusSettings) -> list[Alarm]:
                 "`derivd run` (or its service) on a host, or see why it stopped in its log",
             )
         )
+    return alarms
+
+
+def _rejected_alarm(report: Report, limits: StatusSettings) -> Alarm | None:
+    ratio = report.recent_rejected_ratio
+    if (
+        not limits.max_rejected_ratio
+        or ratio is None
+        or report.recent_finished < limits.min_finished
+        or ratio <= limits.max_rejected_ratio
+    ):
+        return None
+    return Alarm(
+        "recent_rejected_ratio",
+        ratio,
+        limits.max_rejected_ratio,
+        "many jobs are rejected: unsupported/corrupt_content or resource_limit "
+        "mean bad input; missing_original: the upload API queues keys or versions "
+        "the store does not have; processing_failed or attempts_exhausted mean a "
+        "broken backend or crashing workers",
+    )
+
+
+def _webhook_alarms(report: Report, limits: StatusSettings) -> list[Alarm]:
+    """Per configured endpoint: its events wait too long, or its circuit stays open while
+    events wait (a receiver down, or refusing every event)."""
+    alarms: list[Alarm] = []
+    for w in report.webhooks:
+        if w.get("removed") or not w["backlog"]:
+            continue
+        age, opened = w["oldest_undelivered_age_s"] or 0.0, w["open_age_s"] or 0.0
+        if limits.max_webhook_age and age > limits.max_webhook_age:
+            alarms.append(Alarm(
+                "webhook_oldest_undelivered_age_s", age, limits.max_webhook_age,
+                f"events for endpoint {w['name']} wait: see its last error in `derivd "
+                "webhooks list`; the receiver may be down or slow (raise its concurrency)",
+                w["name"]))  # fmt: skip
+        if limits.max_webhook_open and opened > limits.max_webhook_open:
+            alarms.append(Alarm(
+                "webhook_circuit_open_s", opened, limits.max_webhook_open,
+                f"endpoint {w['name']} fails every probe ({w['last_error'] or 'no answer'}): "
+                "fix the receiver, then `derivd webhooks test` or `resume` lets its "
+                "backlog flow", w["name"]))  # fmt: skip
     return alarms
 
 
@@ -262,11 +307,15 @@ def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict
             "max_oldest_age": limits.max_oldest_age,
             "max_expired_leases": limits.max_expired_leases,
             "max_rejected_ratio": limits.max_rejected_ratio,
+            "fail_on_rejected": limits.fail_on_rejected,
             "min_finished": limits.min_finished,
             "min_hosts": limits.min_hosts,
+            "max_webhook_age": limits.max_webhook_age,
+            "max_webhook_open": limits.max_webhook_open,
         },
         "live_hosts": report.live_hosts,
         "problems": [a.__dict__ for a in alarms],
+        "notices": [a.__dict__ for a in notices(report, limits)],
         "hosts": [host_json(h) for h in report.hosts],
         "backfill": report.backfill.as_json() if report.backfill else None,
         "warnings": report.warnings,
@@ -329,6 +378,7 @@ def _limit(value: float, render: Callable[[float], str]) -> str:
 
 def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) -> str:
     stats, crossed = report.stats, {a.signal for a in alarms}
+    noticed = notices(report, limits)
     window = duration(report.window_s)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.checked_at))
     lines = [f"derivd status  {stamp}  ({reading_age(report.reading_age_s)})", "", "rows by status"]
@@ -336,6 +386,8 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
 
     def row(label: str, value: str, limit: str, signal: str | None, note: str = "") -> str:
         verdict = "" if signal is None else ("UNHEALTHY" if signal in crossed else "ok")
+        if any(n.signal == signal for n in noticed):
+            verdict = "HIGH"  # reported beside the verdict
         return f"  {label:<28}{value:>10}  {limit:>8}  {verdict:<10}{note}".rstrip()
 
     judged = report.recent_finished >= limits.min_finished
@@ -385,6 +437,10 @@ def render_table(report: Report, alarms: list[Alarm], limits: StatusSettings) ->
         lines += ["", report.backfill.line()]
     lines.append("")
     lines += [f"WARNING {warning}" for warning in report.warnings]
+    for notice in noticed:
+        lines.append(f"NOTICE {notice.signal}: {_show(notice)} (unhealthy only with "
+                     "[status] fail_on_rejected = yes)")  # fmt: skip
+        lines.append(f"  -> {notice.hint}")
     if not alarms:
         lines.append("health: ok")
     for alarm in alarms:
@@ -400,6 +456,8 @@ def _show(alarm: Alarm) -> str:
         return f"{_percent(alarm.value)} > {_percent(alarm.limit)}"
     if alarm.signal == "live_hosts":
         return f"{alarm.value:g} < {alarm.limit:g} while work is claimable"
+    if alarm.endpoint is not None:
+        return f"{alarm.endpoint}: {duration(alarm.value)} > {duration(alarm.limit)}"
     return f"{alarm.value:g} > {alarm.limit:g}"
 
 

@@ -26,10 +26,34 @@ def endpoint_json(row: dict[str, Any]) -> dict[str, Any]:
         "failed_kept": row["failed_kept"],
         "consecutive_failures": row["failures"],
         "paused": row["paused"],
+        "circuit": circuit_state(row),
+        "next_probe_s": row["next_probe_s"],  # null: closed; 0: due (or in flight)
+        "failed_probes": row["probes"],
+        "open_for_s": row["open_age_s"],  # null: closed
         "removed": bool(row.get("removed")),  # from the INI; listed while rows are kept
         "last_error": row["last_error"],
         "last_error_age_s": row["last_error_age_s"],
     }
+
+
+def circuit_state(row: dict[str, Any]) -> str:
+    """`closed` (claims as usual), `open` (no claim until its next probe is due) or
+    `probing` (open, its one probe in flight)."""
+    if row["probing"]:
+        return "probing"
+    return "open" if row["open"] or row["paused"] else "closed"
+
+
+def circuit_text(row: dict[str, Any]) -> str:
+    """The status table's and `webhooks list`'s word for an endpoint's circuit."""
+    if row.get("removed"):
+        return "removed"  # its undelivered rows ended failed ("endpoint removed")
+    state = circuit_state(row)
+    if state == "probing":
+        return "open, probing"
+    if state == "open":
+        return f"open, next probe in {_age(row['next_probe_s'])}"
+    return "failing" if row["failures"] else "ok"
 
 
 def _age(seconds: float | None) -> str:
@@ -53,9 +77,7 @@ def endpoint_lines(rows: Sequence[dict[str, Any]], window: str) -> list[str]:
         f"{'kept':>6}  circuit / last error",
     ]
     for r in rows:
-        circuit = "paused" if r["paused"] else ("ok" if not r["failures"] else "failing")
-        if r.get("removed"):
-            circuit = "removed"  # its undelivered rows ended failed ("endpoint removed")
+        circuit = circuit_text(r)
         error = (
             f" / {r['last_error']} ({_age(r['last_error_age_s'])} ago)" if r["last_error"] else ""
         )
@@ -113,7 +135,7 @@ def send_test(endpoint: Endpoint) -> tuple[bool, str]:
 
     body = test_body(endpoint.name)
     webhook_id = f"msg_test_{secrets.token_hex(8)}"
-    sent = headers(endpoint.key, webhook_id, int(time.time()), body)
+    sent = headers(endpoint.signing_key(), webhook_id, int(time.time()), body)
     response = post(endpoint.url, body.encode(), sent, timeout=endpoint.timeout)
     error = error_text(response)
     if error is None:

@@ -162,7 +162,7 @@ def _leave_registry(dsn: str, host: HostInfo) -> None:
 def _reload_from(config: Config) -> Callable[[], Config]:
     def reload() -> Config:
         if config.source == DEFAULTS:
-            return load_config()
-        return load_config(Path(config.source), required=True)
+            return load_config().signing()
+        return load_config(Path(config.source), required=True).signing()
 
     return reload

@@ -19,7 +19,8 @@ DELIVERIES_CHANNEL: Final = "derivd_deliveries"
 
 @dataclass(frozen=True)
 class Delivery:
-    """One claimed delivery: the webhook-id is `msg_<id>`, the same on every attempt."""
+    """One claimed delivery. Its webhook-id was fixed when the event was written: the
+    same on every attempt and replay, and no other database's."""
 
     id: int
     token: uuid.UUID
@@ -28,10 +29,19 @@ class Delivery:
     file_id: int
     body: str
     age_s: float  # since the event (or its replay): the horizon's clock
+    webhook_id: str
+    probe: bool = False  # the one attempt of an open circuit
 
-    @property
-    def webhook_id(self) -> str:
-        return f"msg_{self.id}"
+
+@dataclass(frozen=True)
+class Finished:
+    """What the fenced end of an attempt did: `kept` (False: the lease was lost), and
+    whether the endpoint's circuit opened or closed now, and its pause (seconds)."""
+
+    kept: bool
+    opened: bool = False
+    closed: bool = False
+    pause_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -57,11 +67,12 @@ class DeliveriesLeft:
 
 @dataclass(frozen=True)
 class Circuit:
-    """When an endpoint backs off as a whole (consecutive failures, fleet-wide)."""
+    """When an endpoint backs off as a whole (fleet-wide): `threshold` failures in a row
+    open it for `pause_base` seconds; each failed probe doubles that, to `pause_max`."""
 
     threshold: int = 5
     pause_base: float = 5.0
-    pause_max: float = 3600.0
+    pause_max: float = 60.0
 
 
 class WebhookQueries(Statements):
@@ -93,6 +104,8 @@ class WebhookQueries(Statements):
                 file_id=r["file_id"],
                 body=r["body"],
                 age_s=max(0.0, r["age_s"] or 0.0),
+                webhook_id=r["webhook_id"],
+                probe=r["probe"],
             )
             for r in self._all("deliveries_claim", params)
         ]
@@ -106,8 +119,8 @@ class WebhookQueries(Statements):
         http_status: int | None = None,
         error: str | None = None,
         circuit: Circuit = Circuit(),
-    ) -> bool:
-        """The fenced end of an attempt; False: the lease was lost (nothing changed)."""
+    ) -> Finished:
+        """The fenced end of an attempt (not kept: the lease was lost, nothing changed)."""
         params = {
             "id": delivery.id,
             "token": delivery.token,
@@ -121,7 +134,15 @@ class WebhookQueries(Statements):
             "pause_max": circuit.pause_max,
         }
         row = self._one("delivery_finish", params)
-        return bool(row and row["finished"])
+        if not row or not row["finished"]:
+            return Finished(kept=False)
+        return Finished(True, row["opened"], row["closed"], row["pause_s"])
+
+    def close_circuit(self, endpoint: str) -> tuple[bool, bool]:
+        """Close the endpoint's circuit (`webhooks resume`, a test answered 2xx): (the
+        database knows the endpoint, its circuit was open: its backlog is due now)."""
+        row = self._one("circuit_close", {"endpoint": endpoint})
+        return (bool(row and row["found"]), bool(row and row["was_open"]))
 
     def webhook_stats(self, *, window_s: float) -> list[dict[str, Any]]:
         return self._all("webhook_stats", {"window_s": window_s})

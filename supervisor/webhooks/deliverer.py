@@ -3,8 +3,10 @@ thread pool, finish each with its fenced statement.
 
 Each endpoint has `concurrency` slots on this host: a slot free is a claim of that many
 rows of that endpoint (SKIP LOCKED, a lease that outlasts the POST's hard timeout), so
-one slow or dead endpoint only ever fills its own slots. Its circuit (consecutive
-failures, fleet-wide, in the database) stops its claims as a whole for a while. The loop
+one slow or dead endpoint only ever fills its own slots. Its circuit (fleet-wide, in
+the database) opens after consecutive failures: then its claims stop as a whole, and
+one probe at a time goes out after a pause that grows with failed probes (to
+`circuit_max`); the first success closes it and its backlog is due at once. The loop
 sleeps on the `derivd_deliveries` notification (any new delivery, any replay), a slot
 coming free, or `poll_interval` at most; a database outage is waited out (every
 statement retries with the next round) and a delivery whose end could not be recorded
@@ -15,7 +17,7 @@ ends once nothing is claimable, none of its POSTs is in flight and none of its e
 has a delivery leased or due within that many seconds (a retry due later, or behind a
 circuit open longer, is left for the next run). Bounded: each POST ends within its
 endpoint's timeout, and an endpoint that keeps failing opens its circuit for longer
-and longer (5 s, doubling), past the wait within a few attempts.
+and longer (retry_base, doubling per failed probe), past the wait within a few probes.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from derivd.errors import Transient
 from derivd.logs import event
 from derivd.queue.db import QueueDB, QueueListener
-from derivd.queue.webhook_queries import DELIVERIES_CHANNEL, Delivery
+from derivd.queue.webhook_queries import DELIVERIES_CHANNEL, Circuit, Delivery, Finished
 from derivd.webhooks.endpoints import Endpoint
 from derivd.webhooks.policy import decide, error_text
 from derivd.webhooks.sender import post
@@ -46,6 +48,13 @@ OUTAGE_WAIT_S = 1.0
 def lease_for(endpoint: Endpoint) -> float:
     """A delivery's lease: the POST's hard timeout twice, and time to record its end."""
     return 2 * endpoint.timeout + 30.0
+
+
+def circuit_for(endpoint: Endpoint) -> Circuit:
+    """Its circuit's pauses: from retry_base, doubling per failed probe, to circuit_max."""
+    return Circuit(
+        pause_base=min(endpoint.retry_base, endpoint.circuit_max), pause_max=endpoint.circuit_max
+    )
 
 
 class Deliverer:
@@ -167,7 +176,7 @@ class Deliverer:
     def deliver(self, endpoint: Endpoint, delivery: Delivery) -> None:
         body = delivery.body
         now = self.clock()
-        sent = headers(endpoint.key, delivery.webhook_id, int(now), body)
+        sent = headers(endpoint.signing_key(), delivery.webhook_id, int(now), body)
         response = post(endpoint.url, body.encode(), sent, timeout=endpoint.timeout)
         decision = decide(
             response,
@@ -179,18 +188,30 @@ class Deliverer:
         )
         error = error_text(response)
         with self.db_lock:
-            kept = self.db.finish_delivery(
+            finished = self.db.finish_delivery(
                 delivery,
                 status=decision.status,
                 delay_s=decision.delay_s,
                 http_status=response.status,
                 error=error,
+                circuit=circuit_for(endpoint),
             )
-        event(log, "webhook " + ("attempt ended" if kept else "lease lost"),
+        self.log_circuit(endpoint, finished, error)
+        event(log, "webhook " + ("attempt ended" if finished.kept else "lease lost"),
               logging.DEBUG if decision.status == "delivered" else logging.WARNING,
               endpoint=endpoint.name, delivery=delivery.id, event_type=delivery.event,
               file_id=delivery.file_id, attempt=delivery.attempt, outcome=decision.status,
-              status=response.status or "-", error=error or "-")  # fmt: skip
+              status=response.status or "-", error=error or "-",
+              probe="yes" if delivery.probe else "no")  # fmt: skip
+
+    def log_circuit(self, endpoint: Endpoint, finished: Finished, error: str | None) -> None:
+        if finished.opened:
+            event(log, "webhook circuit opened: one probe at a time", logging.WARNING,
+                  endpoint=endpoint.name, next_probe_in_s=round(finished.pause_s or 0.0, 1),
+                  error=error or "-")  # fmt: skip
+        elif finished.closed:
+            event(log, "webhook circuit closed: the backlog flows", logging.INFO,
+                  endpoint=endpoint.name)  # fmt: skip
 
     def close(self) -> None:
         self.listener.close()

@@ -5,6 +5,11 @@ module checks what needs more than a type (the URL, the event names, where the s
 comes from) and resolves the secret: inline, from an environment variable
 (`secret_env`) or from a file (`secret_file`). A problem never quotes the secret.
 Problems come back as (section, key, message), and `derivd.config` adds the file name.
+
+A secret that cannot be read here (its variable unset, its file unreadable, not of the
+whsec_ form) is a problem only for the commands that sign (`Config.signing`): the
+endpoint is built without its key, and `enqueue`, `status`, `show`, `webhooks list`…
+run without it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class WebhookValues(Protocol):
     def retry_base(self) -> float: ...
     @property
     def concurrency(self) -> int: ...
+    @property
+    def circuit_max(self) -> float: ...
 
 
 SECTION_PREFIX = "webhook:"
@@ -58,17 +65,26 @@ EndpointProblem = tuple[str, str, str]  # section, key, message
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One receiver. `key`: the secret's decoded bytes (never printed: repr=False)."""
+    """One receiver. `key`: the secret's decoded bytes (never printed: repr=False); None
+    when it could not be read (`unread_secret` says why)."""
 
     name: str
     url: str
-    key: bytes = field(repr=False)
+    key: bytes | None = field(repr=False)
     events: tuple[str, ...] = EVENTS
     tenants: tuple[str, ...] = ()  # empty: every tenant (and files without one)
     timeout: float = 10.0
     retry_horizon: float = 86400.0
     retry_base: float = 5.0
     concurrency: int = 4
+    circuit_max: float = 60.0  # the longest pause between probes of an open circuit
+
+    def signing_key(self) -> bytes:
+        """The key to sign with: only a command that signs asks, once Config.signing()
+        has said every secret it needs was read."""
+        if self.key is None:
+            raise RuntimeError(f"[webhook:{self.name}]: its secret was not read")
+        return self.key
 
     def subscription(self) -> dict[str, object]:
         """What the database needs to fill the outbox (derivd_webhook_endpoints)."""
@@ -134,12 +150,9 @@ def decode_secret(text: str) -> bytes | None:
 def _secret_text(
     section: str, settings: WebhookValues, env: Mapping[str, str]
 ) -> tuple[str | None, EndpointProblem | None]:
-    """The secret's text from the one place the section names, or a problem."""
-    given = [k for k in ("secret", "secret_env", "secret_file") if getattr(settings, k)]
-    if len(given) != 1:
-        message = "set exactly one of secret, secret_env, secret_file" if given else "required"
-        return None, (section, given[1] if len(given) > 1 else "secret", message)
-    key = given[0]
+    """The secret's text from the one place the section names (_secret_sources), or a
+    problem."""
+    key = next(k for k in ("secret", "secret_env", "secret_file") if getattr(settings, k))
     if key == "secret":
         register_secret(settings.secret)
         return settings.secret, None
@@ -158,24 +171,46 @@ def _secret_text(
     return text, None
 
 
+def _secret_sources(section: str, settings: WebhookValues) -> EndpointProblem | None:
+    """The section names exactly one place for its secret (a problem for every command)."""
+    given = [k for k in ("secret", "secret_env", "secret_file") if getattr(settings, k)]
+    if len(given) == 1:
+        return None
+    message = "set exactly one of secret, secret_env, secret_file" if given else "required"
+    return (section, given[1] if len(given) > 1 else "secret", message)
+
+
+def _read_key(
+    section: str, settings: WebhookValues, env: Mapping[str, str]
+) -> tuple[bytes | None, EndpointProblem | None]:
+    """The secret's key bytes, or why it cannot be read here."""
+    text, problem = _secret_text(section, settings, env)
+    if problem or text is None:
+        return None, problem
+    key = decode_secret(text)
+    if key is None:
+        where = next(k for k in ("secret", "secret_env", "secret_file") if getattr(settings, k))
+        return None, (section, where, "must be whsec_ followed by base64 (Standard Webhooks)")
+    return key, None
+
+
 def build_endpoint(
     name: str, settings: WebhookValues, env: Mapping[str, str]
-) -> tuple[Endpoint | None, list[EndpointProblem]]:
+) -> tuple[Endpoint | None, list[EndpointProblem], EndpointProblem | None]:
+    """The endpoint, its problems (every command's), and why its secret could not be
+    read (only the commands that sign refuse that)."""
     section = SECTION_PREFIX + name
     problems: list[EndpointProblem] = []
     if not _NAME.match(name):
         problems.append((section, "", "NAME must be 1-32 of a-z 0-9 _ - (it is a metric label)"))
     if not settings.url:
         problems.append((section, "url", "required"))
-    text, problem = _secret_text(section, settings, env)
-    if problem:
-        problems.append(problem)
-    key = decode_secret(text) if text is not None else None
-    if text is not None and key is None:
-        where = next(k for k in ("secret", "secret_env", "secret_file") if getattr(settings, k))
-        problems.append((section, where, "must be whsec_ followed by base64 (Standard Webhooks)"))
-    if problems or key is None:
-        return None, problems
+    source = _secret_sources(section, settings)
+    if source:
+        problems.append(source)
+    if problems:
+        return None, problems, None
+    key, unread = _read_key(section, settings, env)
     endpoint = Endpoint(
         name=name,
         url=settings.url,
@@ -186,19 +221,23 @@ def build_endpoint(
         retry_horizon=settings.retry_horizon,
         retry_base=settings.retry_base,
         concurrency=settings.concurrency,
+        circuit_max=settings.circuit_max,
     )
-    return endpoint, []
+    return endpoint, [], unread
 
 
 def build_endpoints(
     sections: Mapping[str, WebhookValues], env: Mapping[str, str]
-) -> tuple[tuple[Endpoint, ...], list[EndpointProblem]]:
-    """Every `[webhook:NAME]` section as an Endpoint, in file order, and the problems."""
+) -> tuple[tuple[Endpoint, ...], list[EndpointProblem], list[EndpointProblem]]:
+    """Every `[webhook:NAME]` section as an Endpoint, in file order, the problems, and
+    the secrets that could not be read (a problem only where derivd signs)."""
     endpoints: list[Endpoint] = []
     problems: list[EndpointProblem] = []
+    unread: list[EndpointProblem] = []
     for name, settings in sections.items():
-        endpoint, found = build_endpoint(name, settings, env)
+        endpoint, found, secret = build_endpoint(name, settings, env)
         problems += found
+        unread += [secret] if secret else []
         if endpoint is not None:
             endpoints.append(endpoint)
-    return tuple(endpoints), problems
+    return tuple(endpoints), problems, unread

@@ -3,7 +3,7 @@
 Needs pillow-heif (it has the HEVC encoder that derivd's pi-heif leaves out), in a
 throwaway virtual environment: `python -m venv /tmp/gen && /tmp/gen/bin/pip install
 pillow-heif && /tmp/gen/bin/python tests/corpus/heic/make_synthetic.py`. The pictures are
-tests/imagegen.py's scene, so these files are the project's own (MIT).
+tests/support/imagegen.py's scene, so these files are the project's own (MIT).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pillow_heif
 from PIL import Image
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))
+sys.path.insert(0, str(HERE.parent.parent / "support"))
 import imagegen  # noqa: E402
 
 

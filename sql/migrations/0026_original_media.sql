@@ -1,0 +1,11 @@
+-- What a preview's original adds to the analysis (DESIGN.md "Previews"): for a PDF its
+-- page count and the previewed page's size, for a video its duration, frame rate, codec
+-- and whether it has audio. One jsonb object beside the original_* columns, stored by
+-- the fenced commit from the job's JSON (derivd_commit_outcomes in sql/functions.sql)
+-- and handed on by derivd_outbox, `derivd show` and derivd.client.result().
+--
+-- Nullable, no default: ADD COLUMN neither rewrites nor scans archive_files under its
+-- ACCESS EXCLUSIVE lock. NULL for images, for rows derived before this migration and
+-- for commits from hosts of an earlier release during a rolling upgrade (their JSON has
+-- no original_media; the commit takes the absent key as NULL).
+ALTER TABLE archive_files ADD COLUMN original_media jsonb;
