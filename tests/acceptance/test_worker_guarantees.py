@@ -25,10 +25,10 @@ DEPTHS = [1, 2]
 
 
 @pytest.fixture
-def daemon(request: pytest.FixtureRequest) -> Callable[..., DaemonRun]:
-    """`daemon(depth, queue={...}, ...)`: test_supervisor's `derivd run` (one worker,
-    FAST leases and deadlines unless overridden) at `[supervisor] pipeline` = depth."""
-    supervisor: Callable[..., DaemonRun] = request.getfixturevalue("supervisor")
+def daemon(supervisor: Callable[..., DaemonRun]) -> Callable[..., DaemonRun]:
+    """`daemon(depth, queue={...}, ...)`: the `supervisor` fixture's `derivd run` (one
+    worker, FAST leases and deadlines unless overridden) at `[supervisor] pipeline` =
+    depth."""
 
     def make(depth: int, **settings: dict[str, str]) -> DaemonRun:
         return supervisor(**{**settings, "supervisor": {"pipeline": str(depth)}})
