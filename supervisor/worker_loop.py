@@ -255,11 +255,13 @@ class WorkerLoop:
         self._release_late(attempt)
         if self.stored and now - (self.stored[0][0].started_at or now) >= FLUSH_AFTER_S:
             self._commit_stored()
-        self.worker.hooks.job_started(attempt.job)  # its deadline runs from here
         try:  # the next job is claimed as this one starts: its GET overlaps the derive
             self._claim_if_room()
         except DatabaseUnavailable as error:
             log.warning("claim failed: %s", error)
+        # Started only now, right before its derive: a crash during the claim above costs
+        # this job nothing (it is still held), and its deadline runs from here.
+        self.worker.hooks.job_started(attempt.job)
         try:
             derivation = attempt.derive(self.worker, original, self.clock)
         except Exception as error:  # classified by the attempt

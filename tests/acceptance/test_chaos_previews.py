@@ -30,11 +30,14 @@ from helpers import proc_title, stop_process
 from derivd.config import load_config
 from derivd.osproc import children_of
 from derivd.storage.fs import FsStorage
-from harness.history import load
+from harness import derive_log
+from harness.history import Disruptions, load
 from harness.invariants import Rules, check
 from harness.listing import fs_objects
 
 BOUND_S = 240  # a bound on a hang, not a timing assertion
+REPO = Path(__file__).resolve().parents[2]  # harness.derive_log, imported by the workers
+LOGGED_VIPS = derive_log.backend_for("vips")
 T = TypeVar("T")
 
 
@@ -81,16 +84,26 @@ def test_a_worker_killed_inside_a_decode_costs_that_attempt_only(
     ids = queue_originals(dsn, FsStorage(fs_root), [heavy_page, black_clip])
     ini = write_burst_ini(tmp_path / "derivd.ini", dsn=dsn, fs_root=fs_root,
                           state_dir=tmp_path / "state", job_timeout=120, max_rss_mb=1024,
-                          lease=300, derive="[derive]\nbackend = vips\n")  # fmt: skip
+                          lease=300, derive=f"[derive]\nbackend = {LOGGED_VIPS}\n")  # fmt: skip
     # One worker that titles itself with the job it runs (a pipelined one holds two).
     ini.write_text(ini.read_text().replace("workers = 2", "workers = 1\npipeline = 1"))
+    # Each derive start is logged (harness.derive_log): the checker judges every charge
+    # by it, and the kills below excuse the attempts they cut short.
+    starts = tmp_path / "derives.jsonl"
+    env = {
+        **os.environ,
+        derive_log.LOG_ENV: str(starts),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    kills: list[tuple[int, float]] = []
     log = (tmp_path / "derivd.log").open("wb")
     proc = subprocess.Popen([*derivd_command(), "-c", str(ini), "run"], stdout=log,
-                            stderr=log, stdin=subprocess.DEVNULL)  # fmt: skip
+                            stderr=log, stdin=subprocess.DEVNULL, env=env)  # fmt: skip
     try:
         for job, library in zip(ids, ("pdfium", "libavcodec"), strict=True):
             pid = wait_for(lambda j=job, lib=library: decoding_worker(proc.pid, j, lib),
                            f"worker decoding job {job}")  # fmt: skip
+            kills.append((pid, time.time()))
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: all(status == "ready" for status in statuses(dsn, ids)), "ready rows")
     finally:
@@ -107,7 +120,9 @@ def test_a_worker_killed_inside_a_decode_costs_that_attempt_only(
         died = {r[0] for r in conn.execute(
             "SELECT file_id FROM archive_events WHERE kind = 'worker_died'")}  # fmt: skip
     assert attempts == [2, 2] and died == set(ids)
-    history = load(dsn, fs_objects(fs_root))
+    history = load(
+        dsn, fs_objects(fs_root), derive_log.read(starts), Disruptions(kills=tuple(kills))
+    )
     verdicts = check(history, Rules.from_config(load_config(ini)))
     assert all(v.ok for v in verdicts), [v.summary() for v in verdicts if not v.ok]
 

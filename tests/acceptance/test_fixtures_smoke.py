@@ -201,7 +201,7 @@ def test_the_chaos_run_is_not_a_unit_test() -> None:
 
 
 def test_a_chaos_runs_failing_checks_are_read_from_its_table() -> None:
-    """What chaos_run compares with the known failures: the FAIL rows' names only."""
+    """What chaos_run names when a run fails: the FAIL rows' names only."""
     table = (
         "| invariant | result | detail |\n|---|---|---|\n"
         "| sweep ran (orphan guard 0) | PASS | sweep: 0 exhausted |\n"

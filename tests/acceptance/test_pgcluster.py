@@ -49,7 +49,11 @@ def test_embedded_database_keeps_its_data_from_one_command_to_the_next(pg_root: 
     config = Config().replace("supervisor", state_dir=str(state))
     try:
         with database(config) as dsn:
-            sql(dsn, "INSERT INTO archive_files (status, original_key) VALUES ('queued', 'k')")
+            sql(
+                dsn,
+                "INSERT INTO archive_files (status, original_key, original_version)"
+                " VALUES ('queued', 'k', 'v')",
+            )
         assert not EmbeddedCluster(state / "pg").is_running()  # it started it: stopped
         with database(config, read_only=True) as dsn:  # `status`: an existing cluster
             rows = sql(dsn, "SELECT status, original_key FROM archive_files")

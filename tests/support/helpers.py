@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -110,38 +110,20 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 60.0) -> int:
     return int(proc.returncode)
 
 
-# A failure of the worker, known and named, that the chaos runs can find: the worker
-# reports a job started, then sends its claim ahead, then derives; DESIGN.md ("Pipelined
-# worker") starts a job when its derive starts. A worker killed during that claim is
-# charged for a job whose derive never began. A run failing on this invariant alone is
-# an expected failure, with this reason; any other failure fails the test.
-CHARGED_BEFORE_ITS_DERIVE = {
-    "history: a crash or timeout charges only a started attempt": (
-        "the worker reports a job started before its claim ahead, not as its derive"
-        " starts: a kill during that claim charges a job that never derived"
-    )
-}
-
-
-def chaos_run(
-    module: str, *args: str, timeout: float, known: Mapping[str, str] | None = None
-) -> str:
-    """Run one of the chaos runs (`python -m harness.chaos`, ...) to the end; its output,
-    once it has exited 0 and said that every invariant held. A run whose failing checks
-    are all in `known` (check -> why it fails) is an expected failure (pytest.xfail)."""
+def chaos_run(module: str, *args: str, timeout: float) -> str:
+    """Run one of the chaos runs (`python -m harness.chaos`, ...) to the end, from the
+    repository's root; its output, once it has exited 0 and said that every invariant
+    held."""
     run = subprocess.run(
         [sys.executable, "-m", module, *args],
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
     output = run.stdout + run.stderr
-    failing = failed_checks(run.stdout)
-    if run.returncode != 0 and known and failing and all(f in known for f in failing):
-        pytest.xfail("; ".join(sorted({known[f] for f in failing})))
-    assert run.returncode == 0, output
+    assert run.returncode == 0, f"failing checks: {failed_checks(run.stdout)}\n{output}"
     assert "RESULT: all invariants hold" in run.stdout, output
     return output
 
