@@ -14,7 +14,7 @@ import click
 from helpers import sql
 
 from derivd import errors, states
-from derivd.cli import retry
+from derivd.cli.queue_commands import retry
 from derivd.ops import metrics, status
 
 # domain constraint name -> the vocabulary it must equal

@@ -156,7 +156,7 @@ def floor_breaks(graph: Graph) -> set[tuple[str, str]]:
                 target, "derivd.processes", "derivd.cli", "derivd.demo", *WORKER
             ):
                 broken.add((module, target))  # the rooms the processes run never reach up
-            if target in ("derivd.cli", "derivd.demo") and module != "derivd.cli":
+            if in_room(target, "derivd.cli", "derivd.demo") and not in_room(module, "derivd.cli"):
                 broken.add((module, target))  # the command line is the top floor
     return broken
 
