@@ -13,14 +13,9 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from derivd import __version__
-from derivd.config import (
-    CONFIG_ENV,
-    DEFAULT_CONFIG,
-    Config,
-    ConfigError,
-    config_location,
-    load_config,
-)
+from derivd.config import Config
+from derivd.config_checks import ConfigError
+from derivd.config_load import CONFIG_ENV, DEFAULT_CONFIG, config_location, load_config
 from derivd.priorities import (
     PRIORITY_MAX,
     PRIORITY_MIN,

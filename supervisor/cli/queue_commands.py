@@ -356,7 +356,7 @@ def retry(state: State, ids: tuple[int, ...], all_rejected: bool, code: str | No
             if not (retried.files or retried.rederivations):
                 click.echo("nothing to retry")
             return
-        result = actions.retryid_list(queue, ids, actor=actor)
+        result = actions.retry_ids(queue, ids, actor=actor)
     if result.done:
         click.echo(f"queued again: {id_list(result.done)}")
     if result.left:

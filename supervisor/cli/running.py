@@ -8,7 +8,8 @@ import sys
 import click
 
 from derivd.cli.common import State, die, friendly_errors, main, pass_state
-from derivd.config import ConfigError, render_ini
+from derivd.config_checks import ConfigError
+from derivd.config_show import render_ini
 
 
 @main.command()
@@ -92,7 +93,7 @@ def config_show(state: State, defaults: bool) -> None:
     if defaults:
         click.echo(render_ini(None, mask_secrets=True), nl=False)
         return
-    from derivd.config import describe_source
+    from derivd.config_show import describe_source
     from derivd.embedded.runtime import describe_database
 
     config = state.config
@@ -130,7 +131,7 @@ def demo(state: State, count: int, backend: str | None, into: str | None) -> Non
     another database only when `--into DSN` names it. Prints ready/rejected counts,
     throughput, where the derived files are, and a gallery page to open.
     """
-    from derivd.config import check_dsn
+    from derivd.config_checks import check_dsn
     from derivd.demo import demo_config, run_demo
 
     if into is not None and (problem := check_dsn(into) if into else "give a DSN"):
