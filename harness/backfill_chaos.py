@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from derivd.config import load_config
+from derivd.config_load import load_config
 from derivd.osproc import pid_alive
 from derivd.processes.duties import variant_set_of
 from derivd.queue.db import QueueDB

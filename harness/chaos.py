@@ -74,7 +74,7 @@ from fixtures.s3 import (
     aws_test_env,
 )
 
-from derivd.config import load_config
+from derivd.config_load import load_config
 from derivd.embedded.pgcluster import EmbeddedCluster
 from derivd.osproc import children_of
 from derivd.queue.db import QueueDB, migrate

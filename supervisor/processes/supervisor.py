@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from derivd.config import Config, ConfigError
+from derivd.config import Config
+from derivd.config_checks import ConfigError
 from derivd.logs import event
 from derivd.ops.metrics import Metrics
 from derivd.osproc import SignalQueue, sd_notify, set_proctitle, watchdog_interval
