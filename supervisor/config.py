@@ -55,13 +55,7 @@ from derivd.variant_config import (
     check_listed,
     check_size,
 )
-from derivd.webhooks.endpoints import (
-    EVENTS,
-    Endpoint,
-    check_events,
-    check_tenants,
-    check_url,
-)
+from derivd.webhooks.endpoints import EVENTS, Endpoint, check_events, check_tenants, check_url
 from derivd.webhooks.endpoints import SECTION_PREFIX as WEBHOOK_PREFIX
 
 DEFAULTS = "(defaults)"  # the source of a config read from no file

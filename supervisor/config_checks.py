@@ -11,10 +11,7 @@ from typing import Any
 from derivd.handlers.base import VariantSpec
 from derivd.handlers.preview_spec import KINDS
 from derivd.redact import parse_dsn
-from derivd.variant_config import (
-    build_variants,
-    check_listed,
-)
+from derivd.variant_config import build_variants, check_listed
 
 Check = Callable[[Any], str | None]  # returns a problem, or None when the value is fine
 

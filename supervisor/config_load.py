@@ -21,16 +21,9 @@ from derivd.config import (
     WebhookSettings,
 )
 from derivd.config_checks import Check, ConfigError, Problem
-from derivd.variant_config import (
-    SECTION_PREFIX,
-    build_variants,
-    is_variant_section,
-)
+from derivd.variant_config import SECTION_PREFIX, build_variants, is_variant_section
 from derivd.webhooks.endpoints import SECTION_PREFIX as WEBHOOK_PREFIX
-from derivd.webhooks.endpoints import (
-    build_endpoints,
-    is_webhook_section,
-)
+from derivd.webhooks.endpoints import build_endpoints, is_webhook_section
 
 DEFAULT_CONFIG = Path("etc/derivd.ini")
 CONFIG_ENV = "DERIVD_CONFIG"  # the config file when -c is not given

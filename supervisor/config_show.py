@@ -10,9 +10,7 @@ from typing import Any
 
 from derivd.config import DEFAULTS, SECTIONS, Config, VariantSettings, WebhookSettings
 from derivd.config_load import CONFIG_ENV, DEFAULT_CONFIG
-from derivd.variant_config import (
-    SECTION_PREFIX,
-)
+from derivd.variant_config import SECTION_PREFIX
 from derivd.webhooks.endpoints import SECTION_PREFIX as WEBHOOK_PREFIX
 
 

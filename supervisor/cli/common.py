@@ -16,10 +16,7 @@ from derivd import __version__
 from derivd.config import Config
 from derivd.config_checks import ConfigError
 from derivd.config_load import CONFIG_ENV, DEFAULT_CONFIG, config_location, load_config
-from derivd.priorities import (
-    PRIORITY_MAX,
-    PRIORITY_MIN,
-)
+from derivd.priorities import PRIORITY_MAX, PRIORITY_MIN
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -18,11 +18,7 @@ from derivd.cli.common import (
     pass_state,
     priority_option,
 )
-from derivd.priorities import (
-    BACKFILL_PRIORITY,
-    DEFAULT_PRIORITY,
-    TENANT_MAX_CHARS,
-)
+from derivd.priorities import BACKFILL_PRIORITY, DEFAULT_PRIORITY, TENANT_MAX_CHARS
 from derivd.states import ERROR_CODES
 
 

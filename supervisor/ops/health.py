@@ -22,7 +22,7 @@ from derivd.queue.db import (
     QueueStats,
 )
 from derivd.redact import one_line
-from derivd.states import EventKind, Status
+from derivd.states import Status
 
 # The order rows are listed in: the live states first (every status, see test_states).
 STATUS_ORDER: tuple[Status, ...] = (
@@ -33,15 +33,6 @@ STATUS_ORDER: tuple[Status, ...] = (
     "pending",
     "deleting",
     "deleted",
-)
-# The recent events the table sums up, with their labels.
-RECENT_EVENTS: tuple[tuple[str, EventKind], ...] = (
-    ("ready", "ready"),
-    ("retries", "retry"),
-    ("rejected", "rejected"),
-    ("exhausted", "exhausted"),
-    ("lease lost", "lease_lost"),
-    ("timeouts", "timeout"),
 )
 
 

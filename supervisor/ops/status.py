@@ -36,7 +36,6 @@ from derivd.ops.budget import connection_budget
 from derivd.ops.durations import duration
 from derivd.ops.health import (
     PROBE_TIMEOUT_S,
-    RECENT_EVENTS,
     Alarm,
     Report,
     StatusUnavailable,
@@ -46,15 +45,22 @@ from derivd.ops.health import (
     reading_age,
 )
 from derivd.ops.webhook_view import endpoint_json, endpoint_lines
-from derivd.queue.db import (
-    DatabaseUnavailable,
-    QueueDB,
-    SchemaMismatch,
-)
+from derivd.queue.db import DatabaseUnavailable, QueueDB, SchemaMismatch
+from derivd.states import EventKind
 
 HEALTHY = 0
 UNHEALTHY = 1
 UNAVAILABLE = 3
+
+# The recent events the table sums up, with their labels.
+RECENT_EVENTS: tuple[tuple[str, EventKind], ...] = (
+    ("ready", "ready"),
+    ("retries", "retry"),
+    ("rejected", "rejected"),
+    ("exhausted", "exhausted"),
+    ("lease lost", "lease_lost"),
+    ("timeouts", "timeout"),
+)
 
 
 def as_json(report: Report, alarms: list[Alarm], limits: StatusSettings) -> dict[str, Any]:
