@@ -5,8 +5,8 @@ set and every invariant of the state machine holds over the whole history.
     .venv/bin/python -m harness.backfill_chaos [--seed N] [--images N] [--pooler]
                                                [--pipeline N]
 
-Builds the world of harness/chaos.py (embedded PostgreSQL over TCP, moto's S3 behind the
-fault proxy, the derive log, the real `derivd run` with 3 workers at `[supervisor]
+Builds the world of harness/chaos_world.py (embedded PostgreSQL over TCP, moto's S3 behind
+the fault proxy, the derive log, the real `derivd run` with 3 workers at `[supervisor]
 pipeline` --pipeline, a 15 s lease, 10 s job timeout, a few first derives stretched to
 50-90 % of it) with
 `[queue] max_in_flight_per_tenant = 1` and the inputs spread over three tenants and no
@@ -62,7 +62,7 @@ CARD = {"size": "160x160", "fit": "cover"}
 MAX_QUEUED = 6
 LEASE_S = 15.0
 JOB_TIMEOUT_S = 10.0
-# Of the inputs, the share whose first derive is stretched (harness/chaos.py's is more:
+# Of the inputs, the share whose first derive is stretched (harness/chaos_world.py's is more:
 # here each one is 5-9 s).
 SLOW_SHARE = 0.08
 

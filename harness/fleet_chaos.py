@@ -3,8 +3,8 @@
     .venv/bin/python -m harness.fleet_chaos [--seed N] [--full] [--images N] [--pipeline N]
                                             [--direct]
 
-Builds the world of harness/chaos.py (embedded PostgreSQL over TCP, moto's S3 behind the
-fault proxy, the derive log) and runs three `derivd run` (host ids h1, h2, h3; own state
+Builds the world of harness/chaos_world.py (embedded PostgreSQL over TCP, moto's S3 behind
+the fault proxy, the derive log) and runs three `derivd run` (host ids h1, h2, h3; own state
 dirs; 2 workers each at `[supervisor] pipeline` --pipeline) on it, through PgBouncer in
 transaction mode (--direct: without), with an 8 s lease. While a seeded mix of valid and
 hostile images is queued in waves it:
@@ -18,10 +18,10 @@ hostile images is queued in waves it:
   must find the loss, and its late writes must be fenced (`lease_lost`);
 - restarts PostgreSQL once;
 - terminates workers' server connections in the middle of commits, and SIGKILLs one of
-  h3's workers while a job waits behind a running one (harness/chaos.py).
+  h3's workers while a job waits behind a running one (harness/chaos_faults.py).
 
-Then the queue drains, h2 and h3 get SIGTERM, one sweep runs, and the invariants of
-harness/chaos.py are checked plus the failover bound and the registry's view of the dead
+Then the queue drains, h2 and h3 get SIGTERM, one sweep runs, and the checks of
+harness/chaos_checks.py run plus the failover bound and the registry's view of the dead
 host. The exit status is 1 when any fails.
 """
 
