@@ -16,6 +16,8 @@ profile, or libvips' built-in CMYK profile for unprofiled CMYK), 16-bit to 8-bit
 lanczos3 resize, and streaming, so memory stays near one base-sized buffer plus a few
 scanlines of input. Every loader reads the original's bytes in place (a memory source,
 `vips_variants.read_in_place`): none copies the whole file first, as the `*_buffer` loaders do.
+
+One job past 450 lines: decoding with libvips, in the one module that imports pyvips.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ set and every invariant of the state machine holds over the whole history.
     .venv/bin/python -m harness.backfill_chaos [--seed N] [--images N] [--pooler]
                                                [--pipeline N]
 
-Builds the world of harness/chaos.py (embedded PostgreSQL over TCP, moto's S3 behind the
-fault proxy, the derive log, the real `derivd run` with 3 workers at `[supervisor]
+Builds the world of harness/chaos_world.py (embedded PostgreSQL over TCP, moto's S3 behind
+the fault proxy, the derive log, the real `derivd run` with 3 workers at `[supervisor]
 pipeline` --pipeline, a 15 s lease, 10 s job timeout, a few first derives stretched to
 50-90 % of it) with
 `[queue] max_in_flight_per_tenant = 1` and the inputs spread over three tenants and no
@@ -43,13 +43,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from derivd.config import load_config
+from derivd.config_load import load_config
 from derivd.osproc import pid_alive
 from derivd.processes.duties import variant_set_of
 from derivd.queue.db import QueueDB
 from derivd.storage.base import new_original_key
-from harness import chaos
-from harness.chaos import Check, Tally, World, say
+from harness import chaos, chaos_checks, chaos_faults, chaos_world
+from harness.chaos_checks import Check
+from harness.chaos_faults import Tally
+from harness.chaos_world import World, say
 from harness.tables import table
 
 TENANTS: tuple[str | None, ...] = ("acme", "globex", "initech", None)
@@ -60,7 +62,7 @@ CARD = {"size": "160x160", "fit": "cover"}
 MAX_QUEUED = 6
 LEASE_S = 15.0
 JOB_TIMEOUT_S = 10.0
-# Of the inputs, the share whose first derive is stretched (harness/chaos.py's is more:
+# Of the inputs, the share whose first derive is stretched (harness/chaos_world.py's is more:
 # here each one is 5-9 s).
 SLOW_SHARE = 0.08
 
@@ -156,11 +158,11 @@ def enqueue(
 def reload_variants(world: World, tally: Tally) -> None:
     """Write the new variant set and SIGHUP the supervisor; wait until every worker it
     had is gone (each replacement starts with the new set)."""
-    old = set(chaos.workers(world.sup_pid))
+    old = set(chaos_world.workers(world.sup_pid))
     configure(world, AFTER)
     world.supervisor.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
     deadline = time.monotonic() + 90
-    while any(pid_alive(p) and p in chaos.workers(world.sup_pid) for p in old):
+    while any(pid_alive(p) and p in chaos_world.workers(world.sup_pid) for p in old):
         if time.monotonic() > deadline:
             tally.notes.append("reload: old workers still running after 90 s")
             break
@@ -175,7 +177,7 @@ def reload_variants(world: World, tally: Tally) -> None:
             tally.notes.append("reload: the host registry still names the old set after 90 s")
             break
         time.sleep(0.1)
-    say(f"reloaded: variants {AFTER!r}; workers {sorted(chaos.workers(world.sup_pid))}")
+    say(f"reloaded: variants {AFTER!r}; workers {sorted(chaos_world.workers(world.sup_pid))}")
 
 
 def ready_ids(world: World, among: set[int]) -> tuple[list[int], list[int]]:
@@ -223,7 +225,7 @@ def run(
     world: World, plan: Plan, rng: random.Random, tally: Tally, operator: Operator
 ) -> tuple[dict[int, tuple[str, str]], int | None]:
     # Most valid inputs go first: the backfill needs ready files to re-derive.
-    inputs = chaos.make_inputs(rng, plan.images)
+    inputs = chaos_world.make_inputs(rng, plan.images)
     valid = [i for i in inputs if i[1] == "ready"]
     hostile = [i for i in inputs if i[1] != "ready"]
     cut_valid, cut_hostile = 2 * len(valid) // 3, len(hostile) // 3
@@ -236,7 +238,7 @@ def run(
         tally.notes.append("phase 1 did not drain")
     reload_variants(world, tally)
     backfill = subprocess.Popen(
-        [str(chaos.DERIVD), "-c", str(world.ini), "backfill", "--apply",
+        [str(chaos_world.DERIVD), "-c", str(world.ini), "backfill", "--apply",
          "--max-queued", str(MAX_QUEUED)],
         env=world.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
@@ -249,11 +251,11 @@ def run(
     schedule += [(rng.uniform(0.05, 0.9) * span, "kill") for _ in range(plan.kills)]
     schedule += [(rng.uniform(0.1, 0.8) * span, "delete") for _ in range(plan.deletes)]
     schedule += [(0.3 * span, "retry"), (0.7 * span, "retry")]
-    schedule += [(t, "faults") for t in chaos._ticks(rng, span, 3.0)]
+    schedule += [(t, "faults") for t in chaos_faults.ticks(rng, span, 3.0)]
     schedule += [(rng.uniform(0.1, 0.9) * span, "terminate") for _ in range(plan.terminations)]
     schedule += [(rng.uniform(0.2, 0.9) * span, "kill_waiting") for _ in range(plan.waiting_kills)]
     schedule.sort()
-    mischief = chaos.Chaos(world, rng, tally)
+    mischief = chaos_faults.Chaos(world, rng, tally)
     started = time.monotonic()
     for at, action in schedule:
         time.sleep(max(0.0, started + at - time.monotonic()))
@@ -362,12 +364,12 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 exit_code = world.supervisor.wait(60)  # type: ignore[union-attr]
         sweep = world.cli(
-            "sweep", "--orphan-guard", "0", "--delete-guard", "0", timeout=chaos.SWEEP_BOUND_S
+            "sweep", "--orphan-guard", "0", "--delete-guard", "0", timeout=chaos_world.SWEEP_BOUND_S
         )
         last = (sweep.stdout.strip().splitlines() or ["(no output)"])[-1]
         checks = [Check("sweep ran (guards 0)", sweep.returncode == 0, last)]
         checks += outcome_checks(world, expected, operator, backfill_exit)
-        checks.append(chaos._check_variant_bytes(world))
+        checks.append(chaos_checks.check_variant_bytes(world))
         checks.append(
             Check(
                 "supervisor survived, exit 0 after SIGTERM",
@@ -375,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"exit code {exit_code}",
             )
         )
-        checks += chaos.history_checks(world, tally)
+        checks += chaos_checks.history_checks(world, tally)
         ok = all(c.ok for c in checks)
         print()
         print(

@@ -3,8 +3,8 @@
     .venv/bin/python -m harness.fleet_chaos [--seed N] [--full] [--images N] [--pipeline N]
                                             [--direct]
 
-Builds the world of harness/chaos.py (embedded PostgreSQL over TCP, moto's S3 behind the
-fault proxy, the derive log) and runs three `derivd run` (host ids h1, h2, h3; own state
+Builds the world of harness/chaos_world.py (embedded PostgreSQL over TCP, moto's S3 behind
+the fault proxy, the derive log) and runs three `derivd run` (host ids h1, h2, h3; own state
 dirs; 2 workers each at `[supervisor] pipeline` --pipeline) on it, through PgBouncer in
 transaction mode (--direct: without), with an 8 s lease. While a seeded mix of valid and
 hostile images is queued in waves it:
@@ -18,10 +18,10 @@ hostile images is queued in waves it:
   must find the loss, and its late writes must be fenced (`lease_lost`);
 - restarts PostgreSQL once;
 - terminates workers' server connections in the middle of commits, and SIGKILLs one of
-  h3's workers while a job waits behind a running one (harness/chaos.py).
+  h3's workers while a job waits behind a running one (harness/chaos_faults.py).
 
-Then the queue drains, h2 and h3 get SIGTERM, one sweep runs, and the invariants of
-harness/chaos.py are checked plus the failover bound and the registry's view of the dead
+Then the queue drains, h2 and h3 get SIGTERM, one sweep runs, and the checks of
+harness/chaos_checks.py run plus the failover bound and the registry's view of the dead
 host. The exit status is 1 when any fails.
 """
 
@@ -45,14 +45,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from derivd.osproc import children_of
-from harness import chaos
-from harness.chaos import Check, Tally, World, say
+from harness import chaos, chaos_checks, chaos_faults, chaos_world
+from harness.chaos_checks import Check
+from harness.chaos_faults import Tally
 from harness.chaos_webhooks import wait_delivered
+from harness.chaos_world import World, say
 from harness.tables import table
 
 HOSTS = ("h1", "h2", "h3")
 POLL_S = 0.5
-FAILOVER_BOUND_S = chaos.LEASE_S + POLL_S + 1.0
+FAILOVER_BOUND_S = chaos_world.LEASE_S + POLL_S + 1.0
 PRUNE_GUARD_S = 40.0  # [sweep] orphan_guard: how long a dead host's row stays, stale
 STATS_S = 2.0  # [metrics] interval: the registry is pruned on this timer
 
@@ -105,7 +107,7 @@ class Fleet:
         env["DERIVD_SUPERVISOR_STATE_DIR"] = str(self.world.root / f"state-{name}")
         with (self.world.root / f"{name}.log").open("ab") as log:
             self.procs[name] = subprocess.Popen(
-                [str(chaos.DERIVD), "-c", str(self.world.ini), "run"],
+                [str(chaos_world.DERIVD), "-c", str(self.world.ini), "run"],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -229,7 +231,7 @@ def host_pause(fleet: Fleet, tally: Tally, feed: Callable[[], None]) -> None:
         fleet.signal("h2", signal.SIGCONT)
         return
     say(f"host pause: SIGSTOP h2 holding {sorted(held)}")
-    deadline = time.monotonic() + chaos.LEASE_S * 8
+    deadline = time.monotonic() + chaos_world.LEASE_S * 8
     while time.monotonic() < deadline:
         moved = [
             i
@@ -247,14 +249,14 @@ def host_pause(fleet: Fleet, tally: Tally, feed: Callable[[], None]) -> None:
     fleet.signal("h2", signal.SIGCONT)
     tally.stunts += 1
     tally.stunt_tokens += list(held.values())
-    say(f"host pause: SIGCONT h2 after its jobs moved on (lease {chaos.LEASE_S:g}s)")
+    say(f"host pause: SIGCONT h2 after its jobs moved on (lease {chaos_world.LEASE_S:g}s)")
 
 
 def run(
     fleet: Fleet, plan: Plan, rng: random.Random, tally: Tally
 ) -> tuple[dict[int, tuple[str, str]], Failover]:
     world = fleet.world
-    inputs = chaos.make_inputs(rng, plan.images)
+    inputs = chaos_world.make_inputs(rng, plan.images)
     waves = [inputs[i :: plan.waves + 1] for i in range(plan.waves + 1)]
     expected: dict[int, tuple[str, str]] = {}
 
@@ -269,7 +271,7 @@ def run(
     schedule += [(rng.uniform(0.1, 0.9) * span, "terminate") for _ in range(plan.terminations)]
     schedule += [(rng.uniform(0.3, 0.9) * span, "kill_waiting") for _ in range(plan.waiting_kills)]
     schedule.sort()
-    mischief = chaos.Chaos(world, rng, tally)
+    mischief = chaos_faults.Chaos(world, rng, tally)
     watchers: list[threading.Thread] = []
     started = time.monotonic()
     for at, action in schedule:
@@ -358,15 +360,17 @@ def main(argv: list[str] | None = None) -> int:
         ):
             time.sleep(0.5)
         tally.supervisor_died = not (fleet.alive("h2") and fleet.alive("h3"))
-        # The surviving hosts' deliverers finish the webhooks (chaos.check_all checks them).
+        # The surviving hosts' deliverers finish the webhooks (chaos_checks.check_all checks them).
         if not wait_delivered(world.query, plan.drain_s):
             tally.notes.append(f"webhooks not delivered within {plan.drain_s:g}s")
         codes = fleet.stop_all()
         survivors_ok = codes.get("h2") == 0 and codes.get("h3") == 0
         sweep = world.cli(
-            "sweep", "--orphan-guard", "0", "--delete-guard", "0", timeout=chaos.SWEEP_BOUND_S
+            "sweep", "--orphan-guard", "0", "--delete-guard", "0", timeout=chaos_world.SWEEP_BOUND_S
         )
-        checks = chaos.check_all(world, expected, tally, 0 if survivors_ok else codes.get("h3"))
+        checks = chaos_checks.check_all(
+            world, expected, tally, 0 if survivors_ok else codes.get("h3")
+        )
         last = (sweep.stdout.strip().splitlines() or ["(no output)"])[-1]
         checks.insert(0, Check("sweep ran (orphan guard 0)", sweep.returncode == 0, last))
         checks += failover_checks(failover)

@@ -1,29 +1,52 @@
 """Every setting, declared once: section, name, type, default, validation, one-line doc.
 
-The INI parser, `derivd config check|show` and the example `etc/derivd.ini` all come from
-these declarations. Any setting can also come from the environment as
+The INI reader (`derivd.config_load`), `derivd config check|show` (`derivd.config_show`) and
+the example `etc/derivd.ini` all come from these declarations; the checks they name are in
+`derivd.config_checks`. Any setting can also come from the environment as
 `DERIVD_<SECTION>_<KEY>` (e.g. `DERIVD_DATABASE_DSN`), which is how secrets stay out of
 the file; any other `DERIVD_*` name (but `DERIVD_CONFIG`) is refused like an unknown key,
 so a misspelled override never goes unnoticed. Relative paths resolve against the config
 file's directory, so a command means the same state from any working directory.
+
+One job past 450 lines: every section's settings declared together, each setting once.
 """
 
 from __future__ import annotations
 
-import configparser
 import dataclasses
-import difflib
 import os
-import re
 import socket
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
+from derivd.config_checks import (
+    COUNT_MAX,
+    DAY,
+    DAYS_MAX,
+    HEARTBEAT_AUTO_MAX,
+    HOUR,
+    MINUTE,
+    Check,
+    ConfigError,
+    Problem,
+    check_dsn,
+    check_handler,
+    check_host_id,
+    check_kinds,
+    fraction,
+    host_port,
+    in_range,
+    listed_kinds,
+    non_negative,
+    one_of,
+    parse_variants,
+    positive,
+    schema_name_problem,
+)
 from derivd.handlers.base import DeriveSpec, PreviewSpec, VariantSpec
-from derivd.handlers.preview_spec import KINDS
-from derivd.redact import MASK, mask_dsn, mask_url, parse_dsn, shown_url
+from derivd.redact import MASK, mask_dsn, mask_url, shown_url
 from derivd.storage.base import prefix_problem
 from derivd.variant_config import (
     SECTION_PREFIX,
@@ -31,24 +54,11 @@ from derivd.variant_config import (
     check_formats,
     check_listed,
     check_size,
-    is_variant_section,
 )
-from derivd.webhooks.endpoints import (
-    EVENTS,
-    Endpoint,
-    build_endpoints,
-    check_events,
-    check_tenants,
-    check_url,
-    is_webhook_section,
-)
+from derivd.webhooks.endpoints import EVENTS, Endpoint, check_events, check_tenants, check_url
 from derivd.webhooks.endpoints import SECTION_PREFIX as WEBHOOK_PREFIX
 
-DEFAULT_CONFIG = Path("etc/derivd.ini")
-CONFIG_ENV = "DERIVD_CONFIG"  # the config file when -c is not given
-ENV_PREFIX = "DERIVD_"
 DEFAULTS = "(defaults)"  # the source of a config read from no file
-Check = Callable[[Any], str | None]  # returns a problem, or None when the value is fine
 
 
 def setting(
@@ -63,148 +73,6 @@ def setting(
     hold. `path`: a relative value resolves against the directory of the config file
     that holds it (the working directory without a file)."""
     return field(default=default, metadata={"doc": doc, "check": check, "mask": mask, "path": path})
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """A number's range, finite at both ends: every numeric setting declares one, so a
-    value like `inf` or `1e300` is refused at load instead of overflowing an interval, an
-    integer column or a timer later. `above`: strictly more than `low`; `between`: the
-    message names both ends (a scale, like quality 1-100)."""
-
-    low: float
-    high: float
-    above: bool = False
-    between: bool = False
-
-    def __call__(self, value: float) -> str | None:
-        low_ok = value > self.low if self.above else value >= self.low
-        if low_ok and value <= self.high:  # NaN fails both comparisons
-            return None
-        low, high = _number(self.low), _number(self.high)
-        if self.between:
-            return f"must be between {low} and {high}"
-        if not low_ok and value < self.high:
-            return f"must be greater than {low}" if self.above else f"must be {low} or more"
-        return f"must be at most {high}"
-
-
-def _number(value: float) -> str:
-    return f"{value:,.0f}" if float(value).is_integer() else f"{value:g}"
-
-
-def positive(high: float) -> Bounds:
-    return Bounds(0, high, above=True)
-
-
-def non_negative(high: float) -> Bounds:
-    return Bounds(0, high)
-
-
-def in_range(low: int, high: int) -> Bounds:
-    return Bounds(low, high, between=True)
-
-
-fraction = Bounds(0, 1, between=True)
-
-
-# Upper bounds, generous for any real deployment, small enough for every use downstream
-# (PostgreSQL intervals and integers, timers, sizes in bytes).
-MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
-DAYS_MAX = 36_500  # a century of days
-COUNT_MAX = 1_000_000_000  # fits PostgreSQL's integer
-
-
-# A schema name derivd puts in search_path and in DDL as it is: nothing to quote.
-SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-
-
-def schema_name_problem(value: str) -> str | None:
-    """[database] schema: empty, or a name derivd uses as it is (nothing to quote)."""
-    if not value or SCHEMA_NAME.match(value):
-        return None
-    return f"{value!r} is not a lower-case name (a letter or _, then letters, digits or _)"
-
-
-def one_of(*choices: str) -> Check:
-    def check(value: str) -> str | None:
-        return None if value in choices else f"{value!r} is not one of: {', '.join(choices)}"
-
-    return check
-
-
-def split_host_port(value: str) -> tuple[str, int]:
-    """`host:port` (IPv6 as `[::1]:9464`; an empty host means every interface) ->
-    (host, port). ValueError when it is not of that form."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{value!r} is not host:port")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
-def host_port(value: str) -> str | None:
-    if not value:
-        return None
-    try:
-        _host, port = split_host_port(value)
-    except ValueError:
-        port = 0
-    if not 0 < port < 65536:
-        return "must be host:port (e.g. 127.0.0.1:9464), or empty for off"
-    return None
-
-
-def check_handler(value: str) -> str | None:
-    from derivd.handlers.registry import BUILTIN, is_import_target, known_handlers  # no backend
-
-    # A built-in name needs no look at the installed packages' entry points (a scan of
-    # every distribution's metadata, paid by every command that loads the config).
-    if value in BUILTIN or is_import_target(value):  # `module:Class`: checked in the worker
-        return None
-    known = known_handlers()
-    return None if value in known else f"unknown backend {value!r}; known: {', '.join(known)}"
-
-
-def listed_kinds(text: str) -> frozenset[str]:
-    return frozenset(k.strip() for k in text.split(",") if k.strip())
-
-
-def check_kinds(value: str) -> str | None:
-    unknown = sorted(listed_kinds(value) - set(KINDS))
-    if unknown:
-        return f"unknown kind {unknown[0]!r}; kinds: {', '.join(KINDS)}"
-    return None
-
-
-def parse_variants(text: str) -> tuple[VariantSpec, ...]:
-    """`preview:1600, thumb:320` -> variants in order (shorthand only: no sections)."""
-    problem = check_listed(text)
-    specs, problems = build_variants(text, {})
-    if problem or problems:
-        raise ValueError(problem or problems[0][2])
-    return specs
-
-
-def check_dsn(value: str) -> str | None:
-    # libpq's own complaint may quote a word of the password: it is not repeated here.
-    if not value or parse_dsn(value) is not None:
-        return None
-    return (
-        "not a libpq connection string or URL that libpq can read (a value with spaces "
-        "needs single quotes: password='a b'; in a URL, percent-encode it)"
-    )
-
-
-HOST_ID_MAX_BYTES = 200
-HEARTBEAT_AUTO_MAX = 10.0  # seconds: a dead host is called stale within 30 s by default
-
-
-def check_host_id(value: str) -> str | None:
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        return "must not contain control characters"
-    if len(value.encode()) > HOST_ID_MAX_BYTES:
-        return f"must be at most {HOST_ID_MAX_BYTES} bytes"
-    return None
 
 
 @dataclass(frozen=True)
@@ -705,413 +573,3 @@ SECTIONS: dict[str, type[Any]] = {
 }
 # What `unknown section` lists: the fixed sections and the named sections' patterns.
 KNOWN_SECTIONS = (*SECTIONS, f"{SECTION_PREFIX}NAME", f"{WEBHOOK_PREFIX}NAME")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One bad setting. `section` and `key` are None where none applies (a file that
-    cannot be read, an unknown section, an unknown environment variable)."""
-
-    where: str
-    section: str | None
-    key: str | None
-    message: str
-
-    def __str__(self) -> str:
-        scope = " ".join(filter(None, (self.section and f"[{self.section}]", self.key)))
-        return (
-            f"{self.where}: {scope}: {self.message}" if scope else f"{self.where}: {self.message}"
-        )
-
-
-class ConfigError(Exception):
-    """One or more bad settings; str() gives one line per problem."""
-
-    def __init__(self, problems: list[Problem]) -> None:
-        super().__init__("\n".join(str(p) for p in problems))
-        self.problems = problems
-
-
-_TRUE = {"1", "yes", "true", "on"}
-_FALSE = {"0", "no", "false", "off"}
-
-
-def _convert(kind: type[Any], raw: str) -> Any:
-    text = raw.strip()
-    if kind is bool:
-        if text.lower() in _TRUE:
-            return True
-        if text.lower() in _FALSE:
-            return False
-        raise ValueError(f"{raw!r} is not yes/no")
-    if kind is int:
-        try:
-            return int(text.replace("_", ""))
-        except ValueError:
-            raise ValueError(f"{raw!r} is not a whole number") from None
-    if kind is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{raw!r} is not a number") from None
-    return text
-
-
-def _env_name(section: str, key: str) -> str:
-    return f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
-
-
-def known_env_names() -> tuple[str, ...]:
-    """Every `DERIVD_*` name derivd reads (variant sections have no overrides)."""
-    settings = (_env_name(name, f.name) for name, cls in SECTIONS.items() for f in fields(cls))
-    return (CONFIG_ENV, *settings)
-
-
-def closest(name: str, known: Iterable[str]) -> str | None:
-    """The known name `name` was most likely meant to be, if any is close."""
-    found = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return found[0] if found else None
-
-
-def _did_you_mean(name: str, known: Iterable[str], shown: Callable[[str], str] = str) -> str:
-    guess = closest(name, known)
-    return f"did you mean {shown(guess)}? " if guess else ""
-
-
-def _env_problems(env: Mapping[str, str]) -> list[Problem]:
-    known = known_env_names()
-    # Compared without the prefix every name shares, which would make anything look close.
-    suffixes = [k.removeprefix(ENV_PREFIX) for k in known]
-    return [
-        Problem(
-            f"environment {name}",
-            None,
-            None,
-            "unknown variable; "
-            + _did_you_mean(name.removeprefix(ENV_PREFIX), suffixes, ENV_PREFIX.__add__)
-            + "settings come as DERIVD_<SECTION>_<KEY> (see `derivd config show`)",
-        )
-        for name in sorted(env)
-        if name.startswith(ENV_PREFIX) and name not in known
-    ]
-
-
-def config_location(given: Path | None, env: Mapping[str, str]) -> tuple[Path, bool]:
-    """(the config file to read, whether it must exist): `-c`, else $DERIVD_CONFIG, else
-    etc/derivd.ini, which alone may be absent (built-in defaults)."""
-    if given is not None:
-        return given, True
-    if env.get(CONFIG_ENV):
-        return Path(env[CONFIG_ENV]), True
-    return DEFAULT_CONFIG, False
-
-
-def _read_ini(path: Path, problems: list[Problem]) -> dict[str, dict[str, str]]:
-    # Comments as in the INI readers people know: on their own line, or after a value
-    # following whitespace (`events = file.ready  # default: all four`). Without the
-    # inline ones, `tenants =   # empty: every tenant` named the tenant "# empty: ...".
-    # A `#` or `;` not after whitespace stays in the value (`https://host/#part`).
-    parser = configparser.ConfigParser(
-        interpolation=None, strict=True, inline_comment_prefixes=("#", ";")
-    )
-    try:
-        with path.open(encoding="utf-8") as handle:
-            parser.read_file(handle)
-    except configparser.Error as error:
-        line = getattr(error, "lineno", None)
-        where = f"{path}:{line}" if line else str(path)
-        problems.append(Problem(where, None, None, str(error).splitlines()[0]))
-        return {}
-    except (OSError, UnicodeDecodeError) as error:
-        reason = getattr(error, "strerror", None) or str(error)
-        problems.append(Problem(str(path), None, None, f"cannot read: {reason}"))
-        return {}
-    return {name: dict(parser.items(name)) for name in parser.sections()}
-
-
-def _resolve_path(value: str, base: Path) -> str:
-    """A path setting made absolute: relative values against `base`."""
-    return os.path.normpath(base / value) if value and not Path(value).is_absolute() else value
-
-
-def _section_values(
-    name: str,
-    raw: Mapping[str, str],
-    env: Mapping[str, str],
-    where: str,
-    problems: list[Problem],
-    *,
-    base: Path,
-    origins: dict[tuple[str, str], str],
-    cls: type[Any] | None = None,
-) -> Any:
-    """One section from the file's `raw` values and the environment; a relative path
-    from the file (or a default) resolves against `base`, from the environment against
-    the working directory."""
-    cls = cls or SECTIONS[name]
-    hints = get_type_hints(cls)
-    declared = {f.name: f for f in fields(cls)}
-    for key in raw:
-        if key not in declared:
-            problems.append(
-                Problem(
-                    where,
-                    name,
-                    key,
-                    f"unknown setting; {_did_you_mean(key, declared)}known: {', '.join(declared)}",
-                )
-            )
-    values: dict[str, Any] = {}
-    for key, spec in declared.items():
-        env_key = _env_name(name, key)
-        from_env = env_key in env
-        source, text = (
-            (f"environment {env_key}", env[env_key]) if from_env else (where, raw.get(key))
-        )
-        if from_env:
-            origins[(name, key)] = source
-        if text is None:
-            if spec.metadata.get("path"):
-                values[key] = _resolve_path(str(spec.default), base)
-            continue
-        try:
-            value = _convert(hints[key], text)
-        except ValueError as error:
-            problems.append(Problem(source, name, key, str(error)))
-            continue
-        check: Check | None = spec.metadata.get("check")
-        problem = check(value) if check else None
-        if problem:
-            problems.append(Problem(source, name, key, problem))
-            continue
-        if spec.metadata.get("path"):
-            value = _resolve_path(value, Path.cwd() if from_env else base)
-        values[key] = value
-    return cls(**values)
-
-
-def _cross_checks(config: Config) -> list[Problem]:
-    queue = config.queue
-    problems = _lease_checks(config)
-    if problem := _orphan_guard_problem(config):
-        problems.append(config.problem("sweep", "orphan_guard", problem))
-    if queue.retry_max < queue.retry_base:
-        problems.append(config.problem("queue", "retry_max", "must be at least retry_base"))
-    if config.storage.backend == "s3" and not config.storage.bucket:
-        problems.append(config.problem("storage", "bucket", "required when backend = s3"))
-    return problems
-
-
-def _orphan_guard_problem(config: Config) -> str | None:
-    """An attempt's objects must outlive every PUT the attempt can still make: the sweep
-    deletes an uncommitted object once it is older than the guard and its token holds no
-    lease, and an attempt whose lease was lost (or never renewed) may still be PUTting
-    until the supervisor's kill lands, job_timeout + kill_grace after its start. Without
-    renewal that is below the lease (the lease check), with `renew = yes` it may be far
-    above it (lease 30, job_timeout 600)."""
-    queue, sup = config.queue, config.supervisor
-    guard = config.sweep.orphan_guard
-    if guard <= queue.lease:
-        return f"must exceed [queue] lease ({queue.lease:g}s): live attempts keep their objects"
-    longest = sup.job_timeout + sup.kill_grace
-    if guard <= longest:
-        return (
-            f"must exceed [supervisor] job_timeout + kill_grace ({longest:g}s): an attempt "
-            "may store objects until it is killed"
-        )
-    return None
-
-
-def _lease_checks(config: Config) -> list[Problem]:
-    sup, queue = config.supervisor, config.queue
-    problems: list[Problem] = []
-    # Without renewal the supervisor must be able to kill a job and record its failure
-    # while the lease is still ours; otherwise a second worker could reclaim a job that
-    # is still running. With renewal the heartbeat keeps the lease ahead of the job.
-    if not queue.renew and sup.job_timeout + sup.kill_grace > 0.8 * queue.lease:
-        problems.append(
-            config.problem(
-                "supervisor",
-                "job_timeout",
-                f"job_timeout + kill_grace ({sup.job_timeout + sup.kill_grace:g}s) must be at most "
-                f"80% of [queue] lease ({0.8 * queue.lease:g}s), or set [queue] renew = yes",
-            )
-        )
-    # Three heartbeats per lease: one late or lost heartbeat never loses a renewed lease,
-    # and a host is called stale (3 missed heartbeats) no later than its leases expire.
-    if queue.heartbeat_s > queue.lease / 3:
-        problems.append(
-            config.problem(
-                "queue",
-                "heartbeat",
-                f"must be at most a third of [queue] lease ({queue.lease / 3:g}s)",
-            )
-        )
-    return problems
-
-
-def load_config(
-    path: Path | None = None,
-    *,
-    env: Mapping[str, str] | None = None,
-    required: bool = False,
-) -> Config:
-    """Read `path` (default: $DERIVD_CONFIG, else `etc/derivd.ini`) plus `DERIVD_*`
-    overrides and validate all.
-
-    A missing default file means built-in defaults; a missing explicit file is an error.
-    Relative paths resolve against the file's directory (the working directory when no
-    file is read). Raises ConfigError listing every problem with file, section and key.
-    """
-    env = os.environ if env is None else env
-    if path is None:
-        path, required = config_location(None, env)
-    problems = _env_problems(env)
-    raw: dict[str, dict[str, str]] = {}
-    where, base = str(path), Path(os.path.abspath(path)).parent
-    if path.exists():
-        raw = _read_ini(path, problems)
-    elif required:
-        raise ConfigError([*problems, Problem(where, None, None, "no such file")])
-    else:
-        where, base = DEFAULTS, Path.cwd()
-    for name in raw:
-        if name not in SECTIONS and not is_variant_section(name) and not is_webhook_section(name):
-            guess = _did_you_mean(name, KNOWN_SECTIONS, lambda s: f"[{s}]")
-            problems.append(
-                Problem(
-                    where, name, None, f"unknown section; {guess}known: {', '.join(KNOWN_SECTIONS)}"
-                )
-            )
-    origins: dict[tuple[str, str], str] = {}
-    sections = {
-        name: _section_values(
-            name, raw.get(name, {}), env, where, problems, base=base, origins=origins
-        )
-        for name in SECTIONS
-    }
-    # No environment overrides for variant sections: their names hold a NAME of the file's.
-    variant_sections = {
-        name.removeprefix(SECTION_PREFIX): _section_values(
-            name, values, {}, where, problems, base=base, origins={}, cls=VariantSettings
-        )
-        for name, values in raw.items()
-        if is_variant_section(name)
-    }
-    webhook_sections = {
-        name.removeprefix(WEBHOOK_PREFIX): _section_values(
-            name, values, {}, where, problems, base=base, origins={}, cls=WebhookSettings
-        )
-        for name, values in raw.items()
-        if is_webhook_section(name)
-    }
-    if problems:
-        raise ConfigError(problems)
-    webhooks, webhook_problems, unread = build_endpoints(webhook_sections, env)
-    config = Config(
-        **sections,
-        variant_sections=variant_sections,
-        webhook_sections=webhook_sections,
-        webhooks=webhooks,
-        source=where,
-        origins=origins,
-    )
-    config = dataclasses.replace(
-        config, unread_secrets=tuple(config.problem(*problem) for problem in unread)
-    )
-    problems = _cross_checks(config)
-    problems += [config.problem(sec, key, msg) for sec, key, msg in webhook_problems]
-    _, variant_problems = build_variants(config.derive.variants, variant_sections)
-    problems += [config.problem(sec, key, msg) for sec, key, msg in variant_problems]
-    if problems:
-        raise ConfigError(problems)
-    return config
-
-
-def render_value(value: Any) -> str:
-    """A setting's value as the INI file (and the environment) spell it."""
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
-
-
-def example_config() -> Config:
-    """What the checkout's `etc/derivd.ini` holds: the defaults, with the state in the
-    checkout's `var/` (the file sits in `etc/`, and relative paths resolve against it)."""
-    return Config().replace("supervisor", state_dir="../var")
-
-
-def render_ini(config: Config | None = None, *, mask_secrets: bool = False) -> str:
-    """The documented INI text of `config` (defaults when None): every setting, its doc."""
-    config = config or Config()
-    lines = [
-        "# derivd configuration. Every setting is shown with its value; durations are",
-        "# seconds. Any setting may instead come from the environment as",
-        "# DERIVD_<SECTION>_<KEY>, e.g. DERIVD_DATABASE_DSN (keep secrets there).",
-        "# Relative paths resolve against this file's directory.",
-    ]
-    for name in SECTIONS:
-        section = getattr(config, name)
-        lines += ["", f"[{name}]"]
-        for spec in fields(section):
-            value = render_value(getattr(section, spec.name))
-            mask = spec.metadata.get("mask")
-            if mask_secrets and mask is not None:
-                value = mask(value)
-            lines.append(f"# {spec.metadata['doc']}")
-            origin = config.origins.get((name, spec.name))
-            if origin:  # the file may say otherwise: this is the value in effect
-                lines.append(f"# (from the {origin}, not the file)")
-            lines.append(f"{spec.name} = {value}".rstrip())
-    lines += _render_variants(config)
-    lines += _render_webhooks(config, mask_secrets=mask_secrets)
-    return "\n".join(lines) + "\n"
-
-
-def describe_source(config: Config) -> str:
-    """The comment lines `config show` starts with: which file it read (absolute), or
-    that none was, and how many values the environment gave."""
-    if config.source == DEFAULTS:
-        lines = [
-            f"# no config file read: built-in defaults ({DEFAULT_CONFIG} is not in "
-            f"{Path.cwd()}; -c FILE or ${CONFIG_ENV} names one)"
-        ]
-    else:
-        lines = [f"# read from {Path(config.source).resolve()}"]
-    names = sorted(origin.removeprefix("environment ") for origin in config.origins.values())
-    if names:
-        lines.append(f"# from the environment: {', '.join(names)}")
-    return "\n".join(lines) + "\n"
-
-
-def _render_variants(config: Config) -> list[str]:
-    """The `[variant:NAME]` sections; with none, a commented example of every key."""
-    lines: list[str] = []
-    sections: Mapping[str, VariantSettings | None] = config.variant_sections or {"NAME": None}
-    for name, values in sections.items():
-        prefix = "" if values is not None else "# "
-        lines += ["", f"{prefix}[{SECTION_PREFIX}{name}]"]
-        for spec in fields(VariantSettings):
-            value = render_value(getattr(values or VariantSettings(), spec.name))
-            lines.append(f"# {spec.metadata['doc']}")
-            lines.append(f"{prefix}{spec.name} = {value}".rstrip())
-    return lines
-
-
-def _render_webhooks(config: Config, *, mask_secrets: bool) -> list[str]:
-    """The `[webhook:NAME]` sections (secrets masked); with none, a commented example."""
-    lines: list[str] = []
-    sections: Mapping[str, WebhookSettings | None] = config.webhook_sections or {"NAME": None}
-    for name, values in sections.items():
-        prefix = "" if values is not None else "# "
-        lines += ["", f"{prefix}[{WEBHOOK_PREFIX}{name}]"]
-        for spec in fields(WebhookSettings):
-            value = render_value(getattr(values or WebhookSettings(), spec.name))
-            mask = spec.metadata.get("mask")
-            if mask_secrets and mask is not None:
-                value = mask(value)
-            lines.append(f"# {spec.metadata['doc']}")
-            lines.append(f"{prefix}{spec.name} = {value}".rstrip())
-    return lines

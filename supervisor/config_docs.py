@@ -13,15 +13,9 @@ from dataclasses import Field, fields
 from pathlib import Path
 from typing import Any
 
-from derivd.config import (
-    SECTIONS,
-    Bounds,
-    VariantSettings,
-    WebhookSettings,
-    example_config,
-    render_ini,
-    render_value,
-)
+from derivd.config import SECTIONS, VariantSettings, WebhookSettings
+from derivd.config_checks import Bounds
+from derivd.config_show import example_config, render_ini, render_value
 from derivd.variant_config import SECTION_PREFIX as VARIANT_PREFIX
 from derivd.webhooks.endpoints import SECTION_PREFIX as WEBHOOK_PREFIX
 

@@ -12,6 +12,8 @@ PostgreSQL refuses to run as root, so when derivd runs as root every server bina
 as the `postgres` system user instead; when that user cannot reach the state directory,
 data, socket and log move to a private home recorded in `<state>/pgcluster.home`
 (pghome.py).
+
+One job past 450 lines: one private cluster's life (place, init, start, adopt, stop) under its lock.
 """
 
 from __future__ import annotations

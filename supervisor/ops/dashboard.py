@@ -1,4 +1,4 @@
-"""The dashboard's data: what `derivd status` computes (derivd.ops.status: the same
+"""The dashboard's data: what `derivd status` computes (derivd.ops.health: the same
 signals, thresholds and verdict), plus hosts, jobs in flight and the last hour per minute.
 
 Read at most once per `[metrics] interval`, whatever the number of open tabs: requests
@@ -29,8 +29,8 @@ import psycopg
 
 from derivd.config import Config
 from derivd.ops.dashboard_view import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
+from derivd.ops.health import StatusUnavailable, collect, evaluate, notices
 from derivd.ops.metrics import Metrics
-from derivd.ops.status import StatusUnavailable, collect, evaluate, notices
 from derivd.ops.web import Response
 from derivd.queue.db import PARENT_STATEMENT_TIMEOUT_S, DatabaseUnavailable, QueueDB
 from derivd.redact import one_line

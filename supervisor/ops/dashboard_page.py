@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from derivd.ops.dashboard_view import MEDIAN_SAMPLE, HostView, InFlight, Minute, Snapshot
 from derivd.ops.durations import duration
-from derivd.ops.status import Report, reading_age
+from derivd.ops.health import Report, reading_age
 from derivd.ops.webhook_view import circuit_state, circuit_text
 
 STYLE = """

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from derivd.config import Config, StatusSettings
-from derivd.ops.status import Alarm, Report
+from derivd.ops.health import Alarm, Report
 
 MEDIAN_SAMPLE = 200  # a minute's median duration: from at most this many of its latest jobs
 

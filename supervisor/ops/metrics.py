@@ -21,7 +21,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import choose_encoder, generate_latest
 
-from derivd.config import ConfigError, Problem, split_host_port
+from derivd.config_checks import ConfigError, Problem, split_host_port
 from derivd.ops.web import Response, Route, WebServer
 from derivd.queue.db import QueueStats
 from derivd.states import STATUSES, EventKind

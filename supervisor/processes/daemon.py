@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from derivd.config import DEFAULTS, Config, load_config
+from derivd.config import DEFAULTS, Config
+from derivd.config_load import load_config
 from derivd.embedded.runtime import database
 from derivd.ops.durations import duration
 from derivd.ops.metrics import Metrics, listening_line

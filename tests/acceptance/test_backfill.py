@@ -34,7 +34,8 @@ from helpers import sql
 from derivd.ops.backfill import BackfillRunning, differences, scan
 from derivd.ops.dashboard_page import render
 from derivd.ops.dashboard_view import Snapshot
-from derivd.ops.status import as_json, collect, render_table
+from derivd.ops.health import collect
+from derivd.ops.status import as_json, render_table
 from derivd.ops.sweep import Sweeper
 from derivd.queue.db import QueueDB
 from derivd.storage.base import new_original_key

@@ -27,7 +27,7 @@ from fixtures.burst import queue_originals, write_burst_ini
 from fixtures.cli import derivd_command
 from helpers import proc_title, stop_process
 
-from derivd.config import load_config
+from derivd.config_load import load_config
 from derivd.osproc import children_of
 from derivd.storage.fs import FsStorage
 from harness import derive_log

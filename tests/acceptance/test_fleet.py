@@ -23,7 +23,7 @@ from fixtures.faketime import clock_env, find_libfaketime
 from fixtures.pgproxy import PgProxy
 from helpers import alive, sql, wait_for
 
-from derivd.config import load_config
+from derivd.config_load import load_config
 from derivd.ops.sweep import sweep_once
 from derivd.queue.db import HostInfo, QueueDB
 

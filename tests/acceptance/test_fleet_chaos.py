@@ -3,7 +3,7 @@ suite: three supervisors at pipeline 2 on one PostgreSQL (through PgBouncer) and
 300 valid and hostile images, a host SIGKILLed, a host paused past the lease,
 PostgreSQL restarted, workers' connections cut off in commits, a worker killed with a
 job waiting behind its running one. It starts its own services, so it shares nothing
-with the other tests; its checks are the invariants of harness/chaos.py plus the
+with the other tests; its checks are those of harness/chaos_checks.py plus the
 failover bound and the registry's view of the dead host."""
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from derivd.config import SECTIONS, load_config
+from derivd.config import SECTIONS
+from derivd.config_load import load_config
 from derivd.webhooks.endpoints import SECTION_PREFIX as WEBHOOK_PREFIX
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]

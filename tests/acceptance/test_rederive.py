@@ -22,7 +22,7 @@ from helpers import sql, wait_for
 
 from derivd.config import Config
 from derivd.fingerprint import set_problem
-from derivd.ops.status import collect
+from derivd.ops.health import collect
 from derivd.queue.db import Finished, QueueDB, StoredVariant
 from derivd.storage.base import new_original_key
 from derivd.storage.configured import open_storage

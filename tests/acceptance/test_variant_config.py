@@ -9,7 +9,9 @@ from subprocess import CompletedProcess
 import pytest
 from configs import write_ini
 
-from derivd.config import ConfigError, load_config, render_ini
+from derivd.config_checks import ConfigError
+from derivd.config_load import load_config
+from derivd.config_show import render_ini
 from derivd.handlers.base import VariantSpec
 
 RunCli = Callable[..., CompletedProcess[str]]

@@ -125,10 +125,10 @@ def test_similar_prints_the_near_duplicates(
 
 
 def test_the_dashboard_shows_each_endpoint(dsn: str, queue: QueueDB, tmp_path: Path) -> None:
-    from derivd.config import load_config
+    from derivd.config_load import load_config
     from derivd.ops.dashboard_page import render
     from derivd.ops.dashboard_view import Snapshot
-    from derivd.ops.status import collect
+    from derivd.ops.health import collect
     from derivd.ops.webhook_view import endpoint_lines
 
     config = load_config(ini(tmp_path, dsn), env={})

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from configs import write_ini
 
-from derivd.config import ConfigError, load_config
+from derivd.config_checks import ConfigError
+from derivd.config_load import load_config
 from derivd.webhooks.policy import BACKOFF_CAP_S, Response, backoff, decide, retry_after_s
 
 RunCli = Callable[..., subprocess.CompletedProcess[str]]

@@ -17,8 +17,8 @@ from helpers import sql, wait_for
 
 from derivd.ops.dashboard import Dashboard, read_snapshot
 from derivd.ops.dashboard_page import render
+from derivd.ops.health import evaluate
 from derivd.ops.metrics import Metrics
-from derivd.ops.status import evaluate
 from derivd.queue.db import QueueDB
 
 

@@ -19,7 +19,7 @@ from helpers import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from derivd.config import Config
-from derivd.ops.status import DEFAULT_EVENTS, collect
+from derivd.ops.health import DEFAULT_EVENTS, collect
 from derivd.processes.duties import (
     EventPartitions,
     ExhaustedRejection,

@@ -18,7 +18,9 @@ from configs import make_config, write_ini
 from fixtures.work import HOST, commit_one, make_worker
 from helpers import sql
 
-from derivd.config import Config, ConfigError, load_config
+from derivd.config import Config
+from derivd.config_checks import ConfigError
+from derivd.config_load import load_config
 from derivd.ops.metrics import Metrics
 from derivd.processes.duties import Heartbeat, held_jobs, lost_tokens, to_kill
 from derivd.processes.pipe import WorkerProc, kept_starts

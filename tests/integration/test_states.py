@@ -14,8 +14,8 @@ import click
 from helpers import sql
 
 from derivd import errors, states
-from derivd.cli import retry
-from derivd.ops import metrics, status
+from derivd.cli.queue_commands import retry
+from derivd.ops import health, metrics, status
 
 # domain constraint name -> the vocabulary it must equal
 CONSTRAINTS = {
@@ -81,7 +81,7 @@ def test_the_python_vocabulary_is_the_databases(dsn: str) -> None:
 
 def test_every_python_copy_agrees_with_derivd_states() -> None:
     assert get_args(errors.ErrorCode) == states.ERROR_CODES
-    assert sorted(status.STATUS_ORDER) == sorted(states.STATUSES)  # a permutation
+    assert sorted(health.STATUS_ORDER) == sorted(states.STATUSES)  # a permutation
     assert {kind for _label, kind in status.RECENT_EVENTS} <= set(states.EVENT_KINDS)
     assert set(metrics.COUNTED_EVENTS) <= set(states.EVENT_KINDS)
     code = next(p for p in retry.params if p.name == "code")

@@ -7,7 +7,8 @@ from typing import Any
 
 from fixtures.pgbouncer import DIRECT_FOR
 
-from derivd.config import Config, load_config
+from derivd.config import Config
+from derivd.config_load import load_config
 
 
 def defaults(**env: str) -> Config:

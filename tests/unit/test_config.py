@@ -10,21 +10,11 @@ from typing import get_type_hints
 import pytest
 from configs import write_ini
 
-from derivd.config import (
-    SECTIONS,
-    Bounds,
-    Config,
-    ConfigError,
-    VariantSettings,
-    config_location,
-    example_config,
-    known_env_names,
-    load_config,
-    mask_dsn,
-    parse_variants,
-    render_ini,
-    render_value,
-)
+from derivd.config import SECTIONS, Config, VariantSettings
+from derivd.config_checks import Bounds, ConfigError, parse_variants
+from derivd.config_load import config_location, known_env_names, load_config
+from derivd.config_show import example_config, render_ini, render_value
+from derivd.redact import mask_dsn
 
 REPO = Path(__file__).resolve().parents[2]
 

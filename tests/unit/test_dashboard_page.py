@@ -17,8 +17,8 @@ from fixtures.pages import Cells
 from derivd.ops.dashboard import Dashboard, registry_hosts
 from derivd.ops.dashboard_page import chart, render
 from derivd.ops.dashboard_view import HostView, Minute, Snapshot
+from derivd.ops.health import Report
 from derivd.ops.metrics import Metrics
-from derivd.ops.status import Report
 from derivd.ops.web import Response
 from derivd.queue.db import QueueStats
 

@@ -29,6 +29,8 @@ WORKER = (
     "derivd.pipeline",
     "derivd.derive_clock",
 )
+# The configuration: its declarations, their checks, reading and printing them.
+CONFIG = ("derivd.config", "derivd.config_checks", "derivd.config_load", "derivd.config_show")
 # What the supervisor's processes serve or run from derivd.ops (the metrics server, the
 # dashboard, the sweep's pass): the only arrows from derivd.processes into derivd.ops.
 SERVED_BY_PROCESSES = frozenset(
@@ -150,13 +152,13 @@ def floor_breaks(graph: Graph) -> set[tuple[str, str]]:
                     broken.add((module, target))  # operators' views sit above these
                 if in_room(module, "derivd.processes") and target not in SERVED_BY_PROCESSES:
                     broken.add((module, target))
-                if in_room(module, "derivd.storage", "derivd.embedded", "derivd.config"):
+                if in_room(module, "derivd.storage", "derivd.embedded", *CONFIG):
                     broken.add((module, target))
             if in_room(module, "derivd.ops", "derivd.queue", "derivd.storage") and in_room(
                 target, "derivd.processes", "derivd.cli", "derivd.demo", *WORKER
             ):
                 broken.add((module, target))  # the rooms the processes run never reach up
-            if target in ("derivd.cli", "derivd.demo") and module != "derivd.cli":
+            if in_room(target, "derivd.cli", "derivd.demo") and not in_room(module, "derivd.cli"):
                 broken.add((module, target))  # the command line is the top floor
     return broken
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fixtures.metrics import Samples, feed_workload
 
-from derivd.config import ConfigError
+from derivd.config_checks import ConfigError
 from derivd.ops.metrics import DURATION_BUCKETS, Metrics, listening_line
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "etc" / "grafana-dashboard.json"

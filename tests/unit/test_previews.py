@@ -23,7 +23,8 @@ from pdfgen import HOSTILE_PDFS
 from PIL import Image
 from videogen import HOSTILE_VIDEOS
 
-from derivd.config import ConfigError, load_config
+from derivd.config_checks import ConfigError
+from derivd.config_load import load_config
 from derivd.handlers import pdf, tonemap, video
 from derivd.handlers.base import Derivation, DeriveSpec, Handler, Permanent, PreviewSpec
 from derivd.handlers.lazy_numpy import numpy

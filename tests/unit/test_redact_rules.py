@@ -9,7 +9,8 @@ import logging
 import pytest
 
 from derivd import logs, redact
-from derivd.config import ConfigError, load_config
+from derivd.config_checks import ConfigError
+from derivd.config_load import load_config
 
 # Each DSN carries the secret words Zq1 and Yp2 (and nothing else contains them).
 SECRET_DSNS = [

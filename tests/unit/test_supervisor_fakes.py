@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from derivd.config import Config, ConfigError
+from derivd.config import Config
+from derivd.config_checks import ConfigError
 from derivd.processes.lifecycle import RESTART_BASE
 from derivd.processes.pipe import Reporter, WorkerProc
 from derivd.processes.reasons import KillReason
