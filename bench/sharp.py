@@ -248,11 +248,12 @@ def baseline_tree(ref: str, work: Path) -> dict[str, str]:
 
 
 def queued_task(dsn: str, store: Path, inputs: list[Path], backend: str, workers: int,
-                ini: Path) -> Path:  # fmt: skip
+                ini: Path, *, migrate_with: Path | None = None) -> Path:  # fmt: skip
     """`inputs` stored in the fs store at `store` and queued in `dsn` (not timed), and
     `ini`, the configuration of a `run --burst` doing sharp's task on them: what every
-    derivd run of this benchmark (and bench/anatomy.py) drains."""
-    store_and_queue(dsn, store, [(f"originals/{n:04d}", path) for n, path in enumerate(inputs)])
+    derivd run of this benchmark (and bench/anatomy.py) drains. `migrate_with`: the
+    `derivd` of another build, which migrates `dsn` to its own schema first (an older
+    build refuses a database migrated past it)."""
     ini.write_text(
         f"[database]\ndsn = {dsn}\n[storage]\nbackend = fs\nroot = {store}\n"
         f"[supervisor]\nworkers = {workers}\nstate_dir = {ini.parent / 'state'}\n"
@@ -261,6 +262,10 @@ def queued_task(dsn: str, store: Path, inputs: list[Path], backend: str, workers
         f"quality = {QUALITY}\n",
         encoding="utf-8",
     )
+    if migrate_with is not None:
+        subprocess.run([str(migrate_with), "-c", str(ini), "migrate"], check=True,
+                       capture_output=True)  # fmt: skip
+    store_and_queue(dsn, store, [(f"originals/{n:04d}", path) for n, path in enumerate(inputs)])
     return ini
 
 
@@ -270,9 +275,11 @@ def run_derivd(pg: Any, backend: str, inputs: list[Path], workers: int, work: Pa
     """Store and queue `inputs` (not timed), then one `run --burst` (in `env`: a
     `--baseline`; `derivd`: a `--build`'s). Returns the run and each input's output
     bytes, in input order."""
-    dsn = fresh_db(pg, f"sharp_{tag}")
+    other_build = derivd != DERIVD  # it migrates its own database
+    dsn = fresh_db(pg, f"sharp_{tag}", derivd_schema=not other_build)
     store = work / f"objects-{tag}"
-    ini = queued_task(dsn, store, inputs, backend, workers, work / f"derivd-{tag}.ini")
+    ini = queued_task(dsn, store, inputs, backend, workers, work / f"derivd-{tag}.ini",
+                      migrate_with=derivd if other_build else None)  # fmt: skip
     burst = burst_drain(ini, work / f"derivd-{tag}.log", dsn, env, derivd)
     if burst.ready != len(inputs):
         raise SystemExit(f"derivd ({tag}) left {len(inputs) - burst.ready} images unfinished")
