@@ -18,7 +18,7 @@ Everything else is computed here, the same way for every backend:
 
 Array arithmetic (numpy) on 32 px: ~0.1 CPU ms a file. The pure-Python port it replaced
 took ~0.9 ms alone, and ~2.5 ms of user and system CPU inside a busy worker: its Python
-held the GIL against the worker's store-and-commit thread (bench/RESULTS.md, issue 28).
+held the GIL against the worker's store-and-commit thread (measured with bench/steps.py).
 """
 
 from __future__ import annotations

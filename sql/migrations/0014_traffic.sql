@@ -1,4 +1,4 @@
--- Production traffic (issue 20): a priority and a tenant per file, fair ranks that share
+-- Production traffic: a priority and a tenant per file, fair ranks that share
 -- the claims between tenants, a fleet-wide share of claims for the oldest work (the
 -- starvation bound), and re-derivations of `ready` files that never take them out of
 -- `ready` (backfill). docs/traffic.md says why this shape; DESIGN.md is the contract.

@@ -1,4 +1,4 @@
--- A capped claim records itself (issue 27, the history checker): a `claimed` event with
+-- A capped claim records itself (for the history checker): a `claimed` event with
 -- the attempt, its token and the row's tenant, so a history shows every tenant's rows in
 -- flight at every claim (harness.invariants.tenants_within_cap replays them). Only the
 -- claim under [queue] max_in_flight_per_tenant writes it, where the claim already takes a

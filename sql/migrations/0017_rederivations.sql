@@ -1,4 +1,4 @@
--- Re-derivations in a table of their own (issue 27, items 1 and 7). A re-derivation was a
+-- Re-derivations in a table of their own. A re-derivation was a
 -- row of archive_files (rederive_of set): every count, the rejected share and any app's
 -- query over archive_files took it for a file, a file that kept failing got another
 -- rejected row per backfill, and `derivd retry --rejected` died on the unique index of

@@ -1,4 +1,4 @@
--- Signed webhooks (issue 29): the endpoints the supervisors subscribe and the outbox
+-- Signed webhooks: the endpoints the supervisors subscribe and the outbox
 -- of deliveries. The functions that fill it (derivd_outbox, called by the commit, the
 -- failure, the rejections and deletions) and the delivery protocol live in
 -- sql/functions.sql, applied right after this. New tables only: nothing is rewritten.

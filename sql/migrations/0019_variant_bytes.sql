@@ -1,4 +1,4 @@
--- Each variant's size in bytes (issue 29: the webhook payload lists it with the rest of
+-- Each variant's size in bytes (the webhook payload lists it with the rest of
 -- the variant; `derivd show` and derivd.client.result() too): what the worker PUT, the
 -- length of the encoded object. The fenced commit records it from the job's JSON
 -- (derivd_commit_outcomes, derivd_commit_rederivation in sql/functions.sql).

@@ -1,4 +1,4 @@
--- An endpoint removed from the INI (issue 29): its undelivered deliveries used to stay
+-- An endpoint removed from the INI: its undelivered deliveries used to stay
 -- `pending` for ever (nobody claims an endpoint no host configures, retention keeps
 -- undelivered rows, and with the endpoint's row gone no view counted them). Now the
 -- endpoint's row stays, marked removed_at, while deliveries of it are kept: the sync

@@ -95,6 +95,31 @@ def test_no_page_speaks_of_how_it_was_made(page: Path) -> None:
     assert DIARY.findall(page.read_text(encoding="utf-8")) == []
 
 
+# The code speaks of the project only, as the pages do: every source, SQL, configuration
+# and build file in the tree but this test module (which holds the pattern's examples).
+# Code writes colours as `#808080`, so `#NN` is left to the pages' pattern.
+CODE_DIARY = re.compile(r"\bsittings?\b|\bstop \d+\b|\bissue \d+", re.I)
+SOURCES = ("*.py", "*.sql", "*.ini", "*.cfg", "*.toml", "*.sh", "*.js", "*.mjs", "Makefile")
+SKIP_DIRS = {".venv", "build", "node_modules", ".builds", "var", ".git"}
+
+
+def _sources() -> list[Path]:
+    found = {p for pattern in SOURCES for p in REPO.rglob(pattern)}
+    return sorted(
+        p for p in found
+        if not SKIP_DIRS & set(p.relative_to(REPO).parts) and p != Path(__file__).resolve()
+    )  # fmt: skip
+
+
+def test_no_source_file_speaks_of_how_it_was_made() -> None:
+    said = {
+        str(p.relative_to(REPO)): hits
+        for p in _sources()
+        if (hits := CODE_DIARY.findall(p.read_text(encoding="utf-8", errors="replace")))
+    }
+    assert said == {}
+
+
 def test_the_diary_pattern_sees_what_it_must() -> None:
     assert DIARY.findall("the Sitting of 2026-12-06, stop 40, issue 28") != []
 
