@@ -19,14 +19,8 @@ from pathlib import Path
 import imagegen
 import pytest
 from fixtures.burst import (
-    first_attempt_misses,
-    outcomes,
-    queue_originals,
-    run_cleanly,
-    write_burst_ini,
+    burst_ends_on_first_attempt,
 )
-
-from derivd.storage.fs import FsStorage
 
 # The EXIF junk must not stop a derivation: the pixels are fine.
 MALFORMED_EXIF = {"jpeg_bad_exif", "jpeg_exif_ifd_loop", "jpeg_orientation_9"}
@@ -61,26 +55,10 @@ def test_every_case_we_expect_is_here() -> None:
 def test_hostile_inputs_end_with_their_code_through_the_supervisor(
     backend: str, dsn: str, fs_root: Path, tmp_path: Path
 ) -> None:
-    ids = queue_originals(dsn, FsStorage(fs_root), [make for _, make, _ in HOSTILE])
-    expected = {
-        file_id: (name, want) for file_id, (name, _, want) in zip(ids, HOSTILE, strict=True)
-    }
-    ini = write_burst_ini(
-        tmp_path / "derivd.ini",
-        dsn=dsn,
-        fs_root=fs_root,
-        state_dir=tmp_path / "state",
-        job_timeout=JOB_TIMEOUT_S,
-        max_rss_mb=RSS_RECYCLE_MIB,
-        lease=60,
-        derive=f"[derive]\nbackend = {backend}\n",
-    )
-    peaks = run_cleanly(ini, tmp_path / "derivd.log")
-
-    rows, kinds = outcomes(dsn)
-    wrong = first_attempt_misses(rows, expected)
-    assert not wrong, "\n".join(wrong)
-    assert "timeout" not in kinds and "retry" not in kinds and "exhausted" not in kinds
+    _, peaks = burst_ends_on_first_attempt(
+        dsn, fs_root, tmp_path, HOSTILE, backend=backend, job_timeout=JOB_TIMEOUT_S,
+        max_rss_mb=RSS_RECYCLE_MIB, lease=60,
+    )  # fmt: skip
     assert len(peaks) >= 1, "no worker was ever seen"
     assert max(peaks.values()) < PEAK_RSS_MIB, peaks
     print(f"{backend}: peak worker RSS {max(peaks.values()):.0f} MiB over {len(peaks)} workers")

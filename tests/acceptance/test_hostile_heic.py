@@ -16,15 +16,9 @@ from pathlib import Path
 import psycopg
 import pytest
 from fixtures.burst import (
-    first_attempt_misses,
-    outcomes,
-    queue_originals,
-    run_cleanly,
-    write_burst_ini,
+    burst_ends_on_first_attempt,
 )
 from fixtures.corpus import HEIC, READY, REJECTED
-
-from derivd.storage.fs import FsStorage
 
 MAX_WORKER_RSS_MB = 1024  # the default [supervisor] max_worker_rss_mb
 JOB_TIMEOUT_S = 60  # a 12 MP HEIC takes ~2 s on a loaded 2-core machine
@@ -37,33 +31,19 @@ def test_heic_corpus_ends_with_its_outcome_through_the_supervisor(
     backend: str, dsn: str, fs_root: Path, tmp_path: Path
 ) -> None:
     names = sorted(READY) + sorted(REJECTED)
-    makers = [(lambda n=name: (HEIC / n).read_bytes()) for name in names]
-    ids = queue_originals(dsn, FsStorage(fs_root), makers)
-    ini = write_burst_ini(
-        tmp_path / "derivd.ini",
-        dsn=dsn,
-        fs_root=fs_root,
-        state_dir=tmp_path / "state",
-        job_timeout=JOB_TIMEOUT_S,
-        max_rss_mb=MAX_WORKER_RSS_MB,
-        lease=120,
-        derive=f"[derive]\nbackend = {backend}\n",
-    )
-    peaks = run_cleanly(ini, tmp_path / "derivd.log")
-
-    rows, kinds = outcomes(dsn)
-    expected = {
-        file_id: (name, "ready" if name in READY else REJECTED[name])
-        for file_id, name in zip(ids, names, strict=True)
-    }
-    wrong = first_attempt_misses(rows, expected)
-    assert not wrong, "\n".join(wrong)
-    assert "timeout" not in kinds and "retry" not in kinds and "exhausted" not in kinds
+    cases = [
+        (n, (lambda n=n: (HEIC / n).read_bytes()), "ready" if n in READY else REJECTED[n])
+        for n in names
+    ]
+    ids, peaks = burst_ends_on_first_attempt(
+        dsn, fs_root, tmp_path, cases, backend=backend, job_timeout=JOB_TIMEOUT_S,
+        max_rss_mb=MAX_WORKER_RSS_MB, lease=120,
+    )  # fmt: skip
     assert peaks and max(peaks.values()) < MAX_WORKER_RSS_MB, peaks
 
     # Displayed dimensions reach the row: the portrait phone photo is portrait.
     with psycopg.connect(dsn) as conn:
-        arrow = ids[names.index("arrow.heic")]
+        arrow = ids["arrow.heic"]
         row = conn.execute("SELECT width, height FROM archive_files WHERE id = %s", (arrow,))
         width, height = row.fetchone() or (0, 0)
     assert width < height

@@ -20,11 +20,7 @@ import psycopg
 import pytest
 import videogen
 from fixtures.burst import (
-    first_attempt_misses,
-    outcomes,
-    queue_originals,
-    run_cleanly,
-    write_burst_ini,
+    burst_ends_on_first_attempt,
 )
 from fixtures.cli import run_cli
 from pdfgen import HOSTILE_PDFS
@@ -32,7 +28,6 @@ from videogen import HOSTILE_VIDEOS
 
 from derivd.client import result
 from derivd.queue.db import QueueDB
-from derivd.storage.fs import FsStorage
 
 MAX_WORKER_RSS_MB = 1024  # the default [supervisor] max_worker_rss_mb
 JOB_TIMEOUT_S = 60
@@ -58,35 +53,20 @@ def test_previews_end_with_their_outcome_through_the_supervisor(
 ) -> None:
     hostile = HOSTILE
     names = [*READY, *hostile]
-    makers = [READY[n] if n in READY else hostile[n][0] for n in names]
-    ids = queue_originals(dsn, FsStorage(fs_root), makers)
-    ini = write_burst_ini(
-        tmp_path / "derivd.ini",
-        dsn=dsn,
-        fs_root=fs_root,
-        state_dir=tmp_path / "state",
-        job_timeout=JOB_TIMEOUT_S,
-        max_rss_mb=MAX_WORKER_RSS_MB,
-        lease=120,
-        derive=f"[derive]\nbackend = {backend}\n",
-    )
-    peaks = run_cleanly(ini, tmp_path / "derivd.log")
-
-    rows, kinds = outcomes(dsn)
-    expected = {
-        file_id: (name, "ready" if name in READY else hostile[name][1])
-        for file_id, name in zip(ids, names, strict=True)
-    }
-    wrong = first_attempt_misses(rows, expected)
-    assert not wrong, "\n".join(wrong)
-    assert "timeout" not in kinds and "retry" not in kinds and "exhausted" not in kinds
+    cases = [
+        (n, READY[n], "ready") if n in READY else (n, hostile[n][0], hostile[n][1]) for n in names
+    ]
+    ids, peaks = burst_ends_on_first_attempt(
+        dsn, fs_root, tmp_path, cases, backend=backend, job_timeout=JOB_TIMEOUT_S,
+        max_rss_mb=MAX_WORKER_RSS_MB, lease=120,
+    )  # fmt: skip
     assert peaks and max(peaks.values()) < MAX_WORKER_RSS_MB, peaks
 
-    video_id = ids[names.index("h264_rotated_with_audio")]
-    pdf_id = ids[names.index("pdf_three_pages")]
+    video_id = ids["h264_rotated_with_audio"]
+    pdf_id = ids["pdf_three_pages"]
     with psycopg.connect(dsn) as conn:
         video, document = result(conn, video_id).original, result(conn, pdf_id).original
-        jpeg = result(conn, ids[names.index("pdf_behind_jpeg")]).original
+        jpeg = result(conn, ids["pdf_behind_jpeg"]).original
     assert video is not None and document is not None and jpeg is not None
     assert (video.width, video.height, video.format) == (240, 320, "mp4")  # turned upright
     assert video.media == {"duration": 3.0, "frame_rate": 10.0, "codec": "h264",
@@ -94,6 +74,7 @@ def test_previews_end_with_their_outcome_through_the_supervisor(
     assert document.media == {"pages": 3, "page": 1, "page_size": [612.0, 792.0]}
     assert (jpeg.format, jpeg.media) == ("jpeg", None)
 
+    ini = tmp_path / "derivd.ini"  # the run's configuration, for `derivd show`
     shown = run_cli("-c", str(ini), "show", "--json", str(video_id), check=True)
     assert json.loads(shown.stdout)["analysis"]["media"] == video.media
     text = run_cli("-c", str(ini), "show", str(pdf_id), check=True).stdout

@@ -21,18 +21,13 @@ from pathlib import Path
 import imagegen
 import pytest
 from fixtures.burst import (
-    first_attempt_misses,
-    outcomes,
-    queue_originals,
-    run_cleanly,
-    write_burst_ini,
+    burst_ends_on_first_attempt,
 )
 from PIL import Image, ImageChops, ImageStat
 
 from derivd.handlers.base import CorruptContent, DeriveSpec, VariantSpec
 from derivd.handlers.jpegcheck import check_jpeg, is_damage
 from derivd.handlers.registry import create_handler
-from derivd.storage.fs import FsStorage
 
 BACKENDS = ("vips", "pillow")
 MODES = ("fast", "off")  # the fast decoder where it takes the file; each backend's own
@@ -238,15 +233,7 @@ THROUGH_THE_DAEMON = [
 def test_through_the_daemon(backend: str, dsn: str, fs_root: Path, tmp_path: Path) -> None:
     """`derivd run --burst`: each damaged file `rejected corrupt_content` at attempt 1,
     each unusual valid one `ready` at attempt 1."""
-    ids = queue_originals(dsn, FsStorage(fs_root), [make for _, make, _ in THROUGH_THE_DAEMON])
-    names = [(name, want) for name, _, want in THROUGH_THE_DAEMON]
-    expected = dict(zip(ids, names, strict=True))
-    ini = write_burst_ini(
-        tmp_path / "derivd.ini", dsn=dsn, fs_root=fs_root, state_dir=tmp_path / "state",
-        job_timeout=20, max_rss_mb=300, lease=60, derive=f"[derive]\nbackend = {backend}\n",
+    burst_ends_on_first_attempt(
+        dsn, fs_root, tmp_path, THROUGH_THE_DAEMON, backend=backend, job_timeout=20,
+        max_rss_mb=300, lease=60,
     )  # fmt: skip
-    run_cleanly(ini, tmp_path / "derivd.log")
-    rows, kinds = outcomes(dsn)
-    wrong = first_attempt_misses(rows, expected)
-    assert not wrong, "\n".join(wrong)
-    assert "retry" not in kinds and "timeout" not in kinds
