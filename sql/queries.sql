@@ -736,22 +736,15 @@ SELECT f.status, f.error_code, f.external_id, f.metadata, f.original_key,
  WHERE f.id = %(id)s;
 
 -- name: similar_distances
--- `derivd similar`: the same answer (derivd_similar, in its order), each id with its
--- distance in bits from the file's dhash.
+-- derivd.client.similar and `derivd similar`: the other ready files within `max` bits of
+-- this file's dhash (derivd_similar, in its order: nearest first, at most `limit`; none
+-- when it has no dhash or no row has this id), each id with its distance in bits. The
+-- function takes the optional band index when it exists.
 SELECT s.id, bit_count((f.original_dhash # o.original_dhash)::bit(64))::integer AS distance
   FROM derivd_similar(%(id)s, %(max)s, %(limit)s) WITH ORDINALITY AS s(id, n)
   JOIN archive_files AS f ON f.id = s.id
  CROSS JOIN (SELECT original_dhash FROM archive_files WHERE id = %(id)s) AS o
  ORDER BY s.n;
-
--- name: similar
--- derivd.client.similar: the other ready files within `max` bits of this file's dhash,
--- nearest first, at most `limit`; none when it has no dhash (or no row has this id). The
--- function takes the optional band index when it exists (no migration creates it:
--- functions.sql, README).
-SELECT id FROM derivd_similar(%(id)s, %(max)s, %(limit)s) AS id;
-
--- == webhook deliveries (derivd.queue.webhook_queries) ==
 
 -- name: webhook_endpoints_sync
 -- The supervisor's `[webhook:NAME]` sections, at start, on SIGHUP and every minute: each

@@ -305,7 +305,7 @@ def similar(
         raise ValueError(f"limit must be within 1-{SIMILAR_LIMIT_MAX:,}, not {limit}")
     queue = QueueDB(conn)
     with _own(conn):
-        ids = queue.similar(file_id, max_distance, limit)
+        ids = [found for found, _ in queue.similar_distances(file_id, max_distance, limit)]
         if not ids and queue.status_of(file_id) is None:
             raise UnknownFile(f"no file with id {file_id}")
     return ids

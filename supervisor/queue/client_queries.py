@@ -77,12 +77,8 @@ class ClientQueries(Statements):
     def similar_distances(
         self, file_id: int, max_distance: int, limit: int
     ) -> list[tuple[int, int]]:
-        """`similar`, each id with its distance in bits (`derivd similar`)."""
+        """Ids of the other ready files within `max_distance` bits of this file's dhash,
+        nearest first, at most `limit` (none for an unknown id, too), each with its
+        distance in bits."""
         params = {"id": file_id, "max": max_distance, "limit": limit}
         return [(int(r["id"]), int(r["distance"])) for r in self._all("similar_distances", params)]
-
-    def similar(self, file_id: int, max_distance: int, limit: int) -> list[int]:
-        """Ids of the other ready files within `max_distance` bits of this file's dhash,
-        nearest first, at most `limit` (none for an unknown id, too)."""
-        params = {"id": file_id, "max": max_distance, "limit": limit}
-        return [int(r["id"]) for r in self._all("similar", params)]
